@@ -1,0 +1,220 @@
+"""Benchmark contenders and the op-counting mode.
+
+A contender is a named factory of *fresh* context managers: the harness builds
+a new one for every timed block (outside the timer), enters it, runs N steps,
+and exits it.  Fresh instances matter because some tools (DebugMode) append
+to an unbounded log, which would make later repetitions slower and bigger.
+
+``OpCounter`` is the instrument for the "what did opwatch add" report: a
+TorchDispatchMode entered *outside* the tool under test sees every op the tool
+forwards and every op the tool issues itself (its checks), so comparing its
+counts against the same counter around eager gives the tool's extra ops and
+host syncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Names of the checks the opwatch API documents for ``watch(checks=...)``.
+ALL_CHECKS = ("device_mismatch", "dtype_mismatch", "broadcast", "nonfinite")
+
+# Ops that read a tensor value back to the host.  Under a Python dispatch
+# mode only ``_local_scalar_dense`` normally shows up (``item`` and
+# ``is_nonzero`` are composites that decompose into it before reaching the
+# mode), but count all three in case a tool dispatches them directly.
+_HOST_READS = {
+    torch.ops.aten._local_scalar_dense,
+    torch.ops.aten.is_nonzero,
+    torch.ops.aten.item,
+}
+
+
+class Passthrough(TorchDispatchMode):
+    """The floor: the cheapest possible Python dispatch mode.
+
+    Any tool built on TorchDispatchMode pays at least this much per op, so
+    "x floor" is the honest measure of what a tool adds on top.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class OpCounter(TorchDispatchMode):
+    """Count dispatched ops, host reads among them, and ops by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.host_reads = 0
+        self.by_op: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        self.by_op[str(func)] += 1
+        if func.overloadpacket in _HOST_READS:
+            self.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named way of running the steps.
+
+    ``make`` returns a fresh context manager; ``per_step`` (optional) is called
+    with the context's ``__enter__`` value after every step, for tools whose
+    documented usage includes a per-step call.
+    """
+
+    name: str
+    make: Callable[[], ContextManager[Any]]
+    per_step: Callable[[Any], None] | None = None
+    is_opwatch: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+
+# --------------------------------------------------------------------------- opwatch
+
+
+def load_opwatch() -> tuple[Any | None, str]:
+    """Import opwatch if it exists and looks usable; return (module, status)."""
+    try:
+        opwatch = importlib.import_module("opwatch")
+    except Exception as exc:  # ImportError, or a half-written package
+        return None, f"opwatch not importable ({type(exc).__name__}: {exc})"
+    missing = [name for name in ("watch", "strict") if not hasattr(opwatch, name)]
+    if missing:
+        return None, f"opwatch has no {', '.join(missing)}"
+    version = getattr(opwatch, "__version__", "unknown version")
+    return opwatch, f"opwatch {version} from {getattr(opwatch, '__file__', '?')}"
+
+
+def probe_checks(opwatch: Any) -> str | None:
+    """Return None if ``watch(checks=...)`` works, else why it does not.
+
+    The probe enters a watch with every check but 'nonfinite' and runs one op;
+    a TypeError or ValueError means the option is missing or spelled
+    differently, which the report states instead of guessing.
+    """
+    try:
+        with opwatch.watch(checks=[c for c in ALL_CHECKS if c != "nonfinite"]):
+            torch.ones(2) + 1
+        with opwatch.watch(checks=ALL_CHECKS):
+            torch.ones(2) + 1
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def checks_contenders(opwatch: Any) -> list[Contender]:
+    """watch() with and without the nan/inf check, to price that check alone."""
+    without = tuple(c for c in ALL_CHECKS if c != "nonfinite")
+    return [
+        Contender("watch(all checks)", lambda: opwatch.watch(checks=ALL_CHECKS), is_opwatch=True),
+        Contender("watch(no nonfinite)", lambda: opwatch.watch(checks=without), is_opwatch=True),
+        Contender("watch(no checks)", lambda: opwatch.watch(checks=()), is_opwatch=True),
+    ]
+
+
+# --------------------------------------------------------------------------- all
+
+
+def _debug_mode_full():
+    from torch.utils._debug_mode import DebugMode
+
+    return DebugMode(record_stack_trace=True, record_nn_module=True)
+
+
+def _debug_mode():
+    from torch.utils._debug_mode import DebugMode
+
+    return DebugMode()
+
+
+def main_contenders(opwatch: Any | None) -> list[Contender]:
+    """The contenders of the main table, eager and floor first."""
+    contenders = [
+        Contender("eager", contextlib.nullcontext),
+        Contender("passthrough", Passthrough),
+    ]
+    if opwatch is not None:
+        contenders += [
+            Contender("opwatch.watch()", opwatch.watch, is_opwatch=True),
+            Contender("opwatch.strict()", opwatch.strict, is_opwatch=True),
+        ]
+    contenders += [
+        Contender("DebugMode()", _debug_mode),
+        Contender("DebugMode(stack,module)", _debug_mode_full),
+        Contender("detect_anomaly()", torch.autograd.detect_anomaly),
+    ]
+    return contenders
+
+
+# --------------------------------------------------------------------------- counting
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2: the profiler's C++ side logs start/stop lines
+    there that no environment variable turns off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Ops and host reads per step, seen from outside a contender."""
+
+    ops: float
+    host_reads: float
+    profiler_reads: float
+
+
+def count_ops(step: Callable[[], None], contender: Contender, steps: int = 3) -> OpCount:
+    """Run ``steps`` steps in one context of ``contender`` under an OpCounter.
+
+    The counter is entered first, so it sits *below* the contender on the mode
+    stack and sees what the contender forwards plus whatever it issues itself,
+    including any work done in ``__exit__``.
+
+    As a cross-check that does not rely on the tool letting its own ops reach
+    other modes, host reads are also counted with the autograd profiler, which
+    records at the dispatcher and so sees ops run with Python dispatch
+    disabled.  A Python mode makes the profiler record each forwarded op twice
+    (once on entry, once on redispatch), so profiler counts are only
+    comparable between Python-mode contenders (e.g. against the passthrough).
+    """
+    counter = OpCounter()
+    with counter:
+        with contender.make() as handle:
+            for _ in range(steps):
+                step()
+                if contender.per_step is not None:
+                    contender.per_step(handle)
+
+    with _quiet_stderr(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with contender.make() as handle:
+            for _ in range(steps):
+                step()
+                if contender.per_step is not None:
+                    contender.per_step(handle)
+    reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+    return OpCount(counter.total / steps, counter.host_reads / steps, reads / steps)

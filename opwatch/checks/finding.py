@@ -1,0 +1,46 @@
+"""What a check returns: the facts of one anomaly, before it is tied to a record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Finding"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One anomaly as a check sees it.
+
+    Attributes:
+        kind: the anomaly kind (``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``,
+            ``"nan"``, ``"inf"``).
+        problem: what is wrong, quoting the shapes/dtypes/devices involved.
+        expected: what a healthy call would have looked like.
+        fix: the likely fix.
+    """
+
+    kind: str
+    problem: str
+    expected: str
+    fix: str
+
+
+def tensor_names(func, count: int) -> list[str]:
+    """Names for an op's ``count`` tensor arguments, in order, taken from its schema when each
+    tensor argument is a single tensor (``self``, ``mask``, ``source``); ``#1``, ``#2``, ...
+    otherwise (tensor lists, optional tensors left out)."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        names = [arg.name for arg in schema.arguments if str(arg.type) == "Tensor"]
+        others = [arg for arg in schema.arguments if "Tensor" in str(arg.type) and str(arg.type) != "Tensor"]
+        if len(names) == count and not others:
+            return names
+    return [f"#{i + 1}" for i in range(count)]
+
+
+def describe(func, tensors) -> str:
+    """``self=f32[6] cpu, mask=b8[6] meta`` for a finding's message."""
+    from ..notation import format_meta
+
+    names = tensor_names(func, len(tensors))
+    return ", ".join(f"{name}={format_meta(meta)}" for name, meta in zip(names, tensors))

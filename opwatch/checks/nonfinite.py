@@ -1,0 +1,233 @@
+"""nan / inf origins, found with batched, sync-free checks.
+
+On a GPU, ``bool(t.isnan().any())`` after every op stalls the pipeline at every op. Instead,
+each floating output gets one reduction, ``torch.aminmax``, whose two 0-dim results stay on the
+tensor's device: nan shows as a nan min/max, inf as an infinite max or min. The results are
+read back in one batch (one ``torch.stack`` and one transfer per device) at a *check point*:
+the end of the block, ``Watch.check()``/``Watch.step()``, a value the program itself reads on
+the host (``.item()``, ``bool(t)``, printing), and at the latest every ``max_records`` ops.
+
+At a check point the op log is replayed over tensor identities to tell origins from
+propagation:
+
+- an op is a **nan origin** when an output holds nan and no input held nan; an **inf origin**
+  when an output holds inf (and no nan) and every input was finite. Later ops fed by it are
+  counted as its spread, not reported again;
+- ops that write uninitialised memory (``empty*``) are not checked; ops given an explicit
+  non-finite constant (``full(-inf)``, ``fill_``, ``masked_fill(mask, -inf)``,
+  ``where(c, x, -inf)``) are deliberate and never origins, though what they feed is tracked;
+- an origin **matters** when its non-finite values reached a backward op or are still alive
+  at the check point (a gradient, a parameter, the value being read, any live tensor). Others
+  were absorbed (T5 takes ``log(0)`` on purpose, casts the ``-inf`` to an integer and drops it
+  with ``where``) and are reported as *contained*, not as anomalies.
+
+Inputs made before the watch or outside torch ops (``torch.from_numpy``) are assumed finite.
+Only dense strided tensors of float16/bfloat16/float32/float64/complex dtypes on a real device
+are checked: meta, fake, sparse, nested, quantized, zero tensors and subclasses are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ..records import BACKWARD
+from .finding import Finding
+
+__all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "writes_uninitialized"]
+
+NAME = "nonfinite"
+KINDS = ("nan", "inf")
+
+_REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_COMPLEX = {torch.complex64, torch.complex128}
+_CHECKED_DTYPES = _REAL | _COMPLEX
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+_UNINITIALIZED_OPS = {
+    "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
+    "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::resize_as_",
+}
+
+
+def writes_uninitialized(func) -> bool:
+    """Ops whose outputs hold whatever was in memory: garbage may look like nan/inf."""
+    return func._schema.name in _UNINITIALIZED_OPS
+
+
+class Origin:
+    """A nan/inf origin found at a check point, with how far its values spread."""
+
+    __slots__ = ("record", "kind", "spread", "last", "reached_backward", "idents", "matters")
+
+    def __init__(self, record, kind):
+        self.record = record
+        self.kind = kind
+        self.spread = 0  # later ops that carried its values on
+        self.last = record  # the last of them
+        self.reached_backward = record.phase == BACKWARD
+        self.idents = set()
+        self.matters = True
+
+    def carried_by(self, record) -> None:
+        self.spread += 1
+        self.last = record
+        if record.phase == BACKWARD:
+            self.reached_backward = True
+
+    def finding(self, *, contained: bool) -> Finding:
+        record = self.record
+        what = "nan" if self.kind == "nan" else "inf"
+        spread = ""
+        if self.spread:
+            spread = f"; it spread to {self.spread} later op(s), the last {self.last.op} at {self.last.where} ({self.last.phase})"
+        if contained:
+            spread += "; it was absorbed before it mattered (no live tensor, gradient or backward op held it)"
+        inputs = "finite inputs" if record._inputs else "no tensor inputs"
+        return Finding(
+            kind=self.kind,
+            problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
+            expected="finite outputs from finite inputs",
+            fix=_FIXES.get(record.func._schema.name.split("::")[-1], _DEFAULT_FIX),
+        )
+
+
+_DEFAULT_FIX = "guard the inputs of this op (clamp, add an epsilon, or mask before rather than after), or lower the learning rate if values grew over steps"
+_FIXES = {
+    "log": "log(0) = -inf: clamp the input (x.clamp_min(eps).log()) or use log_softmax/logsigmoid",
+    "log2": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
+    "log10": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
+    "div": "division by zero: add an epsilon to the denominator or mask zero entries before dividing",
+    "sqrt": "sqrt of a negative number is nan, and its gradient at 0 is inf: clamp the input (x.clamp_min(eps).sqrt())",
+    "rsqrt": "rsqrt(0) = inf: add an epsilon (x + eps).rsqrt()",
+    "pow": "pow overflowed or took a fractional power of a negative number: clamp the base",
+    "exp": "exp overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp",
+    "sqrt_backward": "the gradient of sqrt at 0 is inf: clamp the input (x.clamp_min(eps).sqrt())",
+}
+
+
+class NonFiniteTracker:
+    """Keeps per-output finiteness flags on device and resolves them at check points."""
+
+    def __init__(self) -> None:
+        self._stats: list[torch.Tensor] = []  # min, max pairs: 0-dim tensors on each output's device
+        self._entries: list[tuple] = []  # (record, output position, weakref to the output)
+        # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
+        self._carry: dict[int, tuple] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._entries)
+
+    def observe(self, record, outputs, metas) -> None:
+        """Hot path: queue one reduction per checkable floating output. No host sync."""
+        for position, tensor in enumerate(outputs):
+            dtype = metas[position][1]
+            if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES:
+                continue
+            if tensor.layout != torch.strided or tensor.is_nested or metas[position][2].type == "meta":
+                continue
+            if tensor.numel() == 0 or tensor._is_zerotensor():
+                continue
+            checked = tensor
+            if dtype in _COMPLEX:
+                checked = torch.view_as_real(tensor.resolve_conj())
+            low, high = torch.aminmax(checked)
+            self._stats.append(low)
+            self._stats.append(high)
+            self._entries.append((record, position, weakref.ref(tensor)))
+
+    def resolve(self, window) -> list[Origin]:
+        """Check point: read all queued flags at once and return the new origins, oldest first.
+
+        ``window`` is every record since the previous check point, oldest first.
+        """
+        if not self._entries:
+            self._prune_carry()
+            return []
+        kinds = self._read_flags()
+        entries = self._entries
+        self._stats, self._entries = [], []
+        flagged = {}
+        refs = {}
+        for (record, position, ref), kind in zip(entries, kinds):
+            if kind is not None:
+                flagged[(record.index, position)] = kind
+                refs[record._outputs[position][3]] = ref
+        if not flagged and not self._carry:
+            return []
+        return self._replay(window, flagged, refs)
+
+    def _read_flags(self) -> list[str | None]:
+        by_device: dict = {}
+        for i in range(0, len(self._stats), 2):
+            by_device.setdefault(self._stats[i].device, []).append(i)
+        values = [None] * len(self._stats)
+        for indices in by_device.values():
+            # The one host read of this check point (per device).
+            stats = torch.stack([self._stats[j] for i in indices for j in (i, i + 1)]).tolist()
+            for k, i in enumerate(indices):
+                values[i], values[i + 1] = stats[2 * k], stats[2 * k + 1]
+        kinds = []
+        for i in range(0, len(values), 2):
+            low, high = values[i], values[i + 1]
+            if math.isnan(low) or math.isnan(high):
+                kinds.append("nan")
+            elif math.isinf(low) or math.isinf(high):
+                kinds.append("inf")
+            else:
+                kinds.append(None)
+        return kinds
+
+    def _replay(self, window, flagged, refs) -> list[Origin]:
+        # ident -> (kind, origin or None when it came from a deliberate constant)
+        status = {ident: (kind, origin) for ident, (kind, origin, ref) in self._carry.items() if ref() is not None}
+        for ident, (kind, origin, ref) in self._carry.items():
+            refs.setdefault(ident, ref)
+        origins: list[Origin] = []
+        for record in window:
+            outputs = record._outputs
+            if not outputs:
+                continue
+            input_kinds = set()
+            input_origin = None
+            for meta in record._inputs:
+                state = status.get(meta[3])
+                if state is not None:
+                    input_kinds.add(state[0])
+                    input_origin = input_origin or state[1]
+            for position, meta in enumerate(outputs):
+                ident = meta[3]
+                kind = flagged.get((record.index, position))
+                if kind is None:
+                    status.pop(ident, None)
+                    continue
+                if _has_nonfinite_constant(record):
+                    origin = None
+                elif (kind == "nan" and "nan" not in input_kinds) or (kind == "inf" and not input_kinds):
+                    origin = Origin(record, kind)
+                    origins.append(origin)
+                else:
+                    origin = input_origin
+                    if origin is not None and origin.last is not record:
+                        origin.carried_by(record)
+                if origin is not None:
+                    origin.idents.add(ident)
+                status[ident] = (kind, origin)
+        self._carry = {ident: (kind, origin, refs[ident]) for ident, (kind, origin) in status.items() if ident in refs and refs[ident]() is not None}
+        for origin in origins:
+            origin_alive = any(state[1] is origin for state in self._carry.values())
+            origin.matters = origin.reached_backward or origin_alive
+        return origins
+
+    def _prune_carry(self) -> None:
+        self._carry = {ident: value for ident, value in self._carry.items() if value[2]() is not None}
+
+
+def _has_nonfinite_constant(record) -> bool:
+    for _, value in record._args:
+        if type(value) is float and not math.isfinite(value):
+            return True
+    return False

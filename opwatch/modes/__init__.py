@@ -1,0 +1,1 @@
+"""The interceptors: the private dispatch mode and the module-path tracker it reads."""

@@ -1,0 +1,75 @@
+"""Which ``nn.Module`` is running: a stack of module paths kept by global module hooks.
+
+Like ``torch.utils.module_tracker``, names are looked up through weak references, so tracking
+never keeps a module alive. Unlike it, paths are relative to the outermost module called (the
+way ``state_dict`` keys read) and only the thread that entered the watch is tracked.
+
+Limits: modules called from other threads are ignored; a module called inside another one
+without being registered as its child is named ``<parent path>.<ClassName>``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+__all__ = ["ModuleStack"]
+
+
+class ModuleStack:
+    """The module paths currently running in one thread; ``current`` is the innermost."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self._paths: list[str] = []
+        self._thread = threading.get_ident()
+        # root module -> {descendant module -> path relative to that root}
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._root_names: weakref.WeakKeyDictionary | None = None
+        self._handles: list = []
+
+    def install(self) -> None:
+        self._handles = [
+            register_module_forward_pre_hook(self._enter),
+            register_module_forward_hook(self._exit, always_call=True),
+        ]
+
+    def uninstall(self) -> None:
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles = []
+        self._paths.clear()
+        self.current = None
+
+    def _enter(self, module: nn.Module, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if not self._paths:
+            self._root_names = self._names_for_root(module)
+            path = type(module).__name__
+        else:
+            path = self._root_names.get(module) if self._root_names is not None else None
+            if path is None:
+                path = f"{self._paths[-1]}.{type(module).__name__}"
+        self._paths.append(path)
+        self.current = path
+
+    def _exit(self, module: nn.Module, args, output) -> None:
+        if threading.get_ident() != self._thread or not self._paths:
+            return
+        self._paths.pop()
+        self.current = self._paths[-1] if self._paths else None
+
+    def _names_for_root(self, root: nn.Module) -> weakref.WeakKeyDictionary:
+        names = self._names.get(root)
+        # Rebuilt when modules were added since (cheap: once per change, not per call).
+        if names is None or len(names) != sum(1 for _ in root.modules()) - 1:
+            names = weakref.WeakKeyDictionary()
+            for name, child in root.named_modules(remove_duplicate=False):
+                if name and child not in names:
+                    names[child] = name
+            self._names[root] = names
+        return names

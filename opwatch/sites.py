@@ -1,0 +1,122 @@
+"""Where an op came from: the user's frame, its line and the sub-expression that issued the op.
+
+The hot path stores only ``(code object, instruction offset)``; line numbers, source text and
+column ranges are derived from them when somebody reads a record.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import types
+from functools import lru_cache
+
+import torch
+
+__all__ = ["USER", "INTERNAL", "ENGINE", "classify_code", "Position", "position_of", "source_line"]
+
+# How a code object is classified by the frame walk (cached per code object).
+INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
+USER = 1  # the innermost frame of this kind is the op's source
+ENGINE = 2  # torch.autograd's entry into the C++ engine: ops beneath it are backward ops
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OPWATCH_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _engine_code() -> types.CodeType | None:
+    from torch.autograd import graph
+
+    run = getattr(graph, "_engine_run_backward", None)
+    return getattr(run, "__code__", None)
+
+
+_ENGINE_CODE = _engine_code()
+
+
+def classify_code(code: types.CodeType) -> int:
+    """Whether frames running ``code`` belong to the user (``USER``) or to torch/opwatch."""
+    if code is _ENGINE_CODE:
+        return ENGINE
+    filename = code.co_filename
+    if filename.startswith(_TORCH_DIR) or filename.startswith(_OPWATCH_DIR):
+        return INTERNAL
+    if filename.startswith("<frozen "):
+        return INTERNAL
+    return USER
+
+
+class Position:
+    """Line and column range of one instruction, as CPython reports it (columns from 3.11)."""
+
+    __slots__ = ("filename", "lineno", "end_lineno", "col", "end_col")
+
+    def __init__(self, filename, lineno, end_lineno=None, col=None, end_col=None):
+        self.filename = filename
+        self.lineno = lineno
+        self.end_lineno = end_lineno
+        self.col = col
+        self.end_col = end_col
+
+    def line_text(self) -> str:
+        """The source line, without its indentation or newline ('' when unavailable)."""
+        return source_line(self.filename, self.lineno).strip()
+
+    def expression(self) -> str | None:
+        """The sub-expression that issued the op, e.g. ``y - pred``, when columns are known
+        and it fits on one line; ``None`` otherwise."""
+        if self.col is None or self.end_col is None or self.end_lineno != self.lineno:
+            return None
+        line = source_line(self.filename, self.lineno)
+        # co_positions counts columns in UTF-8 bytes.
+        raw = line.encode("utf-8")
+        text = raw[self.col : self.end_col].decode("utf-8", errors="replace").strip()
+        return text or None
+
+    def caret_lines(self) -> list[str]:
+        """The source line and a ``^^^`` marker under the sub-expression, ready to print."""
+        line = source_line(self.filename, self.lineno).rstrip("\n")
+        if not line:
+            return []
+        stripped = line.lstrip()
+        indent = len(line) - len(stripped)
+        lines = [stripped]
+        if self.col is not None and self.end_col is not None and self.end_lineno == self.lineno:
+            raw = line.encode("utf-8")
+            start = len(raw[: self.col].decode("utf-8", errors="replace")) - indent
+            width = len(raw[self.col : self.end_col].decode("utf-8", errors="replace"))
+            if start >= 0 and width > 0 and width < len(stripped):
+                lines.append(" " * start + "^" * width)
+        return lines
+
+
+def source_line(filename: str | None, lineno: int | None) -> str:
+    if not filename or not lineno:
+        return ""
+    return linecache.getline(filename, lineno)
+
+
+@lru_cache(maxsize=4096)
+def _positions(code: types.CodeType) -> tuple:
+    if sys.version_info >= (3, 11):
+        return tuple(code.co_positions())
+    # Python 3.10: no columns; map byte offsets to lines.
+    lines = {}
+    for start, end, line in code.co_lines():
+        for offset in range(start, end, 2):
+            lines[offset // 2] = (line, line, None, None)
+    return tuple(lines.get(i, (None, None, None, None)) for i in range(len(code.co_code) // 2))
+
+
+def position_of(code: types.CodeType | None, lasti: int) -> Position:
+    """The source position of the instruction at byte offset ``lasti`` in ``code``."""
+    if code is None:
+        return Position(None, None)
+    positions = _positions(code)
+    index = lasti // 2
+    if 0 <= index < len(positions):
+        lineno, end_lineno, col, end_col = positions[index]
+        if lineno is not None:
+            return Position(code.co_filename, lineno, end_lineno, col, end_col)
+    return Position(code.co_filename, code.co_firstlineno)

@@ -1,0 +1,344 @@
+"""The public entry points: ``watch()``, ``strict()`` and the ``Watch`` they return."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections import deque
+from collections.abc import Iterable
+
+from . import checks as _checks
+from .anomaly import Anomaly, AnomalyError, OpwatchWarning, display_path
+from .checks.finding import Finding
+from .modes.interceptor import OpInterceptor
+from .modes.modules import ModuleStack
+from .records import OpRecord
+from .table import render_failure, render_table
+
+__all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
+
+DISABLE_VARIABLE = "OPWATCH_DISABLE"
+_DISABLE_VALUES = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
+
+
+def watch(
+    *,
+    max_records: int = 10_000,
+    checks: Iterable[str] | None = None,
+    dump_on_error: bool = True,
+    last: int = 20,
+    file=None,
+    warn: bool = True,
+) -> Watch:
+    """Watch every PyTorch op run inside a ``with`` block; collect anomalies and warn.
+
+    Example::
+
+        with opwatch.watch() as w:
+            loss = model(x).sum()
+            loss.backward()
+        print(w.table(last=20))
+        for anomaly in w.anomalies:
+            print(anomaly)
+
+    Every ATen op, forward and backward, is recorded with its tensors' shapes, dtypes and
+    devices, the user's source line, the ``nn.Module`` path and the phase; backward ops point
+    at the forward line that created them. The checks run on each op; each anomaly is kept in
+    ``w.anomalies`` and warned once per (kind, file, line) as an :class:`OpwatchWarning`.
+
+    Options (keyword-only):
+
+    max_records
+        Size of the op log, a ring buffer: ``w.records`` holds the last ``max_records`` ops and
+        memory stays flat however long the loop. Also the longest stretch of ops between two
+        nan/inf check points: at most one forced host read per ``max_records`` ops.
+        ``watch(max_records=100)``.
+    checks
+        Which checks run: any of ``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``,
+        ``"nonfinite"`` (nan/inf origins). ``None`` (default) runs all; ``()`` only records.
+        ``watch(checks=["broadcast", "nonfinite"])``.
+    dump_on_error
+        When an exception escapes the block, print the last ``last`` ops, the failing op
+        marked, and add a note to the exception naming the op, its line and its tensors. The
+        exception itself propagates unchanged. ``watch(dump_on_error=False)``.
+    last
+        How many ops that dump shows. ``watch(last=50)``.
+    file
+        Where the dump goes (a text stream); ``sys.stderr`` when ``None``.
+        ``watch(file=open("opwatch.log", "w"))``.
+    warn
+        Warn each anomaly once per (kind, file, line); with ``False`` anomalies are only
+        collected. ``watch(warn=False)``.
+
+    Setting the environment variable ``OPWATCH_DISABLE=1`` turns every watch into a no-op.
+    """
+    return Watch(strict=False, max_records=max_records, checks=checks, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+
+
+def strict(
+    *,
+    max_records: int = 10_000,
+    checks: Iterable[str] | None = None,
+    dump_on_error: bool = True,
+    last: int = 20,
+    file=None,
+    warn: bool = True,
+) -> Watch:
+    """Like :func:`watch`, but raise :class:`AnomalyError` at the first anomaly.
+
+    Device, dtype and broadcast anomalies raise *before the kernel runs*. nan/inf anomalies
+    raise at the first check point after the op that produced them (the end of the block,
+    ``w.check()``/``w.step()``, or a value read on the host such as ``loss.item()``), naming
+    that op. Contained nan/inf (absorbed before they mattered) never raise. Options are those
+    of :func:`watch`::
+
+        with opwatch.strict():
+            train_step(model, batch)
+    """
+    return Watch(strict=True, max_records=max_records, checks=checks, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+
+
+class Watch:
+    """The result of :func:`watch` / :func:`strict`: a context manager and the op log.
+
+    Attributes:
+        records: the op log, oldest first, at most ``max_records`` :class:`OpRecord` s.
+        anomalies: the :class:`Anomaly` s found (at most ``max_records``, oldest dropped).
+        contained: nan/inf origins that were absorbed before they mattered; not anomalies.
+        strict: whether anomalies raise.
+        enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
+    """
+
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn):
+        self.strict = strict
+        self._max_records = _positive_int("max_records", max_records)
+        self._checks = _check_names(checks)
+        self._dump_on_error = _flag("dump_on_error", dump_on_error)
+        self._last = _non_negative_int("last", last)
+        if file is not None and not callable(getattr(file, "write", None)):
+            raise TypeError(f"file must be a text stream with a write() method, got {type(file).__name__}")
+        self._file = file
+        self._warn = _flag("warn", warn)
+        self.enabled = not _disabled_by_environment()
+        self._log: deque[OpRecord] = deque(maxlen=self._max_records)
+        self._anomalies: deque[Anomaly] = deque(maxlen=self._max_records)
+        self._contained: deque[Anomaly] = deque(maxlen=self._max_records)
+        self._warned: set = set()
+        self._reported = 0  # anomalies ever reported (the deque drops old ones)
+        self._interceptor: OpInterceptor | None = None
+        self._modules: ModuleStack | None = None
+        self._next_index = 0
+        self._told_internal_error = False
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[OpRecord]:
+        return list(self._log)
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        return list(self._anomalies)
+
+    @property
+    def contained(self) -> list[Anomaly]:
+        return list(self._contained)
+
+    def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
+        """The op log as a table (the last ``last`` ops, or all): index, op, inputs, outputs,
+        where (``file:line``), the code that issued the op, module, phase and flags."""
+        records = list(self._log)
+        if last is not None:
+            records = records[-_non_negative_int("last", last) :] if last else []
+        return render_table(records, tablefmt=tablefmt)
+
+    def check(self) -> list[Anomaly]:
+        """A nan/inf check point now: at most one host read. Returns the new anomalies (in
+        strict mode, raises at the first). Use it (or :meth:`step`) once per training step when
+        the loop never reads a value on the host."""
+        if self._interceptor is None:
+            return []
+        reported_before = self._reported
+        self._interceptor._report_origins(self._interceptor.check_point())
+        new = self._reported - reported_before
+        return list(self._anomalies)[-new:] if new else []
+
+    step = check
+
+    # -- the context manager ------------------------------------------------------------------
+
+    def __enter__(self) -> Watch:
+        if self._interceptor is not None:
+            raise RuntimeError("this Watch is already active; create a new one with opwatch.watch() to nest")
+        if not self.enabled:
+            return self
+        self._modules = ModuleStack()
+        self._interceptor = OpInterceptor(
+            log=self._log,
+            report=self._report,
+            enabled=self._checks,
+            modules=self._modules,
+            max_records=self._max_records,
+            on_internal_error=self._internal_error,
+        )
+        self._interceptor._next_index = self._next_index
+        self._interceptor._window_start = self._next_index
+        self._modules.install()
+        try:
+            self._interceptor.__enter__()
+        except BaseException:
+            self._modules.uninstall()
+            self._interceptor = self._modules = None
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        interceptor = self._interceptor
+        if interceptor is None:
+            return False
+        try:
+            interceptor.__exit__(exc_type, exc, traceback)
+        finally:
+            self._modules.uninstall()
+            self._next_index = interceptor._next_index
+        try:
+            # The last check point; in strict mode it must not hide the block's own exception.
+            origins = interceptor.check_point()
+            if exc is None:
+                interceptor._report_origins(origins)
+            else:
+                for origin in origins:
+                    self._report(origin.finding(contained=not origin.matters), origin.record, contained=not origin.matters, may_raise=False)
+        finally:
+            self._interceptor = None
+            self._modules = None
+        if exc is not None and isinstance(exc, Exception):
+            self._tell_failure(interceptor, exc)
+        return False
+
+    # -- what the interceptor calls -------------------------------------------------------------
+
+    def _report(self, finding: Finding, record: OpRecord, *, contained: bool = False, may_raise: bool = True) -> None:
+        anomaly = Anomaly(finding, record)
+        if contained:
+            self._contained.append(anomaly)
+            return
+        record.add_flag(finding.kind)
+        self._anomalies.append(anomaly)
+        self._reported += 1
+        if self.strict and may_raise:
+            raise AnomalyError(anomaly)
+        if self._warn:
+            key = (finding.kind, record.filename, record.lineno)
+            if key not in self._warned:
+                self._warned.add(key)
+                # Attributed to the user's line, the way Python shows its own warnings.
+                warnings.warn_explicit(
+                    OpwatchWarning(anomaly.message),
+                    OpwatchWarning,
+                    filename=record.filename or "<unknown>",
+                    lineno=record.lineno or 0,
+                    module="opwatch",
+                )
+
+    def _internal_error(self, error: Exception, formatted_traceback: str) -> None:
+        if self._told_internal_error:
+            return
+        self._told_internal_error = True
+        import torch
+
+        warnings.warn(
+            OpwatchWarning(
+                f"opwatch hit an internal error and stopped watching this block: "
+                f"{type(error).__name__}: {error}\nYour program is unaffected. Please report this "
+                f"to the opwatch issue tracker with the traceback below and your versions "
+                f"(torch {torch.__version__}, Python {sys.version.split()[0]}).\n{formatted_traceback}"
+            ),
+            stacklevel=2,
+        )
+
+    def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
+        failed = self._failed_record(interceptor, error)
+        if failed is not None and not isinstance(error, AnomalyError):
+            inputs = ", ".join(str(meta) for meta in failed.inputs)
+            where = failed.where
+            position = failed.position
+            code = position.expression() or position.line_text()
+            note = f"opwatch: raised in {failed.op} (op #{failed.index}) at {display_path(position.filename)}:{position.lineno}" if position.filename else f"opwatch: raised in {failed.op} (op #{failed.index}) at {where}"
+            if code:
+                note += f": {code}"
+            note += f"\n  inputs: {inputs}"
+            if failed.module:
+                note += f"\n  module: {failed.module}"
+            error.add_note(note)
+        if self._dump_on_error and self._last:
+            records = list(self._log)[-self._last :]
+            stream = self._file if self._file is not None else sys.stderr
+            print(render_failure(records, failed, error), file=stream)
+
+    def _failed_record(self, interceptor: OpInterceptor, error: BaseException) -> OpRecord | None:
+        if isinstance(error, AnomalyError):
+            return error.anomaly.record
+        if interceptor.failure is None:
+            return None
+        index, error_id = interceptor.failure
+        chain = error
+        for _ in range(16):  # the kernel's error, possibly wrapped by the program
+            if chain is None:
+                return None
+            if id(chain) == error_id:
+                break
+            chain = chain.__cause__ or chain.__context__
+        else:
+            return None
+        for record in reversed(self._log):
+            if record.index == index:
+                return record
+        return None
+
+
+def _disabled_by_environment() -> bool:
+    value = os.environ.get(DISABLE_VARIABLE, "")
+    key = value.strip().lower()
+    if key not in _DISABLE_VALUES:
+        valid = ", ".join(repr(v) for v in _DISABLE_VALUES if v)
+        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use one of {valid} (or leave it unset)")
+    return _DISABLE_VALUES[key]
+
+
+def _check_names(checks) -> frozenset[str]:
+    if checks is None:
+        return frozenset(_checks.CHECK_NAMES)
+    if isinstance(checks, str):
+        raise TypeError(f"checks must be a collection of check names, e.g. checks=[{checks!r}], not a string")
+    try:
+        names = list(checks)
+    except TypeError:
+        raise TypeError(f"checks must be a collection of check names, got {type(checks).__name__}") from None
+    unknown = [name for name in names if name not in _checks.CHECK_NAMES]
+    if unknown:
+        raise ValueError(f"unknown check name(s) {', '.join(map(repr, unknown))}; valid names are {', '.join(map(repr, _checks.CHECK_NAMES))}")
+    return frozenset(names)
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be 0 or more, got {value}")
+    return value
+
+
+def _flag(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
