@@ -180,11 +180,27 @@ def _quiet_stderr():
 
 @dataclass(frozen=True)
 class OpCount:
-    """Ops and host reads per step, seen from outside a contender."""
+    """What an OpCounter entered outside a contender saw.
+
+    ``ops`` and ``host_reads`` are per step, counted while the steps ran;
+    ``exit_ops`` and ``exit_reads`` are the contender's ``__exit__`` work (a
+    final check point), counted once.  ``total_reads`` and ``profiler_reads``
+    cover the whole block and feed the cross-check for hidden host reads.
+    """
 
     ops: float
     host_reads: float
-    profiler_reads: float
+    exit_ops: int
+    exit_reads: int
+    total_reads: int
+    profiler_reads: int
+
+
+def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, steps: int) -> None:
+    for _ in range(steps):
+        step()
+        if contender.per_step is not None:
+            contender.per_step(handle)
 
 
 def count_ops(step: Callable[[], None], contender: Contender, steps: int = 3) -> OpCount:
@@ -204,17 +220,14 @@ def count_ops(step: Callable[[], None], contender: Contender, steps: int = 3) ->
     counter = OpCounter()
     with counter:
         with contender.make() as handle:
-            for _ in range(steps):
-                step()
-                if contender.per_step is not None:
-                    contender.per_step(handle)
+            _run_steps(step, contender, handle, steps)
+            in_ops, in_reads = counter.total, counter.host_reads
 
     with _quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with contender.make() as handle:
-            for _ in range(steps):
-                step()
-                if contender.per_step is not None:
-                    contender.per_step(handle)
-    reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
-    return OpCount(counter.total / steps, counter.host_reads / steps, reads / steps)
+            _run_steps(step, contender, handle, steps)
+    profiler_reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+    return OpCount(ops=in_ops / steps, host_reads=in_reads / steps,
+                   exit_ops=counter.total - in_ops, exit_reads=counter.host_reads - in_reads,
+                   total_reads=counter.host_reads, profiler_reads=profiler_reads)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,11 @@ from .contenders import OpCounter
 from .workloads import Step, tiny_step
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUB_BLOCKS = 10  # timing samples per block; the block's time is their median
+# Timing samples per block.  A block's time is the *minimum* sample: the work
+# is identical from sample to sample, so anything above the minimum is
+# interference from other processes, which on a small shared machine comes in
+# bursts long enough to swamp a median.
+SUB_BLOCKS = 50
 FLAT_TOLERANCE_BYTES = 4 << 20  # RSS growth we still call flat (allocator noise)
 MAX_RECORDS = 10_000  # the documented default, passed explicitly
 
@@ -55,7 +58,7 @@ def ops_per_step(step: Step) -> int:
 
 
 def _timed_blocks(step: Step, steps: int, block: int) -> list[tuple[int, float, int]]:
-    """Run ``steps`` steps; per block return (steps done, s/step, RSS after)."""
+    """Run ``steps`` steps; per block return (steps done, s/step, RSS at block end)."""
     sub = max(1, block // SUB_BLOCKS)
     out = []
     done = 0
@@ -67,7 +70,7 @@ def _timed_blocks(step: Step, steps: int, block: int) -> list[tuple[int, float, 
                 step()
             samples.append((time.perf_counter() - t0) / sub)
         done += (block // sub) * sub
-        out.append((done, statistics.median(samples), rss_bytes()))
+        out.append((done, min(samples), rss_bytes()))
     return out
 
 

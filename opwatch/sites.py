@@ -23,6 +23,8 @@ ENGINE = 2  # torch.autograd's entry into the C++ engine: ops beneath it are bac
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OPWATCH_DIR = os.path.dirname(__file__) + os.sep
+# The demo's scripts ship inside the package but are user code.
+_EXAMPLES_DIR = _OPWATCH_DIR + "examples" + os.sep
 
 
 def _engine_code() -> types.CodeType | None:
@@ -40,6 +42,8 @@ def classify_code(code: types.CodeType) -> int:
     if code is _ENGINE_CODE:
         return ENGINE
     filename = code.co_filename
+    if filename.startswith(_EXAMPLES_DIR):
+        return USER
     if filename.startswith(_TORCH_DIR) or filename.startswith(_OPWATCH_DIR):
         return INTERNAL
     if filename.startswith("<frozen "):

@@ -32,7 +32,7 @@ _SAME_DTYPE_OPS = {
 _NOT_PROMOTIONS = {"aten::copy_", "aten::copy", "aten::_to_copy", "aten::to", "aten::_copy_from"}
 # Argument name -> dtypes the kernel accepts there.
 _ARG_DTYPES = {
-    "mask": (torch.bool,),
+    "mask": (torch.bool, torch.uint8),
     "index": (torch.int64, torch.int32),
     "indices": (torch.int64, torch.int32),
 }

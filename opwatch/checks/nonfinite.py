@@ -60,11 +60,12 @@ def writes_uninitialized(func) -> bool:
 class Origin:
     """A nan/inf origin found at a check point, with how far its values spread."""
 
-    __slots__ = ("record", "kind", "spread", "last", "reached_backward", "idents", "matters")
+    __slots__ = ("record", "kind", "input_kinds", "spread", "last", "reached_backward", "idents", "matters")
 
-    def __init__(self, record, kind):
+    def __init__(self, record, kind, input_kinds=frozenset()):
         self.record = record
         self.kind = kind
+        self.input_kinds = input_kinds  # non-finite kinds its inputs held (inf, for a nan origin)
         self.spread = 0  # later ops that carried its values on
         self.last = record  # the last of them
         self.reached_backward = record.phase == BACKWARD
@@ -82,10 +83,15 @@ class Origin:
         what = "nan" if self.kind == "nan" else "inf"
         spread = ""
         if self.spread:
-            spread = f"; it spread to {self.spread} later op(s), the last {self.last.op} at {self.last.where} ({self.last.phase})"
+            spread = f"; by the check point it had spread to {self.spread} later op(s), the last {self.last.op} at {self.last.where} ({self.last.phase})"
         if contained:
             spread += "; it was absorbed before it mattered (no live tensor, gradient or backward op held it)"
-        inputs = "finite inputs" if record._inputs else "no tensor inputs"
+        if not record._inputs:
+            inputs = "no tensor inputs"
+        elif self.input_kinds:
+            inputs = "inputs that held inf but no nan (inf - inf, 0 * inf, inf / inf)"
+        else:
+            inputs = "finite inputs"
         return Finding(
             kind=self.kind,
             problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
@@ -182,8 +188,10 @@ class NonFiniteTracker:
         return kinds
 
     def _replay(self, window, flagged, refs) -> list[Origin]:
-        # ident -> (kind, origin or None when it came from a deliberate constant)
-        status = {ident: (kind, origin) for ident, (kind, origin, ref) in self._carry.items() if ref() is not None}
+        # ident -> (kind, origin or None when it came from a deliberate constant). Carried
+        # tensors count even if they died since: ops in this window may have read them first,
+        # and an id reused by a newer tensor is overwritten by the op that made it.
+        status = {ident: (kind, origin) for ident, (kind, origin, ref) in self._carry.items()}
         for ident, (kind, origin, ref) in self._carry.items():
             refs.setdefault(ident, ref)
         origins: list[Origin] = []
@@ -207,7 +215,7 @@ class NonFiniteTracker:
                 if _has_nonfinite_constant(record):
                     origin = None
                 elif (kind == "nan" and "nan" not in input_kinds) or (kind == "inf" and not input_kinds):
-                    origin = Origin(record, kind)
+                    origin = Origin(record, kind, frozenset(input_kinds))
                     origins.append(origin)
                 else:
                     origin = input_origin

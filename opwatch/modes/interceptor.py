@@ -53,12 +53,19 @@ _FORWARD_SITES_LIMIT = 1 << 16
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("ignored", "pre_checks", "host_read", "check_values", "unsqueeze", "preserves_shape", "pointwise")
+    __slots__ = ("ignored", "mutated_args", "pre_checks", "host_read", "check_values", "unsqueeze", "preserves_shape", "pointwise")
 
     def __init__(self, func, enabled: frozenset[str]):
         schema_name = func._schema.name
         # record_function markers (optimizers emit them) are not computations.
         self.ignored = func.namespace == "profiler"
+        # Arguments written in place: the op's real outputs when it returns nothing
+        # (``_foreach_add_`` updating parameters returns None).
+        self.mutated_args = tuple(
+            (position, arg.name)
+            for position, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
         self.pre_checks = tuple(check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
         self.host_read = schema_name in _HOST_READS
         self.check_values = checks.nonfinite.NAME in enabled and not writes_uninitialized(func)
@@ -104,12 +111,16 @@ class OpInterceptor(TorchDispatchMode):
             kwargs = {}
         if self._broken or internal_work.active:
             return func(*args, **kwargs)
-        try:
-            plan = self._plans.get(func)
-            if plan is None:
+        plan = self._plans.get(func)
+        if plan is None:
+            try:
                 plan = self._plans[func] = _OpPlan(func, self._enabled)
-            if plan.ignored:
+            except Exception as error:
+                self._internal_error(error)
                 return func(*args, **kwargs)
+        if plan.ignored:
+            return func(*args, **kwargs)
+        try:
             record = self._record_call(func, args, kwargs)
             finding = None
             for check in plan.pre_checks:
@@ -131,7 +142,7 @@ class OpInterceptor(TorchDispatchMode):
             self.failure = (record.index, id(error))
             raise
         try:
-            self._record_result(plan, record, out)
+            self._record_result(plan, record, out, args, kwargs)
         except Exception as error:
             self._internal_error(error)
             return out
@@ -196,11 +207,13 @@ class OpInterceptor(TorchDispatchMode):
         else:
             others.append((key, kind))
 
-    def _record_result(self, plan, record, out) -> None:
+    def _record_result(self, plan, record, out, args, kwargs) -> None:
         if isinstance(out, _Tensor):
             outputs = (out,)
         elif type(out) is tuple or type(out) is list:
             outputs = tuple(item for item in out if isinstance(item, _Tensor))
+        elif plan.mutated_args:
+            outputs = _mutated_tensors(plan.mutated_args, args, kwargs)
         else:
             outputs = ()
         try:
@@ -320,6 +333,17 @@ def _user_frame(frame):
             return None, 0, True
         frame = frame.f_back
     return None, 0, False
+
+
+def _mutated_tensors(mutated_args, args, kwargs) -> tuple:
+    tensors = []
+    for position, name in mutated_args:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, _Tensor):
+            tensors.append(value)
+        elif type(value) is list or type(value) is tuple:
+            tensors.extend(item for item in value if isinstance(item, _Tensor))
+    return tuple(tensors)
 
 
 def _safe_meta(tensor) -> tuple:
