@@ -19,7 +19,7 @@ import importlib
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -80,7 +80,6 @@ class Contender:
     make: Callable[[], ContextManager[Any]]
     per_step: Callable[[Any], None] | None = None
     is_opwatch: bool = False
-    notes: tuple[str, ...] = field(default=())
 
 
 # --------------------------------------------------------------------------- opwatch
@@ -119,8 +118,8 @@ def probe_checks(opwatch: Any) -> str | None:
 def checks_contenders(opwatch: Any) -> list[Contender]:
     """watch() with and without the nan/inf check, to price that check alone."""
     without = tuple(c for c in ALL_CHECKS if c != "nonfinite")
+    # opwatch.watch() itself (all checks, the default) is the "with" side.
     return [
-        Contender("watch(all checks)", lambda: opwatch.watch(checks=ALL_CHECKS), is_opwatch=True),
         Contender("watch(no nonfinite)", lambda: opwatch.watch(checks=without), is_opwatch=True),
         Contender("watch(no checks)", lambda: opwatch.watch(checks=()), is_opwatch=True),
     ]
@@ -151,6 +150,10 @@ def main_contenders(opwatch: Any | None) -> list[Contender]:
         contenders += [
             Contender("opwatch.watch()", opwatch.watch, is_opwatch=True),
             Contender("opwatch.strict()", opwatch.strict, is_opwatch=True),
+            # The documented pattern for loops that never read a value on the host:
+            # one batched nan/inf check point per step.
+            Contender("watch()+w.step()", opwatch.watch, per_step=lambda w: w.step(),
+                      is_opwatch=True),
         ]
     contenders += [
         Contender("DebugMode()", _debug_mode),
@@ -178,22 +181,61 @@ def _quiet_stderr():
         os.close(saved)
 
 
-@dataclass(frozen=True)
-class OpCount:
-    """What an OpCounter entered outside a contender saw.
+class BypassReads:
+    """Count ``Tensor.tolist()`` / ``Tensor.numpy()`` calls while active.
 
-    ``ops`` and ``host_reads`` are per step, counted while the steps ran;
-    ``exit_ops`` and ``exit_reads`` are the contender's ``__exit__`` work (a
-    final check point), counted once.  ``total_reads`` and ``profiler_reads``
-    cover the whole block and feed the cross-check for hidden host reads.
+    These read tensor values on the host without dispatching any ATen op on
+    CPU (on an accelerator they would show up as a copy to CPU), so neither a
+    dispatch mode nor the profiler sees them.  Batched checks typically read
+    their results this way, so they are counted by patching the two methods.
     """
 
+    _METHODS = ("tolist", "numpy")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "BypassReads":
+        for name in self._METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)  # None: inherited from C
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, saved)
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """What the counters around one contender saw, normalised per step.
+
+    ``ops``, ``host_reads`` (dispatched ``_local_scalar_dense``-style reads)
+    and ``bypass_reads`` (``tolist``/``numpy``) were counted while the steps
+    ran; ``exit_*`` are the contender's ``__exit__`` work (e.g. a final check
+    point), counted once.  ``total_reads`` and ``profiler_reads`` cover the
+    whole block, per step, and feed the cross-check for hidden host reads.
+    """
+
+    steps: int
     ops: float
     host_reads: float
+    bypass_reads: float
     exit_ops: int
     exit_reads: int
-    total_reads: int
-    profiler_reads: int
+    exit_bypass_reads: int
+    total_reads: float
+    profiler_reads: float
 
 
 def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, steps: int) -> None:
@@ -203,12 +245,12 @@ def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, step
             contender.per_step(handle)
 
 
-def count_ops(step: Callable[[], None], contender: Contender, steps: int = 3) -> OpCount:
-    """Run ``steps`` steps in one context of ``contender`` under an OpCounter.
+def count_ops(step: Callable[[], None], contender: Contender, steps: int) -> OpCount:
+    """Run ``steps`` steps in one context of ``contender`` under the counters.
 
-    The counter is entered first, so it sits *below* the contender on the mode
-    stack and sees what the contender forwards plus whatever it issues itself,
-    including any work done in ``__exit__``.
+    The OpCounter is entered first, so it sits *below* the contender on the
+    mode stack and sees what the contender forwards plus whatever it issues
+    itself, including any work done in ``__exit__``.
 
     As a cross-check that does not rely on the tool letting its own ops reach
     other modes, host reads are also counted with the autograd profiler, which
@@ -218,16 +260,19 @@ def count_ops(step: Callable[[], None], contender: Contender, steps: int = 3) ->
     comparable between Python-mode contenders (e.g. against the passthrough).
     """
     counter = OpCounter()
-    with counter:
+    with BypassReads() as bypass, counter:
         with contender.make() as handle:
             _run_steps(step, contender, handle, steps)
-            in_ops, in_reads = counter.total, counter.host_reads
+            in_ops, in_reads, in_bypass = counter.total, counter.host_reads, bypass.count
 
     with _quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with contender.make() as handle:
             _run_steps(step, contender, handle, steps)
     profiler_reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
-    return OpCount(ops=in_ops / steps, host_reads=in_reads / steps,
-                   exit_ops=counter.total - in_ops, exit_reads=counter.host_reads - in_reads,
-                   total_reads=counter.host_reads, profiler_reads=profiler_reads)
+    return OpCount(
+        steps=steps, ops=in_ops / steps, host_reads=in_reads / steps,
+        bypass_reads=in_bypass / steps, exit_ops=counter.total - in_ops,
+        exit_reads=counter.host_reads - in_reads, exit_bypass_reads=bypass.count - in_bypass,
+        total_reads=counter.host_reads / steps, profiler_reads=profiler_reads / steps,
+    )

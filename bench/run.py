@@ -24,6 +24,7 @@ absolute times between runs on a noisy machine, compare the ratios):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -48,6 +49,8 @@ from bench.workloads import WORKLOADS
 
 EAGER, FLOOR, WATCH, STRICT = "eager", "passthrough", "opwatch.watch()", "opwatch.strict()"
 DEBUG_FULL = "DebugMode(stack,module)"
+CHECKS_VARIANTS = ("watch(no nonfinite)", "watch(no checks)")
+DEFAULT_MAX_RECORDS = 10_000  # opwatch's documented default
 NAN_WORKLOAD = "tfm256"  # where the nan/inf check is priced separately
 
 # Targets from the issue.
@@ -61,16 +64,17 @@ class Config:
 
     rounds: int            # interleaved repetitions per workload
     target_seconds: float  # wall time of one timed block (sets steps per block)
-    count_steps: int       # steps under the op counter
+    count_steps: int       # steps under the op counter (at least)
+    count_window: bool     # count opwatch over >= max_records ops, to catch periodic checks
     memory_steps: int      # length of the long watch loop
     memory_block: int      # steps per block of that loop
     record_sizes: tuple[int, int]  # (small, large) max_records for bytes/record
     rss_subprocess: bool   # measure bytes/record by RSS in fresh processes too
 
 
-FULL = Config(rounds=7, target_seconds=0.15, count_steps=5, memory_steps=10_000,
+FULL = Config(rounds=7, target_seconds=0.15, count_steps=5, count_window=True, memory_steps=10_000,
               memory_block=1_000, record_sizes=(1_000, 20_000), rss_subprocess=True)
-QUICK = Config(rounds=3, target_seconds=0.02, count_steps=2, memory_steps=1_000,
+QUICK = Config(rounds=3, target_seconds=0.02, count_steps=2, count_window=False, memory_steps=1_000,
                memory_block=100, record_sizes=(500, 5_000), rss_subprocess=False)
 
 
@@ -80,7 +84,6 @@ class WorkloadResult:
     measurements: dict[str, Measurement]
     user_ops: float
     counts: dict[str, OpCount] = field(default_factory=dict)
-    error: str | None = None
 
 
 def log(msg: str) -> None:
@@ -103,10 +106,18 @@ def run_workload(name: str, contenders: list[Contender], cfg: Config) -> Workloa
 
     log(f"[{name}] counting ops")
     counts = {EAGER: count_ops(step, by_name[EAGER], cfg.count_steps)}
+    user_ops = counts[EAGER].ops
+    steps = cfg.count_steps
+    if cfg.count_window:
+        # opwatch forces a check point at the latest every max_records ops; count over
+        # more than that so the per-step host reads include it.
+        steps = max(steps, math.ceil(1.05 * DEFAULT_MAX_RECORDS / user_ops))
     for c in contenders:
         if c.is_opwatch or c.name == FLOOR:
             try:
-                counts[c.name] = count_ops(step, c, cfg.count_steps)
+                # The checks variants only show op counts: a short count is enough.
+                n = cfg.count_steps if c.name in CHECKS_VARIANTS else steps
+                counts[c.name] = count_ops(step, c, n)
             except Exception as exc:  # reported by the timing pass as well
                 log(f"[{name}] counting under {c.name} failed: {exc!r}")
 
@@ -114,7 +125,7 @@ def run_workload(name: str, contenders: list[Contender], cfg: Config) -> Workloa
     t0 = time.perf_counter()
     ms = measure(step, contenders, cfg.rounds, cfg.target_seconds)
     log(f"[{name}] done in {time.perf_counter() - t0:.1f}s")
-    return WorkloadResult(name, ms, counts[EAGER].ops, counts)
+    return WorkloadResult(name, ms, user_ops, counts)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -164,7 +175,7 @@ def main_table(results: list[WorkloadResult]) -> str:
 
 
 def extras_table(results: list[WorkloadResult]) -> str:
-    """Ops and host reads opwatch adds, seen by a counter entered outside it."""
+    """Ops and host reads opwatch adds, seen by counters entered outside it."""
     rows = []
     for wr in results:
         eager, floor = wr.counts.get(EAGER), wr.counts.get(FLOOR)
@@ -178,16 +189,16 @@ def extras_table(results: list[WorkloadResult]) -> str:
                 unseen = ((c.profiler_reads - floor.profiler_reads)
                           - (c.total_reads - eager.total_reads))
             rows.append([
-                wr.name, name, fmt(eager.ops, ".0f"), fmt(c.ops, ".1f"),
+                wr.name, name, c.steps, fmt(eager.ops, ".0f"), fmt(c.ops, ".1f"),
                 fmt((c.ops - eager.ops) / eager.ops if eager.ops else None, ".3f"),
-                fmt(eager.host_reads, ".2f"), fmt(c.host_reads, ".2f"),
-                fmt(c.host_reads - eager.host_reads, "+.2f"),
-                f"{c.exit_ops} / {c.exit_reads}",
-                fmt(unseen, "d"),
+                fmt(c.host_reads - eager.host_reads, "+.3f"),
+                fmt(c.bypass_reads - eager.bypass_reads, "+.3f"),
+                f"{c.exit_ops} / {c.exit_reads} / {c.exit_bypass_reads}",
+                fmt(unseen, "+.3f"),
             ])
-    return tabulate(rows, headers=["workload", "contender", "user ops", "ops seen",
-                                   "extra ops/user op", "host reads eager", "host reads",
-                                   "added", "at exit: ops / reads", "unseen reads*"])
+    return tabulate(rows, headers=["workload", "contender", "steps", "user ops", "ops seen",
+                                   "extra ops/user op", "added reads", "added tolist",
+                                   "exit: ops/reads/tolist", "unseen reads"])
 
 
 def targets_report(results: list[WorkloadResult]) -> str:
@@ -222,7 +233,7 @@ def nonfinite_report(wr: WorkloadResult | None, checks_problem: str | None) -> s
     if wr is None:
         return "  skipped (workload not run or opwatch not available)"
     ms = wr.measurements
-    eager, all_c, no_nf = ms.get(EAGER), ms.get("watch(all checks)"), ms.get("watch(no nonfinite)")
+    eager, all_c, no_nf = ms.get(EAGER), ms.get(WATCH), ms.get(CHECKS_VARIANTS[0])
     if not (eager and all_c and no_nf) or any(m.error for m in (eager, all_c, no_nf)):
         return "  skipped (a checks contender failed; see the main table)"
     # Paired per round, like the ratios: (all - no_nonfinite) / eager.
@@ -283,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         out += [f"  {n:7s} {WORKLOADS[n].description}" for n in names]
         out += ["", main_table(results), ""]
         if opwatch is not None:
-            out += [f"What opwatch adds, per step (a counting mode entered outside opwatch; "
-                    f"{cfg.count_steps} steps in one context; its exit counted apart):",
+            out += ["What opwatch adds, per step, seen by a counting mode entered outside it",
+                    "(steps run in one context; the context's exit is counted apart):",
                     extras_table(results),
-                    "  * in the whole block: host reads the profiler saw (beyond the passthrough's) "
-                    "that the counter did not, i.e. done with dispatch disabled; 0 is expected.",
+                    "  added reads : host reads (aten._local_scalar_dense/is_nonzero/item) beyond eager's",
+                    "  added tolist: Tensor.tolist()/numpy() calls beyond eager's (host reads that "
+                    "dispatch no op on CPU)",
+                    "  unseen reads: host reads the profiler saw (beyond the passthrough's) that the "
+                    "counter did not, i.e. done with dispatch disabled; 0 expected",
                     ""]
         out += ["Targets:", targets_report(results), ""]
         if NAN_WORKLOAD in names:

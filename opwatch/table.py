@@ -63,3 +63,31 @@ def _code(record: OpRecord) -> str:
     if len(text) > _MAX_CODE:
         text = text[: _MAX_CODE - 3] + "..."
     return text
+
+
+def render_summary(anomalies, contained) -> str:
+    """Distinct anomalies (one per kind, line, op and phase, with how often each fired), then a
+    count of contained nan/inf origins."""
+    groups: dict = {}
+    for anomaly in anomalies:
+        key = (anomaly.kind, anomaly.filename, anomaly.lineno, anomaly.op, anomaly.phase)
+        if key in groups:
+            groups[key][1] += 1
+        else:
+            groups[key] = [anomaly, 1]
+    if not groups:
+        lines = ["opwatch: no anomalies."]
+    else:
+        total = sum(count for _, count in groups.values())
+        lines = [f"opwatch: {total} anomal{'y' if total == 1 else 'ies'} at {len(groups)} place{'' if len(groups) == 1 else 's'}:"]
+        for anomaly, count in groups.values():
+            lines.append("")
+            text = anomaly.message
+            if count > 1:
+                first, _, rest = text.partition("\n")
+                text = f"{first} [x{count}]\n{rest}" if rest else f"{first} [x{count}]"
+            lines.append(text)
+    if contained:
+        lines.append("")
+        lines.append(f"({len(contained)} nan/inf origin(s) were absorbed before they mattered; see Watch.contained)")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ from .checks.finding import Finding
 from .modes.interceptor import OpInterceptor
 from .modes.modules import ModuleStack
 from .records import OpRecord
-from .table import render_failure, render_table
+from .table import render_failure, render_summary, render_table
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
 
@@ -152,6 +152,10 @@ class Watch:
         if last is not None:
             records = records[-_non_negative_int("last", last) :] if last else []
         return render_table(records, tablefmt=tablefmt)
+
+    def summary(self) -> str:
+        """Each distinct anomaly once (per kind and line, with its count), ready to print."""
+        return render_summary(self._anomalies, self._contained)
 
     def check(self) -> list[Anomaly]:
         """A nan/inf check point now: at most one host read. Returns the new anomalies (in

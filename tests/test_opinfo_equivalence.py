@@ -82,9 +82,10 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 DEVICE = "cpu"
-FLOAT32_SAMPLES = 4
-OTHER_SAMPLES = 2
-INPLACE_SAMPLES = 1
+# Samples per (op, dtype); override with OPWATCH_OPINFO_SAMPLES="f32,other,inplace".
+FLOAT32_SAMPLES, OTHER_SAMPLES, INPLACE_SAMPLES = (
+    int(n) for n in os.environ.get("OPWATCH_OPINFO_SAMPLES", "4,2,1").split(",")
+)
 SECOND_PASS_DTYPES = (torch.float64, torch.complex64, torch.bfloat16, torch.int64)
 
 # Ops whose results are (partly) uninitialized memory: compare metadata only.
