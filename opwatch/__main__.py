@@ -55,13 +55,23 @@ def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: i
             runpy.run_path(path, run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:
-        traceback.print_exc(file=out)
+    except BaseException as error:
+        print_user_traceback(error, out)
         code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     print(w.summary(), file=out)
     return code
+
+
+def print_user_traceback(error: BaseException, out) -> None:
+    """The traceback as Python prints it, without the frames of opwatch and runpy."""
+    report = traceback.TracebackException.from_exception(error)
+    skip = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if not frame.filename.startswith(skip) and "runpy" not in frame.filename]
+    )
+    print("".join(report.format()), end="", file=out)
 
 
 def run_demo(*, last: int = 20) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .checks.finding import Finding
-from .records import OpRecord
+from .records import OpRecord, short_op_name
 
 __all__ = ["Anomaly", "AnomalyError", "OpwatchWarning", "display_path"]
 
@@ -75,7 +75,8 @@ def render(finding: Finding, record: OpRecord) -> str:
     lines = [header]
     lines += ["    " + line for line in position.caret_lines()]
     if record.phase == "backward" and position.filename:
-        lines.append("  (a backward op: the line is the forward op whose gradient it computes)")
+        of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
+        lines.append(f"  (a backward op{of}: the line is the forward op whose gradient it computes)")
     lines.append(f"  problem:  {finding.problem}")
     lines.append(f"  expected: {finding.expected}")
     lines.append(f"  fix:      {finding.fix}")

@@ -34,10 +34,12 @@ class OpRecord:
         module: dotted path of the ``nn.Module`` running the op, relative to the outermost
             module called (that one is named by its class); ``None`` outside modules.
         phase: ``"forward"`` or ``"backward"``.
+        forward_func: for a backward op run by autograd, the forward ``OpOverload`` whose
+            gradient it computes (``None`` otherwise).
         flags: anomaly kinds found on this op (``()`` when none).
     """
 
-    __slots__ = ("index", "_func", "_inputs", "_outputs", "_args", "_code", "_lasti", "module", "phase", "_flags")
+    __slots__ = ("index", "_func", "_inputs", "_outputs", "_args", "_code", "_lasti", "module", "phase", "_flags", "forward_func")
 
     def __init__(self, index, func, inputs, args, code, lasti, module, phase):
         self.index = index
@@ -50,6 +52,7 @@ class OpRecord:
         self.module = module
         self.phase = phase
         self._flags = None
+        self.forward_func = None  # for backward ops run by autograd: the forward op they differentiate
 
     @property
     def op(self) -> str:
@@ -98,7 +101,7 @@ class OpRecord:
         """``file.py:23`` (base name only), or ``?`` when no user frame was found."""
         position = self.position
         if position.filename is None:
-            return "?"
+            return "autograd" if self.phase == BACKWARD else "?"
         return f"{_basename(position.filename)}:{position.lineno}"
 
     @property

@@ -19,8 +19,9 @@ The rule, for an op whose result has more elements than every operand:
 So ``(n,) - (n, 1)`` from a Linear is flagged; ``x - x.mean(-1, keepdim=True)`` (no growth),
 masks ``(B, 1, 1, S) + (B, H, S, S)`` (no growth), ``a[:, None] - b[None]``, ``a.view(-1, 1) *
 b.view(1, -1)`` (both sides explicit) and rotary ``pos[..., None].float() * inv_freq`` are not.
-Loss functions that broadcast their input against the target (``mse_loss``, ``l1_loss``, ...)
-follow the same rule.
+
+Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
+ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
 """
 
 from __future__ import annotations
@@ -36,18 +37,9 @@ __all__ = ["KIND", "applies", "check", "broadcast_shape"]
 
 KIND = "broadcast"
 
-_LOSS_OPS = {
-    "aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
-    "aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits", "aten::soft_margin_loss",
-}
-
-
 def applies(func) -> bool:
-    schema = func._schema
-    if schema.name in _LOSS_OPS:
-        return True
     # In-place and out= variants cannot grow their destination.
-    return torch.Tag.pointwise in func.tags and not schema.is_mutable
+    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable
 
 
 def broadcast_shape(shapes) -> tuple[int, ...] | None:

@@ -96,7 +96,7 @@ class Origin:
             kind=self.kind,
             problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
             expected="finite outputs from finite inputs",
-            fix=_FIXES.get(record.func._schema.name.split("::")[-1], _DEFAULT_FIX),
+            fix=_fix_for(record),
         )
 
 
@@ -110,8 +110,31 @@ _FIXES = {
     "rsqrt": "rsqrt(0) = inf: add an epsilon (x + eps).rsqrt()",
     "pow": "pow overflowed or took a fractional power of a negative number: clamp the base",
     "exp": "exp overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp",
-    "sqrt_backward": "the gradient of sqrt at 0 is inf: clamp the input (x.clamp_min(eps).sqrt())",
 }
+# Keyed by the forward op, for origins in backward.
+_BACKWARD_FIXES = {
+    "sqrt": "the gradient of sqrt at 0 is inf: clamp the input (x.clamp_min(eps).sqrt()) or add eps inside",
+    "log": "the gradient of log at 0 is inf: clamp the input (x.clamp_min(eps).log())",
+    "pow": "the gradient of x ** p with p < 1 is inf at 0: clamp the base away from 0",
+    "norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
+    "linalg_vector_norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
+    "div": "the gradient of a / b is inf where b is 0: add an epsilon to the denominator",
+    "acos": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
+    "asin": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
+}
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _fix_for(record) -> str:
+    if record.forward_func is not None:
+        fix = _BACKWARD_FIXES.get(_op_name(record.forward_func))
+        if fix is not None:
+            return fix
+        return f"the gradient of {_op_name(record.forward_func)} is not finite for these inputs: " + _DEFAULT_FIX
+    return _FIXES.get(_op_name(record.func), _DEFAULT_FIX)
 
 
 class NonFiniteTracker:

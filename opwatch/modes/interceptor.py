@@ -48,6 +48,7 @@ internal_work = threading.local()
 internal_work.active = False
 
 _FORWARD_SITES_LIMIT = 1 << 16
+_NO_SITE = (None, 0, None, None)
 
 
 class _OpPlan:
@@ -170,6 +171,7 @@ class OpInterceptor(TorchDispatchMode):
 
         node = _current_autograd_node()
         code, lasti, reached_engine = _user_frame(sys._getframe(2))
+        forward_func = None
         if node is None:
             phase = FORWARD
             module = self._modules.current
@@ -178,7 +180,7 @@ class OpInterceptor(TorchDispatchMode):
                 # This op created an autograd node: remember where, for its backward ops.
                 self._last_seq = seq
                 sites = self._forward_sites
-                sites[seq - 1] = (code, lasti, module)
+                sites[seq - 1] = (code, lasti, module, func)
                 if len(sites) > _FORWARD_SITES_LIMIT:
                     for key in list(islice(sites, _FORWARD_SITES_LIMIT // 2)):
                         del sites[key]
@@ -187,9 +189,11 @@ class OpInterceptor(TorchDispatchMode):
             module = self._modules.current
             if code is None or reached_engine:
                 # Run by the autograd engine: point at the forward op that made this node.
-                code, lasti, module = self._forward_sites.get(node._sequence_nr(), (None, 0, None))
+                code, lasti, module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
         self._site = (code, lasti)
         record = OpRecord(self._next_index, func, metas, tuple(others), code, lasti, module, phase)
+        if phase is BACKWARD:
+            record.forward_func = forward_func
         self._next_index += 1
         self._log.append(record)
         return record
