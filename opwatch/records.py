@@ -1,21 +1,142 @@
-"""One entry of the op log.
+"""The op log: compact entries on the hot path, ``OpRecord`` views when somebody reads.
 
-An ``OpRecord`` is built on the hot path from small tuples only: tensor metadata, the code
-object and instruction offset of the user's frame, the module path. It never holds a tensor,
-and it formats nothing until somebody reads it.
+The hot path appends one plain tuple per op (see the ``E_*`` positions) holding only ints,
+strings, dtypes, devices and tuples of those: never a tensor, never a formatted string. Ops and
+source sites are interned into per-log tables and referred to by number, so an entry holds
+nothing the garbage collector has to track: a full log of 10,000 entries does not slow down
+Python's collections, which would otherwise cost more than the recording itself.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from .notation import TensorMeta, format_meta
 from .sites import Position, position_of
 
-__all__ = ["OpRecord", "FORWARD", "BACKWARD"]
+__all__ = ["OpRecord", "OpLog", "FORWARD", "BACKWARD"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
+
+# A log entry is one flat tuple of plain values: nested tuples would stay tracked by the
+# garbage collector for several collections (it untracks one nesting level per pass).
+E_INDEX = 0  # op index since the watch began
+E_FUNC = 1  # op id in OpLog.funcs
+E_SITE = 2  # source site id in OpLog.sites
+E_MODULE = 3  # module path or None
+E_PHASE = 4  # FORWARD or BACKWARD
+E_FORWARD_FUNC = 5  # backward ops run by autograd: op id of the forward op they differentiate; else -1
+E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments, interned
+E_NINPUTS = 7  # number of tensor arguments
+E_NOUTPUTS = 8  # number of tensor results; -1 when the kernel raised or did not run
+E_TENSORS = 9  # from here: ndim, *shape, dtype, device, ident per tensor, inputs then outputs
+
+
+def flatten_metas(metas) -> tuple:
+    """``((shape, dtype, device, ident), ...)`` -> the flat form stored in entries."""
+    flat = []
+    for shape, dtype, device, ident in metas:
+        if shape is None:
+            flat.append(-1)
+        else:
+            flat.append(len(shape))
+            flat.extend(shape)
+        flat.append(dtype)
+        flat.append(device)
+        flat.append(ident)
+    return tuple(flat)
+
+
+def _unflatten(entry: tuple, start: int, count: int) -> tuple[tuple, int]:
+    metas = []
+    for _ in range(count):
+        ndim = entry[start]
+        if ndim < 0:
+            shape, start = None, start + 1
+        else:
+            shape, start = entry[start + 1 : start + 1 + ndim], start + 1 + ndim
+        metas.append((shape, entry[start], entry[start + 1], entry[start + 2]))
+        start += 3
+    return tuple(metas), start
+
+
+def entry_inputs(entry: tuple) -> tuple:
+    """The ``(shape, dtype, device, ident)`` of each tensor argument."""
+    return _unflatten(entry, E_TENSORS, entry[E_NINPUTS])[0]
+
+
+def entry_outputs(entry: tuple) -> tuple | None:
+    """The same for the results; ``None`` when the kernel raised or did not run."""
+    count = entry[E_NOUTPUTS]
+    if count < 0:
+        return None
+    _, start = _unflatten(entry, E_TENSORS, entry[E_NINPUTS])
+    return _unflatten(entry, start, count)[0]
+
+
+class OpLog:
+    """The bounded log of one watch, and the tables its entries refer to."""
+
+    def __init__(self, max_records: int):
+        self.entries: deque[tuple] = deque(maxlen=max_records)
+        self.funcs: list = []  # op id -> OpOverload
+        self.func_ids: dict = {}
+        self.sites: list[tuple] = [(None, 0)]  # site id -> (code object, instruction offset); 0: unknown
+        self.site_ids: dict = {(None, 0): 0}
+        self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it
+        self._interned: dict = {}  # argument tuples: most calls repeat earlier ones
+
+    def func_id(self, func) -> int:
+        known = self.func_ids.get(func)
+        if known is None:
+            known = self.func_ids[func] = len(self.funcs)
+            self.funcs.append(func)
+        return known
+
+    def site_id(self, code, lasti: int) -> int:
+        key = (code, lasti)
+        known = self.site_ids.get(key)
+        if known is None:
+            known = self.site_ids[key] = len(self.sites)
+            self.sites.append(key)
+        return known
+
+    def intern(self, values: tuple) -> tuple:
+        """One shared copy of an argument tuple. Held by this table, it is scanned (and
+        untracked) by the garbage collector before the entries that refer to it."""
+        try:
+            known = self._interned.setdefault(values, values)
+        except TypeError:  # an unhashable value
+            return values
+        if len(self._interned) > 4096:
+            self._interned.clear()  # unique scalars (a decaying learning rate) must not pile up
+        return known
+
+    def view(self, entry: tuple) -> OpRecord:
+        return OpRecord(entry, self)
+
+    def records(self) -> list[OpRecord]:
+        return [OpRecord(entry, self) for entry in self.entries]
+
+    def find(self, index: int) -> OpRecord | None:
+        for entry in reversed(self.entries):
+            if entry[E_INDEX] == index:
+                return OpRecord(entry, self)
+            if entry[E_INDEX] < index:
+                break
+        return None
+
+    def since(self, index: int) -> list[tuple]:
+        """Entries with an op index of at least ``index``, oldest first."""
+        newer = []
+        for entry in reversed(self.entries):
+            if entry[E_INDEX] < index:
+                break
+            newer.append(entry)
+        newer.reverse()
+        return newer
 
 
 class OpRecord:
@@ -24,13 +145,15 @@ class OpRecord:
     Attributes:
         index: position of the op in the watch's log, counted from 0 since the watch began; it
             keeps counting when old records leave the bounded log.
-        op: the op's name, e.g. ``"aten.addmm.default"``.
+        op: the op's name, e.g. ``"aten.addmm.default"``; ``func`` is the ``OpOverload``.
         inputs / outputs: one :class:`TensorMeta` (shape, dtype, device) per tensor argument or
-            result, in argument order; ``outputs`` is ``None`` when the kernel raised.
+            result, in argument order; ``outputs`` is ``None`` when the kernel raised or, in
+            ``strict()``, was stopped before it ran.
         args: non-tensor arguments as ``(name, value)`` pairs (values that are not plain
-            numbers, strings, dtypes or devices are summarised by their type name).
+            numbers, strings, dtypes or devices are summarised by their type's name).
         filename / lineno: the user's source line (the innermost frame outside torch and
             opwatch). Backward ops carry the line of the forward op that created them.
+        position: line and columns of the sub-expression that issued the op.
         module: dotted path of the ``nn.Module`` running the op, relative to the outermost
             module called (that one is named by its class); ``None`` outside modules.
         phase: ``"forward"`` or ``"backward"``.
@@ -39,58 +162,69 @@ class OpRecord:
         flags: anomaly kinds found on this op (``()`` when none).
     """
 
-    __slots__ = ("index", "_func", "_inputs", "_outputs", "_args", "_code", "_lasti", "module", "phase", "_flags", "forward_func")
+    __slots__ = ("_entry", "_log")
 
-    def __init__(self, index, func, inputs, args, code, lasti, module, phase):
-        self.index = index
-        self._func = func
-        self._inputs = inputs
-        self._outputs = None
-        self._args = args
-        self._code = code
-        self._lasti = lasti
-        self.module = module
-        self.phase = phase
-        self._flags = None
-        self.forward_func = None  # for backward ops run by autograd: the forward op they differentiate
+    def __init__(self, entry: tuple, log: OpLog):
+        self._entry = entry
+        self._log = log
 
     @property
-    def op(self) -> str:
-        return str(self._func)
+    def index(self) -> int:
+        return self._entry[E_INDEX]
 
     @property
     def func(self):
-        """The ``torch._ops.OpOverload`` itself."""
-        return self._func
+        return self._log.funcs[self._entry[E_FUNC]]
+
+    @property
+    def op(self) -> str:
+        return str(self.func)
 
     @property
     def inputs(self) -> tuple[TensorMeta, ...]:
-        return tuple(TensorMeta(*meta) for meta in self._inputs)
+        return tuple(TensorMeta(*meta) for meta in entry_inputs(self._entry))
 
     @property
     def outputs(self) -> tuple[TensorMeta, ...] | None:
-        if self._outputs is None:
+        outputs = entry_outputs(self._entry)
+        if outputs is None:
             return None
-        return tuple(TensorMeta(*meta) for meta in self._outputs)
+        return tuple(TensorMeta(*meta) for meta in outputs)
 
     @property
     def args(self) -> tuple[tuple[str, Any], ...]:
-        schema_args = getattr(getattr(self._func, "_schema", None), "arguments", ())
+        schema_args = getattr(getattr(self.func, "_schema", None), "arguments", ())
         named = []
-        for key, value in self._args:
+        flat = self._entry[E_ARGS]
+        for key, value in zip(flat[::2], flat[1::2]):
             if isinstance(key, int):
                 key = schema_args[key].name if key < len(schema_args) else f"arg{key}"
             named.append((key, value))
         return tuple(named)
 
     @property
+    def module(self) -> str | None:
+        return self._entry[E_MODULE]
+
+    @property
+    def phase(self) -> str:
+        return self._entry[E_PHASE]
+
+    @property
+    def forward_func(self):
+        forward = self._entry[E_FORWARD_FUNC]
+        return None if forward < 0 else self._log.funcs[forward]
+
+    @property
     def position(self) -> Position:
         """Line and column range of the user's expression that issued the op."""
-        return position_of(self._code, self._lasti)
+        code, lasti = self._log.sites[self._entry[E_SITE]]
+        return position_of(code, lasti)
 
     @property
     def filename(self) -> str | None:
-        return self._code.co_filename if self._code is not None else None
+        code = self._log.sites[self._entry[E_SITE]][0]
+        return code.co_filename if code is not None else None
 
     @property
     def lineno(self) -> int | None:
@@ -98,7 +232,8 @@ class OpRecord:
 
     @property
     def where(self) -> str:
-        """``file.py:23`` (base name only), or ``?`` when no user frame was found."""
+        """``file.py:23`` (base name only); ``autograd`` for backward ops autograd ran without
+        a forward line (gradient accumulation); ``?`` when no user frame was found."""
         position = self.position
         if position.filename is None:
             return "autograd" if self.phase == BACKWARD else "?"
@@ -106,21 +241,27 @@ class OpRecord:
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return tuple(self._flags) if self._flags else ()
+        return tuple(self._log.flags.get(self.index, ()))
 
     def add_flag(self, kind: str) -> None:
-        if self._flags is None:
-            self._flags = [kind]
-        elif kind not in self._flags:
-            self._flags.append(kind)
+        kinds = self._log.flags.setdefault(self.index, [])
+        if kind not in kinds:
+            kinds.append(kind)
 
     def signature(self) -> str:
         """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
-        inputs = ", ".join(format_meta(meta) for meta in self._inputs)
-        text = f"{short_op_name(self._func)}({inputs})"
-        if self._outputs:
-            text += " -> " + ", ".join(format_meta(meta) for meta in self._outputs)
+        inputs = ", ".join(format_meta(meta) for meta in entry_inputs(self._entry))
+        text = f"{short_op_name(self.func)}({inputs})"
+        outputs = entry_outputs(self._entry)
+        if outputs:
+            text += " -> " + ", ".join(format_meta(meta) for meta in outputs)
         return text
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, OpRecord) and other._entry is self._entry
+
+    def __hash__(self) -> int:
+        return hash(self._entry[E_INDEX])
 
     def __repr__(self) -> str:
         return f"<OpRecord #{self.index} {self.signature()} at {self.where} {self.phase}>"
@@ -128,8 +269,7 @@ class OpRecord:
 
 def short_op_name(func) -> str:
     """``aten.mm.default`` -> ``aten.mm``; other overload names are kept (``aten.add.Tensor``)."""
-    name = str(func)
-    return name.removesuffix(".default")
+    return str(func).removesuffix(".default")
 
 
 def _basename(filename: str) -> str:

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["USER", "INTERNAL", "ENGINE", "classify_code", "Position", "position_of", "source_line"]
+__all__ = ["USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -49,6 +49,35 @@ def classify_code(code: types.CodeType) -> int:
     if filename.startswith("<frozen "):
         return INTERNAL
     return USER
+
+
+# The "is this frame user code?" answer, per code object (a pure function of the code object).
+_code_kinds: dict = {}
+
+
+def user_frame(frame, stop_frame=None, stop_answer=None):
+    """The innermost user frame from ``frame`` outwards: ``(code, lasti, reached_engine)``.
+
+    ``reached_engine`` is true when the walk met autograd's engine entry before any user frame:
+    the op is run by the engine, not by user code such as a backward hook. Meeting
+    ``stop_frame`` (where the innermost running module was called) ends the walk with
+    ``stop_answer``, the answer already worked out for that call: walks stay a few frames long
+    however deep the module nesting.
+    """
+    kinds = _code_kinds
+    while frame is not None:
+        if frame is stop_frame:
+            return stop_answer
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is None:
+            kind = kinds[code] = classify_code(code)
+        if kind == USER:
+            return code, frame.f_lasti, False
+        if kind == ENGINE:
+            return None, 0, True
+        frame = frame.f_back
+    return None, 0, False
 
 
 class Position:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .anomaly import display_path
 from .notation import format_meta
-from .records import OpRecord, short_op_name
+from .records import OpRecord, entry_inputs, entry_outputs, short_op_name
 
 __all__ = ["render_table", "render_failure"]
 
@@ -24,8 +24,8 @@ def render_table(records: list[OpRecord], *, mark: int | None = None, tablefmt: 
             (
                 index,
                 short_op_name(record.func),
-                _tensors(record._inputs),
-                "raised" if record._outputs is None else _tensors(record._outputs),
+                _tensors(entry_inputs(record._entry)),
+                _outputs(entry_outputs(record._entry)),
                 record.where,
                 _code(record),
                 record.module or "",
@@ -55,6 +55,10 @@ def _tensors(metas) -> str:
     if len(metas) > _MAX_TENSORS:
         shown.append(f"... (+{len(metas) - _MAX_TENSORS})")
     return ", ".join(shown)
+
+
+def _outputs(metas) -> str:
+    return "not run" if metas is None else _tensors(metas)
 
 
 def _code(record: OpRecord) -> str:

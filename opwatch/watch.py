@@ -13,7 +13,7 @@ from .anomaly import Anomaly, AnomalyError, OpwatchWarning, display_path
 from .checks.finding import Finding
 from .modes.interceptor import OpInterceptor
 from .modes.modules import ModuleStack
-from .records import OpRecord
+from .records import OpLog, OpRecord
 from .table import render_failure, render_summary, render_table
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
@@ -121,7 +121,7 @@ class Watch:
         self._file = file
         self._warn = _flag("warn", warn)
         self.enabled = not _disabled_by_environment()
-        self._log: deque[OpRecord] = deque(maxlen=self._max_records)
+        self._log = OpLog(self._max_records)
         self._anomalies: deque[Anomaly] = deque(maxlen=self._max_records)
         self._contained: deque[Anomaly] = deque(maxlen=self._max_records)
         self._warned: set = set()
@@ -135,7 +135,7 @@ class Watch:
 
     @property
     def records(self) -> list[OpRecord]:
-        return list(self._log)
+        return self._log.records()
 
     @property
     def anomalies(self) -> list[Anomaly]:
@@ -148,7 +148,7 @@ class Watch:
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op log as a table (the last ``last`` ops, or all): index, op, inputs, outputs,
         where (``file:line``), the code that issued the op, module, phase and flags."""
-        records = list(self._log)
+        records = self._log.records()
         if last is not None:
             records = records[-_non_negative_int("last", last) :] if last else []
         return render_table(records, tablefmt=tablefmt)
@@ -185,9 +185,8 @@ class Watch:
             modules=self._modules,
             max_records=self._max_records,
             on_internal_error=self._internal_error,
+            first_index=self._next_index,
         )
-        self._interceptor._next_index = self._next_index
-        self._interceptor._window_start = self._next_index
         self._modules.install()
         try:
             self._interceptor.__enter__()
@@ -205,7 +204,7 @@ class Watch:
             interceptor.__exit__(exc_type, exc, traceback)
         finally:
             self._modules.uninstall()
-            self._next_index = interceptor._next_index
+            self._next_index = interceptor.next_index
         try:
             # The last check point; in strict mode it must not hide the block's own exception.
             origins = interceptor.check_point()
@@ -277,7 +276,7 @@ class Watch:
                 note += f"\n  module: {failed.module}"
             error.add_note(note)
         if self._dump_on_error and self._last:
-            records = list(self._log)[-self._last :]
+            records = self._log.records()[-self._last :]
             stream = self._file if self._file is not None else sys.stderr
             print(render_failure(records, failed, error), file=stream)
 
@@ -296,10 +295,7 @@ class Watch:
             chain = chain.__cause__ or chain.__context__
         else:
             return None
-        for record in reversed(self._log):
-            if record.index == index:
-                return record
-        return None
+        return self._log.find(index)
 
 
 def _disabled_by_environment() -> bool:

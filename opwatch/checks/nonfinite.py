@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import math
 import weakref
+from itertools import islice
 
 import torch
 
-from ..records import BACKWARD
+from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, entry_inputs, entry_outputs
 from .finding import Finding
 
 __all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "writes_uninitialized"]
@@ -52,24 +53,47 @@ _UNINITIALIZED_OPS = {
 }
 
 
+# Ops whose outputs only hold values taken from their inputs (or zeros/ones): a non-finite
+# output here can only have come in through an input. They are not checked (that saves one
+# reduction per view, copy and relu); at a check point their outputs inherit their inputs'
+# state. Casts (``_to_copy``, ``copy_``) are checked: f32 -> f16 can overflow.
+_VALUE_PRESERVING_OPS = {
+    "aten::clone", "aten::contiguous", "aten::relu", "aten::relu_", "aten::abs", "aten::neg",
+    "aten::cat", "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::masked_select",
+    "aten::flip", "aten::roll", "aten::repeat", "aten::max", "aten::min", "aten::amax", "aten::amin",
+    "aten::sort", "aten::topk", "aten::zeros", "aten::ones", "aten::zeros_like", "aten::ones_like",
+    "aten::zero_", "aten::new_zeros", "aten::new_ones", "aten::threshold_backward", "aten::select_backward",
+    "aten::slice_backward", "aten::embedding", "aten::_unsafe_view", "aten::where", "aten::arange",
+    "aten::maximum", "aten::minimum", "aten::clamp", "aten::clamp_min", "aten::clamp_max",
+}
+_PRESERVES: dict = {}
+
+
 def writes_uninitialized(func) -> bool:
     """Ops whose outputs hold whatever was in memory: garbage may look like nan/inf."""
     return func._schema.name in _UNINITIALIZED_OPS
 
 
+def preserves_values(func) -> bool:
+    """Views and ops that only move or select values: their outputs are not checked."""
+    known = _PRESERVES.get(func)
+    if known is None:
+        known = _PRESERVES[func] = bool(func.is_view) or func._schema.name in _VALUE_PRESERVING_OPS
+    return known
+
+
 class Origin:
     """A nan/inf origin found at a check point, with how far its values spread."""
 
-    __slots__ = ("record", "kind", "input_kinds", "spread", "last", "reached_backward", "idents", "matters")
+    __slots__ = ("record", "kind", "input_kinds", "spread", "last", "reached_backward", "matters")
 
     def __init__(self, record, kind, input_kinds=frozenset()):
-        self.record = record
+        self.record = record  # the OpRecord of the op that made the value
         self.kind = kind
         self.input_kinds = input_kinds  # non-finite kinds its inputs held (inf, for a nan origin)
         self.spread = 0  # later ops that carried its values on
         self.last = record  # the last of them
         self.reached_backward = record.phase == BACKWARD
-        self.idents = set()
         self.matters = True
 
     def carried_by(self, record) -> None:
@@ -86,7 +110,7 @@ class Origin:
             spread = f"; by the check point it had spread to {self.spread} later op(s), the last {self.last.op} at {self.last.where} ({self.last.phase})"
         if contained:
             spread += "; it was absorbed before it mattered (no live tensor, gradient or backward op held it)"
-        if not record._inputs:
+        if not record._entry[E_NINPUTS]:
             inputs = "no tensor inputs"
         elif self.input_kinds:
             inputs = "inputs that held inf but no nan (inf - inf, 0 * inf, inf / inf)"
@@ -140,9 +164,14 @@ def _fix_for(record) -> str:
 class NonFiniteTracker:
     """Keeps per-output finiteness flags on device and resolves them at check points."""
 
-    def __init__(self) -> None:
-        self._stats: list[torch.Tensor] = []  # min, max pairs: 0-dim tensors on each output's device
-        self._entries: list[tuple] = []  # (record, output position, weakref to the output)
+    _CHUNK = 64  # 0-dim results stacked into one tensor at a time: fewer objects to keep
+
+    def __init__(self, log) -> None:
+        self._log = log
+        self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on each output's device
+        self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
+        self._entries: list[tuple] = []  # (op index, output position, weakref to the output)
+        self._devices: set = set()  # devices that flags wait on
         # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
         self._carry: dict[int, tuple] = {}
 
@@ -150,7 +179,15 @@ class NonFiniteTracker:
     def pending(self) -> int:
         return len(self._entries)
 
-    def observe(self, record, outputs, metas) -> None:
+    @property
+    def carrying(self) -> bool:
+        return bool(self._carry)
+
+    def pending_on(self, device) -> bool:
+        """Whether flags wait on ``device``: a host read there already pays for a sync."""
+        return device in self._devices
+
+    def observe(self, index, outputs, metas) -> None:
         """Hot path: queue one reduction per checkable floating output. No host sync."""
         for position, tensor in enumerate(outputs):
             dtype = metas[position][1]
@@ -161,44 +198,64 @@ class NonFiniteTracker:
             if tensor.numel() == 0 or tensor._is_zerotensor():
                 continue
             checked = tensor
+            if tensor.requires_grad:
+                checked = tensor.detach()  # in-place updates of parameters: record no graph
             if dtype in _COMPLEX:
-                checked = torch.view_as_real(tensor.resolve_conj())
+                checked = torch.view_as_real(checked.resolve_conj())
             low, high = torch.aminmax(checked)
-            self._stats.append(low)
-            self._stats.append(high)
-            self._entries.append((record, position, weakref.ref(tensor)))
+            stats = self._stats
+            if stats and stats[0].device != low.device:
+                self._stack()  # one chunk per device
+            if not stats:
+                self._devices.add(low.device)
+            stats.append(low)
+            stats.append(high)
+            self._entries.append((index, position, weakref.ref(tensor)))
+            if len(stats) >= self._CHUNK:
+                self._stack()
+
+    def _stack(self) -> None:
+        if self._stats:
+            self._chunks.append(torch.stack(self._stats))
+            self._stats = []
 
     def resolve(self, window) -> list[Origin]:
         """Check point: read all queued flags at once and return the new origins, oldest first.
 
-        ``window`` is every record since the previous check point, oldest first.
+        ``window`` is every log entry since the previous check point, oldest first.
         """
         if not self._entries:
             self._prune_carry()
             return []
+        self._stack()
         kinds = self._read_flags()
         entries = self._entries
-        self._stats, self._entries = [], []
+        self._chunks, self._entries = [], []
+        self._devices = set()
         flagged = {}
         refs = {}
-        for (record, position, ref), kind in zip(entries, kinds):
+        for (index, position, ref), kind in zip(entries, kinds):
             if kind is not None:
-                flagged[(record.index, position)] = kind
-                refs[record._outputs[position][3]] = ref
+                flagged[(index, position)] = kind
+                refs[(index, position)] = ref
         if not flagged and not self._carry:
             return []
         return self._replay(window, flagged, refs)
 
     def _read_flags(self) -> list[str | None]:
         by_device: dict = {}
-        for i in range(0, len(self._stats), 2):
-            by_device.setdefault(self._stats[i].device, []).append(i)
-        values = [None] * len(self._stats)
-        for indices in by_device.values():
-            # The one host read of this check point (per device).
-            stats = torch.stack([self._stats[j] for i in indices for j in (i, i + 1)]).tolist()
-            for k, i in enumerate(indices):
-                values[i], values[i + 1] = stats[2 * k], stats[2 * k + 1]
+        for chunk in self._chunks:
+            by_device.setdefault(chunk.device, []).append(chunk)
+        if len(by_device) == 1:
+            # The one host read of this check point.
+            chunks = self._chunks
+            values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
+            if math.isfinite(sum(values)):
+                return [None] * (len(values) // 2)  # the usual case: all finite
+        else:
+            # One host read per device; chunks are read back in their queued order.
+            read = {device: iter(torch.cat(chunks).tolist()) for device, chunks in by_device.items()}
+            values = [value for chunk in self._chunks for value in islice(read[chunk.device], len(chunk))]
         kinds = []
         for i in range(0, len(values), 2):
             low, high = values[i], values[i + 1]
@@ -211,54 +268,69 @@ class NonFiniteTracker:
         return kinds
 
     def _replay(self, window, flagged, refs) -> list[Origin]:
+        """Follow tensor identities through the window's ops to tell origins from spread."""
+        log = self._log
         # ident -> (kind, origin or None when it came from a deliberate constant). Carried
         # tensors count even if they died since: ops in this window may have read them first,
         # and an id reused by a newer tensor is overwritten by the op that made it.
-        status = {ident: (kind, origin) for ident, (kind, origin, ref) in self._carry.items()}
-        for ident, (kind, origin, ref) in self._carry.items():
-            refs.setdefault(ident, ref)
+        status = {ident: (kind, origin) for ident, (kind, origin, _) in self._carry.items()}
+        live = {ident: ref for ident, (_, _, ref) in self._carry.items()}
         origins: list[Origin] = []
-        for record in window:
-            outputs = record._outputs
+        for entry in window:
+            outputs = entry_outputs(entry)
             if not outputs:
                 continue
-            input_kinds = set()
-            input_origin = None
-            for meta in record._inputs:
-                state = status.get(meta[3])
-                if state is not None:
-                    input_kinds.add(state[0])
-                    input_origin = input_origin or state[1]
+            index = entry[E_INDEX]
+            func = log.funcs[entry[E_FUNC]]
+            input_states = [status[meta[3]] for meta in entry_inputs(entry) if meta[3] in status]
+            if preserves_values(func):
+                # Not checked: its outputs hold what its inputs held.
+                carrier = next((state for state in input_states if state[1] is not None), None)
+                if carrier is not None and carrier[1].last.index != index:
+                    carrier[1].carried_by(log.view(entry))
+                for meta in outputs:
+                    if input_states and meta[1] in _CHECKED_DTYPES:
+                        status[meta[3]] = input_states[0]
+                    else:
+                        status.pop(meta[3], None)
+                continue
+            input_kinds = {state[0] for state in input_states}
+            input_origin = next((state[1] for state in input_states if state[1] is not None), None)
+            record = None
             for position, meta in enumerate(outputs):
                 ident = meta[3]
-                kind = flagged.get((record.index, position))
+                kind = flagged.get((index, position))
                 if kind is None:
                     status.pop(ident, None)
                     continue
-                if _has_nonfinite_constant(record):
-                    origin = None
+                live[ident] = refs[(index, position)]
+                if _has_nonfinite_constant(entry):
+                    origin = None  # a deliberate constant such as masked_fill(mask, -inf)
                 elif (kind == "nan" and "nan" not in input_kinds) or (kind == "inf" and not input_kinds):
+                    record = record or log.view(entry)
                     origin = Origin(record, kind, frozenset(input_kinds))
                     origins.append(origin)
                 else:
                     origin = input_origin
-                    if origin is not None and origin.last is not record:
-                        origin.carried_by(record)
-                if origin is not None:
-                    origin.idents.add(ident)
+                    if origin is not None and origin.last.index != index:
+                        origin.carried_by(record or log.view(entry))
                 status[ident] = (kind, origin)
-        self._carry = {ident: (kind, origin, refs[ident]) for ident, (kind, origin) in status.items() if ident in refs and refs[ident]() is not None}
+        self._carry = {
+            ident: (kind, origin, live[ident])
+            for ident, (kind, origin) in status.items()
+            if ident in live and live[ident]() is not None
+        }
+        alive_origins = {id(origin) for _, origin, _ in self._carry.values() if origin is not None}
         for origin in origins:
-            origin_alive = any(state[1] is origin for state in self._carry.values())
-            origin.matters = origin.reached_backward or origin_alive
+            origin.matters = origin.reached_backward or id(origin) in alive_origins
         return origins
 
     def _prune_carry(self) -> None:
         self._carry = {ident: value for ident, value in self._carry.items() if value[2]() is not None}
 
 
-def _has_nonfinite_constant(record) -> bool:
-    for _, value in record._args:
+def _has_nonfinite_constant(entry) -> bool:
+    for value in entry[E_ARGS][1::2]:
         if type(value) is float and not math.isfinite(value):
             return True
     return False

@@ -1,7 +1,7 @@
 """The private ``TorchDispatchMode`` that sees every ATen op: the hot path of opwatch.
 
-Per op it stores small tuples only (tensor metadata, the user's code object and instruction
-offset, the module path), runs the pre-kernel checks, calls the kernel, and queues the
+Per op it stores one small tuple (tensor metadata, the interned source site, the module path;
+see :mod:`opwatch.records`), runs the pre-kernel checks, calls the kernel, and queues the
 sync-free nan/inf reduction. Everything that does not change between calls of one
 ``OpOverload`` is worked out once and cached in an :class:`_OpPlan`.
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-import weakref
-from collections import deque
 from itertools import islice
 
 import torch
@@ -26,38 +24,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import checks
 from ..checks import broadcast as broadcast_check
-from ..checks.nonfinite import NonFiniteTracker, writes_uninitialized
-from ..records import BACKWARD, FORWARD, OpRecord, short_op_name
-from ..sites import ENGINE, USER, classify_code
+from ..checks.nonfinite import NonFiniteTracker, preserves_values, writes_uninitialized
+from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, flatten_metas, short_op_name
+from ..sites import user_frame
 
 __all__ = ["OpInterceptor", "internal_work"]
 
 _current_autograd_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
-# Non-tensor argument values stored as they are; others are summarised by their type.
+# Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _HOST_READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
 _UNSQUEEZE = "aten::unsqueeze"
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
-# The "is this frame user code?" answer, per code object (a pure function of the code object).
-_code_kinds: dict = {}
 # Set while opwatch does its own tensor work, so that other watches do not record it.
 internal_work = threading.local()
 internal_work.active = False
 
-_FORWARD_SITES_LIMIT = 1 << 16
-_NO_SITE = (None, 0, None, None)
+_TABLE_LIMIT = 1 << 16  # forward sites and size-1 provenance kept, oldest dropped first
+_NO_SITE = (0, None, -1)
 
 
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("ignored", "mutated_args", "pre_checks", "host_read", "check_values", "unsqueeze", "preserves_shape", "pointwise")
+    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "unsqueeze", "preserves_shape")
 
-    def __init__(self, func, enabled: frozenset[str]):
+    def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
+        self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.ignored = func.namespace == "profiler"
         # Arguments written in place: the op's real outputs when it returns nothing
@@ -67,12 +64,11 @@ class _OpPlan:
             for position, arg in enumerate(func._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
-        self.pre_checks = tuple(check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
+        self.pre_checks = tuple(check.check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
         self.host_read = schema_name in _HOST_READS
-        self.check_values = checks.nonfinite.NAME in enabled and not writes_uninitialized(func)
+        self.check_values = checks.nonfinite.NAME in enabled and not (writes_uninitialized(func) or preserves_values(func))
         self.unsqueeze = schema_name == _UNSQUEEZE
-        self.pointwise = torch.Tag.pointwise in func.tags
-        self.preserves_shape = schema_name in _SHAPE_PRESERVING or self.pointwise
+        self.preserves_shape = schema_name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags
 
 
 class OpInterceptor(TorchDispatchMode):
@@ -82,26 +78,27 @@ class OpInterceptor(TorchDispatchMode):
     before the kernel runs, exactly like an error from the op itself.
     """
 
-    def __init__(self, *, log: deque, report, enabled: frozenset[str], modules, max_records: int, on_internal_error):
+    def __init__(self, *, log: OpLog, report, enabled: frozenset[str], modules, max_records: int, on_internal_error, first_index: int = 0):
         super().__init__()
         self._log = log
+        self._entries = log.entries
         self._report = report
         self._enabled = enabled
         self._modules = modules
         self._max_records = max_records
         self._on_internal_error = on_internal_error
         self._plans: dict = {}
-        self._next_index = 0
+        self.next_index = first_index
         self._broken = False
         self._track_provenance = broadcast_check.KIND in enabled
-        self.values = NonFiniteTracker()
-        self._window_start = 0  # first op index not yet covered by a check point
-        # autograd sequence number of a forward node -> (code, lasti, module) of its forward op
+        self.values = NonFiniteTracker(log)
+        self._window_start = first_index  # first op index not yet covered by a check point
+        # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
         self._last_seq = _get_sequence_nr()
-        # ident of a tensor with size-1 dims -> (weakref, deliberate dims, code, lasti, record)
+        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id, op index, op id)
         self._size1: dict = {}
-        self._site = (None, 0)
+        self._site_id = 0  # site of the op being checked
         # (op index, id of the exception) when a kernel raised
         self.failure: tuple[int, int] | None = None
 
@@ -115,179 +112,185 @@ class OpInterceptor(TorchDispatchMode):
         plan = self._plans.get(func)
         if plan is None:
             try:
-                plan = self._plans[func] = _OpPlan(func, self._enabled)
+                plan = self._plans[func] = _OpPlan(func, self._log.func_id(func), self._enabled)
             except Exception as error:
                 self._internal_error(error)
                 return func(*args, **kwargs)
         if plan.ignored:
             return func(*args, **kwargs)
         try:
-            record = self._record_call(func, args, kwargs)
+            head, inputs, flat_inputs = self._observe_call(func, plan, args, kwargs)
             finding = None
             for check in plan.pre_checks:
-                finding = check.check(func, record._inputs, self)
+                finding = check(func, inputs, self)
                 if finding is not None:
                     break
-            origins = self.check_point() if plan.host_read else ()
+            origins = ()
+            # A host read where flags wait is a free check point: the program syncs anyway.
+            if plan.host_read and inputs and self.values.pending_on(inputs[0][2]):
+                origins = self.check_point()
         except Exception as error:
             self._internal_error(error)
             return func(*args, **kwargs)
         # Outside the guard: in strict mode these raise, before the kernel runs.
         if origins:
             self._report_origins(origins)
+        record = None
         if finding is not None:
+            # In the log before it is reported: a strict raise dumps it as the failing op.
+            unfinished = head + (len(inputs), -1) + flat_inputs
+            self._entries.append(unfinished)
+            record = self._log.view(unfinished)
             self._report(finding, record)
         try:
             out = func(*args, **kwargs)
         except BaseException as error:
-            self.failure = (record.index, id(error))
+            if record is None:
+                self._entries.append(head + (len(inputs), -1) + flat_inputs)
+            self.failure = (head[E_INDEX], id(error))
             raise
         try:
-            self._record_result(plan, record, out, args, kwargs)
+            entry = self._observe_result(plan, head, inputs, flat_inputs, out, args, kwargs)
+            if record is None:
+                self._entries.append(entry)
+            else:
+                if self._entries and self._entries[-1] is record._entry:
+                    self._entries[-1] = entry
+                record._entry = entry
         except Exception as error:
             self._internal_error(error)
             return out
-        if record.index - self._window_start >= self._max_records:
+        if head[E_INDEX] - self._window_start >= self._max_records:
             self._report_origins(self.check_point())
         return out
 
-    def _record_call(self, func, args, kwargs) -> OpRecord:
+    def _observe_call(self, func, plan, args, kwargs) -> tuple[tuple, tuple, tuple]:
+        """The start of the op's log entry, and its tensor arguments' metadata (as tuples for
+        the checks, and flat for the log)."""
         tensors = []
-        others = []
-        for position, value in enumerate(args):
+        others = []  # flat: key, value, key, value, ...
+        position = 0
+        log = self._log
+        for value in args:
             if isinstance(value, _Tensor):
                 tensors.append(value)
             else:
-                self._split(position, value, tensors, others)
-        for name, value in kwargs.items():
-            if isinstance(value, _Tensor):
-                tensors.append(value)
-            else:
-                self._split(name, value, tensors, others)
-        try:
-            metas = tuple([(t.shape, t.dtype, t.device, id(t)) for t in tensors])
-        except Exception:
-            metas = tuple([_safe_meta(t) for t in tensors])
+                _split(position, value, tensors, others, log.intern)
+            position += 1
+        if kwargs:
+            for name, value in kwargs.items():
+                if isinstance(value, _Tensor):
+                    tensors.append(value)
+                else:
+                    _split(name, value, tensors, others, log.intern)
+        inputs, flat_inputs = _metas(tensors)
 
+        modules = self._modules
+        # Frames 0-2 are this method, __torch_dispatch__ and torch's wrapper around it.
+        code, lasti, reached_engine = user_frame(sys._getframe(3), modules.call_frame, modules.call_answer)
+        site = log.site_ids.get((code, lasti))
+        if site is None:
+            site = log.site_id(code, lasti)
+        forward_func = -1
+        module = modules.current
         node = _current_autograd_node()
-        code, lasti, reached_engine = _user_frame(sys._getframe(2))
-        forward_func = None
         if node is None:
             phase = FORWARD
-            module = self._modules.current
             seq = _get_sequence_nr()
             if seq != self._last_seq:
                 # This op created an autograd node: remember where, for its backward ops.
                 self._last_seq = seq
                 sites = self._forward_sites
-                sites[seq - 1] = (code, lasti, module, func)
-                if len(sites) > _FORWARD_SITES_LIMIT:
-                    for key in list(islice(sites, _FORWARD_SITES_LIMIT // 2)):
-                        del sites[key]
+                sites[seq - 1] = (site, module, plan.func_id)
+                if len(sites) > _TABLE_LIMIT:
+                    _drop_oldest_half(sites)
         else:
             phase = BACKWARD
-            module = self._modules.current
             if code is None or reached_engine:
                 # Run by the autograd engine: point at the forward op that made this node.
-                code, lasti, module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
-        self._site = (code, lasti)
-        record = OpRecord(self._next_index, func, metas, tuple(others), code, lasti, module, phase)
-        if phase is BACKWARD:
-            record.forward_func = forward_func
-        self._next_index += 1
-        self._log.append(record)
-        return record
+                site, module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
+        self._site_id = site
+        index = self.next_index
+        self.next_index = index + 1
+        head = (index, plan.func_id, site, module, phase, forward_func, log.intern(tuple(others)) if others else ())
+        return head, inputs, flat_inputs
 
-    @staticmethod
-    def _split(key, value, tensors, others) -> None:
-        kind = type(value)
-        if kind is list or kind is tuple:
-            if any(isinstance(item, _Tensor) for item in value):
-                tensors.extend(item for item in value if isinstance(item, _Tensor))
-            else:
-                others.append((key, tuple(value)))
-        elif kind in _PLAIN_VALUES:
-            others.append((key, value))
-        else:
-            others.append((key, kind))
-
-    def _record_result(self, plan, record, out, args, kwargs) -> None:
+    def _observe_result(self, plan, head, inputs, flat_inputs, out, args, kwargs) -> tuple:
+        """The op's complete log entry; queues the nan/inf reduction of its outputs."""
         if isinstance(out, _Tensor):
             outputs = (out,)
         elif type(out) is tuple or type(out) is list:
-            outputs = tuple(item for item in out if isinstance(item, _Tensor))
+            outputs = tuple([item for item in out if isinstance(item, _Tensor)])
         elif plan.mutated_args:
             outputs = _mutated_tensors(plan.mutated_args, args, kwargs)
         else:
             outputs = ()
-        try:
-            metas = tuple([(t.shape, t.dtype, t.device, id(t)) for t in outputs])
-        except Exception:
-            metas = tuple([_safe_meta(t) for t in outputs])
-        record._outputs = metas
-        if not outputs:
-            return
-        if self._track_provenance:
-            self._note_size1_dims(plan, record, outputs, metas)
-        if plan.check_values:
-            internal_work.active = True
-            grad_was_enabled = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                self.values.observe(record, outputs, metas)
-            finally:
-                torch._C._set_grad_enabled(grad_was_enabled)
-                internal_work.active = False
+        metas, flat_outputs = _metas(outputs)
+        entry = head + (len(inputs), len(metas)) + flat_inputs + flat_outputs
+        if outputs:
+            if self._track_provenance:
+                self._note_size1_dims(plan, entry, inputs, metas)
+            if plan.check_values:
+                internal_work.active = True
+                try:
+                    self.values.observe(head[E_INDEX], outputs, metas)
+                finally:
+                    internal_work.active = False
+        return entry
 
     # -- what the checks may ask (CheckContext) ------------------------------------------
 
     def deliberate_dims(self, meta) -> frozenset[int]:
-        entry = self._size1_entry(meta)
-        if entry is None:
+        known = self._size1_entry(meta)
+        if known is None:
             return frozenset()
-        if (entry[2], entry[3]) == self._site and entry[2] is not None:
+        if known[2] == self._site_id and known[2] != 0:
             # Made inside the same call as this op (torch.outer reshapes internally).
             return frozenset(range(-len(meta[0]), 0))
-        return entry[1]
+        return frozenset(known[1])
 
     def producer(self, meta) -> str | None:
-        entry = self._size1_entry(meta)
-        if entry is None:
+        known = self._size1_entry(meta)
+        if known is None:
             return None
-        record = entry[4]
+        record = self._log.find(known[3])
+        if record is None:
+            return short_op_name(self._log.funcs[known[4]])
         return f"{short_op_name(record.func)} at {record.where}"
 
     def _size1_entry(self, meta):
-        entry = self._size1.get(meta[3])
-        if entry is None or entry[0]() is None:
+        known = self._size1.get(meta[3])
+        # An id is reused once its tensor dies; a different shape means another tensor.
+        if known is None or known[0] != meta[0]:
             return None
-        return entry
+        return known
 
-    def _note_size1_dims(self, plan, record, outputs, metas) -> None:
-        for tensor, meta in zip(outputs, metas):
+    def _note_size1_dims(self, plan, entry, inputs, metas) -> None:
+        for meta in metas:
             shape = meta[0]
-            if 1 not in shape:
+            if shape is None or 1 not in shape:
                 continue
-            deliberate = frozenset()
+            deliberate = ()
             if plan.unsqueeze:
-                dim = record._args[0][1] if record._args else 0
+                args = entry[6]
+                dim = args[1] if args else 0
                 ndim = len(shape)
                 new_dim = (dim if dim >= 0 else dim + ndim) - ndim
-                inherited = self._inherited(record, shape)
-                deliberate = frozenset(d if d > new_dim else d - 1 for d in inherited) | {new_dim}
+                inherited = self._inherited(inputs, shape)
+                deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in inherited} | {new_dim}))
             elif plan.preserves_shape:
-                deliberate = self._inherited(record, shape)
-            self._size1[meta[3]] = (weakref.ref(tensor), deliberate, record._code, record._lasti, record)
-        if len(self._size1) > 4 * self._max_records + 1024:
-            self._size1 = {key: entry for key, entry in self._size1.items() if entry[0]() is not None}
+                deliberate = tuple(self._inherited(inputs, shape))
+            self._size1[meta[3]] = (shape, deliberate, entry[2], entry[E_INDEX], entry[1])
+        if len(self._size1) > _TABLE_LIMIT:
+            _drop_oldest_half(self._size1)
 
-    def _inherited(self, record, shape) -> frozenset[int]:
+    def _inherited(self, inputs, shape) -> set[int]:
         dims = set()
-        for meta in record._inputs:
-            entry = self._size1_entry(meta)
-            if entry is not None:
-                dims.update(d for d in entry[1] if -len(shape) <= d and shape[d] == 1)
-        return frozenset(dims)
+        for meta in inputs:
+            known = self._size1_entry(meta)
+            if known is not None:
+                dims.update(d for d in known[1] if -len(shape) <= d and shape[d] == 1)
+        return dims
 
     # -- check points ----------------------------------------------------------------------
 
@@ -296,13 +299,12 @@ class OpInterceptor(TorchDispatchMode):
         if self._broken:
             return []
         window_start = self._window_start
-        self._window_start = self._next_index
-        if not self.values.pending and not self.values._carry:
+        self._window_start = self.next_index
+        if not self.values.pending and not self.values.carrying:
             return []
         internal_work.active = True
         try:
-            window = [record for record in self._log if record.index >= window_start]
-            return self.values.resolve(window)
+            return self.values.resolve(self._log.since(window_start))
         except Exception as error:
             self._internal_error(error)
             return []
@@ -319,24 +321,36 @@ class OpInterceptor(TorchDispatchMode):
         self._on_internal_error(error, traceback.format_exc())
 
 
-def _user_frame(frame):
-    """The innermost user frame: ``(code, lasti, reached_engine)``.
+def _split(key, value, tensors, others, intern) -> None:
+    """Sort one non-tensor argument: tensor lists join ``tensors``; the rest goes to the flat
+    ``others`` as key and value (lists interned, unknown types summarised by their name)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        if any(isinstance(item, _Tensor) for item in value):
+            tensors.extend(item for item in value if isinstance(item, _Tensor))
+            return
+        value = intern(tuple(value)) if all(type(item) in _PLAIN_VALUES for item in value) else kind.__name__
+    elif kind not in _PLAIN_VALUES:
+        value = kind.__name__
+    others.append(key)
+    others.append(value)
 
-    ``reached_engine`` is true when the walk met autograd's engine entry before any user
-    frame: the op is run by the engine, not by user code such as a backward hook.
-    """
-    kinds = _code_kinds
-    while frame is not None:
-        code = frame.f_code
-        kind = kinds.get(code)
-        if kind is None:
-            kind = kinds[code] = classify_code(code)
-        if kind == USER:
-            return code, frame.f_lasti, False
-        if kind == ENGINE:
-            return None, 0, True
-        frame = frame.f_back
-    return None, 0, False
+
+def _metas(tensors) -> tuple[tuple, tuple]:
+    """``((shape, dtype, device, ident), ...)`` for the checks, and the same flat for the log
+    (see :mod:`opwatch.records`), in one pass."""
+    try:
+        metas = []
+        flat = []
+        for tensor in tensors:
+            shape = tuple(tensor.shape)
+            meta = (shape, tensor.dtype, tensor.device, id(tensor))
+            metas.append(meta)
+            flat += (len(shape), *shape, *meta[1:])
+        return tuple(metas), tuple(flat)
+    except Exception:
+        metas = tuple([_safe_meta(tensor) for tensor in tensors])
+        return metas, flatten_metas(metas)
 
 
 def _mutated_tensors(mutated_args, args, kwargs) -> tuple:
@@ -361,3 +375,8 @@ def _safe_meta(tensor) -> tuple:
     except Exception:
         device = torch.device("meta")
     return (shape, tensor.dtype, device, id(tensor))
+
+
+def _drop_oldest_half(table: dict) -> None:
+    for key in list(islice(table, len(table) // 2)):
+        del table[key]

@@ -10,21 +10,32 @@ without being registered as its child is named ``<parent path>.<ClassName>``.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..sites import user_frame
+
 __all__ = ["ModuleStack"]
 
 
 class ModuleStack:
-    """The module paths currently running in one thread; ``current`` is the innermost."""
+    """The module paths currently running in one thread; ``current`` is the innermost.
+
+    It also remembers, for the innermost module, the frame that called it and the user frame
+    above that call, so that the interceptor's frame walk can stop there (see
+    :func:`opwatch.sites.user_frame`). That frame is executing while remembered: holding it
+    keeps nothing alive that would not be alive anyway.
+    """
 
     def __init__(self) -> None:
         self.current: str | None = None
-        self._paths: list[str] = []
+        self.call_frame = None
+        self.call_answer = None
+        self._stack: list[tuple] = []  # (path, call frame, user frame answer)
         self._thread = threading.get_ident()
         # root module -> {descendant module -> path relative to that root}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -41,27 +52,32 @@ class ModuleStack:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
-        self._paths.clear()
-        self.current = None
+        self._stack.clear()
+        self.current = self.call_frame = self.call_answer = None
 
     def _enter(self, module: nn.Module, args) -> None:
         if threading.get_ident() != self._thread:
             return
-        if not self._paths:
+        if not self._stack:
             self._root_names = self._names_for_root(module)
             path = type(module).__name__
         else:
             path = self._root_names.get(module) if self._root_names is not None else None
             if path is None:
-                path = f"{self._paths[-1]}.{type(module).__name__}"
-        self._paths.append(path)
-        self.current = path
+                path = f"{self._stack[-1][0]}.{type(module).__name__}"
+        call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
+        answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
+        self._stack.append((path, call_frame, answer))
+        self.current, self.call_frame, self.call_answer = path, call_frame, answer
 
     def _exit(self, module: nn.Module, args, output) -> None:
-        if threading.get_ident() != self._thread or not self._paths:
+        if threading.get_ident() != self._thread or not self._stack:
             return
-        self._paths.pop()
-        self.current = self._paths[-1] if self._paths else None
+        self._stack.pop()
+        if self._stack:
+            self.current, self.call_frame, self.call_answer = self._stack[-1]
+        else:
+            self.current = self.call_frame = self.call_answer = None
 
     def _names_for_root(self, root: nn.Module) -> weakref.WeakKeyDictionary:
         names = self._names.get(root)
