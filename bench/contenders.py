@@ -15,6 +15,7 @@ host syncs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import sys
@@ -95,22 +96,36 @@ def load_opwatch() -> tuple[Any | None, str]:
     if missing:
         return None, f"opwatch has no {', '.join(missing)}"
     version = getattr(opwatch, "__version__", "unknown version")
-    return opwatch, f"opwatch {version} from {getattr(opwatch, '__file__', '?')}"
+    where = getattr(opwatch, "__file__", None) or "?"
+    return opwatch, f"opwatch {version} from {where} (sources {_source_digest(where)})"
+
+
+def _source_digest(init_file: str) -> str:
+    """Short hash of the package's .py files, to tell which code a report measured."""
+    root = os.path.dirname(init_file)
+    digest = hashlib.sha1()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    return f"sha1 {digest.hexdigest()[:10]}"
 
 
 def probe_checks(opwatch: Any) -> str | None:
     """Return None if ``watch(checks=...)`` works, else why it does not.
 
-    The probe enters a watch with every check but 'nonfinite' and runs one op;
-    a TypeError or ValueError means the option is missing or spelled
-    differently, which the report states instead of guessing.
+    The probe enters a watch with every check but 'nonfinite', then one with
+    all four, and runs one op in each; an error (typically TypeError or
+    ValueError) means the option is missing or spelled differently, which the
+    report states instead of guessing.
     """
     try:
         with opwatch.watch(checks=[c for c in ALL_CHECKS if c != "nonfinite"]):
             torch.ones(2) + 1
         with opwatch.watch(checks=ALL_CHECKS):
             torch.ones(2) + 1
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # TypeError/ValueError: the option is not there as assumed
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -218,24 +233,28 @@ class BypassReads:
 
 @dataclass(frozen=True)
 class OpCount:
-    """What the counters around one contender saw, normalised per step.
+    """What the counters around one contender saw.
 
-    ``ops``, ``host_reads`` (dispatched ``_local_scalar_dense``-style reads)
-    and ``bypass_reads`` (``tolist``/``numpy``) were counted while the steps
-    ran; ``exit_*`` are the contender's ``__exit__`` work (e.g. a final check
-    point), counted once.  ``total_reads`` and ``profiler_reads`` cover the
-    whole block, per step, and feed the cross-check for hidden host reads.
+    Per step, while the steps ran: ``ops`` (and ``by_op``, by op name),
+    ``host_reads`` (dispatched
+    ``_local_scalar_dense``-style reads) and ``bypass_reads``
+    (``tolist``/``numpy``).  Once, in the contender's ``__exit__`` (e.g. a
+    final check point): ``exit_ops``, ``exit_reads``, ``exit_bypass_reads``.
+    For the hidden-read cross-check, over a short block of ``profile_steps``
+    steps including the exit: ``total_reads`` (counter) and
+    ``profiler_reads`` (profiler).
     """
 
     steps: int
     ops: float
+    by_op: dict[str, float]
     host_reads: float
     bypass_reads: float
     exit_ops: int
     exit_reads: int
     exit_bypass_reads: int
-    total_reads: float
-    profiler_reads: float
+    total_reads: int
+    profiler_reads: int
 
 
 def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, steps: int) -> None:
@@ -245,8 +264,19 @@ def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, step
             contender.per_step(handle)
 
 
-def count_ops(step: Callable[[], None], contender: Contender, steps: int) -> OpCount:
-    """Run ``steps`` steps in one context of ``contender`` under the counters.
+def _count(step: Callable[[], None], contender: Contender, steps: int):
+    """One block under OpCounter + BypassReads; returns them and the in-steps counts."""
+    counter = OpCounter()
+    with BypassReads() as bypass, counter:
+        with contender.make() as handle:
+            _run_steps(step, contender, handle, steps)
+            during = (counter.total, counter.host_reads, bypass.count, Counter(counter.by_op))
+    return counter, bypass, during
+
+
+def count_ops(step: Callable[[], None], contender: Contender, steps: int,
+              profile_steps: int) -> OpCount:
+    """Count what ``contender`` adds over ``steps`` steps in one context.
 
     The OpCounter is entered first, so it sits *below* the contender on the
     mode stack and sees what the contender forwards plus whatever it issues
@@ -258,21 +288,20 @@ def count_ops(step: Callable[[], None], contender: Contender, steps: int) -> OpC
     disabled.  A Python mode makes the profiler record each forwarded op twice
     (once on entry, once on redispatch), so profiler counts are only
     comparable between Python-mode contenders (e.g. against the passthrough).
+    The profiler's Python-side event list is slow to build, hence the shorter
+    ``profile_steps`` block, which every contender must share.
     """
-    counter = OpCounter()
-    with BypassReads() as bypass, counter:
-        with contender.make() as handle:
-            _run_steps(step, contender, handle, steps)
-            in_ops, in_reads, in_bypass = counter.total, counter.host_reads, bypass.count
-
+    counter, bypass, (ops, reads, bypassed, by_op) = _count(step, contender, steps)
+    short = counter if profile_steps == steps else _count(step, contender, profile_steps)[0]
     with _quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with contender.make() as handle:
-            _run_steps(step, contender, handle, steps)
-    profiler_reads = sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+            _run_steps(step, contender, handle, profile_steps)
     return OpCount(
-        steps=steps, ops=in_ops / steps, host_reads=in_reads / steps,
-        bypass_reads=in_bypass / steps, exit_ops=counter.total - in_ops,
-        exit_reads=counter.host_reads - in_reads, exit_bypass_reads=bypass.count - in_bypass,
-        total_reads=counter.host_reads / steps, profiler_reads=profiler_reads / steps,
+        steps=steps, ops=ops / steps, by_op={k: v / steps for k, v in by_op.items()},
+        host_reads=reads / steps, bypass_reads=bypassed / steps,
+        exit_ops=counter.total - ops, exit_reads=counter.host_reads - reads,
+        exit_bypass_reads=bypass.count - bypassed,
+        total_reads=short.host_reads,
+        profiler_reads=sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense"),
     )

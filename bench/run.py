@@ -1,24 +1,25 @@
 """opwatch benchmark suite: entry point.
 
-    python -m bench.run            # full run, a few minutes
-    python -m bench.run --quick    # smoke run, well under a minute
+    python -m bench.run            # full run, about 3 minutes on 2 cores
+    python -m bench.run --quick    # smoke run, under a minute
     python -m bench.run --only tfm32 --only memory
+    python -m bench.run --clock wall   # wall time instead of process CPU time
 
-What it prints (all numbers are measured within this one run; never compare
-absolute times between runs on a noisy machine, compare the ratios):
+What it prints (all numbers are measured within this one run; on a noisy
+machine compare ratios, never absolute times, between runs):
 
-1. A header with the machine, versions and which opwatch was found.
+1. A header: machine, versions, and which opwatch was found (with a hash of
+   its sources, to tell which code a report measured).
 2. The main table: for each workload and contender, median ms per step, the
    per-round paired ratio to eager and to the passthrough "floor", the
    overhead per op in microseconds, and ATen ops per step.
-3. What opwatch adds: the ops and host reads a counting dispatch mode,
-   entered outside opwatch, sees per step compared with the same counter
-   around eager.
-4. The targets (watch() <= 2x the floor on tfm32, >= 5x faster than
-   DebugMode with stack traces and module tracking).
+3. What opwatch adds: the ops and host reads that counters entered outside
+   opwatch see per step, compared with the same counters around eager.
+4. The targets: watch() <= 2x the floor on tfm32, and >= 5x faster than
+   DebugMode with stack traces and module tracking.
 5. The price of the nan/inf check on large tensors (tfm256).
-6. Memory: flat RSS and constant per-op cost over a long watch, and bytes per
-   record.
+6. Memory: flat RSS and constant per-op cost over a 10,000-step watch (in a
+   fresh process), and bytes per record.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -44,10 +46,10 @@ from bench.contenders import (
     Contender, OpCount, checks_contenders, count_ops, load_opwatch, main_contenders,
     probe_checks,
 )
-from bench.timing import Measurement, measure, paired_ratio
+from bench.timing import CLOCKS, Measurement, measure, paired_difference, paired_ratio
 from bench.workloads import WORKLOADS
 
-EAGER, FLOOR, WATCH, STRICT = "eager", "passthrough", "opwatch.watch()", "opwatch.strict()"
+EAGER, FLOOR, WATCH = "eager", "passthrough", "opwatch.watch()"
 DEBUG_FULL = "DebugMode(stack,module)"
 CHECKS_VARIANTS = ("watch(no nonfinite)", "watch(no checks)")
 DEFAULT_MAX_RECORDS = 10_000  # opwatch's documented default
@@ -72,7 +74,7 @@ class Config:
     rss_subprocess: bool   # measure bytes/record by RSS in fresh processes too
 
 
-FULL = Config(rounds=7, target_seconds=0.15, count_steps=5, count_window=True, memory_steps=10_000,
+FULL = Config(rounds=15, target_seconds=0.1, count_steps=5, count_window=True, memory_steps=10_000,
               memory_block=1_000, record_sizes=(1_000, 20_000), rss_subprocess=True)
 QUICK = Config(rounds=3, target_seconds=0.02, count_steps=2, count_window=False, memory_steps=1_000,
                memory_block=100, record_sizes=(500, 5_000), rss_subprocess=False)
@@ -98,40 +100,40 @@ def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
 # --------------------------------------------------------------------------- running
 
 
-def run_workload(name: str, contenders: list[Contender], cfg: Config) -> WorkloadResult:
+def run_workload(name: str, contenders: list[Contender], cfg: Config, clock: str) -> WorkloadResult:
     """Build the workload, count its ops, time every contender on it."""
-    wl = WORKLOADS[name]
-    step = wl.factory()
+    step = WORKLOADS[name].factory()
     by_name = {c.name: c for c in contenders}
 
-    log(f"[{name}] counting ops")
-    counts = {EAGER: count_ops(step, by_name[EAGER], cfg.count_steps)}
+    log(f"[{name}] counting ops (RSS {memory.rss_bytes() / 2**20:.0f} MB)")
+    n_short = cfg.count_steps
+    counts = {EAGER: count_ops(step, by_name[EAGER], n_short, n_short)}
     user_ops = counts[EAGER].ops
-    steps = cfg.count_steps
+    n_window = n_short
     if cfg.count_window:
-        # opwatch forces a check point at the latest every max_records ops; count over
-        # more than that so the per-step host reads include it.
-        steps = max(steps, math.ceil(1.05 * DEFAULT_MAX_RECORDS / user_ops))
+        # opwatch forces a check point at the latest every max_records ops: count
+        # watch() over more than that, so its per-step host reads include one.
+        # (The other variants share that code path; a short count shows their ops.)
+        n_window = max(n_short, math.ceil(1.05 * DEFAULT_MAX_RECORDS / user_ops))
     for c in contenders:
         if c.is_opwatch or c.name == FLOOR:
             try:
-                # The checks variants only show op counts: a short count is enough.
-                n = cfg.count_steps if c.name in CHECKS_VARIANTS else steps
-                counts[c.name] = count_ops(step, c, n)
+                n = n_window if c.name == WATCH else n_short
+                counts[c.name] = count_ops(step, c, n, n_short)
             except Exception as exc:  # reported by the timing pass as well
                 log(f"[{name}] counting under {c.name} failed: {exc!r}")
 
     log(f"[{name}] timing {len(contenders)} contenders x {cfg.rounds} rounds")
     t0 = time.perf_counter()
-    ms = measure(step, contenders, cfg.rounds, cfg.target_seconds)
-    log(f"[{name}] done in {time.perf_counter() - t0:.1f}s")
+    ms = measure(step, contenders, cfg.rounds, cfg.target_seconds, CLOCKS[clock])
+    log(f"[{name}] done in {time.perf_counter() - t0:.1f}s (RSS {memory.rss_bytes() / 2**20:.0f} MB)")
     return WorkloadResult(name, ms, user_ops, counts)
 
 
 # --------------------------------------------------------------------------- reporting
 
 
-def header(opwatch_status: str) -> str:
+def header(opwatch_status: str, clock: str) -> str:
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     return "\n".join([
         "opwatch benchmark",
@@ -140,6 +142,7 @@ def header(opwatch_status: str) -> str:
         f"  python  : {platform.python_version()}   torch: {torch.__version__}   "
         f"torch threads: {torch.get_num_threads()}",
         f"  opwatch : {opwatch_status}",
+        f"  timing  : {'process CPU time (not counting other processes)' if clock == 'cpu' else 'wall time'}",
     ])
 
 
@@ -151,11 +154,12 @@ def main_table(results: list[WorkloadResult]) -> str:
         for name, m in wr.measurements.items():
             note = m.error or ""
             if m.anomalies:
-                note = f"{m.anomalies} anomalies ({', '.join(sorted(m.anomaly_kinds))})"
+                note = f"{m.anomalies} anomalies/block ({', '.join(sorted(m.anomaly_kinds))})"
             ok = m.error is None and m.seconds
             per_op = None
-            if ok and eager and eager.seconds and wr.user_ops:
-                per_op = (m.median - eager.median) / wr.user_ops * 1e6
+            if ok and eager and wr.user_ops:
+                diff = paired_difference(m, eager)
+                per_op = None if diff is None else diff / wr.user_ops * 1e6
             rows.append([
                 wr.name if first else "",
                 name,
@@ -194,11 +198,20 @@ def extras_table(results: list[WorkloadResult]) -> str:
                 fmt(c.host_reads - eager.host_reads, "+.3f"),
                 fmt(c.bypass_reads - eager.bypass_reads, "+.3f"),
                 f"{c.exit_ops} / {c.exit_reads} / {c.exit_bypass_reads}",
-                fmt(unseen, "+.3f"),
+                fmt(unseen, "d"),
+                _top_extra_ops(c, eager),
             ])
     return tabulate(rows, headers=["workload", "contender", "steps", "user ops", "ops seen",
-                                   "extra ops/user op", "added reads", "added tolist",
-                                   "exit: ops/reads/tolist", "unseen reads"])
+                                   "extra/user op", "+reads", "+tolist", "exit ops/reads/tolist",
+                                   "unseen*", "most added ops"])
+
+
+def _top_extra_ops(c: OpCount, eager: OpCount, n: int = 2) -> str:
+    """The ops the contender adds most of, per step: 'aminmax 131, stack 0.03'."""
+    extra = {op: per_step - eager.by_op.get(op, 0.0) for op, per_step in c.by_op.items()}
+    top = sorted((d, op) for op, d in extra.items() if d > 0.005)[::-1][:n]
+    return ", ".join(f"{op.removeprefix('aten.').removesuffix('.default')} {d:.3g}"
+                     for d, op in top)
 
 
 def targets_report(results: list[WorkloadResult]) -> str:
@@ -236,14 +249,14 @@ def nonfinite_report(wr: WorkloadResult | None, checks_problem: str | None) -> s
     eager, all_c, no_nf = ms.get(EAGER), ms.get(WATCH), ms.get(CHECKS_VARIANTS[0])
     if not (eager and all_c and no_nf) or any(m.error for m in (eager, all_c, no_nf)):
         return "  skipped (a checks contender failed; see the main table)"
-    # Paired per round, like the ratios: (all - no_nonfinite) / eager.
-    share = [(a - b) / e for a, b, e in zip(all_c.seconds, no_nf.seconds, eager.seconds)]
-    share.sort()
-    med = share[len(share) // 2]
-    per_op = (all_c.median - no_nf.median) / wr.user_ops * 1e6
-    return (f"  {wr.name}: nan/inf check costs {(all_c.median - no_nf.median) * 1e3:+.3f} ms/step "
-            f"= {med * 100:+.1f}% of an eager step = {per_op:+.2f} us/op "
-            f"(median over rounds; rounds ranged {share[0] * 100:+.1f}%..{share[-1] * 100:+.1f}%)")
+    # Paired per round, like the ratios.
+    diffs = sorted(a - b for a, b in zip(all_c.seconds, no_nf.seconds))
+    shares = sorted((a - b) / e for a, b, e in zip(all_c.seconds, no_nf.seconds, eager.seconds))
+    diff, share = statistics.median(diffs), statistics.median(shares)
+    return (f"  {wr.name}: watch() with the nan/inf check vs without it: {diff * 1e3:+.2f} ms/step "
+            f"= {share * 100:+.0f}% of an eager step = {diff / wr.user_ops * 1e6:+.1f} us/op\n"
+            f"  (median of per-round differences; rounds ranged {shares[0] * 100:+.0f}% to "
+            f"{shares[-1] * 100:+.0f}% of an eager step)")
 
 
 # --------------------------------------------------------------------------- main
@@ -252,6 +265,9 @@ def nonfinite_report(wr: WorkloadResult | None, checks_problem: str | None) -> s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fast smoke run (< 1 minute)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                   help="time steps in process CPU time (default; ignores other processes) "
+                        "or wall time")
     p.add_argument("--only", action="append", metavar="NAME",
                    choices=[*WORKLOADS, "memory"],
                    help="run only this workload, or 'memory' (repeatable)")
@@ -272,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in WORKLOADS if not args.only or n in args.only]
     run_memory = not args.only or "memory" in args.only
 
-    results = []
+    results, skipped = [], []
     for name in names:
         contenders = main_contenders(opwatch)
         if name == NAN_WORKLOAD and opwatch is not None and checks_problem is None:
             contenders += checks_contenders(opwatch)
-        results.append(run_workload(name, contenders, cfg))
+        try:
+            results.append(run_workload(name, contenders, cfg, args.clock))
+        except Exception as exc:  # e.g. the workload cannot be built here
+            log(f"[{name}] skipped: {exc!r}")
+            skipped.append(f"  {name}: skipped ({type(exc).__name__}: {exc})")
 
     mem_text = None
     if run_memory:
@@ -285,29 +305,32 @@ def main(argv: list[str] | None = None) -> int:
             mem_text = "  skipped: opwatch not available"
         else:
             mem_text = memory.report(opwatch, cfg.memory_steps, cfg.memory_block,
-                                     cfg.record_sizes, cfg.rss_subprocess, log)
+                                     cfg.record_sizes, cfg.rss_subprocess, args.clock, log)
 
-    out = [header(status), ""]
+    out = [header(status, args.clock), ""]
     if results:
         out += [f"Workloads ({cfg.rounds} interleaved rounds, medians; ratios are per-round paired "
                 f"medians; 'noise' is the median absolute deviation of the rounds):"]
         out += [f"  {n:7s} {WORKLOADS[n].description}" for n in names]
-        out += ["", main_table(results), ""]
+        out += ["Compare ratios, not absolute times, between runs.", "", main_table(results), ""]
+        out += skipped + ([""] if skipped else [])
         if opwatch is not None:
             out += ["What opwatch adds, per step, seen by a counting mode entered outside it",
                     "(steps run in one context; the context's exit is counted apart):",
                     extras_table(results),
-                    "  added reads : host reads (aten._local_scalar_dense/is_nonzero/item) beyond eager's",
-                    "  added tolist: Tensor.tolist()/numpy() calls beyond eager's (host reads that "
+                    "  +reads : host reads (aten._local_scalar_dense/is_nonzero/item) beyond eager's",
+                    "  +tolist: Tensor.tolist()/numpy() calls beyond eager's (host reads that "
                     "dispatch no op on CPU)",
-                    "  unseen reads: host reads the profiler saw (beyond the passthrough's) that the "
-                    "counter did not, i.e. done with dispatch disabled; 0 expected",
+                    f"  unseen*: in a {cfg.count_steps}-step block with its exit, host reads the "
+                    "profiler saw (beyond the passthrough's) that the counter did not (done with "
+                    "dispatch disabled); 0 expected",
                     ""]
         out += ["Targets:", targets_report(results), ""]
         if NAN_WORKLOAD in names:
+            nan_result = next((r for r in results if r.name == NAN_WORKLOAD), None)
             out += ["Cost of the nan/inf check on large tensors:",
-                    nonfinite_report(next(r for r in results if r.name == NAN_WORKLOAD)
-                                     if opwatch is not None else None, checks_problem), ""]
+                    nonfinite_report(nan_result if opwatch is not None else None, checks_problem),
+                    ""]
     if mem_text is not None:
         out += ["Memory and cost over a long watch:", mem_text, ""]
     out.append(f"total bench time {time.perf_counter() - t_start:.0f}s")

@@ -11,7 +11,11 @@ absolute times across runs.  Instead, within one run:
   drift that a ratio of medians would keep;
 * each timed block uses a fresh context (built outside the timer) and
   includes its ``__enter__`` and ``__exit__``, so end-of-block work such as a
-  final batched check is paid for.
+  final batched check is paid for;
+* by default blocks are timed in process CPU time, not wall time: every
+  workload is single-threaded CPU work (``torch.set_num_threads(1)``, CPU
+  backward runs on the calling thread), so on an idle machine the two agree,
+  but CPU time does not count the time other processes hold the core.
 """
 
 from __future__ import annotations
@@ -20,9 +24,14 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .contenders import Contender
 from .workloads import Step
+
+Clock = Callable[[], float]
+#: Clocks by name: "cpu" (default, robust to other processes) and "wall".
+CLOCKS: dict[str, Clock] = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 @dataclass
@@ -33,7 +42,7 @@ class Measurement:
     steps_per_block: int = 1
     seconds: list[float] = field(default_factory=list)
     error: str | None = None
-    anomalies: int = 0
+    anomalies: int = 0  # most anomalies an opwatch contender reported in one block
     anomaly_kinds: set[str] = field(default_factory=set)
 
     @property
@@ -47,12 +56,16 @@ class Measurement:
         return statistics.median(abs(s - med) for s in self.seconds) / med if med else 0.0
 
 
-def run_block(contender: Contender, step: Step, n: int, m: Measurement | None = None) -> float:
+def run_block(contender: Contender, step: Step, n: int, m: Measurement | None = None,
+              clock: Clock = time.process_time) -> float:
     """Time ``n`` steps inside one fresh context; return seconds per step."""
     ctx = contender.make()
-    gc.collect()  # don't bill this block for the previous block's garbage
+    # Don't bill this block for the previous block's young garbage.  A full
+    # collection would be fairer still but costs ~0.2 s with torch loaded,
+    # far more than most blocks.
+    gc.collect(1)
     per_step = contender.per_step
-    t0 = time.perf_counter()
+    t0 = clock()
     with ctx as handle:
         if per_step is None:
             for _ in range(n):
@@ -61,10 +74,10 @@ def run_block(contender: Contender, step: Step, n: int, m: Measurement | None = 
             for _ in range(n):
                 step()
                 per_step(handle)
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
     if m is not None and contender.is_opwatch:
         anomalies = list(getattr(handle, "anomalies", ()))
-        m.anomalies += len(anomalies)
+        m.anomalies = max(m.anomalies, len(anomalies))
         m.anomaly_kinds.update(str(getattr(a, "kind", "?")) for a in anomalies)
     return elapsed / n
 
@@ -74,8 +87,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
 
 
-def measure(step: Step, contenders: list[Contender], rounds: int,
-            target_seconds: float, max_steps: int = 200) -> dict[str, Measurement]:
+def measure(step: Step, contenders: list[Contender], rounds: int, target_seconds: float,
+            clock: Clock = time.process_time, max_steps: int = 200) -> dict[str, Measurement]:
     """Measure every contender on ``step``; return measurements by name.
 
     Each contender first runs two one-step warm-up blocks (the second also
@@ -86,8 +99,8 @@ def measure(step: Step, contenders: list[Contender], rounds: int,
     for c in contenders:
         m = results[c.name]
         try:
-            run_block(c, step, 1)
-            per_step = run_block(c, step, 1)
+            run_block(c, step, 1, clock=clock)
+            per_step = run_block(c, step, 1, clock=clock)
         except Exception as exc:
             m.error = _describe(exc)
             continue
@@ -101,7 +114,7 @@ def measure(step: Step, contenders: list[Contender], rounds: int,
             if m.error is not None:
                 continue
             try:
-                m.seconds.append(run_block(c, step, m.steps_per_block, m))
+                m.seconds.append(run_block(c, step, m.steps_per_block, m, clock))
             except Exception as exc:
                 m.error = _describe(exc)
     return results
@@ -113,3 +126,11 @@ def paired_ratio(a: Measurement, b: Measurement) -> float | None:
     if not pairs or a.error or b.error:
         return None
     return statistics.median(pairs)
+
+
+def paired_difference(a: Measurement, b: Measurement) -> float | None:
+    """Median over rounds of a-b (seconds per step), same-round pairs."""
+    diffs = [x - y for x, y in zip(a.seconds, b.seconds)]
+    if not diffs or a.error or b.error:
+        return None
+    return statistics.median(diffs)

@@ -123,4 +123,5 @@ def test_cli_demo_shows_the_diagnoses():
     assert "dtype_mismatch in aten.masked_scatter_.default at opwatch/examples/device_mix.py:18" in out
     assert "broadcast in aten.sub.Tensor at opwatch/examples/broadcast_loss.py:26 (forward) [x100]" in out
     assert "inf in aten.log.default at opwatch/examples/log_zero.py:21 (forward)" in out
-    assert "nan in aten.mul.Tensor at opwatch/examples/log_zero.py:12, module MockModel (backward)" in out
+    assert "inf in aten.div.Tensor at opwatch/examples/log_zero.py:21 (backward)" in out
+    assert "it turned into nan at aten.mul.Tensor at log_zero.py:12 (backward)" in out

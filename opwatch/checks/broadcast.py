@@ -31,7 +31,7 @@ import math
 import torch
 
 from ..notation import format_meta, format_shape
-from .finding import Finding
+from .finding import Finding, takes_several_tensors
 
 __all__ = ["KIND", "applies", "check", "broadcast_shape"]
 
@@ -39,7 +39,7 @@ KIND = "broadcast"
 
 def applies(func) -> bool:
     # In-place and out= variants cannot grow their destination.
-    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable
+    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable and takes_several_tensors(func)
 
 
 def broadcast_shape(shapes) -> tuple[int, ...] | None:

@@ -8,7 +8,7 @@ that take CPU index tensors by design (advanced indexing) are exempt.
 
 from __future__ import annotations
 
-from .finding import Finding, describe
+from .finding import Finding, describe, takes_several_tensors
 
 __all__ = ["KIND", "applies", "check"]
 
@@ -31,11 +31,12 @@ _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_inde
 
 def applies(func) -> bool:
     name = func._schema.name
-    if name in _CROSS_DEVICE_OPS:
+    if name in _CROSS_DEVICE_OPS or not takes_several_tensors(func):
         return False
-    # foreach/fused optimizer kernels group their tensor lists by device themselves.
+    # foreach/fused optimizer kernels group their tensor lists by device themselves; nested
+    # tensors carry metadata tensors (on meta or CPU) by design.
     op = name.split("::", 1)[-1]
-    return not (op.startswith("_foreach_") or op.startswith("_fused_"))
+    return not op.startswith(("_foreach_", "_fused_", "_nested_"))
 
 
 def check(func, tensors, context=None) -> Finding | None:

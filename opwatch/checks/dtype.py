@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..notation import format_dtype as _name
-from .finding import Finding, describe
+from .finding import Finding, describe, takes_several_tensors
 
 __all__ = ["KIND", "applies", "check"]
 
@@ -36,6 +36,14 @@ _ARG_DTYPES = {
     "index": (torch.int64, torch.int32),
     "indices": (torch.int64, torch.int32),
 }
+# Ops whose ``index``/``indices`` argument must be an integer tensor (``sparse_mask``'s
+# "mask" and the like are other things of the same name).
+_INDEX_ARG_OPS = {
+    "aten::index_select", "aten::gather", "aten::scatter", "aten::scatter_", "aten::scatter_add",
+    "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_", "aten::index_add",
+    "aten::index_add_", "aten::index_copy", "aten::index_copy_", "aten::index_fill", "aten::index_fill_",
+    "aten::index_reduce", "aten::index_reduce_", "aten::take", "aten::embedding",
+}
 _INT64_INDEX_OPS = {"aten::gather", "aten::scatter", "aten::scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_"}
 
 # Per-OpOverload rule, filled by ``applies``: ("same", None) | ("arg", (position, name, dtypes)) | ("pointwise", None)
@@ -43,7 +51,7 @@ _RULES: dict = {}
 
 
 def applies(func) -> bool:
-    rule = _rule(func)
+    rule = _rule(func) if takes_several_tensors(func) else None
     _RULES[func] = rule
     return rule is not None
 
@@ -53,10 +61,11 @@ def _rule(func):
     if name in _SAME_DTYPE_OPS:
         return ("same", None)
     tensor_position = 0
+    checks_args = name.startswith("aten::masked_") or name in _INDEX_ARG_OPS
     for arg in func._schema.arguments:
         type_name = str(arg.type)
         if type_name in ("Tensor", "Tensor?"):
-            if arg.name in _ARG_DTYPES and type_name == "Tensor":
+            if checks_args and arg.name in _ARG_DTYPES and type_name == "Tensor":
                 dtypes = (torch.int64,) if name in _INT64_INDEX_OPS else _ARG_DTYPES[arg.name]
                 return ("arg", (tensor_position, arg.name, dtypes))
             tensor_position += 1

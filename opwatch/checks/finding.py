@@ -25,6 +25,18 @@ class Finding:
     fix: str
 
 
+def takes_several_tensors(func) -> bool:
+    """Whether an op can receive two or more tensors: the mismatch checks need a pair."""
+    count = 0
+    for arg in func._schema.arguments:
+        type_name = str(arg.type)
+        if "Tensor" in type_name:
+            if type_name not in ("Tensor", "Tensor?"):
+                return True  # a tensor list
+            count += 1
+    return count >= 2
+
+
 def tensor_names(func, count: int) -> list[str]:
     """Names for an op's ``count`` tensor arguments, in order, taken from its schema when each
     tensor argument is a single tensor (``self``, ``mask``, ``source``); ``#1``, ``#2``, ...

@@ -10,9 +10,9 @@ the host (``.item()``, ``bool(t)``, printing), and at the latest every ``max_rec
 At a check point the op log is replayed over tensor identities to tell origins from
 propagation:
 
-- an op is a **nan origin** when an output holds nan and no input held nan; an **inf origin**
-  when an output holds inf (and no nan) and every input was finite. Later ops fed by it are
-  counted as its spread, not reported again;
+- an op is an **origin** when an output holds nan or inf while every input was finite (its
+  kind is what the output held: nan wins over inf). Later ops fed by it are counted as its
+  spread, not reported again, also where they turn its inf into nan (``inf - inf``);
 - ops that write uninitialised memory (``empty*``) are not checked; ops given an explicit
   non-finite constant (``full(-inf)``, ``fill_``, ``masked_fill(mask, -inf)``,
   ``where(c, x, -inf)``) are deliberate and never origins, though what they feed is tracked;
@@ -46,6 +46,8 @@ _REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}
 _CHECKED_DTYPES = _REAL | _COMPLEX
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch._C.is_grad_enabled
 
 _UNINITIALIZED_OPS = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
@@ -53,18 +55,17 @@ _UNINITIALIZED_OPS = {
 }
 
 
-# Ops whose outputs only hold values taken from their inputs (or zeros/ones): a non-finite
-# output here can only have come in through an input. They are not checked (that saves one
-# reduction per view, copy and relu); at a check point their outputs inherit their inputs'
-# state. Casts (``_to_copy``, ``copy_``) are checked: f32 -> f16 can overflow.
+# Views, and ops that only move values around: a non-finite output here can only have come in
+# through an input. They are not checked (that saves one reduction per view and copy); at a
+# check point their outputs inherit their inputs' state. Ops that can drop non-finite values
+# (relu, clamp, max, where, zeros_like, ...) are checked like any other, and so are casts
+# (``_to_copy``, ``copy_``: f32 -> f16 can overflow). Limit: a view or selection that picks
+# only finite values of a non-finite tensor still counts as carrying the older origin.
 _VALUE_PRESERVING_OPS = {
-    "aten::clone", "aten::contiguous", "aten::relu", "aten::relu_", "aten::abs", "aten::neg",
-    "aten::cat", "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::masked_select",
-    "aten::flip", "aten::roll", "aten::repeat", "aten::max", "aten::min", "aten::amax", "aten::amin",
-    "aten::sort", "aten::topk", "aten::zeros", "aten::ones", "aten::zeros_like", "aten::ones_like",
-    "aten::zero_", "aten::new_zeros", "aten::new_ones", "aten::threshold_backward", "aten::select_backward",
-    "aten::slice_backward", "aten::embedding", "aten::_unsafe_view", "aten::where", "aten::arange",
-    "aten::maximum", "aten::minimum", "aten::clamp", "aten::clamp_min", "aten::clamp_max",
+    "aten::clone", "aten::contiguous", "aten::neg", "aten::abs", "aten::cat", "aten::stack",
+    "aten::index_select", "aten::gather", "aten::index", "aten::masked_select", "aten::flip",
+    "aten::roll", "aten::repeat", "aten::select_backward", "aten::slice_backward", "aten::embedding",
+    "aten::_unsafe_view",
 }
 _PRESERVES: dict = {}
 
@@ -85,20 +86,22 @@ def preserves_values(func) -> bool:
 class Origin:
     """A nan/inf origin found at a check point, with how far its values spread."""
 
-    __slots__ = ("record", "kind", "input_kinds", "spread", "last", "reached_backward", "matters")
+    __slots__ = ("record", "kind", "spread", "last", "became_nan", "reached_backward", "matters")
 
-    def __init__(self, record, kind, input_kinds=frozenset()):
+    def __init__(self, record, kind):
         self.record = record  # the OpRecord of the op that made the value
         self.kind = kind
-        self.input_kinds = input_kinds  # non-finite kinds its inputs held (inf, for a nan origin)
         self.spread = 0  # later ops that carried its values on
         self.last = record  # the last of them
+        self.became_nan = None  # for an inf origin: the first op that turned its inf into nan
         self.reached_backward = record.phase == BACKWARD
         self.matters = True
 
-    def carried_by(self, record) -> None:
+    def carried_by(self, record, kind=None) -> None:
         self.spread += 1
         self.last = record
+        if kind == "nan" and self.kind == "inf" and self.became_nan is None:
+            self.became_nan = record
         if record.phase == BACKWARD:
             self.reached_backward = True
 
@@ -108,14 +111,12 @@ class Origin:
         spread = ""
         if self.spread:
             spread = f"; by the check point it had spread to {self.spread} later op(s), the last {self.last.op} at {self.last.where} ({self.last.phase})"
+        if self.became_nan is not None:
+            turned = self.became_nan
+            spread += f"; it turned into nan at {turned.op} at {turned.where} ({turned.phase})"
         if contained:
             spread += "; it was absorbed before it mattered (no live tensor, gradient or backward op held it)"
-        if not record._entry[E_NINPUTS]:
-            inputs = "no tensor inputs"
-        elif self.input_kinds:
-            inputs = "inputs that held inf but no nan (inf - inf, 0 * inf, inf / inf)"
-        else:
-            inputs = "finite inputs"
+        inputs = "finite inputs" if record._entry[E_NINPUTS] else "no tensor inputs"
         return Finding(
             kind=self.kind,
             problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
@@ -172,6 +173,7 @@ class NonFiniteTracker:
         self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
         self._entries: list[tuple] = []  # (op index, output position, weakref to the output)
         self._devices: set = set()  # devices that flags wait on
+        self._carriers: dict = {}  # (op index, output position) -> weakref, for unchecked outputs
         # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
         self._carry: dict[int, tuple] = {}
 
@@ -198,11 +200,17 @@ class NonFiniteTracker:
             if tensor.numel() == 0 or tensor._is_zerotensor():
                 continue
             checked = tensor
-            if tensor.requires_grad:
-                checked = tensor.detach()  # in-place updates of parameters: record no graph
             if dtype in _COMPLEX:
                 checked = torch.view_as_real(checked.resolve_conj())
-            low, high = torch.aminmax(checked)
+            if tensor.requires_grad and _is_grad_enabled():
+                # In-place updates of parameters: the check must record no autograd graph.
+                _set_grad_enabled(False)
+                try:
+                    low, high = torch.aminmax(checked)
+                finally:
+                    _set_grad_enabled(True)
+            else:
+                low, high = torch.aminmax(checked)
             stats = self._stats
             if stats and stats[0].device != low.device:
                 self._stack()  # one chunk per device
@@ -214,6 +222,13 @@ class NonFiniteTracker:
             if len(stats) >= self._CHUNK:
                 self._stack()
 
+    def observe_carrier(self, index, outputs, metas) -> None:
+        """Hot path, for ops whose outputs are not checked: remember them weakly, so that a
+        non-finite value they carry counts as alive at the check point."""
+        for position, tensor in enumerate(outputs):
+            if metas[position][1] in _CHECKED_DTYPES:
+                self._carriers[(index, position)] = weakref.ref(tensor)
+
     def _stack(self) -> None:
         if self._stats:
             self._chunks.append(torch.stack(self._stats))
@@ -224,6 +239,7 @@ class NonFiniteTracker:
 
         ``window`` is every log entry since the previous check point, oldest first.
         """
+        carriers, self._carriers = self._carriers, {}
         if not self._entries:
             self._prune_carry()
             return []
@@ -240,7 +256,7 @@ class NonFiniteTracker:
                 refs[(index, position)] = ref
         if not flagged and not self._carry:
             return []
-        return self._replay(window, flagged, refs)
+        return self._replay(window, flagged, refs, carriers)
 
     def _read_flags(self) -> list[str | None]:
         by_device: dict = {}
@@ -267,7 +283,7 @@ class NonFiniteTracker:
                 kinds.append(None)
         return kinds
 
-    def _replay(self, window, flagged, refs) -> list[Origin]:
+    def _replay(self, window, flagged, refs, carriers) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         log = self._log
         # ident -> (kind, origin or None when it came from a deliberate constant). Carried
@@ -286,15 +302,18 @@ class NonFiniteTracker:
             if preserves_values(func):
                 # Not checked: its outputs hold what its inputs held.
                 carrier = next((state for state in input_states if state[1] is not None), None)
-                if carrier is not None and carrier[1].last.index != index:
+                carrier = carrier or (input_states[0] if input_states else None)
+                if carrier is not None and carrier[1] is not None and carrier[1].last.index != index:
                     carrier[1].carried_by(log.view(entry))
-                for meta in outputs:
-                    if input_states and meta[1] in _CHECKED_DTYPES:
-                        status[meta[3]] = input_states[0]
+                for position, meta in enumerate(outputs):
+                    if carrier is not None and meta[1] in _CHECKED_DTYPES:
+                        status[meta[3]] = carrier
+                        ref = carriers.get((index, position))
+                        if ref is not None:
+                            live[meta[3]] = ref
                     else:
                         status.pop(meta[3], None)
                 continue
-            input_kinds = {state[0] for state in input_states}
             input_origin = next((state[1] for state in input_states if state[1] is not None), None)
             record = None
             for position, meta in enumerate(outputs):
@@ -306,14 +325,15 @@ class NonFiniteTracker:
                 live[ident] = refs[(index, position)]
                 if _has_nonfinite_constant(entry):
                     origin = None  # a deliberate constant such as masked_fill(mask, -inf)
-                elif (kind == "nan" and "nan" not in input_kinds) or (kind == "inf" and not input_kinds):
+                elif not input_states:
                     record = record or log.view(entry)
-                    origin = Origin(record, kind, frozenset(input_kinds))
+                    origin = Origin(record, kind)
                     origins.append(origin)
                 else:
+                    # Fed by non-finite inputs: spread, even where inf turns into nan (inf - inf).
                     origin = input_origin
                     if origin is not None and origin.last.index != index:
-                        origin.carried_by(record or log.view(entry))
+                        origin.carried_by(record or log.view(entry), kind)
                 status[ident] = (kind, origin)
         self._carry = {
             ident: (kind, origin, live[ident])

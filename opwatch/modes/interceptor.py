@@ -39,18 +39,21 @@ _UNSQUEEZE = "aten::unsqueeze"
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
-# Set while opwatch does its own tensor work, so that other watches do not record it.
-internal_work = threading.local()
-internal_work.active = False
+class _InternalWork(threading.local):
+    """Set while opwatch does its own tensor work, so that other watches do not record it."""
 
-_TABLE_LIMIT = 1 << 16  # forward sites and size-1 provenance kept, oldest dropped first
+    active = False
+
+
+internal_work = _InternalWork()
+
 _NO_SITE = (0, None, -1)
 
 
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "unsqueeze", "preserves_shape")
+    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "carries_values", "unsqueeze", "preserves_shape")
 
     def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
@@ -66,7 +69,9 @@ class _OpPlan:
         )
         self.pre_checks = tuple(check.check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
         self.host_read = schema_name in _HOST_READS
-        self.check_values = checks.nonfinite.NAME in enabled and not (writes_uninitialized(func) or preserves_values(func))
+        checks_values = checks.nonfinite.NAME in enabled
+        self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
+        self.carries_values = checks_values and preserves_values(func)
         self.unsqueeze = schema_name == _UNSQUEEZE
         self.preserves_shape = schema_name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags
 
@@ -88,6 +93,9 @@ class OpInterceptor(TorchDispatchMode):
         self._max_records = max_records
         self._on_internal_error = on_internal_error
         self._plans: dict = {}
+        # Forward sites and size-1 provenance kept, oldest dropped first: part of the fixed
+        # memory cost of max_records, so that a long loop stays flat.
+        self._table_limit = 2 * max_records + 4096
         self.next_index = first_index
         self._broken = False
         self._track_provenance = broadcast_check.KIND in enabled
@@ -196,19 +204,22 @@ class OpInterceptor(TorchDispatchMode):
         node = _current_autograd_node()
         if node is None:
             phase = FORWARD
-            seq = _get_sequence_nr()
-            if seq != self._last_seq:
-                # This op created an autograd node: remember where, for its backward ops.
-                self._last_seq = seq
-                sites = self._forward_sites
-                sites[seq - 1] = (site, module, plan.func_id)
-                if len(sites) > _TABLE_LIMIT:
-                    _drop_oldest_half(sites)
         else:
             phase = BACKWARD
             if code is None or reached_engine:
-                # Run by the autograd engine: point at the forward op that made this node.
-                site, module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
+                # Run by the autograd engine: point at the forward op that made this node. A
+                # module running now is a checkpoint recomputing its forward: keep its path.
+                site, forward_module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
+                module = module or forward_module
+        seq = _get_sequence_nr()
+        if seq != self._last_seq:
+            # This op created an autograd node (in forward, in a checkpoint's recomputation, or
+            # in a backward pass with create_graph): remember where, for its backward ops.
+            self._last_seq = seq
+            sites = self._forward_sites
+            sites[seq - 1] = (site, module, plan.func_id if forward_func < 0 else forward_func)
+            if len(sites) > self._table_limit:
+                _drop_oldest_half(sites)
         self._site_id = site
         index = self.next_index
         self.next_index = index + 1
@@ -236,6 +247,8 @@ class OpInterceptor(TorchDispatchMode):
                     self.values.observe(head[E_INDEX], outputs, metas)
                 finally:
                     internal_work.active = False
+            elif plan.carries_values:
+                self.values.observe_carrier(head[E_INDEX], outputs, metas)
         return entry
 
     # -- what the checks may ask (CheckContext) ------------------------------------------
@@ -276,12 +289,14 @@ class OpInterceptor(TorchDispatchMode):
                 dim = args[1] if args else 0
                 ndim = len(shape)
                 new_dim = (dim if dim >= 0 else dim + ndim) - ndim
-                inherited = self._inherited(inputs, shape)
-                deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in inherited} | {new_dim}))
+                # The input's deliberate dims, moved past the new one (negative: from the right).
+                known = self._size1_entry(inputs[0]) if inputs else None
+                kept = known[1] if known is not None else ()
+                deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in kept} | {new_dim}))
             elif plan.preserves_shape:
                 deliberate = tuple(self._inherited(inputs, shape))
             self._size1[meta[3]] = (shape, deliberate, entry[2], entry[E_INDEX], entry[1])
-        if len(self._size1) > _TABLE_LIMIT:
+        if len(self._size1) > self._table_limit:
             _drop_oldest_half(self._size1)
 
     def _inherited(self, inputs, shape) -> set[int]:

@@ -14,6 +14,7 @@ import sys
 import threading
 import weakref
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -59,8 +60,12 @@ class ModuleStack:
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
-            self._root_names = self._names_for_root(module)
-            path = type(module).__name__
+            if torch._C._current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
+                # A checkpoint recomputing part of the last forward: keep that forward's paths.
+                path = self._root_names[module]
+            else:
+                self._root_names = self._names_for_root(module)
+                path = type(module).__name__
         else:
             path = self._root_names.get(module) if self._root_names is not None else None
             if path is None:
