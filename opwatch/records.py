@@ -20,51 +20,25 @@ __all__ = ["OpRecord", "OpLog", "FORWARD", "BACKWARD"]
 FORWARD = "forward"
 BACKWARD = "backward"
 
-# A log entry is one flat tuple of plain values: nested tuples would stay tracked by the
-# garbage collector for several collections (it untracks one nesting level per pass).
+# A log entry is one tuple: seven plain values, two counts, then one (shape, dtype, device,
+# ident) tuple per tensor, inputs first. Shapes are interned. Everything in it is untracked by
+# the garbage collector once it has looked at it (within two young collections), so a full log
+# of 10,000 entries never reaches the old generation and never slows collections down.
 E_INDEX = 0  # op index since the watch began
 E_FUNC = 1  # op id in OpLog.funcs
 E_SITE = 2  # source site id in OpLog.sites
 E_MODULE = 3  # module path or None
 E_PHASE = 4  # FORWARD or BACKWARD
 E_FORWARD_FUNC = 5  # backward ops run by autograd: op id of the forward op they differentiate; else -1
-E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments, interned
+E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments
 E_NINPUTS = 7  # number of tensor arguments
 E_NOUTPUTS = 8  # number of tensor results; -1 when the kernel raised or did not run
-E_TENSORS = 9  # from here: ndim, *shape, dtype, device, ident per tensor, inputs then outputs
-
-
-def flatten_metas(metas) -> tuple:
-    """``((shape, dtype, device, ident), ...)`` -> the flat form stored in entries."""
-    flat = []
-    for shape, dtype, device, ident in metas:
-        if shape is None:
-            flat.append(-1)
-        else:
-            flat.append(len(shape))
-            flat.extend(shape)
-        flat.append(dtype)
-        flat.append(device)
-        flat.append(ident)
-    return tuple(flat)
-
-
-def _unflatten(entry: tuple, start: int, count: int) -> tuple[tuple, int]:
-    metas = []
-    for _ in range(count):
-        ndim = entry[start]
-        if ndim < 0:
-            shape, start = None, start + 1
-        else:
-            shape, start = entry[start + 1 : start + 1 + ndim], start + 1 + ndim
-        metas.append((shape, entry[start], entry[start + 1], entry[start + 2]))
-        start += 3
-    return tuple(metas), start
+E_TENSORS = 9  # from here: the tensors' metadata, inputs then outputs
 
 
 def entry_inputs(entry: tuple) -> tuple:
     """The ``(shape, dtype, device, ident)`` of each tensor argument."""
-    return _unflatten(entry, E_TENSORS, entry[E_NINPUTS])[0]
+    return entry[E_TENSORS : E_TENSORS + entry[E_NINPUTS]]
 
 
 def entry_outputs(entry: tuple) -> tuple | None:
@@ -72,8 +46,8 @@ def entry_outputs(entry: tuple) -> tuple | None:
     count = entry[E_NOUTPUTS]
     if count < 0:
         return None
-    _, start = _unflatten(entry, E_TENSORS, entry[E_NINPUTS])
-    return _unflatten(entry, start, count)[0]
+    start = E_TENSORS + entry[E_NINPUTS]
+    return entry[start : start + count]
 
 
 class OpLog:
@@ -86,7 +60,8 @@ class OpLog:
         self.sites: list[tuple] = [(None, 0)]  # site id -> (code object, instruction offset); 0: unknown
         self.site_ids: dict = {(None, 0): 0}
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it
-        self._interned: dict = {}  # argument tuples: most calls repeat earlier ones
+        self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
+        self.shapes: dict = {}  # torch.Size -> the shared plain tuple stored in entries
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -126,6 +101,14 @@ class OpLog:
                 return OpRecord(entry, self)
             if entry[E_INDEX] < index:
                 break
+        return None
+
+    def producer_of(self, ident: int) -> OpRecord | None:
+        """The latest logged op that output the tensor ``ident`` (slow: for messages only)."""
+        for entry in reversed(self.entries):
+            outputs = entry_outputs(entry)
+            if outputs and any(meta[3] == ident for meta in outputs):
+                return OpRecord(entry, self)
         return None
 
     def since(self, index: int) -> list[tuple]:

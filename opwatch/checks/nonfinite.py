@@ -47,6 +47,8 @@ _COMPLEX = {torch.complex64, torch.complex128}
 _CHECKED_DTYPES = _REAL | _COMPLEX
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _set_grad_enabled = torch._C._set_grad_enabled
+_aminmax = torch.aminmax
+_STRIDED = torch.strided
 _is_grad_enabled = torch._C.is_grad_enabled
 
 _UNINITIALIZED_OPS = {
@@ -73,6 +75,22 @@ _PRESERVES: dict = {}
 def writes_uninitialized(func) -> bool:
     """Ops whose outputs hold whatever was in memory: garbage may look like nan/inf."""
     return func._schema.name in _UNINITIALIZED_OPS
+
+
+# Ops whose later outputs are statistics derived from the first (mean, rstd, logsumexp):
+# finite whenever the first is, so one reduction suffices.
+_PRIMARY_OUTPUT_ONLY = {
+    "aten::native_layer_norm", "aten::native_batch_norm", "aten::_native_batch_norm_legit",
+    "aten::_native_batch_norm_legit_no_training", "aten::native_group_norm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    "aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices",
+}
+
+
+def checked_outputs(func) -> int | None:
+    """How many leading outputs of ``func`` need the nan/inf reduction; ``None``: all."""
+    return 1 if func._schema.name in _PRIMARY_OUTPUT_ONLY else None
 
 
 def preserves_values(func) -> bool:
@@ -189,15 +207,18 @@ class NonFiniteTracker:
         """Whether flags wait on ``device``: a host read there already pays for a sync."""
         return device in self._devices
 
-    def observe(self, index, outputs, metas) -> None:
-        """Hot path: queue one reduction per checkable floating output. No host sync."""
+    def observe(self, index, outputs, metas, count=None) -> None:
+        """Hot path: queue one reduction per checkable floating output (the first ``count``
+        outputs when given). No host sync."""
+        if count is not None:
+            outputs = outputs[:count]
+        stats = self._stats
         for position, tensor in enumerate(outputs):
-            dtype = metas[position][1]
-            if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES:
+            meta = metas[position]
+            dtype = meta[1]
+            if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES or meta[2].type == "meta":
                 continue
-            if tensor.layout != torch.strided or tensor.is_nested or metas[position][2].type == "meta":
-                continue
-            if tensor.numel() == 0 or tensor._is_zerotensor():
+            if tensor.layout is not _STRIDED or tensor.is_nested or not tensor.numel() or tensor._is_zerotensor():
                 continue
             checked = tensor
             if dtype in _COMPLEX:
@@ -206,21 +227,23 @@ class NonFiniteTracker:
                 # In-place updates of parameters: the check must record no autograd graph.
                 _set_grad_enabled(False)
                 try:
-                    low, high = torch.aminmax(checked)
+                    low, high = _aminmax(checked)
                 finally:
                     _set_grad_enabled(True)
             else:
-                low, high = torch.aminmax(checked)
-            stats = self._stats
-            if stats and stats[0].device != low.device:
-                self._stack()  # one chunk per device
-            if not stats:
+                low, high = _aminmax(checked)
+            if stats:
+                if stats[0].device != low.device:
+                    self._stack()  # one chunk per device
+                    stats = self._stats
+                    self._devices.add(low.device)
+            else:
                 self._devices.add(low.device)
-            stats.append(low)
-            stats.append(high)
+            stats += (low, high)
             self._entries.append((index, position, weakref.ref(tensor)))
             if len(stats) >= self._CHUNK:
                 self._stack()
+                stats = self._stats
 
     def observe_carrier(self, index, outputs, metas) -> None:
         """Hot path, for ops whose outputs are not checked: remember them weakly, so that a

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import checks
 from ..checks import broadcast as broadcast_check
-from ..checks.nonfinite import NonFiniteTracker, preserves_values, writes_uninitialized
-from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, flatten_metas, short_op_name
+from ..checks.nonfinite import NonFiniteTracker, checked_outputs, preserves_values, writes_uninitialized
+from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, short_op_name
 from ..sites import user_frame
 
 __all__ = ["OpInterceptor", "internal_work"]
@@ -53,7 +53,7 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "carries_values", "unsqueeze", "preserves_shape")
+    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "checked_outputs", "carries_values", "unsqueeze", "preserves_shape", "is_view")
 
     def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
@@ -71,8 +71,10 @@ class _OpPlan:
         self.host_read = schema_name in _HOST_READS
         checks_values = checks.nonfinite.NAME in enabled
         self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
+        self.checked_outputs = checked_outputs(func)
         self.carries_values = checks_values and preserves_values(func)
         self.unsqueeze = schema_name == _UNSQUEEZE
+        self.is_view = bool(func.is_view)
         self.preserves_shape = schema_name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags
 
 
@@ -104,7 +106,7 @@ class OpInterceptor(TorchDispatchMode):
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
         self._last_seq = _get_sequence_nr()
-        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id, op index, op id)
+        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id)
         self._size1: dict = {}
         self._site_id = 0  # site of the op being checked
         # (op index, id of the exception) when a kernel raised
@@ -113,6 +115,7 @@ class OpInterceptor(TorchDispatchMode):
     # -- the hot path -------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # One function on purpose: this runs for every op, and Python calls cost.
         if kwargs is None:
             kwargs = {}
         if self._broken or internal_work.active:
@@ -126,8 +129,29 @@ class OpInterceptor(TorchDispatchMode):
                 return func(*args, **kwargs)
         if plan.ignored:
             return func(*args, **kwargs)
+
+        # -- before the kernel: the op's arguments, source, module and phase; the checks.
         try:
-            head, inputs, flat_inputs = self._observe_call(func, plan, args, kwargs)
+            log = self._log
+            tensors = []
+            others = []  # flat: key, value, key, value, ...
+            position = 0
+            for value in args:
+                if isinstance(value, _Tensor):
+                    tensors.append(value)
+                elif type(value) in _PLAIN_VALUES:
+                    others += (position, value)
+                else:
+                    _split(position, value, tensors, others, log.intern)
+                position += 1
+            if kwargs:
+                for name, value in kwargs.items():
+                    if isinstance(value, _Tensor):
+                        tensors.append(value)
+                    else:
+                        _split(name, value, tensors, others, log.intern)
+            inputs = _metas(tensors, log.shapes)
+            head = self._head(plan, others)
             finding = None
             for check in plan.pre_checks:
                 finding = check(func, inputs, self)
@@ -146,25 +170,49 @@ class OpInterceptor(TorchDispatchMode):
         record = None
         if finding is not None:
             # In the log before it is reported: a strict raise dumps it as the failing op.
-            unfinished = head + (len(inputs), -1) + flat_inputs
+            unfinished = head + (len(inputs), -1) + inputs
             self._entries.append(unfinished)
-            record = self._log.view(unfinished)
+            record = log.view(unfinished)
             self._report(finding, record)
+
+        # -- the kernel: its errors reach the program untouched.
         try:
             out = func(*args, **kwargs)
         except BaseException as error:
             if record is None:
-                self._entries.append(head + (len(inputs), -1) + flat_inputs)
+                self._entries.append(head + (len(inputs), -1) + inputs)
             self.failure = (head[E_INDEX], id(error))
             raise
+
+        # -- after the kernel: the outputs, the complete entry, the nan/inf reduction.
         try:
-            entry = self._observe_result(plan, head, inputs, flat_inputs, out, args, kwargs)
+            if isinstance(out, _Tensor):
+                outputs = (out,)
+            elif type(out) is tuple or type(out) is list:
+                outputs = tuple([item for item in out if isinstance(item, _Tensor)])
+            elif plan.mutated_args:
+                outputs = _mutated_tensors(plan.mutated_args, args, kwargs)
+            else:
+                outputs = ()
+            metas = _metas(outputs, log.shapes)
+            entry = head + (len(inputs), len(metas)) + inputs + metas
             if record is None:
                 self._entries.append(entry)
             else:
                 if self._entries and self._entries[-1] is record._entry:
                     self._entries[-1] = entry
                 record._entry = entry
+            if outputs:
+                if self._track_provenance:
+                    self._note_size1_dims(plan, entry, inputs, metas)
+                if plan.check_values:
+                    internal_work.active = True
+                    try:
+                        self.values.observe(head[E_INDEX], outputs, metas, plan.checked_outputs)
+                    finally:
+                        internal_work.active = False
+                elif plan.carries_values:
+                    self.values.observe_carrier(head[E_INDEX], outputs, metas)
         except Exception as error:
             self._internal_error(error)
             return out
@@ -172,30 +220,12 @@ class OpInterceptor(TorchDispatchMode):
             self._report_origins(self.check_point())
         return out
 
-    def _observe_call(self, func, plan, args, kwargs) -> tuple[tuple, tuple, tuple]:
-        """The start of the op's log entry, and its tensor arguments' metadata (as tuples for
-        the checks, and flat for the log)."""
-        tensors = []
-        others = []  # flat: key, value, key, value, ...
-        position = 0
+    def _head(self, plan, others) -> tuple:
+        """The start of the op's log entry: index, op, source site, module, phase."""
         log = self._log
-        for value in args:
-            if isinstance(value, _Tensor):
-                tensors.append(value)
-            else:
-                _split(position, value, tensors, others, log.intern)
-            position += 1
-        if kwargs:
-            for name, value in kwargs.items():
-                if isinstance(value, _Tensor):
-                    tensors.append(value)
-                else:
-                    _split(name, value, tensors, others, log.intern)
-        inputs, flat_inputs = _metas(tensors)
-
         modules = self._modules
-        # Frames 0-2 are this method, __torch_dispatch__ and torch's wrapper around it.
-        code, lasti, reached_engine = user_frame(sys._getframe(3), modules.call_frame, modules.call_answer)
+        # Frames 0-3: this method, __torch_dispatch__, torch's wrappers around it.
+        code, lasti, reached_engine = user_frame(sys._getframe(4), modules.call_frame, modules.call_answer)
         site = log.site_ids.get((code, lasti))
         if site is None:
             site = log.site_id(code, lasti)
@@ -223,33 +253,7 @@ class OpInterceptor(TorchDispatchMode):
         self._site_id = site
         index = self.next_index
         self.next_index = index + 1
-        head = (index, plan.func_id, site, module, phase, forward_func, log.intern(tuple(others)) if others else ())
-        return head, inputs, flat_inputs
-
-    def _observe_result(self, plan, head, inputs, flat_inputs, out, args, kwargs) -> tuple:
-        """The op's complete log entry; queues the nan/inf reduction of its outputs."""
-        if isinstance(out, _Tensor):
-            outputs = (out,)
-        elif type(out) is tuple or type(out) is list:
-            outputs = tuple([item for item in out if isinstance(item, _Tensor)])
-        elif plan.mutated_args:
-            outputs = _mutated_tensors(plan.mutated_args, args, kwargs)
-        else:
-            outputs = ()
-        metas, flat_outputs = _metas(outputs)
-        entry = head + (len(inputs), len(metas)) + flat_inputs + flat_outputs
-        if outputs:
-            if self._track_provenance:
-                self._note_size1_dims(plan, entry, inputs, metas)
-            if plan.check_values:
-                internal_work.active = True
-                try:
-                    self.values.observe(head[E_INDEX], outputs, metas)
-                finally:
-                    internal_work.active = False
-            elif plan.carries_values:
-                self.values.observe_carrier(head[E_INDEX], outputs, metas)
-        return entry
+        return (index, plan.func_id, site, module, phase, forward_func, tuple(others))
 
     # -- what the checks may ask (CheckContext) ------------------------------------------
 
@@ -263,12 +267,9 @@ class OpInterceptor(TorchDispatchMode):
         return frozenset(known[1])
 
     def producer(self, meta) -> str | None:
-        known = self._size1_entry(meta)
-        if known is None:
-            return None
-        record = self._log.find(known[3])
+        record = self._log.producer_of(meta[3])
         if record is None:
-            return short_op_name(self._log.funcs[known[4]])
+            return None
         return f"{short_op_name(record.func)} at {record.where}"
 
     def _size1_entry(self, meta):
@@ -279,11 +280,13 @@ class OpInterceptor(TorchDispatchMode):
         return known
 
     def _note_size1_dims(self, plan, entry, inputs, metas) -> None:
+        """Remember how outputs got their size-1 dims: on purpose (unsqueeze, and what keeps
+        such dims), or by a view (for the same-call rule); forget what other ops overwrote."""
+        size1 = self._size1
         for meta in metas:
             shape = meta[0]
             if shape is None or 1 not in shape:
                 continue
-            deliberate = ()
             if plan.unsqueeze:
                 args = entry[6]
                 dim = args[1] if args else 0
@@ -295,9 +298,17 @@ class OpInterceptor(TorchDispatchMode):
                 deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in kept} | {new_dim}))
             elif plan.preserves_shape:
                 deliberate = tuple(self._inherited(inputs, shape))
-            self._size1[meta[3]] = (shape, deliberate, entry[2], entry[E_INDEX], entry[1])
-        if len(self._size1) > self._table_limit:
-            _drop_oldest_half(self._size1)
+                if not deliberate and not plan.is_view:
+                    size1.pop(meta[3], None)
+                    continue
+            elif plan.is_view:
+                deliberate = ()
+            else:
+                size1.pop(meta[3], None)  # an older tensor's entry under a reused id
+                continue
+            size1[meta[3]] = (shape, deliberate, entry[2])
+        if len(size1) > self._table_limit:
+            _drop_oldest_half(size1)
 
     def _inherited(self, inputs, shape) -> set[int]:
         dims = set()
@@ -341,7 +352,8 @@ def _split(key, value, tensors, others, intern) -> None:
     ``others`` as key and value (lists interned, unknown types summarised by their name)."""
     kind = type(value)
     if kind is list or kind is tuple:
-        if any(isinstance(item, _Tensor) for item in value):
+        # Schemas never mix: a list is all tensors (optional ones may be None) or all numbers.
+        if value and (isinstance(value[0], _Tensor) or value[0] is None):
             tensors.extend(item for item in value if isinstance(item, _Tensor))
             return
         value = intern(tuple(value)) if all(type(item) in _PLAIN_VALUES for item in value) else kind.__name__
@@ -351,21 +363,21 @@ def _split(key, value, tensors, others, intern) -> None:
     others.append(value)
 
 
-def _metas(tensors) -> tuple[tuple, tuple]:
-    """``((shape, dtype, device, ident), ...)`` for the checks, and the same flat for the log
-    (see :mod:`opwatch.records`), in one pass."""
+def _metas(tensors, shapes: dict) -> tuple:
+    """``((shape, dtype, device, ident), ...)``, the shapes interned in ``shapes``."""
     try:
         metas = []
-        flat = []
         for tensor in tensors:
-            shape = tuple(tensor.shape)
-            meta = (shape, tensor.dtype, tensor.device, id(tensor))
-            metas.append(meta)
-            flat += (len(shape), *shape, *meta[1:])
-        return tuple(metas), tuple(flat)
+            size = tensor.shape
+            shape = shapes.get(size)
+            if shape is None:
+                if len(shapes) > 4096:
+                    shapes.clear()
+                shape = shapes[size] = tuple(size)
+            metas.append((shape, tensor.dtype, tensor.device, id(tensor)))
+        return tuple(metas)
     except Exception:
-        metas = tuple([_safe_meta(tensor) for tensor in tensors])
-        return metas, flatten_metas(metas)
+        return tuple([_safe_meta(tensor) for tensor in tensors])
 
 
 def _mutated_tensors(mutated_args, args, kwargs) -> tuple:

@@ -41,6 +41,8 @@ class ModuleStack:
         # root module -> {descendant module -> path relative to that root}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._root_names: weakref.WeakKeyDictionary | None = None
+        self._root = None  # weakref to the outermost module of the current (or last) forward
+        self._strangers: weakref.WeakSet = weakref.WeakSet()  # called inside it, but not its descendants
         self._handles: list = []
 
     def install(self) -> None:
@@ -64,10 +66,19 @@ class ModuleStack:
                 # A checkpoint recomputing part of the last forward: keep that forward's paths.
                 path = self._root_names[module]
             else:
+                self._root = weakref.ref(module)
                 self._root_names = self._names_for_root(module)
                 path = type(module).__name__
         else:
             path = self._root_names.get(module) if self._root_names is not None else None
+            root = self._root() if self._root is not None else None
+            if path is None and root is not None and module not in self._strangers:
+                # A module added since the names were listed: list them again, once.
+                self._names.pop(root, None)
+                self._root_names = self._names_for_root(root)
+                path = self._root_names.get(module)
+                if path is None:
+                    self._strangers.add(module)  # not a descendant: do not list again for it
             if path is None:
                 path = f"{self._stack[-1][0]}.{type(module).__name__}"
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
@@ -86,8 +97,7 @@ class ModuleStack:
 
     def _names_for_root(self, root: nn.Module) -> weakref.WeakKeyDictionary:
         names = self._names.get(root)
-        # Rebuilt when modules were added since (cheap: once per change, not per call).
-        if names is None or len(names) != sum(1 for _ in root.modules()) - 1:
+        if names is None:
             names = weakref.WeakKeyDictionary()
             for name, child in root.named_modules(remove_duplicate=False):
                 if name and child not in names:
