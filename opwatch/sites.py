@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import sysconfig
 import types
 from functools import lru_cache
 
@@ -22,6 +23,12 @@ USER = 1  # the innermost frame of this kind is the op's source
 ENGINE = 2  # torch.autograd's entry into the C++ engine: ops beneath it are backward ops
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# The standard library (multiprocessing rebuilding a DataLoader batch, contextlib, functools)
+# is nobody's own code either; third-party packages (transformers, ...) are.
+_STDLIB_DIRS = tuple(
+    {os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "platstdlib")}
+)
+_SITE_PACKAGES = "site-packages"
 _OPWATCH_DIR = os.path.dirname(__file__) + os.sep
 # The demo's scripts ship inside the package but are user code.
 _EXAMPLES_DIR = _OPWATCH_DIR + "examples" + os.sep
@@ -47,6 +54,8 @@ def classify_code(code: types.CodeType) -> int:
     if filename.startswith(_TORCH_DIR) or filename.startswith(_OPWATCH_DIR):
         return INTERNAL
     if filename.startswith("<frozen "):
+        return INTERNAL
+    if filename.startswith(_STDLIB_DIRS) and _SITE_PACKAGES not in filename and "dist-packages" not in filename:
         return INTERNAL
     return USER
 

@@ -5,7 +5,10 @@ each floating output gets one reduction, ``torch.aminmax``, whose two 0-dim resu
 tensor's device: nan shows as a nan min/max, inf as an infinite max or min. The results are
 read back in one batch (one ``torch.stack`` and one transfer per device) at a *check point*:
 the end of the block, ``Watch.check()``/``Watch.step()``, a value the program itself reads on
-the host (``.item()``, ``bool(t)``, printing), and at the latest every ``max_records`` ops.
+the host from a device where flags wait (``.item()``, ``bool(t)``, ``torch.equal``, and a copy
+of a device tensor to the CPU, which printing a CUDA tensor does), and at the latest every
+``max_records`` ops. Printing a CPU tensor and ``.tolist()`` run no op opwatch can see and are
+not check points.
 
 At a check point the op log is replayed over tensor identities to tell origins from
 propagation:

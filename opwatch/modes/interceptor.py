@@ -35,6 +35,9 @@ _Tensor = torch.Tensor
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _HOST_READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
+# Copies that may bring a device's values to the host (printing a CUDA tensor, .cpu()): a
+# check point when they do, since they wait for the device anyway.
+_COPIES = {"aten::_to_copy", "aten::copy_"}
 _UNSQUEEZE = "aten::unsqueeze"
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
@@ -53,7 +56,7 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "check_values", "checked_outputs", "carries_values", "unsqueeze", "preserves_shape", "is_view")
+    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "copies", "check_values", "checked_outputs", "carries_values", "unsqueeze", "preserves_shape", "is_view")
 
     def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
@@ -68,7 +71,8 @@ class _OpPlan:
             if arg.alias_info is not None and arg.alias_info.is_write
         )
         self.pre_checks = tuple(check.check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
-        self.host_read = schema_name in _HOST_READS
+        self.host_read = schema_name in _HOST_READS or schema_name in _COPIES
+        self.copies = schema_name in _COPIES
         checks_values = checks.nonfinite.NAME in enabled
         self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
         self.checked_outputs = checked_outputs(func)
@@ -159,7 +163,7 @@ class OpInterceptor(TorchDispatchMode):
                     break
             origins = ()
             # A host read where flags wait is a free check point: the program syncs anyway.
-            if plan.host_read and inputs and self.values.pending_on(inputs[0][2]):
+            if plan.host_read and inputs and _reads_to_host(plan, inputs, kwargs) and self.values.pending_on(inputs[-1][2]):
                 origins = self.check_point()
         except Exception as error:
             self._internal_error(error)
@@ -345,6 +349,20 @@ class OpInterceptor(TorchDispatchMode):
     def _internal_error(self, error: Exception) -> None:
         self._broken = True
         self._on_internal_error(error, traceback.format_exc())
+
+
+def _reads_to_host(plan, inputs, kwargs) -> bool:
+    """Whether a host-read op really moves values from a device to the host. For copies: a
+    non-CPU source (the last tensor argument) copied to a CPU destination."""
+    if not plan.copies:
+        return True
+    source = inputs[-1][2]
+    if source.type in ("cpu", "meta"):
+        return False
+    if len(inputs) > 1:  # copy_(destination, source)
+        return inputs[0][2].type == "cpu"
+    destination = kwargs.get("device")
+    return destination is not None and torch.device(destination).type == "cpu"
 
 
 def _split(key, value, tensors, others, intern) -> None:
