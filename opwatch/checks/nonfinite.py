@@ -47,8 +47,8 @@ KINDS = ("nan", "inf")
 
 _REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}
-_CHECKED_DTYPES = _REAL | _COMPLEX
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_CHECKED_DTYPES = frozenset(_REAL | _COMPLEX)
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _set_grad_enabled = torch._C._set_grad_enabled
 _aminmax = torch.aminmax
 _STRIDED = torch.strided
@@ -217,9 +217,8 @@ class NonFiniteTracker:
             outputs = outputs[:count]
         stats = self._stats
         for position, tensor in enumerate(outputs):
-            meta = metas[position]
-            dtype = meta[1]
-            if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES or meta[2].type == "meta":
+            dtype = metas[position][1]
+            if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES or tensor.is_meta:
                 continue
             if tensor.layout is not _STRIDED or tensor.is_nested or not tensor.numel() or tensor._is_zerotensor():
                 continue

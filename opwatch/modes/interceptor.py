@@ -374,7 +374,7 @@ def _split(key, value, tensors, others, intern) -> None:
         if value and (isinstance(value[0], _Tensor) or value[0] is None):
             tensors.extend(item for item in value if isinstance(item, _Tensor))
             return
-        value = intern(tuple(value)) if all(type(item) in _PLAIN_VALUES for item in value) else kind.__name__
+        value = intern(tuple(value))  # sizes and dims: numbers (unhashable ones stay as they are)
     elif kind not in _PLAIN_VALUES:
         value = kind.__name__
     others.append(key)
