@@ -82,7 +82,8 @@ class OpLog:
         """One shared copy of an argument tuple. Held by this table, it is scanned (and
         untracked) by the garbage collector before the entries that refer to it."""
         try:
-            known = self._interned.setdefault(values, values)
+            # Keyed by types too: (1, -1) == (1, -1.0) and 1 == True, but they are different arguments.
+            known = self._interned.setdefault((values, tuple(map(type, values))), values)
         except TypeError:  # an unhashable value
             return values
         if len(self._interned) > 4096:
