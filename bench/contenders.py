@@ -242,7 +242,9 @@ class OpCount:
     final check point): ``exit_ops``, ``exit_reads``, ``exit_bypass_reads``.
     For the hidden-read cross-check, over a short block of ``profile_steps``
     steps including the exit: ``total_reads`` (counter) and
-    ``profiler_reads`` (profiler).
+    ``profiler_reads`` (profiler), and ``profiler_by_op``: profiler events per
+    step by name, which show the ops a tool runs with Python dispatch disabled
+    (opwatch's reductions) that no counting mode sees.
     """
 
     steps: int
@@ -255,6 +257,7 @@ class OpCount:
     exit_bypass_reads: int
     total_reads: int
     profiler_reads: int
+    profiler_by_op: dict[str, float]
 
 
 def _run_steps(step: Callable[[], None], contender: Contender, handle: Any, steps: int) -> None:
@@ -297,11 +300,13 @@ def count_ops(step: Callable[[], None], contender: Contender, steps: int,
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with contender.make() as handle:
             _run_steps(step, contender, handle, profile_steps)
+    events = prof.events()
     return OpCount(
         steps=steps, ops=ops / steps, by_op={k: v / steps for k, v in by_op.items()},
         host_reads=reads / steps, bypass_reads=bypassed / steps,
         exit_ops=counter.total - ops, exit_reads=counter.host_reads - reads,
         exit_bypass_reads=bypass.count - bypassed,
         total_reads=short.host_reads,
-        profiler_reads=sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense"),
+        profiler_reads=sum(1 for e in events if e.name == "aten::_local_scalar_dense"),
+        profiler_by_op={k: v / profile_steps for k, v in Counter(e.name for e in events).items()},
     )

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from . import checks as _checks
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning, display_path
 from .checks.finding import Finding
-from .modes.interceptor import OpInterceptor
+from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .records import OpLog, OpRecord
 from .table import render_failure, render_summary, render_table
@@ -177,6 +177,7 @@ class Watch:
             raise RuntimeError("this Watch is already active; create a new one with opwatch.watch() to nest")
         if not self.enabled:
             return self
+        keep_dynamo_out()
         self._modules = ModuleStack()
         self._interceptor = OpInterceptor(
             log=self._log,

@@ -51,6 +51,8 @@ _CHECKED_DTYPES = frozenset(_REAL | _COMPLEX)
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _set_grad_enabled = torch._C._set_grad_enabled
 _aminmax = torch.aminmax
+_no_python_dispatch = torch._C._DisableTorchDispatch
+_modes_outside = torch._C._len_torch_dispatch_stack
 _STRIDED = torch.strided
 _is_grad_enabled = torch._C.is_grad_enabled
 
@@ -190,17 +192,22 @@ class NonFiniteTracker:
 
     def __init__(self, log) -> None:
         self._log = log
-        self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on each output's device
+        self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on _stats_device
+        self._stats_device = None
         self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
-        self._entries: list[tuple] = []  # (op index, output position, weakref to the output)
+        # Per queued pair, in parallel lists (ints and one weakref: few objects for the
+        # garbage collector to count): the op index, the output's position, the output.
+        self._indices: list[int] = []
+        self._positions: list[int] = []
+        self._refs: list[weakref.ref] = []
         self._devices: set = set()  # devices that flags wait on
-        self._carriers: dict = {}  # (op index, output position) -> weakref, for unchecked outputs
+        self._carriers: dict = {}  # (op index << 32 | output position) -> weakref, for unchecked outputs
         # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
         self._carry: dict[int, tuple] = {}
 
     @property
     def pending(self) -> int:
-        return len(self._entries)
+        return len(self._indices)
 
     @property
     def carrying(self) -> bool:
@@ -211,13 +218,22 @@ class NonFiniteTracker:
         return device in self._devices
 
     def observe(self, index, outputs, metas, count=None) -> None:
-        """Hot path: queue one reduction per checkable floating output (the first ``count``
-        outputs when given). No host sync."""
+        """Hot path, inside the mode's ``__torch_dispatch__``: queue one reduction per
+        checkable floating output (the first ``count`` outputs when given). No host sync."""
         if count is not None:
             outputs = outputs[:count]
-        stats = self._stats
+        if _modes_outside():
+            # Modes entered outside opwatch (another watch, the user's own) would see the
+            # reductions, which are not the program's ops. Ours is off while it dispatches.
+            with _no_python_dispatch():
+                self._reduce(index, outputs, metas)
+        else:
+            self._reduce(index, outputs, metas)
+
+    def _reduce(self, index, outputs, metas) -> None:
         for position, tensor in enumerate(outputs):
-            dtype = metas[position][1]
+            meta = metas[position]
+            dtype = meta[1]
             if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES or tensor.is_meta:
                 continue
             if tensor.layout is not _STRIDED or tensor.is_nested or not tensor.numel() or tensor._is_zerotensor():
@@ -234,25 +250,25 @@ class NonFiniteTracker:
                     _set_grad_enabled(True)
             else:
                 low, high = _aminmax(checked)
-            if stats:
-                if stats[0].device != low.device:
-                    self._stack()  # one chunk per device
-                    stats = self._stats
-                    self._devices.add(low.device)
-            else:
-                self._devices.add(low.device)
+            stats = self._stats
+            if meta[2] != self._stats_device:
+                self._stack()  # one chunk per device
+                stats = self._stats
+                self._stats_device = meta[2]
+                self._devices.add(meta[2])
             stats += (low, high)
-            self._entries.append((index, position, weakref.ref(tensor)))
+            self._indices.append(index)
+            self._positions.append(position)
+            self._refs.append(weakref.ref(tensor))
             if len(stats) >= self._CHUNK:
                 self._stack()
-                stats = self._stats
 
     def observe_carrier(self, index, outputs, metas) -> None:
         """Hot path, for ops whose outputs are not checked: remember them weakly, so that a
         non-finite value they carry counts as alive at the check point."""
         for position, tensor in enumerate(outputs):
             if metas[position][1] in _CHECKED_DTYPES:
-                self._carriers[(index, position)] = weakref.ref(tensor)
+                self._carriers[index << 32 | position] = weakref.ref(tensor)
 
     def _stack(self) -> None:
         if self._stats:
@@ -265,17 +281,18 @@ class NonFiniteTracker:
         ``window`` is every log entry since the previous check point, oldest first.
         """
         carriers, self._carriers = self._carriers, {}
-        if not self._entries:
+        if not self._indices:
             self._prune_carry()
             return []
         self._stack()
         kinds = self._read_flags()
-        entries = self._entries
-        self._chunks, self._entries = [], []
+        queued = zip(self._indices, self._positions, self._refs, kinds)
+        self._chunks, self._indices, self._positions, self._refs = [], [], [], []
         self._devices = set()
+        self._stats_device = None
         flagged = {}
         refs = {}
-        for (index, position, ref), kind in zip(entries, kinds):
+        for index, position, ref, kind in queued:
             if kind is not None:
                 flagged[(index, position)] = kind
                 refs[(index, position)] = ref
@@ -333,7 +350,7 @@ class NonFiniteTracker:
                 for position, meta in enumerate(outputs):
                     if carrier is not None and meta[1] in _CHECKED_DTYPES:
                         status[meta[3]] = carrier
-                        ref = carriers.get((index, position))
+                        ref = carriers.get(index << 32 | position)
                         if ref is not None:
                             live[meta[3]] = ref
                     else:

@@ -14,7 +14,6 @@ forward op names its node; in backward, the node being run reports the same numb
 from __future__ import annotations
 
 import sys
-import threading
 import traceback
 from itertools import islice
 
@@ -28,7 +27,7 @@ from ..checks.nonfinite import NonFiniteTracker, checked_outputs, preserves_valu
 from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, short_op_name
 from ..sites import user_frame
 
-__all__ = ["OpInterceptor", "internal_work"]
+__all__ = ["OpInterceptor", "keep_dynamo_out"]
 
 _current_autograd_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
@@ -42,14 +41,17 @@ _UNSQUEEZE = "aten::unsqueeze"
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
-class _InternalWork(threading.local):
-    """Set while opwatch does its own tensor work, so that other watches do not record it."""
+try:  # torch >= 2.6: per-code-object frame strategies for TorchDynamo
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
-    active = False
+    # Skip this frame and every frame it calls.
+    _SKIP_FRAMES = (set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+except (ImportError, AttributeError):  # older torch: TorchDispatchMode's wrapper does it
+    _SKIP_FRAMES = None
 
-
-internal_work = _InternalWork()
-
+# opwatch's own tensor work (the nan/inf reductions, reading them back) runs with Python
+# dispatch off: neither this mode nor any other sees it.
+_no_python_dispatch = torch._C._DisableTorchDispatch
 _NO_SITE = (0, None, -1)
 
 
@@ -89,6 +91,12 @@ class OpInterceptor(TorchDispatchMode):
     before the kernel runs, exactly like an error from the op itself.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable, a Python
+        # wrapper on every op; marking the code object (below) keeps Dynamo out as well, free.
+        return _SKIP_FRAMES is None
+
     def __init__(self, *, log: OpLog, report, enabled: frozenset[str], modules, max_records: int, on_internal_error, first_index: int = 0):
         super().__init__()
         self._log = log
@@ -109,6 +117,7 @@ class OpInterceptor(TorchDispatchMode):
         self._window_start = first_index  # first op index not yet covered by a check point
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
+        self._site_tuples: dict = {}
         self._last_seq = _get_sequence_nr()
         # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id)
         self._size1: dict = {}
@@ -122,7 +131,7 @@ class OpInterceptor(TorchDispatchMode):
         # One function on purpose: this runs for every op, and Python calls cost.
         if kwargs is None:
             kwargs = {}
-        if self._broken or internal_work.active:
+        if self._broken:
             return func(*args, **kwargs)
         plan = self._plans.get(func)
         if plan is None:
@@ -210,11 +219,7 @@ class OpInterceptor(TorchDispatchMode):
                 if self._track_provenance:
                     self._note_size1_dims(plan, entry, inputs, metas)
                 if plan.check_values:
-                    internal_work.active = True
-                    try:
-                        self.values.observe(head[E_INDEX], outputs, metas, plan.checked_outputs)
-                    finally:
-                        internal_work.active = False
+                    self.values.observe(head[E_INDEX], outputs, metas, plan.checked_outputs)
                 elif plan.carries_values:
                     self.values.observe_carrier(head[E_INDEX], outputs, metas)
         except Exception as error:
@@ -228,8 +233,9 @@ class OpInterceptor(TorchDispatchMode):
         """The start of the op's log entry: index, op, source site, module, phase."""
         log = self._log
         modules = self._modules
-        # Frames 0-3: this method, __torch_dispatch__, torch's wrappers around it.
-        code, lasti, reached_engine = user_frame(sys._getframe(4), modules.call_frame, modules.call_answer)
+        # Frames 0-1: this method, __torch_dispatch__ (then, on older torch, Dynamo's wrappers
+        # around it, which the walk passes as torch's own frames).
+        code, lasti, reached_engine = user_frame(sys._getframe(2), modules.call_frame, modules.call_answer)
         site = log.site_ids.get((code, lasti))
         if site is None:
             site = log.site_id(code, lasti)
@@ -251,9 +257,12 @@ class OpInterceptor(TorchDispatchMode):
             # in a backward pass with create_graph): remember where, for its backward ops.
             self._last_seq = seq
             sites = self._forward_sites
-            sites[seq - 1] = (site, module, plan.func_id if forward_func < 0 else forward_func)
+            known = (site, module, plan.func_id if forward_func < 0 else forward_func)
+            # Interned: each step makes the same few, and kept tuples cost garbage collections.
+            sites[seq - 1] = self._site_tuples.setdefault(known, known)
             if len(sites) > self._table_limit:
                 _drop_oldest_half(sites)
+                self._site_tuples.clear()
         self._site_id = site
         index = self.next_index
         self.next_index = index + 1
@@ -332,14 +341,12 @@ class OpInterceptor(TorchDispatchMode):
         self._window_start = self.next_index
         if not self.values.pending and not self.values.carrying:
             return []
-        internal_work.active = True
         try:
-            return self.values.resolve(self._log.since(window_start))
+            with _no_python_dispatch():
+                return self.values.resolve(self._log.since(window_start))
         except Exception as error:
             self._internal_error(error)
             return []
-        finally:
-            internal_work.active = False
 
     def _report_origins(self, origins) -> None:
         for origin in origins:
@@ -349,6 +356,15 @@ class OpInterceptor(TorchDispatchMode):
     def _internal_error(self, error: Exception) -> None:
         self._broken = True
         self._on_internal_error(error, traceback.format_exc())
+
+
+def keep_dynamo_out() -> None:
+    """Make TorchDynamo run ``__torch_dispatch__`` and everything it calls uncompiled, as
+    ``torch._dynamo.disable`` would: a compiled function running under a watch must not try to
+    compile opwatch. Called on every watch entry, since ``torch._dynamo.reset()`` may clear it."""
+    if _SKIP_FRAMES is not None:
+        set_strategy, strategy = _SKIP_FRAMES
+        set_strategy(OpInterceptor.__torch_dispatch__.__code__, strategy)
 
 
 def _reads_to_host(plan, inputs, kwargs) -> bool:
