@@ -161,6 +161,57 @@ def test_inf_alive_at_the_check_point_matters():
     del kept
 
 
+def _log_zero_kept_through(make_alias):
+    """An inf origin whose own output dies; only an alias of it is still held at the check point."""
+    with opwatch.watch(warn=False) as w:
+        origin = torch.zeros(4).log()
+        kept = make_alias(origin)
+        del origin
+    return w, kept
+
+
+@pytest.mark.parametrize(
+    "make_alias",
+    [
+        lambda x: x.view(2, 2),
+        lambda x: x[1:].unsqueeze(0).expand(3, 3),  # a chain of views: the first one dies too
+        lambda x: x.detach(),  # an alias without a link to its base
+        lambda x: x.view(torch.int32).view(torch.float32),  # dtype views: no link either
+        lambda x: x.clone(),
+    ],
+    ids=["view", "view-chain", "detach", "dtype-view", "clone"],
+)
+def test_inf_alive_only_through_an_alias_matters(make_alias):
+    w, kept = _log_zero_kept_through(make_alias)
+    assert [(a.kind, a.op) for a in w.anomalies] == [("inf", "aten.log.default")]
+    assert w.contained == []
+    del kept
+
+
+def test_inf_alive_through_an_inference_mode_view_matters():
+    with torch.inference_mode():
+        w, kept = _log_zero_kept_through(lambda x: x.view(2, 2))
+    assert [(a.kind, a.op) for a in w.anomalies] == [("inf", "aten.log.default")]
+    del kept
+
+
+def test_inf_whose_aliases_all_died_is_contained():
+    with opwatch.watch(warn=False) as w:
+        finite = torch.zeros(4).log().view(2, 2).clamp(min=-1.0)
+    assert w.anomalies == []
+    assert [(a.kind, a.op) for a in w.contained] == [("inf", "aten.log.default")]
+    assert torch.isfinite(finite).all()
+
+
+def test_a_view_made_before_a_check_point_still_carries_its_origin_after_it():
+    with opwatch.watch(warn=False) as w:
+        kept = torch.zeros(4).log().view(2, 2)
+        w.check()
+        later = kept * 2  # spread of the reported origin, not a new one
+    assert [(a.kind, a.op) for a in w.anomalies] == [("inf", "aten.log.default")]
+    del kept, later
+
+
 # -- warnings and strict ------------------------------------------------------------------
 
 def test_a_loop_warns_once_per_kind_and_line():

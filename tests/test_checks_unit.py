@@ -32,8 +32,9 @@ class Context:
 
 
 def run(check, func, *tensors, context=None):
-    assert check.applies(func)
-    return check.check(func, tensors, context or Context())
+    bound = check.for_op(func)
+    assert bound is not None
+    return bound(tensors, context or Context())
 
 
 # -- device ---------------------------------------------------------------------------------
@@ -56,9 +57,9 @@ def test_device_zero_dim_cpu_scalar_is_legal_anywhere():
 
 
 def test_device_copies_are_exempt_and_indices_may_stay_on_cpu():
-    assert not device.applies(aten.copy_.default)
-    assert not device.applies(aten._to_copy.default)
-    assert not device.applies(aten._foreach_add_.List)
+    assert device.for_op(aten.copy_.default) is None
+    assert device.for_op(aten._to_copy.default) is None
+    assert device.for_op(aten._foreach_add_.List) is None
     assert run(device, aten.index.Tensor, t(5, device=META), t(2, dtype=I64)) is None
     assert run(device, aten.index_put_.default, t(5, device=META), t(2, dtype=I64), t(2, device=META)) is None
     assert run(device, aten.index_put_.default, t(5, device=META), t(2, dtype=I64), t(2)) is not None
@@ -98,8 +99,8 @@ def test_dtype_ints_bools_scalars_are_not_promotions(other):
 
 
 def test_dtype_copies_and_in_place_ops_are_not_promotions():
-    assert not dtype.applies(aten.copy_.default)
-    assert not dtype.applies(aten.add_.Tensor)
+    assert dtype.for_op(aten.copy_.default) is None
+    assert dtype.for_op(aten.add_.Tensor) is None
 
 
 # -- broadcast -------------------------------------------------------------------------------
@@ -137,9 +138,9 @@ def test_broadcast_deliberate_shapes_are_not_flagged(a, b):
 
 
 def test_broadcast_applies_to_pointwise_out_of_place_ops_only():
-    assert broadcast.applies(aten.mul.Tensor)
-    assert not broadcast.applies(aten.add_.Tensor)
-    assert not broadcast.applies(aten.mm.default)
+    assert broadcast.for_op(aten.mul.Tensor) is not None
+    assert broadcast.for_op(aten.add_.Tensor) is None
+    assert broadcast.for_op(aten.mm.default) is None
 
 
 def test_broadcast_ignores_shapeless_nested_tensors():

@@ -3,11 +3,12 @@
 A pre-kernel check is a module with
 
 - ``KIND``: the anomaly kind it reports;
-- ``applies(func) -> bool``: whether it can fire on this ``OpOverload`` at all (asked once per
-  op overload, cached by the interceptor);
-- ``check(func, tensors, context) -> Finding | None``: given the op and its tensor arguments as
-  ``(shape, dtype, device, ident)`` tuples, the finding or ``None``. ``context`` answers the
-  few questions shapes cannot (see :class:`CheckContext`).
+- ``for_op(func)``: the check bound to one ``OpOverload``, or ``None`` when it cannot fire on
+  that op. Asked once per op overload (the interceptor keeps the answer), so that everything
+  that depends on the op alone (its name, its schema's rule) is settled before the hot path.
+  The bound check is called as ``check(tensors, context) -> Finding | None`` with the op's
+  tensor arguments as ``(shape, dtype, device, ident)`` tuples; ``context`` answers the few
+  questions shapes cannot (see :class:`CheckContext`).
 
 They see metadata only, so each is plain code testable without any mode running. The nan/inf
 check is different in kind (it looks at values, batched and sync-free) and lives in

@@ -27,19 +27,24 @@ ops) before a loss kernel that sees equal shapes; torch itself warns there, opwa
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from ..notation import format_meta, format_shape
 from .finding import Finding, takes_several_tensors
 
-__all__ = ["KIND", "applies", "check", "broadcast_shape"]
+__all__ = ["KIND", "for_op", "check", "broadcast_shape"]
 
 KIND = "broadcast"
 
-def applies(func) -> bool:
+def for_op(func):
+    """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
+    when it cannot fire on this op."""
     # In-place and out= variants cannot grow their destination.
-    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable and takes_several_tensors(func)
+    if torch.Tag.pointwise in func.tags and not func._schema.is_mutable and takes_several_tensors(func):
+        return partial(check, func)
+    return None
 
 
 def broadcast_shape(shapes) -> tuple[int, ...] | None:

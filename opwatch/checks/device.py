@@ -8,9 +8,11 @@ that take CPU index tensors by design (advanced indexing) are exempt.
 
 from __future__ import annotations
 
+from functools import partial
+
 from .finding import Finding, describe, takes_several_tensors
 
-__all__ = ["KIND", "applies", "check"]
+__all__ = ["KIND", "for_op"]
 
 KIND = "device_mismatch"
 
@@ -29,21 +31,30 @@ _CROSS_DEVICE_OPS = {
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::_unsafe_index", "aten::_unsafe_index_put"}
 
 
-def applies(func) -> bool:
+def for_op(func):
+    """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
+    when it cannot fire on this op."""
     name = func._schema.name
     if name in _CROSS_DEVICE_OPS or not takes_several_tensors(func):
-        return False
+        return None
     # foreach/fused optimizer kernels group their tensor lists by device themselves; nested
     # tensors carry metadata tensors (on meta or CPU) by design.
     op = name.split("::", 1)[-1]
-    return not op.startswith(("_foreach_", "_fused_", "_nested_"))
-
-
-def check(func, tensors, context=None) -> Finding | None:
-    name = func._schema.name
-    if name in _INDEX_OPS and tensors:
+    if op.startswith(("_foreach_", "_fused_", "_nested_")):
+        return None
+    if name in _INDEX_OPS:
         # Only the indexed tensor and the values written must agree; indices may live on CPU.
-        tensors = (tensors[0], tensors[-1]) if "put" in name else tensors[:1]
+        return partial(_check_indexing, func, "put" in name)
+    return partial(_check, func)
+
+
+def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
+    if tensors:
+        tensors = (tensors[0], tensors[-1]) if writes else tensors[:1]
+    return _check(func, tensors)
+
+
+def _check(func, tensors, context=None) -> Finding | None:
     device = None
     for meta in tensors:
         other = meta[2]

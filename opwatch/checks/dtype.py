@@ -13,12 +13,14 @@ promote across floating dtypes and are not anomalies. Copies are deliberate cast
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..notation import format_dtype as _name
 from .finding import Finding, describe, takes_several_tensors
 
-__all__ = ["KIND", "applies", "check"]
+__all__ = ["KIND", "for_op"]
 
 KIND = "dtype_mismatch"
 
@@ -46,20 +48,14 @@ _INDEX_ARG_OPS = {
 }
 _INT64_INDEX_OPS = {"aten::gather", "aten::scatter", "aten::scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_"}
 
-# Per-OpOverload rule, filled by ``applies``: ("same", None) | ("arg", (position, name, dtypes)) | ("pointwise", None)
-_RULES: dict = {}
-
-
-def applies(func) -> bool:
-    rule = _rule(func) if takes_several_tensors(func) else None
-    _RULES[func] = rule
-    return rule is not None
-
-
-def _rule(func):
+def for_op(func):
+    """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
+    when it cannot fire on this op."""
+    if not takes_several_tensors(func):
+        return None
     name = func._schema.name
     if name in _SAME_DTYPE_OPS:
-        return ("same", None)
+        return partial(_check_same, func)
     tensor_position = 0
     checks_args = name.startswith("aten::masked_") or name in _INDEX_ARG_OPS
     for arg in func._schema.arguments:
@@ -67,30 +63,16 @@ def _rule(func):
         if type_name in ("Tensor", "Tensor?"):
             if checks_args and arg.name in _ARG_DTYPES and type_name == "Tensor":
                 dtypes = (torch.int64,) if name in _INT64_INDEX_OPS else _ARG_DTYPES[arg.name]
-                return ("arg", (tensor_position, arg.name, dtypes))
+                return partial(_check_arg, func, tensor_position, arg.name, dtypes)
             tensor_position += 1
         elif "Tensor" in type_name:
             break  # positions after a tensor list are not fixed
     if torch.Tag.pointwise in func.tags and name not in _NOT_PROMOTIONS and not func._schema.is_mutable:
-        return ("pointwise", None)
+        return partial(_check_promotion, func)
     return None
 
 
-def check(func, tensors, context=None) -> Finding | None:
-    rule = _RULES.get(func)
-    if rule is None:
-        if not applies(func):
-            return None
-        rule = _RULES[func]
-    kind, detail = rule
-    if kind == "pointwise":
-        return _check_promotion(func, tensors)
-    if kind == "same":
-        return _check_same(func, tensors)
-    return _check_arg(func, tensors, *detail)
-
-
-def _check_promotion(func, tensors) -> Finding | None:
+def _check_promotion(func, tensors, context=None) -> Finding | None:
     floating = None
     for meta in tensors:
         dtype = meta[1]
@@ -116,7 +98,7 @@ def _check_promotion(func, tensors) -> Finding | None:
     return None
 
 
-def _check_same(func, tensors) -> Finding | None:
+def _check_same(func, tensors, context=None) -> Finding | None:
     dtypes = []
     for meta in tensors:
         if meta[1] not in dtypes:
@@ -131,7 +113,7 @@ def _check_same(func, tensors) -> Finding | None:
     )
 
 
-def _check_arg(func, tensors, position, arg_name, dtypes) -> Finding | None:
+def _check_arg(func, position, arg_name, dtypes, tensors, context=None) -> Finding | None:
     if position >= len(tensors) or tensors[position][1] in dtypes:
         return None
     got = tensors[position][1]

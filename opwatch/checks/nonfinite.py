@@ -40,7 +40,7 @@ import torch
 from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, entry_inputs, entry_outputs
 from .finding import Finding
 
-__all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "writes_uninitialized"]
+__all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "writes_uninitialized", "checked_outputs"]
 
 NAME = "nonfinite"
 KINDS = ("nan", "inf")
@@ -75,6 +75,9 @@ _VALUE_PRESERVING_OPS = {
     "aten::_unsafe_view",
 }
 _PRESERVES: dict = {}
+# Views whose output has no ``_base`` link, so it does not keep its input alive (found by
+# probing the common view ops; inference mode drops the link for all, checked on the hot path).
+_UNLINKED_VIEWS = {("aten::detach", "default"), ("aten::view", "dtype")}
 
 
 def writes_uninitialized(func) -> bool:
@@ -104,6 +107,14 @@ def preserves_values(func) -> bool:
     if known is None:
         known = _PRESERVES[func] = bool(func.is_view) or func._schema.name in _VALUE_PRESERVING_OPS
     return known
+
+
+def needs_carrier(func) -> bool:
+    """Whether the unchecked outputs of ``func`` must be remembered weakly to tell, at a check
+    point, whether a non-finite value they carry is alive. Views need not: a view keeps its
+    base alive (``_base``), and the base is remembered already. ``detach`` makes an alias
+    without that link; so does any view made in inference mode (the interceptor asks then)."""
+    return preserves_values(func) and (not func.is_view or (func._schema.name, func._overloadname) in _UNLINKED_VIEWS)
 
 
 class Origin:
@@ -265,7 +276,8 @@ class NonFiniteTracker:
 
     def observe_carrier(self, index, outputs, metas) -> None:
         """Hot path, for ops whose outputs are not checked: remember them weakly, so that a
-        non-finite value they carry counts as alive at the check point."""
+        non-finite value they carry counts as alive at the check point. Not needed for views
+        that keep a link to their base (see ``needs_carrier``)."""
         for position, tensor in enumerate(outputs):
             if metas[position][1] in _CHECKED_DTYPES:
                 self._carriers[index << 32 | position] = weakref.ref(tensor)
@@ -340,17 +352,22 @@ class NonFiniteTracker:
                 continue
             index = entry[E_INDEX]
             func = log.funcs[entry[E_FUNC]]
-            input_states = [status[meta[3]] for meta in entry_inputs(entry) if meta[3] in status]
+            fed = [meta[3] for meta in entry_inputs(entry) if meta[3] in status]
+            input_states = [status[ident] for ident in fed]
             if preserves_values(func):
                 # Not checked: its outputs hold what its inputs held.
-                carrier = next((state for state in input_states if state[1] is not None), None)
-                carrier = carrier or (input_states[0] if input_states else None)
+                source = next((ident for ident in fed if status[ident][1] is not None), None)
+                if source is None and fed:
+                    source = fed[0]
+                carrier = status[source] if source is not None else None
                 if carrier is not None and carrier[1] is not None and carrier[1].last.index != index:
                     carrier[1].carried_by(log.view(entry))
                 for position, meta in enumerate(outputs):
-                    if carrier is not None and meta[1] in _CHECKED_DTYPES:
+                    # A view to an integer dtype still holds the bits (x.view(torch.int32)).
+                    if carrier is not None and (meta[1] in _CHECKED_DTYPES or func.is_view):
                         status[meta[3]] = carrier
-                        ref = carriers.get(index << 32 | position)
+                        # A view holds its base alive: the base's reference stands in for it.
+                        ref = carriers.get(index << 32 | position) or live.get(source)
                         if ref is not None:
                             live[meta[3]] = ref
                     else:

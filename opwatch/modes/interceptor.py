@@ -23,13 +23,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import checks
 from ..checks import broadcast as broadcast_check
-from ..checks.nonfinite import NonFiniteTracker, checked_outputs, preserves_values, writes_uninitialized
+from ..checks.nonfinite import NonFiniteTracker, checked_outputs, needs_carrier, preserves_values, writes_uninitialized
 from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, short_op_name
 from ..sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
 
 _current_autograd_node = torch._C._current_autograd_node
+_inference_mode = torch._C.is_inference_mode_enabled
 _Tensor = torch.Tensor
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
@@ -58,10 +59,11 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("func_id", "ignored", "mutated_args", "pre_checks", "host_read", "copies", "check_values", "checked_outputs", "carries_values", "unsqueeze", "preserves_shape", "is_view")
+    __slots__ = ("func", "func_id", "ignored", "mutated_args", "pre_checks", "host_read", "copies", "check_values", "checked_outputs", "carries_values", "links_values", "unsqueeze", "preserves_shape", "is_view")
 
     def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
+        self.func = func
         self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.ignored = func.namespace == "profiler"
@@ -72,13 +74,15 @@ class _OpPlan:
             for position, arg in enumerate(func._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
-        self.pre_checks = tuple(check.check for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled and check.applies(func))
+        bound = (check.for_op(func) for check in checks.PRE_KERNEL_CHECKS if check.KIND in enabled)
+        self.pre_checks = tuple(check for check in bound if check is not None)
         self.host_read = schema_name in _HOST_READS or schema_name in _COPIES
         self.copies = schema_name in _COPIES
         checks_values = checks.nonfinite.NAME in enabled
         self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
         self.checked_outputs = checked_outputs(func)
-        self.carries_values = checks_values and preserves_values(func)
+        self.carries_values = checks_values and needs_carrier(func)
+        self.links_values = checks_values and preserves_values(func) and not self.carries_values
         self.unsqueeze = schema_name == _UNSQUEEZE
         self.is_view = bool(func.is_view)
         self.preserves_shape = schema_name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags
@@ -133,10 +137,11 @@ class OpInterceptor(TorchDispatchMode):
             kwargs = {}
         if self._broken:
             return func(*args, **kwargs)
-        plan = self._plans.get(func)
+        # Keyed by id: OpOverload hashes in Python. The plan holds its op, so the id stays its.
+        plan = self._plans.get(id(func))
         if plan is None:
             try:
-                plan = self._plans[func] = _OpPlan(func, self._log.func_id(func), self._enabled)
+                plan = self._plans[id(func)] = _OpPlan(func, self._log.func_id(func), self._enabled)
             except Exception as error:
                 self._internal_error(error)
                 return func(*args, **kwargs)
@@ -167,7 +172,7 @@ class OpInterceptor(TorchDispatchMode):
             head = self._head(plan, others)
             finding = None
             for check in plan.pre_checks:
-                finding = check(func, inputs, self)
+                finding = check(inputs, self)
                 if finding is not None:
                     break
             origins = ()
@@ -220,7 +225,7 @@ class OpInterceptor(TorchDispatchMode):
                     self._note_size1_dims(plan, entry, inputs, metas)
                 if plan.check_values:
                     self.values.observe(head[E_INDEX], outputs, metas, plan.checked_outputs)
-                elif plan.carries_values:
+                elif plan.carries_values or (plan.links_values and _inference_mode()):
                     self.values.observe_carrier(head[E_INDEX], outputs, metas)
         except Exception as error:
             self._internal_error(error)
