@@ -15,7 +15,7 @@ from typing import Any
 from .notation import TensorMeta, format_meta
 from .sites import Position, position_of
 
-__all__ = ["OpRecord", "OpLog", "FORWARD", "BACKWARD"]
+__all__ = ["OpRecord", "OpLog", "SharedShapes", "FORWARD", "BACKWARD"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -50,6 +50,22 @@ def entry_outputs(entry: tuple) -> tuple | None:
     return entry[start : start + count]
 
 
+class SharedShapes(dict):
+    """``torch.Size`` -> the one plain tuple that entries store for that shape.
+
+    Looked up as ``shapes[tensor.shape]``: a miss interns the shape. Distinct shapes beyond a
+    few thousand (sequence lengths that vary every step) start a fresh table rather than pile up.
+    """
+
+    __slots__ = ()
+
+    def __missing__(self, size) -> tuple:
+        if len(self) > 4096:
+            self.clear()
+        shape = self[size] = tuple(size)
+        return shape
+
+
 class OpLog:
     """The bounded log of one watch, and the tables its entries refer to."""
 
@@ -58,10 +74,13 @@ class OpLog:
         self.funcs: list = []  # op id -> OpOverload
         self.func_ids: dict = {}
         self.sites: list[tuple] = [(None, 0)]  # site id -> (code object, instruction offset); 0: unknown
-        self.site_ids: dict = {(None, 0): 0}
+        # (id of the code object, instruction offset) -> site id. Keyed by id: hashing a code
+        # object hashes its bytecode and constants on every call. ``sites`` keeps each code
+        # object alive, so its id is not reused.
+        self.site_ids: dict = {(id(None), 0): 0}
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it
         self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
-        self.shapes: dict = {}  # torch.Size -> the shared plain tuple stored in entries
+        self.shapes = SharedShapes()
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -71,11 +90,11 @@ class OpLog:
         return known
 
     def site_id(self, code, lasti: int) -> int:
-        key = (code, lasti)
+        key = (id(code), lasti)
         known = self.site_ids.get(key)
         if known is None:
             known = self.site_ids[key] = len(self.sites)
-            self.sites.append(key)
+            self.sites.append((code, lasti))
         return known
 
     def intern(self, values: tuple) -> tuple:

@@ -60,8 +60,11 @@ def classify_code(code: types.CodeType) -> int:
     return USER
 
 
-# The "is this frame user code?" answer, per code object (a pure function of the code object).
+# The "is this frame user code?" answer, per code object (a pure function of the code object),
+# keyed by id: hashing a code object hashes its bytecode and constants each time. The code
+# objects are kept in ``_known_codes`` so that their ids stay theirs.
 _code_kinds: dict = {}
+_known_codes: list = []
 
 
 def user_frame(frame, stop_frame=None, stop_answer=None):
@@ -78,9 +81,10 @@ def user_frame(frame, stop_frame=None, stop_answer=None):
         if frame is stop_frame:
             return stop_answer
         code = frame.f_code
-        kind = kinds.get(code)
+        kind = kinds.get(id(code))
         if kind is None:
-            kind = kinds[code] = classify_code(code)
+            kind = kinds[id(code)] = classify_code(code)
+            _known_codes.append(code)
         if kind == USER:
             return code, frame.f_lasti, False
         if kind == ENGINE:

@@ -188,7 +188,7 @@ class OpInterceptor(TorchDispatchMode):
         record = None
         if finding is not None:
             # In the log before it is reported: a strict raise dumps it as the failing op.
-            unfinished = head + (len(inputs), -1) + inputs
+            unfinished = (*head, len(inputs), -1, *inputs)
             self._entries.append(unfinished)
             record = log.view(unfinished)
             self._report(finding, record)
@@ -198,7 +198,7 @@ class OpInterceptor(TorchDispatchMode):
             out = func(*args, **kwargs)
         except BaseException as error:
             if record is None:
-                self._entries.append(head + (len(inputs), -1) + inputs)
+                self._entries.append((*head, len(inputs), -1, *inputs))
             self.failure = (head[E_INDEX], id(error))
             raise
 
@@ -213,7 +213,7 @@ class OpInterceptor(TorchDispatchMode):
             else:
                 outputs = ()
             metas = _metas(outputs, log.shapes)
-            entry = head + (len(inputs), len(metas)) + inputs + metas
+            entry = (*head, len(inputs), len(metas), *inputs, *metas)
             if record is None:
                 self._entries.append(entry)
             else:
@@ -241,7 +241,7 @@ class OpInterceptor(TorchDispatchMode):
         # Frames 0-1: this method, __torch_dispatch__ (then, on older torch, Dynamo's wrappers
         # around it, which the walk passes as torch's own frames).
         code, lasti, reached_engine = user_frame(sys._getframe(2), modules.call_frame, modules.call_answer)
-        site = log.site_ids.get((code, lasti))
+        site = log.site_ids.get((id(code), lasti))
         if site is None:
             site = log.site_id(code, lasti)
         forward_func = -1
@@ -402,21 +402,20 @@ def _split(key, value, tensors, others, intern) -> None:
     others.append(value)
 
 
-def _metas(tensors, shapes: dict) -> tuple:
-    """``((shape, dtype, device, ident), ...)``, the shapes interned in ``shapes``."""
+def _metas(tensors, shapes) -> list:
+    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``shapes``
+    (a :class:`~opwatch.records.SharedShapes`)."""
     try:
-        metas = []
+        metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
         for tensor in tensors:
             size = tensor.shape
             shape = shapes.get(size)
             if shape is None:
-                if len(shapes) > 4096:
-                    shapes.clear()
-                shape = shapes[size] = tuple(size)
+                shape = shapes[size]
             metas.append((shape, tensor.dtype, tensor.device, id(tensor)))
-        return tuple(metas)
+        return metas
     except Exception:
-        return tuple([_safe_meta(tensor) for tensor in tensors])
+        return [_safe_meta(tensor) for tensor in tensors]
 
 
 def _mutated_tensors(mutated_args, args, kwargs) -> tuple:
