@@ -49,12 +49,10 @@ _REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}
 _CHECKED_DTYPES = frozenset(_REAL | _COMPLEX)
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
-_set_grad_enabled = torch._C._set_grad_enabled
 _aminmax = torch.aminmax
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _modes_outside = torch._C._len_torch_dispatch_stack
 _STRIDED = torch.strided
-_is_grad_enabled = torch._C.is_grad_enabled
 
 _UNINITIALIZED_OPS = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
@@ -252,15 +250,9 @@ class NonFiniteTracker:
             checked = tensor
             if dtype in _COMPLEX:
                 checked = torch.view_as_real(checked.resolve_conj())
-            if tensor.requires_grad and _is_grad_enabled():
-                # In-place updates of parameters: the check must record no autograd graph.
-                _set_grad_enabled(False)
-                try:
-                    low, high = _aminmax(checked)
-                finally:
-                    _set_grad_enabled(True)
-            else:
-                low, high = _aminmax(checked)
+            # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
+            # autograd keys are excluded for everything it calls.
+            low, high = _aminmax(checked)
             stats = self._stats
             if meta[2] != self._stats_device:
                 self._stack()  # one chunk per device
