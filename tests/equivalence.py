@@ -32,6 +32,10 @@ Contents
   result or its exception (type, stage, traceback) plus the warnings raised;
   :func:`outcome_diff` compares two such outcomes.
 * :func:`internal_errors` -- opwatch's contained crashes seen in a run.
+* :func:`run_reference` / :func:`run_watched` / :func:`assert_transparent` --
+  the "watched == reference, no warning, no anomaly" check of opwatch's own
+  tests, with :func:`comparable`, :func:`opwatch_warnings` and :func:`ops`.
+  These need the real opwatch (no stand-in).
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ __all__ = [
     "outcome_diff",
     "capture",
     "seed_everything",
+    "comparable",
+    "opwatch_warnings",
+    "ops",
+    "run_reference",
+    "run_watched",
+    "assert_transparent",
 ]
 
 
@@ -437,3 +447,69 @@ def internal_errors(outcome: Outcome) -> list[str]:
         for w in outcome.extra.get("warnings", ())
         if issubclass(w.category, cat) and "internal error" in str(w.message).lower()
     ]
+
+
+# --------------------------------------------------------------------------
+# opwatch's own transparency checks
+# --------------------------------------------------------------------------
+# opwatch is imported inside each helper: this module must stay importable
+# while opwatch does not exist (see watching).
+
+
+def comparable(value: Any) -> Any:
+    """Nested tensors refuse ``.shape``: compare them as (layout, components)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return ("nested", str(value.layout), value.dtype, [comparable(part) for part in value.unbind()])
+    if isinstance(value, (list, tuple)):
+        return type(value)(comparable(item) for item in value)
+    return value
+
+
+def opwatch_warnings(caught) -> list[str]:
+    """The messages of the OpwatchWarnings in ``caught`` (a ``catch_warnings(record=True)`` list)."""
+    import opwatch  # noqa: PLC0415
+
+    return [str(c.message) for c in caught if issubclass(c.category, opwatch.OpwatchWarning)]
+
+
+def ops(records) -> list[str]:
+    """The op names of ``records``, in order."""
+    return [r.op for r in records]
+
+
+def run_reference(fn: Callable[[], Any], seed: int = 0, *, plain: bool = False) -> Any:
+    """``fn()`` after reseeding, under :class:`PassthroughMode` (plain eager with ``plain=True``), warnings silenced."""
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if plain:
+            return fn()
+        with PassthroughMode():
+            return fn()
+
+
+def run_watched(fn: Callable[[], Any], seed: int = 0, **options) -> tuple[Any, Any, list[str]]:
+    """``fn()`` after reseeding, under ``opwatch.watch(**options)``: (result, watch, OpwatchWarning messages)."""
+    import opwatch  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opwatch.watch(**options) as w:
+            out = fn()
+    return out, w, opwatch_warnings(caught)
+
+
+def assert_transparent(fn: Callable[[], Any], *, values: bool = True, plain: bool = False) -> tuple[Any, Any]:
+    """Run ``fn`` under the reference and under a watch; check the common promises.
+
+    The watched result equals the reference bitwise, no OpwatchWarning, no
+    anomaly, and something was recorded.  Returns (watched result, watch)."""
+    ref = run_reference(fn, plain=plain)
+    got, w, warned = run_watched(fn)
+    difference = diff(comparable(ref), comparable(got), "result", values=values)
+    assert difference is None, difference
+    assert warned == [], "OpwatchWarning(s):\n" + "\n---\n".join(warned)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+    assert w.records, "nothing recorded"
+    return got, w

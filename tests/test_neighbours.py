@@ -26,6 +26,7 @@ from opwatch.checks import nonfinite as nonfinite_check
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equivalence as eq  # noqa: E402
+from equivalence import assert_transparent, ops, opwatch_warnings, run_reference  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -42,44 +43,6 @@ def line_of(marker: str) -> int:
     found = [number for number, line in enumerate(lines, 1) if marker in line and "line_of(" not in line]
     assert len(found) == 1, (marker, found)
     return found[0]
-
-
-def opwatch_warnings(caught) -> list[str]:
-    return [str(c.message) for c in caught if issubclass(c.category, opwatch.OpwatchWarning)]
-
-
-def run_reference(fn, seed=0, *, plain=False):
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if plain:
-            return fn()
-        with eq.PassthroughMode():
-            return fn()
-
-
-def run_watched(fn, seed=0, **options):
-    torch.manual_seed(seed)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with opwatch.watch(**options) as w:
-            out = fn()
-    return out, w, opwatch_warnings(caught)
-
-
-def assert_transparent(fn, *, values=True, plain=False):
-    ref = run_reference(fn, plain=plain)
-    got, w, warned = run_watched(fn)
-    difference = eq.diff(ref, got, "result", values=values)
-    assert difference is None, difference
-    assert warned == [], "OpwatchWarning(s):\n" + "\n---\n".join(warned)
-    assert w.anomalies == [], [a.message for a in w.anomalies]
-    assert w.records, "nothing recorded"
-    return got, w
-
-
-def ops(records) -> list[str]:
-    return [r.op for r in records]
 
 
 class MLP(nn.Module):

@@ -29,14 +29,11 @@ from opwatch.checks import broadcast
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equivalence as eq  # noqa: E402
+from equivalence import opwatch_warnings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def opwatch_warnings(caught) -> list[str]:
-    return [str(c.message) for c in caught if issubclass(c.category, opwatch.OpwatchWarning)]
 
 
 # ============================================================================================

@@ -27,7 +27,7 @@ import torch
 import opwatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import equivalence as eq  # noqa: E402
+from equivalence import assert_transparent, ops  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -37,55 +37,10 @@ HERE = os.path.abspath(__file__)
 # --------------------------------------------------------------------------------------------
 
 
-def opwatch_warnings(caught) -> list[str]:
-    return [str(c.message) for c in caught if issubclass(c.category, opwatch.OpwatchWarning)]
-
-
-def run_reference(fn, seed=0):
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with eq.PassthroughMode():
-            return fn()
-
-
-def run_watched(fn, seed=0, **options):
-    torch.manual_seed(seed)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with opwatch.watch(**options) as w:
-            out = fn()
-    return out, w, opwatch_warnings(caught)
-
-
-def comparable(value):
-    """Nested tensors refuse ``.shape``: compare them as (layout, components)."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", str(value.layout), value.dtype, [comparable(part) for part in value.unbind()])
-    if isinstance(value, (list, tuple)):
-        return type(value)(comparable(item) for item in value)
-    return value
-
-
-def assert_transparent(fn, *, values=True):
-    """Run ``fn`` under the reference and under a watch; check the common promises."""
-    ref = run_reference(fn)
-    got, w, warned = run_watched(fn)
-    difference = eq.diff(comparable(ref), comparable(got), "result", values=values)
-    assert difference is None, difference
-    assert warned == [], "OpwatchWarning(s):\n" + "\n---\n".join(warned)
-    assert w.anomalies == [], [a.message for a in w.anomalies]
-    assert w.records, "nothing recorded"
-    return got, w
-
-
-def ops(w) -> list[str]:
-    return [r.op for r in w.records]
-
-
 def records_of(w, op):
+    """The records of ``op`` in watch ``w``; fails, listing what was recorded, if there are none."""
     found = [r for r in w.records if r.op == op]
-    assert found, f"{op} not recorded; saw {ops(w)}"
+    assert found, f"{op} not recorded; saw {ops(w.records)}"
     return found
 
 
@@ -122,7 +77,7 @@ def test_fake_tensor_mode_entered_inside_the_watch():
     assert type(got[0]) is FakeTensor
     # The fake mode, entered last, is innermost: it runs each op through the watch beneath it,
     # so the watch records every op, with the fake tensors' shapes.
-    assert ops(w) == ["aten.randn.default", "aten.randn.default", "aten.mm.default", "aten.relu.default", "aten.sum.default"]
+    assert ops(w.records) == ["aten.randn.default", "aten.randn.default", "aten.mm.default", "aten.relu.default", "aten.sum.default"]
     assert tuple(records_of(w, "aten.mm.default")[0].outputs[0].shape) == (3, 5)
 
 
@@ -144,7 +99,7 @@ def test_sparse_coo():
 
     got, w = assert_transparent(fn)
     assert got[1].layout == torch.sparse_coo and got[1].is_coalesced()
-    assert "aten._sparse_coo_tensor_with_dims_and_tensors.default" in ops(w)
+    assert "aten._sparse_coo_tensor_with_dims_and_tensors.default" in ops(w.records)
     assert any(r.phase == "backward" for r in w.records)
 
 
@@ -157,7 +112,7 @@ def test_sparse_csr():
 
     got, w = assert_transparent(fn)
     assert got[1].layout == torch.strided
-    assert any("sparse_csr" in op for op in ops(w)), ops(w)
+    assert any("sparse_csr" in op for op in ops(w.records)), ops(w.records)
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +204,7 @@ def test_efficient_zero_tensor_arithmetic():
 
     got, w = assert_transparent(fn)
     assert got[0]._is_zerotensor()
-    assert "aten._efficientzerotensor.default" in ops(w)
+    assert "aten._efficientzerotensor.default" in ops(w.records)
 
 
 def test_zero_tensors_made_by_forward_mode_autodiff():
@@ -265,7 +220,7 @@ def test_zero_tensors_made_by_forward_mode_autodiff():
             return unpacked.primal.clone(), unpacked.tangent.clone()
 
     got, w = assert_transparent(fn)
-    assert "aten._efficientzerotensor.default" in ops(w)
+    assert "aten._efficientzerotensor.default" in ops(w.records)
 
 
 def test_zero_tensors_in_jvp():
@@ -297,7 +252,7 @@ def test_views_written_in_place():
         return x, t, y, x._version
 
     got, w = assert_transparent(fn)
-    assert "aten.add_.Tensor" in ops(w)
+    assert "aten.add_.Tensor" in ops(w.records)
     # An in-place op's output is its (view) target; the record keeps the view's shape.
     add = records_of(w, "aten.add_.Tensor")[0]
     assert tuple(add.outputs[0].shape) == (4, 3)
@@ -328,7 +283,7 @@ def test_out_variants_and_resize():
         return out, buf
 
     got, w = assert_transparent(fn)
-    assert "aten.add.out" in ops(w)
+    assert "aten.add.out" in ops(w.records)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,7 +366,7 @@ def test_torch_function_subclass():
     got, w = assert_transparent(fn)
     assert type(got) is TracingSubclass
     assert TracingSubclass.calls > 0
-    assert "aten.mm.default" in ops(w)
+    assert "aten.mm.default" in ops(w.records)
 
 
 def test_wrapper_subclass_two_tensor():
