@@ -59,11 +59,13 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("func", "func_id", "ignored", "mutated_args", "pre_checks", "host_read", "copies", "check_values", "checked_outputs", "carries_values", "links_values", "unsqueeze", "preserves_shape", "is_view")
+    __slots__ = ("func", "kernel", "func_id", "ignored", "mutated_args", "pre_checks", "host_read", "copies", "check_values", "checked_outputs", "carries_values", "links_values", "unsqueeze", "preserves_shape", "is_view")
 
     def __init__(self, func, func_id: int, enabled: frozenset[str]):
         schema_name = func._schema.name
         self.func = func
+        # The C++ op itself: OpOverload.__call__ is a Python frame around it.
+        self.kernel = getattr(func, "_op", func)
         self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.ignored = func.namespace == "profiler"
@@ -195,7 +197,7 @@ class OpInterceptor(TorchDispatchMode):
 
         # -- the kernel: its errors reach the program untouched.
         try:
-            out = func(*args, **kwargs)
+            out = plan.kernel(*args, **kwargs)
         except BaseException as error:
             if record is None:
                 self._entries.append((*head, len(inputs), -1, *inputs))
