@@ -238,26 +238,25 @@ class OpInterceptor(TorchDispatchMode):
 
     def _head(self, plan, others) -> tuple:
         """The start of the op's log entry: index, op, source site, module, phase."""
-        log = self._log
         modules = self._modules
         # Frames 0-1: this method, __torch_dispatch__ (then, on older torch, Dynamo's wrappers
         # around it, which the walk passes as torch's own frames).
         code, lasti, reached_engine = user_frame(sys._getframe(2), modules.call_frame, modules.call_answer)
-        site = log.site_ids.get((id(code), lasti))
-        if site is None:
-            site = log.site_id(code, lasti)
-        forward_func = -1
         module = modules.current
+        forward_func = -1
         node = _current_autograd_node()
-        if node is None:
-            phase = FORWARD
-        else:
+        if node is not None and (reached_engine or code is None):
+            # Run by the autograd engine: point at the forward op that made this node. A
+            # module running now is a checkpoint recomputing its forward: keep its path.
             phase = BACKWARD
-            if code is None or reached_engine:
-                # Run by the autograd engine: point at the forward op that made this node. A
-                # module running now is a checkpoint recomputing its forward: keep its path.
-                site, forward_module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
-                module = module or forward_module
+            site, forward_module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
+            module = module or forward_module
+        else:
+            # Forward, or backward code of the user's own (a hook, a custom Function).
+            phase = FORWARD if node is None else BACKWARD
+            site = self._log.site_ids.get((id(code), lasti))
+            if site is None:
+                site = self._log.site_id(code, lasti)
         seq = _get_sequence_nr()
         if seq != self._last_seq:
             # This op created an autograd node (in forward, in a checkpoint's recomputation, or
