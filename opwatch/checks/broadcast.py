@@ -64,20 +64,43 @@ def broadcast_shape(shapes) -> tuple[int, ...] | None:
     return tuple(result)
 
 
+def _fits(shape, into) -> bool:
+    """Whether ``shape`` broadcasts to ``into`` without changing it (right-aligned, each dim
+    equal or 1): then ``into`` is the result and nothing grew beyond it."""
+    offset = len(into) - len(shape)
+    if offset < 0:
+        return False
+    for i, size in enumerate(shape):
+        if size != 1 and size != into[offset + i]:
+            return False
+    return True
+
+
 def check(func, tensors, context) -> Finding | None:
     if len(tensors) < 2:
         return None
     first = tensors[0][0]
-    same = True
+    for meta in tensors:
+        if meta[0] != first:
+            break
+    else:
+        return None  # nothing is broadcast
+    shapes = []
+    widest = ()
     for meta in tensors:
         shape = meta[0]
         if shape is None:
             return None  # nested tensors have no single shape
-        if shape != first:
-            same = False
-    if same:
-        return None  # nothing is broadcast
-    shapes = [meta[0] for meta in tensors]
+        shapes.append(shape)
+        if len(shape) > len(widest):
+            widest = shape
+    for shape in shapes:
+        if shape != widest and not _fits(shape, widest):
+            break
+    else:
+        # Nothing grew beyond the widest operand: a bias, a mask, a keepdim statistic
+        # meeting the full tensor.
+        return None
     result = broadcast_shape(shapes)
     if result is None:
         return None  # the kernel raises its own error
