@@ -1,0 +1,182 @@
+"""Where opwatch's time goes: ablations on one workload, measured in one process.
+
+    python -m bench.ablate                 # tfm32, 15 rounds
+    python -m bench.ablate --workload gpt2 --rounds 21
+
+Each variant is ``watch()`` with one part switched off or stubbed; the cost of a part is the
+median over rounds of (full variant - variant without it), paired within a round, like the
+ratios of ``bench.run``. Stubbing a part means patching opwatch's private internals for the
+duration of a block (``_head``, ``_metas``, ``NonFiniteTracker._reduce``): this harness is
+tied to opwatch's internals on purpose and must follow them when they change. Garbage
+collection time is measured with ``gc.callbacks`` around watched blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from tabulate import tabulate
+
+import opwatch
+from opwatch.checks import nonfinite
+from opwatch.modes import interceptor
+from bench.contenders import Contender, Passthrough
+from bench.timing import measure, paired_difference, paired_ratio
+from bench.workloads import WORKLOADS
+
+
+@contextlib.contextmanager
+def _patched(replacements, **options):
+    """A watch with some private attributes replaced for the block's duration."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        with opwatch.watch(**options) as w:
+            yield w
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _constant_head(self, plan, others):
+    """_head without the frame walk, module path, autograd node or sequence numbers."""
+    index = self.next_index
+    self.next_index = index + 1
+    return (index, plan.func_id, 0, None, "forward", -1, ())
+
+
+def _constant_metas(tensors, shapes):
+    """_metas without reading any tensor attribute (one tuple per tensor all the same)."""
+    return [((), None, None, 0) for _ in tensors]
+
+
+def _no_reduction(self, index, outputs, metas):
+    return None
+
+
+NO_CHECKS = ()
+VARIANTS = {
+    "passthrough": Passthrough,
+    "watch()": lambda: opwatch.watch(),
+    "no checks": lambda: opwatch.watch(checks=NO_CHECKS),
+    "no checks, constant _head": lambda: _patched([(interceptor.OpInterceptor, "_head", _constant_head)], checks=NO_CHECKS),
+    "no checks, constant _metas": lambda: _patched([(interceptor, "_metas", _constant_metas)], checks=NO_CHECKS),
+    "device + dtype only": lambda: opwatch.watch(checks=["device_mismatch", "dtype_mismatch"]),
+    "broadcast only": lambda: opwatch.watch(checks=["broadcast"]),
+    "nonfinite only": lambda: opwatch.watch(checks=["nonfinite"]),
+    "watch(), no reductions": lambda: _patched([(nonfinite.NonFiniteTracker, "_reduce", _no_reduction)]),
+}
+
+# part -> (variant with it, variant without it)
+PARTS = {
+    "recording (all of it)": ("no checks", "passthrough"),
+    "  .. of which tensor metadata": ("no checks", "no checks, constant _metas"),
+    "  .. of which source frame, module, autograd node": ("no checks", "no checks, constant _head"),
+    "device + dtype checks": ("device + dtype only", "no checks"),
+    "broadcast check + size-1 provenance": ("broadcast only", "no checks"),
+    "nan/inf check (all of it)": ("nonfinite only", "no checks"),
+    "  .. of which its reductions (kernels, stacking, bookkeeping)": ("watch()", "watch(), no reductions"),
+    "everything": ("watch()", "passthrough"),
+}
+
+
+def gc_per_step(make, step, steps: int) -> tuple[float, list[float]]:
+    """Seconds per step spent in garbage collection under ``make()``, and collections per step
+    by generation. A full (generation 2) collection is rare and lumpy: it is counted apart."""
+    spent = [0.0]
+    started = [0.0]
+    counts = [0, 0, 0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+            counts[info["generation"]] += 1
+
+    gc.collect()
+    gc.callbacks.append(callback)
+    try:
+        with make():
+            for _ in range(steps):
+                step()
+    finally:
+        gc.callbacks.remove(callback)
+    return spent[0] / steps, [count / steps for count in counts]
+
+
+def timed_calls_per_step(step, steps: int) -> dict[str, float]:
+    """Seconds per step inside the nan/inf reductions' kernels and their stacking, timed
+    around each call under watch() (the timer adds about 0.1 us a call)."""
+    spent = {"aminmax kernels": 0.0, "stacking their results": 0.0}
+    aminmax, stack = nonfinite._aminmax, nonfinite.NonFiniteTracker._stack
+
+    def timed_aminmax(tensor):
+        start = time.perf_counter()
+        try:
+            return aminmax(tensor)
+        finally:
+            spent["aminmax kernels"] += time.perf_counter() - start
+
+    def timed_stack(self):
+        start = time.perf_counter()
+        try:
+            return stack(self)
+        finally:
+            spent["stacking their results"] += time.perf_counter() - start
+
+    with _patched([(nonfinite, "_aminmax", timed_aminmax), (nonfinite.NonFiniteTracker, "_stack", timed_stack)]):
+        for _ in range(steps):
+            step()
+    return {name: seconds / steps for name, seconds in spent.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="tfm32", choices=sorted(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    step = WORKLOADS[args.workload].factory()
+    contenders = [Contender(name, make) for name, make in VARIANTS.items()]
+    results = measure(step, contenders, args.rounds, target_seconds=0.1)
+    floor = results["passthrough"]
+    rows = [
+        [name, f"{m.median * 1e3:.3f}", f"{paired_ratio(m, floor):.2f}x" if m.error is None else m.error]
+        for name, m in results.items()
+    ]
+    print(f"{args.workload}: {WORKLOADS[args.workload].description}; {args.rounds} interleaved rounds, process CPU time")
+    print(tabulate(rows, headers=["variant", "ms/step", "x passthrough"]))
+    print()
+    parts = []
+    for part, (with_it, without_it) in PARTS.items():
+        difference = paired_difference(results[with_it], results[without_it])
+        parts.append([part, "-" if difference is None else f"{difference * 1e3:+.3f}"])
+        if part.startswith("  .. of which its reductions"):
+            for name, seconds in timed_calls_per_step(step, steps=50).items():
+                parts.append([f".... of which {name} (timed in place)", f"{seconds * 1e3:.3f}"])
+    print(tabulate(parts, headers=["part", "ms/step"], disable_numparse=True))
+    print("(differences: medians of same-round pairs; \"of which\" rows are shares of the row above)")
+    print()
+    rows = []
+    for name, make in (("watch()", opwatch.watch), ("passthrough", Passthrough)):
+        seconds, per_generation = gc_per_step(make, step, steps=100)
+        rows.append([name, f"{seconds * 1e3:.3f}", *(f"{count:.2f}" for count in per_generation)])
+    print("Garbage collection over 100 steps in one block (a full collection is rare and lumpy):")
+    print(tabulate(rows, headers=["", "ms/step", "gen 0 / step", "gen 1 / step", "gen 2 / step"], disable_numparse=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
