@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -23,6 +24,7 @@ from torch import nn
 import opwatch
 from opwatch import checks as opwatch_checks
 from opwatch.checks import nonfinite as nonfinite_check
+from opwatch.modes import interceptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equivalence as eq  # noqa: E402
@@ -389,6 +391,22 @@ def test_dynamo_compiles_no_frame_of_opwatch():
     assert sum(counters["frames"].values()) == 0, dict(counters["frames"])
     assert ops(w.records).count("aten.mm.default") == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(interceptor._SKIP_FRAMES is None, reason="older torch: its own wrapper imports torch._dynamo")
+def test_a_watch_does_not_import_dynamo():
+    # TorchDispatchMode's per-op wrapper imports torch._dynamo (about a second) on the first op;
+    # opwatch keeps Dynamo out without it.
+    program = (
+        "import sys, torch, opwatch\n"
+        "with opwatch.watch() as w:\n"
+        "    (torch.ones(3) * 2).sum()\n"
+        "assert [r.op for r in w.records] == ['aten.ones.default', 'aten.mul.Tensor', 'aten.sum.default']\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 def test_torch_compile_already_compiled_outside_the_watch():
