@@ -83,6 +83,9 @@ class _OpPlan:
         checks_values = checks.nonfinite.NAME in enabled
         self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
         self.checked_outputs = checked_outputs(func)
+        # Unchecked outputs remembered weakly, to tell at a check point whether a nan/inf they
+        # carry is alive; views are not (their base stands in) unless made in inference mode,
+        # where they have no link to their base.
         self.carries_values = checks_values and needs_carrier(func)
         self.links_values = checks_values and preserves_values(func) and not self.carries_values
         self.unsqueeze = schema_name == _UNSQUEEZE
