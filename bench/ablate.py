@@ -120,22 +120,18 @@ def timed_calls_per_step(step, steps: int) -> dict[str, float]:
     """Seconds per step inside the nan/inf reductions' kernels and their stacking, timed
     around each call under watch() (the timer adds about 0.1 us a call)."""
     spent = {"aminmax kernels": 0.0, "stacking their results": 0.0}
-    aminmax, stack = nonfinite._aminmax, nonfinite.NonFiniteTracker._stack
 
-    def timed_aminmax(tensor):
-        start = time.perf_counter()
-        try:
-            return aminmax(tensor)
-        finally:
-            spent["aminmax kernels"] += time.perf_counter() - start
+    def timed(function, name):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return call
 
-    def timed_stack(self):
-        start = time.perf_counter()
-        try:
-            return stack(self)
-        finally:
-            spent["stacking their results"] += time.perf_counter() - start
-
+    timed_aminmax = timed(nonfinite._aminmax, "aminmax kernels")
+    timed_stack = timed(nonfinite.NonFiniteTracker._stack, "stacking their results")
     with _patched([(nonfinite, "_aminmax", timed_aminmax), (nonfinite.NonFiniteTracker, "_stack", timed_stack)]):
         for _ in range(steps):
             step()

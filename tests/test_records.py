@@ -15,9 +15,11 @@ import opwatch
 from conftest import SCENARIOS, needs_columns
 
 sys.path.insert(0, str(SCENARIOS))
+import stories  # noqa: E402
 import training  # noqa: E402
 
 TRAINING = str(SCENARIOS / "training.py")
+STORIES = str(SCENARIOS / "stories.py")
 
 
 def line_of(text: str, path=TRAINING) -> int:
@@ -89,8 +91,8 @@ def test_backward_ops_point_at_the_forward_line_and_module():
 
 def test_backward_of_sqrt_points_at_sqrt_line():
     with opwatch.watch(warn=False) as w:
-        training.sqrt_at_zero()
-    sqrt_line = line_of("y = x.sqrt()")
+        stories.sqrt_grad_at_zero()
+    sqrt_line = line_of("distance = x.sqrt()", path=STORIES)
     backward = [r for r in w.records if r.phase == "backward" and r.op.startswith("aten.div")]
     assert backward and all(r.lineno == sqrt_line for r in backward)
 
