@@ -212,6 +212,18 @@ def test_a_view_made_before_a_check_point_still_carries_its_origin_after_it():
     del kept, later
 
 
+def test_python_data_never_inherits_a_dead_tensors_state():
+    # torch.tensor([...]) lifts raw data no op made (aten.lift_fresh), and CPython often gives it
+    # the id of a tensor that just died, inf and all (the demo hit this about 1 run in 13).
+    # Lifting a tracked inf tensor directly stands for that id collision, deterministically:
+    # the lifted tensor is new data, not the inf's spread.
+    with opwatch.watch(warn=False) as w:
+        bad = torch.zeros(4).log()
+        torch.ops.aten.lift_fresh(bad)
+    found = w.anomalies + w.contained
+    assert [(a.op, "spread" in a.finding.problem) for a in found] == [("aten.log.default", False)]
+
+
 # -- warnings and strict ------------------------------------------------------------------
 
 def test_a_loop_warns_once_per_kind_and_line():

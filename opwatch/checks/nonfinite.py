@@ -16,7 +16,8 @@ propagation:
 - an op is an **origin** when an output holds nan or inf while every input was finite (its
   kind is what the output held: nan wins over inf). Later ops fed by it are counted as its
   spread, not reported again, also where they turn its inf into nan (``inf - inf``);
-- ops that write uninitialised memory (``empty*``) are not checked; ops given an explicit
+- ops that write uninitialised memory (``empty*``) or bring Python data in (``torch.tensor``)
+  are not checked and carry no earlier state; ops given an explicit
   non-finite constant (``full(-inf)``, ``fill_``, ``masked_fill(mask, -inf)``,
   ``where(c, x, -inf)``) are deliberate and never origins, though what they feed is tracked;
 - an origin **matters** when its non-finite values reached a backward op or are still alive
@@ -40,7 +41,7 @@ import torch
 from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, entry_inputs, entry_outputs
 from .finding import Finding
 
-__all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "writes_uninitialized", "checked_outputs"]
+__all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "makes_new_data", "checked_outputs"]
 
 NAME = "nonfinite"
 KINDS = ("nan", "inf")
@@ -54,9 +55,14 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _modes_outside = torch._C._len_torch_dispatch_stack
 _STRIDED = torch.strided
 
-_UNINITIALIZED_OPS = {
+# Ops whose outputs are new data rather than the program's computation: uninitialised memory
+# (garbage may look like nan/inf), and Python data entering torch (``torch.tensor([...])``
+# lifts a tensor that no op made; its id may be a dead tensor's, so it must not inherit that
+# tensor's state). Neither checked nor carrying an input's state.
+_NEW_DATA_OPS = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
     "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::resize_as_",
+    "aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift",
 }
 
 
@@ -78,9 +84,10 @@ _PRESERVES: dict = {}
 _UNLINKED_VIEWS = {("aten::detach", "default"), ("aten::view", "dtype")}
 
 
-def writes_uninitialized(func) -> bool:
-    """Ops whose outputs hold whatever was in memory: garbage may look like nan/inf."""
-    return func._schema.name in _UNINITIALIZED_OPS
+def makes_new_data(func) -> bool:
+    """Ops whose outputs are not computed from the program's values (``empty*``,
+    ``lift_fresh``): not checked, and they carry no input's nan/inf state."""
+    return func._schema.name in _NEW_DATA_OPS
 
 
 # Ops whose later outputs are statistics derived from the first (mean, rstd, logsumexp):
@@ -103,7 +110,8 @@ def preserves_values(func) -> bool:
     """Views and ops that only move or select values: their outputs are not checked."""
     known = _PRESERVES.get(func)
     if known is None:
-        known = _PRESERVES[func] = bool(func.is_view) or func._schema.name in _VALUE_PRESERVING_OPS
+        name = func._schema.name
+        known = _PRESERVES[func] = (bool(func.is_view) or name in _VALUE_PRESERVING_OPS) and name not in _NEW_DATA_OPS
     return known
 
 

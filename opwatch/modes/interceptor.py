@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import checks
 from ..checks import broadcast as broadcast_check
-from ..checks.nonfinite import NonFiniteTracker, checked_outputs, needs_carrier, preserves_values, writes_uninitialized
+from ..checks.nonfinite import NonFiniteTracker, checked_outputs, makes_new_data, needs_carrier, preserves_values
 from ..records import BACKWARD, E_INDEX, FORWARD, OpLog, short_op_name
 from ..sites import user_frame
 
@@ -81,7 +81,7 @@ class _OpPlan:
         self.host_read = schema_name in _HOST_READS or schema_name in _COPIES
         self.copies = schema_name in _COPIES
         checks_values = checks.nonfinite.NAME in enabled
-        self.check_values = checks_values and not (writes_uninitialized(func) or preserves_values(func))
+        self.check_values = checks_values and not (makes_new_data(func) or preserves_values(func))
         self.checked_outputs = checked_outputs(func)
         # Unchecked outputs remembered weakly, to tell at a check point whether a nan/inf they
         # carry is alive; views are not (their base stands in) unless made in inference mode,
