@@ -26,9 +26,6 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-#: Names of the checks the opwatch API documents for ``watch(checks=...)``.
-ALL_CHECKS = ("device_mismatch", "dtype_mismatch", "broadcast", "nonfinite")
-
 # Ops that read a tensor value back to the host.  Under a Python dispatch
 # mode only ``_local_scalar_dense`` normally shows up (``item`` and
 # ``is_nonzero`` are composites that decompose into it before reaching the
@@ -121,9 +118,10 @@ def probe_checks(opwatch: Any) -> str | None:
     report states instead of guessing.
     """
     try:
-        with opwatch.watch(checks=[c for c in ALL_CHECKS if c != "nonfinite"]):
+        all_checks = opwatch.checks.CHECK_NAMES
+        with opwatch.watch(checks=[c for c in all_checks if c != "nonfinite"]):
             torch.ones(2) + 1
-        with opwatch.watch(checks=ALL_CHECKS):
+        with opwatch.watch(checks=all_checks):
             torch.ones(2) + 1
     except Exception as exc:  # TypeError/ValueError: the option is not there as assumed
         return f"{type(exc).__name__}: {exc}"
@@ -132,7 +130,7 @@ def probe_checks(opwatch: Any) -> str | None:
 
 def checks_contenders(opwatch: Any) -> list[Contender]:
     """watch() with and without the nan/inf check, to price that check alone."""
-    without = tuple(c for c in ALL_CHECKS if c != "nonfinite")
+    without = tuple(c for c in opwatch.checks.CHECK_NAMES if c != "nonfinite")
     # opwatch.watch() itself (all checks, the default) is the "with" side.
     return [
         Contender("watch(no nonfinite)", lambda: opwatch.watch(checks=without), is_opwatch=True),

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from .checks.finding import Finding
-from .records import OpRecord, short_op_name
+from .records import OpRecord
 
-__all__ = ["Anomaly", "AnomalyError", "OpwatchWarning", "display_path"]
+__all__ = ["Anomaly", "AnomalyError", "OpwatchWarning"]
 
 
 class OpwatchWarning(UserWarning):
@@ -47,7 +45,9 @@ class Anomaly:
     @property
     def message(self) -> str:
         if self._message is None:
-            self._message = render(self.finding, self.record)
+            from .render import render_message
+
+            self._message = render_message(self.finding, self.record)
         return self._message
 
     def __str__(self) -> str:
@@ -63,32 +63,3 @@ class AnomalyError(RuntimeError):
     def __init__(self, anomaly: Anomaly):
         super().__init__(anomaly.message)
         self.anomaly = anomaly
-
-
-def render(finding: Finding, record: OpRecord) -> str:
-    position = record.position
-    where = f"{display_path(position.filename)}:{position.lineno}" if position.filename else "an unknown line"
-    header = f"{finding.kind} in {record.op} at {where}"
-    if record.module:
-        header += f", module {record.module}"
-    header += f" ({record.phase})"
-    lines = [header]
-    lines += ["    " + line for line in position.caret_lines()]
-    if record.phase == "backward" and position.filename:
-        of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
-        lines.append(f"  (a backward op{of}: the line is the forward op whose gradient it computes)")
-    lines.append(f"  problem:  {finding.problem}")
-    lines.append(f"  expected: {finding.expected}")
-    lines.append(f"  fix:      {finding.fix}")
-    return "\n".join(lines)
-
-
-def display_path(filename: str | None) -> str:
-    """A path relative to the working directory when it lies below it; as given otherwise."""
-    if not filename:
-        return "?"
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:
-        return filename
-    return filename if relative.startswith("..") else relative

@@ -15,15 +15,15 @@ from typing import Any
 from .notation import TensorMeta, format_meta
 from .sites import Position, position_of
 
-__all__ = ["OpRecord", "OpLog", "SharedShapes", "FORWARD", "BACKWARD"]
+__all__ = ["OpRecord", "OpLog", "SharedShapes", "FORWARD", "BACKWARD", "entry_inputs", "entry_outputs", "short_op_name"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
 
-# A log entry is one tuple: seven plain values, two counts, then one (shape, dtype, device,
-# ident) tuple per tensor, inputs first. Shapes are interned. Everything in it is untracked by
-# the garbage collector once it has looked at it (within two young collections), so a full log
-# of 10,000 entries never reaches the old generation and never slows collections down.
+# A log entry is one tuple: nine plain values, two counts, then one tensor metadata tuple per
+# tensor, inputs first. Shapes are interned. Everything in it is untracked by the garbage
+# collector once it has looked at it (within two young collections), so a full log of 10,000
+# entries never reaches the old generation and never slows collections down.
 E_INDEX = 0  # op index since the watch began
 E_FUNC = 1  # op id in OpLog.funcs
 E_SITE = 2  # source site id in OpLog.sites
@@ -31,9 +31,17 @@ E_MODULE = 3  # module path or None
 E_PHASE = 4  # FORWARD or BACKWARD
 E_FORWARD_FUNC = 5  # backward ops run by autograd: op id of the forward op they differentiate; else -1
 E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments
-E_NINPUTS = 7  # number of tensor arguments
-E_NOUTPUTS = 8  # number of tensor results; -1 when the kernel raised or did not run
-E_TENSORS = 9  # from here: the tensors' metadata, inputs then outputs
+E_START_NS = 7  # time.perf_counter_ns() right before the kernel ran (or was stopped)
+E_END_NS = 8  # the same right after it returned; -1 when it raised or did not run
+E_NINPUTS = 9  # number of tensor arguments
+E_NOUTPUTS = 10  # number of tensor results; -1 when the kernel raised or did not run
+E_TENSORS = 11  # from here: the tensors' metadata, inputs then outputs
+
+# Tensor metadata, one tuple per tensor: (shape, dtype, device, ident), never the tensor.
+M_SHAPE = 0  # a plain tuple of ints (interned); None for tensors without one (nested)
+M_DTYPE = 1
+M_DEVICE = 2
+M_IDENT = 3  # id() of the tensor object when the op saw it: follows data from op to op
 
 
 def entry_inputs(entry: tuple) -> tuple:
@@ -78,7 +86,7 @@ class OpLog:
         # object hashes its bytecode and constants on every call. ``sites`` keeps each code
         # object alive, so its id is not reused.
         self.site_ids: dict = {(id(None), 0): 0}
-        self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it
+        self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it, pruned with the ring
         self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
         self.shapes = SharedShapes()
 
@@ -109,6 +117,16 @@ class OpLog:
             self._interned.clear()  # unique scalars (a decaying learning rate) must not pile up
         return known
 
+    def add_flag(self, index: int, kind: str) -> None:
+        """Mark op ``index`` with an anomaly kind. Flags of ops that left the ring go with them
+        (checked only when flags outnumber the ring's size: anomalies are rare)."""
+        kinds = self.flags.setdefault(index, [])
+        if kind not in kinds:
+            kinds.append(kind)
+        if len(self.flags) > self.entries.maxlen and self.entries:
+            oldest = self.entries[0][E_INDEX]
+            self.flags = {known: kinds for known, kinds in self.flags.items() if known >= oldest}
+
     def view(self, entry: tuple) -> OpRecord:
         return OpRecord(entry, self)
 
@@ -127,7 +145,7 @@ class OpLog:
         """The latest logged op that output the tensor ``ident`` (slow: for messages only)."""
         for entry in reversed(self.entries):
             outputs = entry_outputs(entry)
-            if outputs and any(meta[3] == ident for meta in outputs):
+            if outputs and any(meta[M_IDENT] == ident for meta in outputs):
                 return OpRecord(entry, self)
         return None
 
@@ -235,21 +253,28 @@ class OpRecord:
 
     @property
     def where(self) -> str:
-        """``file.py:23`` (base name only); ``autograd`` for backward ops autograd ran without
-        a forward line (gradient accumulation); ``?`` when no user frame was found."""
-        position = self.position
-        if position.filename is None:
-            return "autograd" if self.phase == BACKWARD else "?"
-        return f"{_basename(position.filename)}:{position.lineno}"
+        """``train.py:23``, in the one location format of every message (see
+        :func:`opwatch.render.location`): ``autograd`` for backward ops autograd ran without a
+        forward line (gradient accumulation), ``?`` when no user frame was found."""
+        from .render import location
+
+        return location(self)
 
     @property
     def flags(self) -> tuple[str, ...]:
         return tuple(self._log.flags.get(self.index, ()))
 
-    def add_flag(self, kind: str) -> None:
-        kinds = self._log.flags.setdefault(self.index, [])
-        if kind not in kinds:
-            kinds.append(kind)
+    @property
+    def start_ns(self) -> int:
+        """``time.perf_counter_ns()`` right before the kernel ran (or was stopped)."""
+        return self._entry[E_START_NS]
+
+    @property
+    def end_ns(self) -> int | None:
+        """``time.perf_counter_ns()`` right after the kernel returned; ``None`` when it raised
+        or did not run."""
+        end = self._entry[E_END_NS]
+        return None if end < 0 else end
 
     def signature(self) -> str:
         """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
@@ -273,7 +298,3 @@ class OpRecord:
 def short_op_name(func) -> str:
     """``aten.mm.default`` -> ``aten.mm``; other overload names are kept (``aten.add.Tensor``)."""
     return str(func).removesuffix(".default")
-
-
-def _basename(filename: str) -> str:
-    return filename.replace("\\", "/").rsplit("/", 1)[-1]

@@ -62,7 +62,10 @@ def classify_code(code: types.CodeType) -> int:
 
 # The "is this frame user code?" answer, per code object (a pure function of the code object),
 # keyed by id: hashing a code object hashes its bytecode and constants each time. The code
-# objects are kept in ``_known_codes`` so that their ids stay theirs.
+# objects are kept in ``_known_codes`` so that their ids stay theirs. Bounded: a process that
+# runs many short watches over ever new functions (a test suite, generated code) must not keep
+# every function it ever saw; past the limit both start afresh (classifying is cheap).
+CODE_CACHE_LIMIT = 2048
 _code_kinds: dict = {}
 _known_codes: list = []
 
@@ -83,6 +86,9 @@ def user_frame(frame, stop_frame=None, stop_answer=None):
         code = frame.f_code
         kind = kinds.get(id(code))
         if kind is None:
+            if len(_known_codes) >= CODE_CACHE_LIMIT:
+                kinds.clear()
+                _known_codes.clear()
             kind = kinds[id(code)] = classify_code(code)
             _known_codes.append(code)
         if kind == USER:

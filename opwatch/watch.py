@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 import warnings
-from collections import deque
 from collections.abc import Iterable
 
 from . import checks as _checks
-from .anomaly import Anomaly, AnomalyError, OpwatchWarning, display_path
-from .checks.finding import Finding
+from .anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .records import OpLog, OpRecord
-from .table import render_failure, render_summary, render_table
+from .render import exception_note, render_failure, render_summary, render_table
+from .report import Reporter
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
 
@@ -122,10 +122,7 @@ class Watch:
         self._warn = _flag("warn", warn)
         self.enabled = not _disabled_by_environment()
         self._log = OpLog(self._max_records)
-        self._anomalies: deque[Anomaly] = deque(maxlen=self._max_records)
-        self._contained: deque[Anomaly] = deque(maxlen=self._max_records)
-        self._warned: set = set()
-        self._reported = 0  # anomalies ever reported (the deque drops old ones)
+        self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records)
         self._interceptor: OpInterceptor | None = None
         self._modules: ModuleStack | None = None
         self._next_index = 0
@@ -139,11 +136,11 @@ class Watch:
 
     @property
     def anomalies(self) -> list[Anomaly]:
-        return list(self._anomalies)
+        return list(self._reporter.anomalies)
 
     @property
     def contained(self) -> list[Anomaly]:
-        return list(self._contained)
+        return list(self._reporter.contained)
 
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op log as a table (the last ``last`` ops, or all): index, op, inputs, outputs,
@@ -155,7 +152,7 @@ class Watch:
 
     def summary(self) -> str:
         """Each distinct anomaly once (per kind and line, with its count), ready to print."""
-        return render_summary(self._anomalies, self._contained)
+        return render_summary(self._reporter.anomalies, self._reporter.contained)
 
     def check(self) -> list[Anomaly]:
         """A nan/inf check point now: at most one host read. Returns the new anomalies (in
@@ -163,12 +160,27 @@ class Watch:
         the loop never reads a value on the host."""
         if self._interceptor is None:
             return []
-        reported_before = self._reported
-        self._interceptor._report_origins(self._interceptor.check_point())
-        new = self._reported - reported_before
-        return list(self._anomalies)[-new:] if new else []
+        reported_before = self._reporter.count
+        self._interceptor.check_point()
+        return self._reporter.newest(self._reporter.count - reported_before)
 
     step = check
+
+    def export_jsonl(self, path) -> None:
+        """Write the log to ``path`` as JSON Lines: a header line (format, version, torch
+        version, rank), then one object per record and per anomaly. Read it back with
+        :func:`opwatch.load`. ``w.export_jsonl("run.jsonl")``."""
+        from .export import write_jsonl
+
+        write_jsonl(self, path)
+
+    def export_chrome_trace(self, path) -> None:
+        """Write the log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
+        ``chrome://tracing``): one event per op, module spans, arrows from backward ops to
+        their forward op, anomalies as instant events. ``w.export_chrome_trace("run.json")``."""
+        from .export import write_chrome_trace
+
+        write_chrome_trace(self, path)
 
     # -- the context manager ------------------------------------------------------------------
 
@@ -177,74 +189,51 @@ class Watch:
             raise RuntimeError("this Watch is already active; create a new one with opwatch.watch() to nest")
         if not self.enabled:
             return self
-        keep_dynamo_out()
-        self._modules = ModuleStack()
-        self._interceptor = OpInterceptor(
-            log=self._log,
-            report=self._report,
-            enabled=self._checks,
-            modules=self._modules,
-            max_records=self._max_records,
-            on_internal_error=self._internal_error,
-            first_index=self._next_index,
-        )
-        self._modules.install()
         try:
-            self._interceptor.__enter__()
+            keep_dynamo_out()
+            modules = ModuleStack()
+            interceptor = OpInterceptor(
+                log=self._log,
+                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096),
+                reporter=self._reporter,
+                modules=modules,
+                max_records=self._max_records,
+                on_internal_error=self._internal_error,
+                first_index=self._next_index,
+            )
+            modules.install()
+        except Exception as error:
+            self._internal_error(error, traceback.format_exc())
+            return self  # the block runs unwatched
+        try:
+            interceptor.__enter__()
         except BaseException:
-            self._modules.uninstall()
-            self._interceptor = self._modules = None
+            modules.uninstall()
             raise
+        self._interceptor, self._modules = interceptor, modules
         return self
 
-    def __exit__(self, exc_type, exc, traceback) -> bool:
+    def __exit__(self, exc_type, exc, traceback_) -> bool:
         interceptor = self._interceptor
         if interceptor is None:
             return False
+        self._interceptor = None
         try:
-            interceptor.__exit__(exc_type, exc, traceback)
+            interceptor.__exit__(exc_type, exc, traceback_)
         finally:
             self._modules.uninstall()
-            self._next_index = interceptor.next_index
-        try:
-            # The last check point; in strict mode it must not hide the block's own exception.
-            origins = interceptor.check_point()
-            if exc is None:
-                interceptor._report_origins(origins)
-            else:
-                for origin in origins:
-                    self._report(origin.finding(contained=not origin.matters), origin.record, contained=not origin.matters, may_raise=False)
-        finally:
-            self._interceptor = None
             self._modules = None
+            self._next_index = interceptor.next_index
+        # The last check point; it must not hide the block's own exception.
+        interceptor.check_point(may_raise=exc is None)
         if exc is not None and isinstance(exc, Exception):
-            self._tell_failure(interceptor, exc)
+            try:
+                self._tell_failure(interceptor, exc)
+            except Exception as error:
+                self._internal_error(error, traceback.format_exc())
         return False
 
-    # -- what the interceptor calls -------------------------------------------------------------
-
-    def _report(self, finding: Finding, record: OpRecord, *, contained: bool = False, may_raise: bool = True) -> None:
-        anomaly = Anomaly(finding, record)
-        if contained:
-            self._contained.append(anomaly)
-            return
-        record.add_flag(finding.kind)
-        self._anomalies.append(anomaly)
-        self._reported += 1
-        if self.strict and may_raise:
-            raise AnomalyError(anomaly)
-        if self._warn:
-            key = (finding.kind, record.filename, record.lineno)
-            if key not in self._warned:
-                self._warned.add(key)
-                # Attributed to the user's line, the way Python shows its own warnings.
-                warnings.warn_explicit(
-                    OpwatchWarning(anomaly.message),
-                    OpwatchWarning,
-                    filename=record.filename or "<unknown>",
-                    lineno=record.lineno or 0,
-                    module="opwatch",
-                )
+    # -- when something goes wrong ------------------------------------------------------------
 
     def _internal_error(self, error: Exception, formatted_traceback: str) -> None:
         if self._told_internal_error:
@@ -265,17 +254,7 @@ class Watch:
     def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
         failed = self._failed_record(interceptor, error)
         if failed is not None and not isinstance(error, AnomalyError):
-            inputs = ", ".join(str(meta) for meta in failed.inputs)
-            where = failed.where
-            position = failed.position
-            code = position.expression() or position.line_text()
-            note = f"opwatch: raised in {failed.op} (op #{failed.index}) at {display_path(position.filename)}:{position.lineno}" if position.filename else f"opwatch: raised in {failed.op} (op #{failed.index}) at {where}"
-            if code:
-                note += f": {code}"
-            note += f"\n  inputs: {inputs}"
-            if failed.module:
-                note += f"\n  module: {failed.module}"
-            error.add_note(note)
+            error.add_note(exception_note(failed))
         if self._dump_on_error and self._last:
             records = self._log.records()[-self._last :]
             stream = self._file if self._file is not None else sys.stderr

@@ -8,7 +8,9 @@ import sys
 
 import torch
 
+from opwatch.checks import ActiveChecks
 from opwatch.modes.interceptor import _OpPlan, _reads_to_host
+from opwatch.records import OpLog
 from opwatch.sites import INTERNAL, USER, classify_code, user_frame
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -19,12 +21,12 @@ def meta(device):
 
 
 def plan(func):
-    return _OpPlan(func, 0, frozenset())
+    return _OpPlan(func, 0, ActiveChecks(frozenset(), OpLog(10), table_limit=100))
 
 
 def test_item_and_bool_are_host_reads():
     for func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-        assert plan(func).host_read and _reads_to_host(plan(func), (meta(CUDA),), {})
+        assert plan(func).may_read_to_host and _reads_to_host(plan(func), (meta(CUDA),), {})
 
 
 def test_a_copy_is_a_host_read_only_from_a_device_to_the_cpu():

@@ -124,4 +124,4 @@ def test_cli_demo_shows_the_diagnoses():
     assert "broadcast in aten.sub.Tensor at opwatch/examples/broadcast_loss.py:26 (forward) [x100]" in out
     assert "inf in aten.log.default at opwatch/examples/log_zero.py:21 (forward)" in out
     assert "inf in aten.div.Tensor at opwatch/examples/log_zero.py:21 (backward)" in out
-    assert "it turned into nan at aten.mul.Tensor at log_zero.py:12 (backward)" in out
+    assert "it turned into nan at aten.mul.Tensor at opwatch/examples/log_zero.py:12 (backward)" in out

@@ -28,15 +28,21 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from itertools import islice
 
 import torch
 
 from ..notation import format_meta, format_shape
+from ..records import E_ARGS, E_SITE, M_IDENT, M_SHAPE
 from .finding import Finding, takes_several_tensors
 
-__all__ = ["KIND", "for_op", "check", "broadcast_shape"]
+__all__ = ["KIND", "for_op", "check", "broadcast_shape", "SizeOneDims"]
 
 KIND = "broadcast"
+
+_UNSQUEEZE = "aten::unsqueeze"
+# Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
+_SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
 def for_op(func):
     """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
@@ -151,3 +157,110 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context)
             f"if the {format_shape(result)} result is intended, write it with unsqueeze/None on both sides"
         ),
     )
+
+
+class SizeOneDims:
+    """The broadcast check's memory: how each live tensor with size-1 dims got them.
+
+    Fed after every op (:meth:`for_op` gives the observer). A dim is *deliberate* when the
+    program made it with ``unsqueeze`` (``x[:, None]`` is one too), possibly followed by ops
+    that keep shapes and meaning (``.float()``, ``.clone()``, unary math); outputs of views
+    are remembered with no deliberate dims but their site, for the same-call rule; anything
+    else forgets what it overwrote (an id is reused once its tensor dies).
+
+    Kept bounded: past ``limit`` tensors the oldest half is dropped, part of the fixed memory
+    cost of ``max_records``.
+    """
+
+    def __init__(self, limit: int):
+        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id of its op)
+        self._known: dict = {}
+        self._limit = limit
+
+    def for_op(self, func):
+        """The observer for ``func``'s outputs, called as ``observe(entry, inputs, outputs, metas)``."""
+        name = func._schema.name
+        if name == _UNSQUEEZE:
+            return self._after_unsqueeze
+        if name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags:
+            return self._after_shape_preserving_view if func.is_view else self._after_shape_preserving
+        if func.is_view:
+            return self._after_view
+        return self._after_other
+
+    def deliberate_dims(self, meta, site: int) -> frozenset[int]:
+        """Deliberate size-1 dims of ``meta`` for an op issued at ``site``."""
+        known = self._entry(meta)
+        if known is None:
+            return frozenset()
+        if known[2] == site and site != 0:
+            # Made inside the same call as this op (torch.outer reshapes internally).
+            return frozenset(range(-len(meta[M_SHAPE]), 0))
+        return frozenset(known[1])
+
+    def _entry(self, meta):
+        known = self._known.get(meta[M_IDENT])
+        # An id is reused once its tensor dies; a different shape means another tensor.
+        if known is None or known[0] != meta[M_SHAPE]:
+            return None
+        return known
+
+    def _after_unsqueeze(self, entry, inputs, outputs, metas) -> None:
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is None or 1 not in shape:
+                continue
+            args = entry[E_ARGS]
+            dim = args[1] if args else 0
+            ndim = len(shape)
+            new_dim = (dim if dim >= 0 else dim + ndim) - ndim
+            # The input's deliberate dims, moved past the new one (negative: from the right).
+            known = self._entry(inputs[0]) if inputs else None
+            kept = known[1] if known is not None else ()
+            deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in kept} | {new_dim}))
+            self._remember(meta, deliberate, entry)
+
+    def _after_shape_preserving(self, entry, inputs, outputs, metas) -> None:
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is None or 1 not in shape:
+                continue
+            deliberate = self._inherited(inputs, shape)
+            if deliberate:
+                self._remember(meta, deliberate, entry)
+            else:
+                self._known.pop(meta[M_IDENT], None)
+
+    def _after_shape_preserving_view(self, entry, inputs, outputs, metas) -> None:
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is not None and 1 in shape:
+                self._remember(meta, self._inherited(inputs, shape), entry)
+
+    def _after_view(self, entry, inputs, outputs, metas) -> None:
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is not None and 1 in shape:
+                self._remember(meta, (), entry)
+
+    def _after_other(self, entry, inputs, outputs, metas) -> None:
+        known = self._known
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is not None and 1 in shape:
+                known.pop(meta[M_IDENT], None)  # an older tensor's entry under a reused id
+
+    def _remember(self, meta, deliberate, entry) -> None:
+        known = self._known
+        known[meta[M_IDENT]] = (meta[M_SHAPE], deliberate, entry[E_SITE])
+        if len(known) > self._limit:
+            for ident in list(islice(known, len(known) // 2)):
+                del known[ident]
+
+    def _inherited(self, inputs, shape) -> tuple[int, ...]:
+        dims = set()
+        for meta in inputs:
+            known = self._entry(meta)
+            if known is not None:
+                dims.update(d for d in known[1] if -len(shape) <= d and shape[d] == 1)
+        return tuple(dims)

@@ -38,7 +38,8 @@ from itertools import islice
 
 import torch
 
-from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, entry_inputs, entry_outputs
+from ..compat import dispatch_modes_outside, inference_mode_enabled, no_python_dispatch
+from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
 from .finding import Finding
 
 __all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "makes_new_data", "checked_outputs"]
@@ -51,8 +52,6 @@ _COMPLEX = {torch.complex64, torch.complex128}
 _CHECKED_DTYPES = frozenset(_REAL | _COMPLEX)
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _aminmax = torch.aminmax
-_no_python_dispatch = torch._C._DisableTorchDispatch
-_modes_outside = torch._C._len_torch_dispatch_stack
 _STRIDED = torch.strided
 
 # Ops whose outputs are new data rather than the program's computation: uninitialised memory
@@ -222,6 +221,18 @@ class NonFiniteTracker:
         # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
         self._carry: dict[int, tuple] = {}
 
+    def for_op(self, func):
+        """The observer for ``func``'s outputs, called after each kernel as
+        ``observe(entry, inputs, outputs, metas)``; ``None`` for ops whose outputs are new data."""
+        if makes_new_data(func):
+            return None
+        if not preserves_values(func):
+            return self._observe_first if checked_outputs(func) == 1 else self._observe_all
+        if needs_carrier(func):
+            return self._observe_carrier
+        # A view keeps its base alive, and the base is remembered; not so in inference mode.
+        return self._observe_view
+
     @property
     def pending(self) -> int:
         return len(self._indices)
@@ -234,23 +245,29 @@ class NonFiniteTracker:
         """Whether flags wait on ``device``: a host read there already pays for a sync."""
         return device in self._devices
 
-    def observe(self, index, outputs, metas, count=None) -> None:
+    def _observe_all(self, entry, inputs, outputs, metas) -> None:
         """Hot path, inside the mode's ``__torch_dispatch__``: queue one reduction per
-        checkable floating output (the first ``count`` outputs when given). No host sync."""
-        if count is not None:
-            outputs = outputs[:count]
-        if _modes_outside():
+        checkable floating output. No host sync."""
+        if dispatch_modes_outside():
             # Modes entered outside opwatch (another watch, the user's own) would see the
             # reductions, which are not the program's ops. Ours is off while it dispatches.
-            with _no_python_dispatch():
-                self._reduce(index, outputs, metas)
+            with no_python_dispatch():
+                self._reduce(entry[E_INDEX], outputs, metas)
         else:
-            self._reduce(index, outputs, metas)
+            self._reduce(entry[E_INDEX], outputs, metas)
+
+    def _observe_first(self, entry, inputs, outputs, metas) -> None:
+        """Like ``_observe_all`` for ops whose later outputs are statistics of the first."""
+        self._observe_all(entry, inputs, outputs[:1], metas)
+
+    def _observe_view(self, entry, inputs, outputs, metas) -> None:
+        if inference_mode_enabled():
+            self._observe_carrier(entry, inputs, outputs, metas)
 
     def _reduce(self, index, outputs, metas) -> None:
         for position, tensor in enumerate(outputs):
             meta = metas[position]
-            dtype = meta[1]
+            dtype = meta[M_DTYPE]
             if dtype not in _CHECKED_DTYPES or type(tensor) not in _PLAIN_TYPES or tensor.is_meta:
                 continue
             if tensor.layout is not _STRIDED or tensor.is_nested or not tensor.numel() or tensor._is_zerotensor():
@@ -262,11 +279,12 @@ class NonFiniteTracker:
             # autograd keys are excluded for everything it calls.
             low, high = _aminmax(checked)
             stats = self._stats
-            if meta[2] != self._stats_device:
+            device = meta[M_DEVICE]
+            if device != self._stats_device:
                 self._stack()  # one chunk per device
                 stats = self._stats
-                self._stats_device = meta[2]
-                self._devices.add(meta[2])
+                self._stats_device = device
+                self._devices.add(device)
             stats += (low, high)
             self._indices.append(index)
             self._positions.append(position)
@@ -274,12 +292,13 @@ class NonFiniteTracker:
             if len(stats) >= self._CHUNK:
                 self._stack()
 
-    def observe_carrier(self, index, outputs, metas) -> None:
+    def _observe_carrier(self, entry, inputs, outputs, metas) -> None:
         """Hot path, for ops whose outputs are not checked: remember them weakly, so that a
         non-finite value they carry counts as alive at the check point. Not needed for views
         that keep a link to their base (see ``needs_carrier``)."""
+        index = entry[E_INDEX]
         for position, tensor in enumerate(outputs):
-            if metas[position][1] in _CHECKED_DTYPES:
+            if metas[position][M_DTYPE] in _CHECKED_DTYPES:
                 self._carriers[index << 32 | position] = weakref.ref(tensor)
 
     def _stack(self) -> None:
