@@ -1,16 +1,27 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--last N] script.py [args...]
+    python -m opwatch [--strict] [--last N] [--jsonl PATH] [--trace PATH] script.py [args...]
+    python -m opwatch show run.jsonl [--last N]
     python -m opwatch demo
+
+The script runs as ``python script.py args...`` would run it: ``__main__`` with an absolute
+``__file__``, ``sys.argv[0]`` the path as given, ``sys.path[0]`` the script's real directory,
+Python's warning filters, ``sys.exit`` codes and messages, the traceback of an uncaught exception
+(without opwatch's and runpy's frames) through ``sys.excepthook``, and Ctrl-C ending the process
+by SIGINT. The one difference is opwatch's report, printed to stderr at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
 import os
 import runpy
 import sys
-import traceback
+import types
+import zipfile
+from importlib.machinery import SourceFileLoader
 
 from .watch import strict, watch
 
@@ -19,6 +30,12 @@ DEMO_STORIES = (
     ("broadcast_loss", "a (4,) target minus a (4, 1) prediction: the loss silently becomes (4, 4) (example 2)"),
     ("log_zero", "log(0) turns into inf in forward, and into nan in backward (example 3)"),
 )
+
+# Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
+# leave them out. The demo's example scripts are user programs.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
+_RUNPY_FILES = frozenset({"<frozen runpy>", runpy.__file__})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,49 +46,163 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
-    parser.add_argument("script", help="the script to run, or 'demo'")
+    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
+    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log) or 'demo'")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     options = parser.parse_args(argv)
     if options.last < 0:
         parser.error("--last must be 0 or more")
-    if options.script == "demo" and not os.path.exists("demo"):
-        return run_demo(last=options.last)
-    if not os.path.isfile(options.script):
-        parser.error(f"no such script: {options.script}")
-    return run_script(options.script, options.args, strict_mode=options.strict, last=options.last)
-
-
-def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None) -> int:
-    """Run ``path`` as ``__main__`` under a watch; print the summary. Returns an exit code."""
-    out = out if out is not None else sys.stderr
-    make_watch = strict if strict_mode else watch
-    saved_argv, saved_path = sys.argv, sys.path[:]
-    sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    code = 0
-    w = make_watch(warn=False, last=last, file=out)
     try:
-        with w:
-            runpy.run_path(path, run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException as error:
-        print_user_traceback(error, out)
-        code = 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
+        if options.script == "demo" and not os.path.exists("demo"):
+            return run_demo(last=options.last)
+        if options.script == "show" and not os.path.exists("show"):
+            return run_show(options.args)
+        if not os.path.isfile(options.script):
+            parser.error(f"no such script: {options.script}")
+        return run_script(options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace)
+    except KeyboardInterrupt as interrupt:
+        # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
+        # 130) once it has shut down (threads joined, atexit handlers run): re-raise the
+        # interrupt, with Python's own report of it muted, and let Python do exactly that.
+        _mute_report_of(interrupt)
+        raise
+
+
+def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None) -> int:
+    """Run ``path`` as ``python path args...`` would, under a watch, then print the summary to
+    ``out`` (stderr) and write the log to ``jsonl`` / ``trace`` when given. Returns the exit
+    status; an uncaught ``KeyboardInterrupt`` is reported and then re-raised."""
+    out = out if out is not None else sys.stderr
+    w = (strict if strict_mode else watch)(warn=False, last=last, file=out)
+    status, interrupt = 0, None
+    with _running_as_main(path, args) as module:
+        try:
+            program = _compile(module.__file__)
+            with w:
+                if program is None:  # a zip application or a .pyc: runpy knows those
+                    runpy.run_path(path, run_name="__main__")
+                else:
+                    exec(program, module.__dict__)
+        except SystemExit as exit_:
+            status = _exit_status(exit_)
+        except BaseException as error:  # noqa: BLE001 -- reported as Python reports it
+            _report_uncaught(error)
+            status = 1
+            if isinstance(error, KeyboardInterrupt):
+                interrupt = error
     print(w.summary(), file=out)
-    return code
+    if jsonl:
+        w.export_jsonl(jsonl)
+    if trace:
+        w.export_chrome_trace(trace)
+    if interrupt is not None:
+        raise interrupt
+    return status
 
 
-def print_user_traceback(error: BaseException, out) -> None:
-    """The traceback as Python prints it, without the frames of opwatch and runpy."""
-    report = traceback.TracebackException.from_exception(error)
-    skip = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    report.stack = traceback.StackSummary.from_list(
-        [frame for frame in report.stack if not frame.filename.startswith(skip) and "runpy" not in frame.filename]
+def run_show(argv: list[str]) -> int:
+    """``show run.jsonl [--last N]``: print the table and the summary of a saved log."""
+    from .export import load
+
+    parser = argparse.ArgumentParser(prog="python -m opwatch show", description="Print the op table and the summary of a log written by --jsonl or Watch.export_jsonl.")
+    parser.add_argument("log", help="the .jsonl file")
+    parser.add_argument("--last", type=int, default=None, metavar="N", help="show the last N ops (default: all)")
+    options = parser.parse_args(argv)
+    if options.last is not None and options.last < 0:
+        parser.error("--last must be 0 or more")
+    try:
+        log = load(options.log)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    print(log.table(last=options.last))
+    print()
+    print(log.summary())
+    return 0
+
+
+@contextlib.contextmanager
+def _running_as_main(path: str, args: list[str]):
+    """``sys`` set up as ``python path args...`` sets it, and a fresh ``__main__`` module for
+    the script (yielded); everything restored on exit."""
+    # Python 3.9+ joins a relative script path to the working directory without normalizing it.
+    file = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=file, __cached__=None, __loader__=SourceFileLoader("__main__", file), __builtins__=builtins, __annotations__={}
     )
-    print("".join(report.format()), end="", file=out)
+    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
+    sys.argv = [path, *args]
+    # sys.path[0] is where ``python -m`` (or the ``opwatch`` console script) was started from;
+    # ``python script.py`` puts the script's real directory there instead, unless -P / -I.
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[:1] = [os.path.dirname(os.path.realpath(path))]
+    sys.modules["__main__"] = module
+    try:
+        yield module
+    finally:
+        sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
+
+
+def _compile(file: str) -> types.CodeType | None:
+    """The script's code, compiled as Python compiles a script (no ``__future__`` flags of
+    opwatch's own); ``None`` for what is not source: a zip application, a .pyc file."""
+    if file.endswith(".pyc") or zipfile.is_zipfile(file):
+        return None
+    with open(file, "rb") as source:  # bytes: compile() honours the coding cookie
+        return compile(source.read(), file, "exec", dont_inherit=True)
+
+
+def _exit_status(exit_: SystemExit) -> int:
+    """What Python does with an uncaught ``SystemExit``: an int is the status, None is 0, any
+    other value is printed to stderr and the status is 1."""
+    if exit_.code is None:
+        return 0
+    if isinstance(exit_.code, int):
+        return exit_.code
+    print(exit_.code, file=sys.stderr)
+    return 1
+
+
+def _report_uncaught(error: BaseException) -> None:
+    """Report ``error`` as Python reports an uncaught exception, through ``sys.excepthook``
+    (the script's own, if it set one), with only the program's frames in its traceback."""
+    seen = set()
+    pending = [error]
+    while pending:  # the exception and every exception chained to it, each once
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = _program_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+    sys.excepthook(type(error), error, error.__traceback__)
+
+
+def _program_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of opwatch (its launcher, its watch) and runpy."""
+    kept = []
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        ours = filename in _RUNPY_FILES or (filename.startswith(_PACKAGE_DIR) and not filename.startswith(_EXAMPLES_DIR))
+        if not ours:
+            kept.append(tb)
+        tb = tb.tb_next
+    result = None
+    for entry in reversed(kept):
+        result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return result
+
+
+def _mute_report_of(error: BaseException) -> None:
+    """Make ``sys.excepthook`` print nothing for ``error`` (and report anything else as before)."""
+    report = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        if value is not error:
+            report(kind, value, tb)
+
+    sys.excepthook = excepthook
 
 
 def run_demo(*, last: int = 20) -> int:

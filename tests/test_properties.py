@@ -30,6 +30,7 @@ from opwatch.checks import broadcast
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equivalence as eq  # noqa: E402
 from equivalence import opwatch_warnings  # noqa: E402
+from helpers import StubContext  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -72,19 +73,6 @@ def oracle_flags(shapes, deliberate) -> bool:
     return any(i != j for i in implicit for j in accidental)
 
 
-class FakeContext:
-    """The two questions a check may ask, answered from a table keyed by tensor ident."""
-
-    def __init__(self, deliberate_by_ident):
-        self._deliberate = deliberate_by_ident
-
-    def deliberate_dims(self, meta):
-        return frozenset(self._deliberate[meta[3]])
-
-    def producer(self, meta):
-        return None
-
-
 @st.composite
 def shapes_and_deliberate_dims(draw):
     count = draw(st.integers(2, 3))
@@ -109,7 +97,7 @@ def shapes_and_deliberate_dims(draw):
 def test_broadcast_check_agrees_with_the_documented_rule(case):
     shapes, deliberate = case
     metas = [(torch.Size(shape), torch.float32, torch.device("cpu"), 1000 + i) for i, shape in enumerate(shapes)]
-    context = FakeContext({1000 + i: dims for i, dims in enumerate(deliberate)})
+    context = StubContext({1000 + i: dims for i, dims in enumerate(deliberate)})
     func = torch.ops.aten.add.Tensor if len(shapes) == 2 else torch.ops.aten.addcmul.default
     finding = broadcast.check(func, tuple(metas), context)
     expected = oracle_flags(shapes, deliberate)
@@ -127,7 +115,7 @@ def test_broadcast_check_with_no_or_all_deliberate_dims(case):
     for everything in (False, True):
         deliberate = [frozenset(range(-len(s), 0)) if everything else frozenset() for s in shapes]
         metas = tuple((torch.Size(s), torch.float32, torch.device("cpu"), 2000 + i) for i, s in enumerate(shapes))
-        context = FakeContext({2000 + i: dims for i, dims in enumerate(deliberate)})
+        context = StubContext({2000 + i: dims for i, dims in enumerate(deliberate)})
         finding = broadcast.check(torch.ops.aten.sub.Tensor, metas, context)
         assert (finding is not None) == oracle_flags(shapes, deliberate), (shapes, everything)
         if everything:
