@@ -161,7 +161,7 @@ class Watch:
         if self._interceptor is None:
             return []
         reported_before = self._reporter.count
-        self._interceptor.check_point()
+        self._interceptor.check_point(final=True)
         return self._reporter.newest(self._reporter.count - reported_before)
 
     step = check
@@ -225,7 +225,7 @@ class Watch:
             self._modules = None
             self._next_index = interceptor.next_index
         # The last check point; it must not hide the block's own exception.
-        interceptor.check_point(may_raise=exc is None)
+        interceptor.check_point(may_raise=exc is None, final=True)
         if exc is not None and isinstance(exc, Exception):
             try:
                 self._tell_failure(interceptor, exc)

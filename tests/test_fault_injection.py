@@ -52,7 +52,7 @@ def _training_steps(broadcasting_loss=True):
 # stage -> (object, attribute) replaced by a function that raises
 STAGES = {
     "pre-kernel check": (broadcast, "check"),
-    "tracker observer": (broadcast.SizeOneDims, "_after_other"),
+    "tracker observer": (broadcast.ShapeProvenance, "_after_other"),
     "nan/inf reduction": (nonfinite.NonFiniteTracker, "_reduce"),
     "report": (report.Reporter, "report"),
     "render a message": (render, "render_message"),

@@ -13,7 +13,7 @@ A pre-kernel check is a module with
 They see metadata only, so each is plain code testable without any mode running.
 
 A check that needs to remember something about earlier ops owns that state in a *tracker* of
-its own module: the broadcast check's :class:`~opwatch.checks.broadcast.SizeOneDims` (how each
+its own module: the broadcast check's :class:`~opwatch.checks.broadcast.ShapeProvenance` (how each
 tensor got its size-1 dims) and the nan/inf check's
 :class:`~opwatch.checks.nonfinite.NonFiniteTracker` (sync-free flags, resolved at check
 points). A tracker has ``for_op(func)`` too, returning an *observer* called after the kernel
@@ -47,20 +47,26 @@ class CheckContext:
     ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
     """
 
-    __slots__ = ("site", "phase", "_log", "_size1")
+    __slots__ = ("site", "phase", "args", "_log", "_shapes")
 
-    def __init__(self, log, size1: broadcast.SizeOneDims | None):
+    def __init__(self, log, shapes: broadcast.ShapeProvenance | None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
+        self.args = ()  # the op's other arguments, flat: position or name, value, ...
         self._log = log
-        self._size1 = size1
+        self._shapes = shapes
 
     def deliberate_dims(self, tensor: tuple) -> frozenset[int]:
         """Size-1 dims of ``tensor`` (negative, counted from the right) that the program made on
         purpose: by ``unsqueeze``/``None`` indexing, or inside the op's own decomposition."""
-        if self._size1 is None:
+        if self._shapes is None:
             return frozenset()
-        return self._size1.deliberate_dims(tensor, self.site)
+        return self._shapes.deliberate_dims(tensor, self.site)
+
+    def previous_expand(self) -> tuple | None:
+        """``(site, operand, result shape)`` of the last ``expand`` op, for the broadcast check
+        of ``broadcast_tensors`` pairs."""
+        return self._shapes.previous_expand if self._shapes is not None else None
 
     def producer(self, tensor: tuple) -> str | None:
         """Short description of the op that produced ``tensor`` (``aten.addmm at demo.py:23``)."""
@@ -77,10 +83,10 @@ class ActiveChecks:
 
     def __init__(self, enabled: frozenset[str], log, table_limit: int):
         self._enabled = enabled
-        self.size1 = broadcast.SizeOneDims(table_limit) if broadcast.KIND in enabled else None
+        self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
         self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
-        self.context = CheckContext(log, self.size1)
-        self._trackers = tuple(tracker for tracker in (self.size1, self.values) if tracker is not None)
+        self.context = CheckContext(log, self.shapes)
+        self._trackers = tuple(tracker for tracker in (self.shapes, self.values) if tracker is not None)
 
     def pre_kernel(self, func) -> tuple:
         """The bound pre-kernel checks that can fire on ``func``, in order."""
@@ -96,9 +102,12 @@ class ActiveChecks:
         """Whether nan/inf flags wait on ``device``: a host read there pays for a sync anyway."""
         return self.values is not None and self.values.pending_on(device)
 
-    def resolve(self, log, since: int) -> list:
-        """A nan/inf check point: the new origins (:class:`~opwatch.checks.nonfinite.Origin`),
-        oldest first, among the ops of ``log`` from index ``since`` on."""
+    def resolve(self, log, since: int, *, reading=(), final: bool = False) -> list:
+        """A nan/inf check point: the origins judged now
+        (:class:`~opwatch.checks.nonfinite.Origin`, ``matters`` set), oldest first, among the
+        ops of ``log`` from index ``since`` on; ``reading``: idents of the tensors the program
+        is about to read on the host; ``final``: judge what is still alive (the program chose
+        this point: the end of the block, ``Watch.check()``)."""
         if self.values is None or not (self.values.pending or self.values.carrying):
             return []
-        return self.values.resolve(log.since(since))
+        return self.values.resolve(log.since(since), reading=reading, final=final)

@@ -36,17 +36,20 @@ from ..notation import format_meta, format_shape
 from ..records import E_ARGS, E_SITE, M_IDENT, M_SHAPE
 from .finding import Finding, takes_several_tensors
 
-__all__ = ["KIND", "for_op", "check", "broadcast_shape", "SizeOneDims"]
+__all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
 
 KIND = "broadcast"
 
 _UNSQUEEZE = "aten::unsqueeze"
+_EXPAND = "aten::expand"
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
 def for_op(func):
     """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
     when it cannot fire on this op."""
+    if func._schema.name == _EXPAND:
+        return partial(_check_expand, func)
     # In-place and out= variants cannot grow their destination.
     if torch.Tag.pointwise in func.tags and not func._schema.is_mutable and takes_several_tensors(func):
         return partial(check, func)
@@ -82,7 +85,7 @@ def _fits(shape, into) -> bool:
     return True
 
 
-def check(func, tensors, context) -> Finding | None:
+def check(func, tensors, context, *, made_by_broadcast_tensors: bool = False) -> Finding | None:
     if len(tensors) < 2:
         return None
     first = tensors[0][0]
@@ -132,23 +135,61 @@ def check(func, tensors, context) -> Finding | None:
         return None
     if len(implicit) == 1 and len(accidental) == 1 and implicit[0] is accidental[0][0]:
         return None  # one operand grew on both counts; the other was not stretched
-    return _finding(func, tensors, result, result_numel, implicit, accidental, context)
+    return _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors)
 
 
-def _finding(func, tensors, result, result_numel, implicit, accidental, context) -> Finding:
+def _check_expand(func, tensors, context) -> Finding | None:
+    """``torch.broadcast_tensors`` (inside ``F.mse_loss``, ``F.l1_loss``, ``F.smooth_l1_loss``,
+    ``F.huber_loss``, ...) expands each operand in turn, and the kernel then sees equal shapes:
+    judge the operands as they were, at the last of those ``expand`` ops."""
+    if not tensors or context.site == 0:
+        return None
+    previous = context.previous_expand()
+    if previous is None or previous[0] != context.site:
+        return None  # not the second expand of one call
+    _, first, target = previous
+    second = tensors[0]
+    if first[M_IDENT] == second[M_IDENT] or first[M_SHAPE] is None or second[M_SHAPE] is None:
+        return None
+    size = _expand_size(context.args)
+    if size is None or len(size) != len(target):
+        return None
+    # -1 keeps the operand's own size (counted from the right).
+    offset = len(size) - len(second[M_SHAPE])
+    resolved = tuple(second[M_SHAPE][i - offset] if wanted == -1 and i >= offset else wanted for i, wanted in enumerate(size))
+    if resolved != target:
+        return None
+    return check(func, (first, second), context, made_by_broadcast_tensors=True)
+
+
+def _expand_size(args):
+    """The ``size`` argument of ``aten.expand(self, size)`` from the flat other arguments."""
+    for key, value in zip(args[::2], args[1::2]):
+        if key == 1 or key == "size":
+            return value if isinstance(value, tuple) else tuple(value)
+    return None
+
+
+def _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors=False) -> Finding:
     largest = max(math.prod(meta[0]) for meta in tensors)
     vector = implicit[0]
     column, dims = accidental[0]
     made_by = context.producer(column)
     made = f" (made by {made_by})" if made_by else ""
     dims_text = ", ".join(str(len(result) + d) for d in dims)
-    op = func._schema.name.split("::")[-1]
+    if made_by_broadcast_tensors:
+        returns = (
+            f"this call broadcasts them together (torch.broadcast_tensors, as F.mse_loss, F.l1_loss, "
+            f"F.smooth_l1_loss and F.huber_loss do with input and target: torch only warns) to {format_shape(result)}"
+        )
+    else:
+        returns = f"{func._schema.name.split('::')[-1]} returns {format_shape(result)}"
     return Finding(
         kind=KIND,
         problem=(
             f"both operands were expanded: {format_meta(vector)} gets new leading dims and "
             f"{format_meta(column)}{made} is stretched along dim {dims_text}; "
-            f"{op} returns {format_shape(result)}, {result_numel // largest}x more elements than its largest input"
+            f"{returns}, {result_numel // largest}x more elements than its largest input"
         ),
         expected=f"operands whose shapes already agree (e.g. {format_shape(vector[0])} with {format_shape(vector[0])}), or size-1 dims made on purpose with unsqueeze / None indexing",
         fix=(
@@ -159,8 +200,9 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context)
     )
 
 
-class SizeOneDims:
-    """The broadcast check's memory: how each live tensor with size-1 dims got them.
+class ShapeProvenance:
+    """The broadcast check's memory: how each live tensor with size-1 dims got them, and the
+    last ``expand`` (the first half of a ``broadcast_tensors`` pair).
 
     Fed after every op (:meth:`for_op` gives the observer). A dim is *deliberate* when the
     program made it with ``unsqueeze`` (``x[:, None]`` is one too), possibly followed by ops
@@ -176,12 +218,16 @@ class SizeOneDims:
         # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id of its op)
         self._known: dict = {}
         self._limit = limit
+        # (site id, operand meta, result shape) of the last expand op
+        self.previous_expand = None
 
     def for_op(self, func):
         """The observer for ``func``'s outputs, called as ``observe(entry, inputs, outputs, metas)``."""
         name = func._schema.name
         if name == _UNSQUEEZE:
             return self._after_unsqueeze
+        if name == _EXPAND:
+            return self._after_expand
         if name in _SHAPE_PRESERVING or torch.Tag.pointwise in func.tags:
             return self._after_shape_preserving_view if func.is_view else self._after_shape_preserving
         if func.is_view:
@@ -242,6 +288,11 @@ class SizeOneDims:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:
                 self._remember(meta, (), entry)
+
+    def _after_expand(self, entry, inputs, outputs, metas) -> None:
+        self._after_view(entry, inputs, outputs, metas)
+        if inputs and metas:
+            self.previous_expand = (entry[E_SITE], inputs[0], metas[0][M_SHAPE])
 
     def _after_other(self, entry, inputs, outputs, metas) -> None:
         known = self._known

@@ -39,7 +39,7 @@ from itertools import islice
 import torch
 
 from ..compat import dispatch_modes_outside, inference_mode_enabled, no_python_dispatch
-from ..records import BACKWARD, E_ARGS, E_FUNC, E_INDEX, E_NINPUTS, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
+from ..records import BACKWARD, E_ARGS, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_NINPUTS, E_PHASE, E_SITE, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
 from .finding import Finding
 
 __all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "makes_new_data", "checked_outputs"]
@@ -61,8 +61,18 @@ _STRIDED = torch.strided
 _NEW_DATA_OPS = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
     "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::resize_as_",
-    "aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift",
 }
+# Python data entering torch (``torch.tensor([...])``): new data, checked, and a non-finite
+# value there is a constant the program wrote on purpose (``m[mask] = float("-inf")``).
+_LIFTS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
+# The largest finite values of each floating dtype: ``torch.finfo(dtype).min`` in a mask is a
+# deliberate "minus infinity", and overflowing it (to -inf in float16) is deliberate too.
+_SENTINELS = frozenset(
+    sign * torch.finfo(dtype).max for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for sign in (1.0, -1.0)
+)
+_SENTINEL = "sentinel"  # a finite output holding one of them
+# GradScaler's overflow check of the scaled gradients (torch.amp.grad_scaler).
+_GRAD_SCALER_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 
 
 # Views, and ops that only move values around: a non-finite output here can only have come in
@@ -123,17 +133,24 @@ def needs_carrier(func) -> bool:
 
 
 class Origin:
-    """A nan/inf origin found at a check point, with how far its values spread."""
+    """A nan/inf origin found at a check point, with how far its values spread and whether they
+    reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "spread", "last", "became_nan", "reached_backward", "matters")
+    __slots__ = ("record", "kind", "from_deliberate", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters")
 
-    def __init__(self, record, kind):
+    def __init__(self, record, kind, from_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
         self.kind = kind
+        # Made nan from inputs holding only deliberate infs (masking constants).
+        self.from_deliberate = from_deliberate
         self.spread = 0  # later ops that carried its values on
         self.last = record  # the last of them
         self.became_nan = None  # for an inf origin: the first op that turned its inf into nan
-        self.reached_backward = record.phase == BACKWARD
+        self.read_on_host = False  # the program read one of its values (``.item()``, ``bool(t)``)
+        self.reached_gradient = False  # autograd accumulated its values into a ``.grad``
+        self.reached_parameter = False  # an op wrote its values into an ``nn.Parameter``
+        # Born in backward and found by GradScaler's overflow check, which skips the step.
+        self.skipped_by_grad_scaler = False
         self.matters = True
 
     def carried_by(self, record, kind=None) -> None:
@@ -141,8 +158,6 @@ class Origin:
         self.last = record
         if kind == "nan" and self.kind == "inf" and self.became_nan is None:
             self.became_nan = record
-        if record.phase == BACKWARD:
-            self.reached_backward = True
 
     def finding(self, *, contained: bool) -> Finding:
         record = self.record
@@ -153,14 +168,29 @@ class Origin:
         if self.became_nan is not None:
             turned = self.became_nan
             spread += f"; it turned into nan at {turned.op} at {turned.where} ({turned.phase})"
-        if contained:
-            spread += "; it was absorbed before it mattered (no live tensor, gradient or backward op held it)"
-        inputs = "finite inputs" if record._entry[E_NINPUTS] else "no tensor inputs"
+        if self.reached_parameter:
+            spread += "; it reached a parameter"
+        elif self.reached_gradient:
+            spread += "; it reached a .grad"
+        if contained and self.skipped_by_grad_scaler:
+            spread += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
+        elif contained:
+            spread += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
+        if self.from_deliberate:
+            inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
+        else:
+            inputs = "finite inputs" if record._entry[E_NINPUTS] else "no tensor inputs"
+        if contained and self.skipped_by_grad_scaler:
+            fix = "nothing to fix when it happens now and then: GradScaler lowers its scale; if every step is skipped, the gradients overflow even at a small scale: look at this op"
+        elif self.from_deliberate:
+            fix = _FROM_DELIBERATE_FIXES.get(_op_name(record.func), _FROM_DELIBERATE_FIX)
+        else:
+            fix = _fix_for(record)
         return Finding(
             kind=self.kind,
             problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
             expected="finite outputs from finite inputs",
-            fix=_fix_for(record),
+            fix=fix,
         )
 
 
@@ -174,6 +204,11 @@ _FIXES = {
     "rsqrt": "rsqrt(0) = inf: add an epsilon (x + eps).rsqrt()",
     "pow": "pow overflowed or took a fractional power of a negative number: clamp the base",
     "exp": "exp overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp",
+}
+_FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
+_FROM_DELIBERATE_FIXES = {
+    "_softmax": "every entry of a row was masked with -inf, and softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
+    "_log_softmax": "every entry of a row was masked with -inf, and log_softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
 }
 # Keyed by the forward op, for origins in backward.
 _BACKWARD_FIXES = {
@@ -189,7 +224,9 @@ _BACKWARD_FIXES = {
 
 
 def _op_name(func) -> str:
-    return func._schema.name.split("::")[-1]
+    """``aten::div_`` -> ``div``: in-place variants share their op's fix."""
+    name = func._schema.name.split("::")[-1]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") and not name.startswith("_") else name
 
 
 def _fix_for(record) -> str:
@@ -205,6 +242,8 @@ class NonFiniteTracker:
     """Keeps per-output finiteness flags on device and resolves them at check points."""
 
     _CHUNK = 64  # 0-dim results stacked into one tensor at a time: fewer objects to keep
+    _MAX_UNJUDGED = 1024  # origins kept alive by the program past this many are judged at once
+    _MAX_REMEMBERED_SITES = 4096
 
     def __init__(self, log) -> None:
         self._log = log
@@ -218,15 +257,28 @@ class NonFiniteTracker:
         self._refs: list[weakref.ref] = []
         self._devices: set = set()  # devices that flags wait on
         self._carriers: dict = {}  # (op index << 32 | output position) -> weakref, for unchecked outputs
+        # In-place writes into a view: (op index << 32 | output position) -> (id of the base,
+        # weakref to the base). The values live in the base's storage.
+        self._written_bases: dict = {}
         # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
         self._carry: dict[int, tuple] = {}
+        # Finite tensors holding a sentinel (finfo.max/min) alive after the last check point.
+        self._sentinels: dict[int, weakref.ref] = {}
+        # Origins whose values were alive at a check point and reached no sink yet.
+        self._unjudged: list[Origin] = []
+        # (site, op id) -> Origin, for forward ops recomputed in backward (checkpointing).
+        self._by_site: dict = {}
 
     def for_op(self, func):
         """The observer for ``func``'s outputs, called after each kernel as
         ``observe(entry, inputs, outputs, metas)``; ``None`` for ops whose outputs are new data."""
         if makes_new_data(func):
             return None
+        if func._schema.name in _LIFTS:
+            return self._observe_all  # an alias of Python data: its values are new here
         if not preserves_values(func):
+            if func._schema.is_mutable:
+                return self._observe_written
             return self._observe_first if checked_outputs(func) == 1 else self._observe_all
         if needs_carrier(func):
             return self._observe_carrier
@@ -239,11 +291,12 @@ class NonFiniteTracker:
 
     @property
     def carrying(self) -> bool:
-        return bool(self._carry)
+        return bool(self._carry) or bool(self._unjudged)
 
     def pending_on(self, device) -> bool:
-        """Whether flags wait on ``device``: a host read there already pays for a sync."""
-        return device in self._devices
+        """Whether flags wait on ``device`` (a host read there already pays for a sync), or
+        origins wait to be judged (a host read may be what makes them matter)."""
+        return device in self._devices or bool(self._unjudged)
 
     def _observe_all(self, entry, inputs, outputs, metas) -> None:
         """Hot path, inside the mode's ``__torch_dispatch__``: queue one reduction per
@@ -259,6 +312,16 @@ class NonFiniteTracker:
     def _observe_first(self, entry, inputs, outputs, metas) -> None:
         """Like ``_observe_all`` for ops whose later outputs are statistics of the first."""
         self._observe_all(entry, inputs, outputs[:1], metas)
+
+    def _observe_written(self, entry, inputs, outputs, metas) -> None:
+        """Like ``_observe_all`` for ops that write in place: a write into a view
+        (``h[:, 0].div_(d)``) puts its values into the base, which outlives the view."""
+        self._observe_all(entry, inputs, outputs, metas)
+        index = entry[E_INDEX]
+        for position, tensor in enumerate(outputs):
+            base = tensor._base
+            if base is not None:
+                self._written_bases[index << 32 | position] = (id(base), weakref.ref(base))
 
     def _observe_view(self, entry, inputs, outputs, metas) -> None:
         if inference_mode_enabled():
@@ -306,32 +369,46 @@ class NonFiniteTracker:
             self._chunks.append(torch.stack(self._stats))
             self._stats = []
 
-    def resolve(self, window) -> list[Origin]:
-        """Check point: read all queued flags at once and return the new origins, oldest first.
+    def resolve(self, window, *, reading=(), final: bool = False) -> list[Origin]:
+        """Check point: read all queued flags at once and return the origins judged now, oldest
+        first, each with ``matters`` set.
 
         ``window`` is every log entry since the previous check point, oldest first.
+        ``reading`` are the idents of tensors the program is about to read on the host.
+        ``final``: the program chose this point (the end of the block, ``Watch.check()``), so
+        what is still alive is the program's state: judge it now.
         """
         carriers, self._carriers = self._carriers, {}
-        if not self._indices:
-            self._prune_carry()
-            return []
-        self._stack()
-        kinds = self._read_flags()
-        queued = zip(self._indices, self._positions, self._refs, kinds)
+        written_bases, self._written_bases = self._written_bases, {}
+        kinds = self._read_flags() if self._indices else []
+        queued = list(zip(self._indices, self._positions, self._refs, kinds))
         self._chunks, self._indices, self._positions, self._refs = [], [], [], []
         self._devices = set()
         self._stats_device = None
+        checked = set()
         flagged = {}
         refs = {}
+        sentinels = {}
         for index, position, ref, kind in queued:
-            if kind is not None:
-                flagged[(index, position)] = kind
-                refs[(index, position)] = ref
-        if not flagged and not self._carry:
+            key = (index, position)
+            checked.add(key)
+            if kind is None:
+                continue
+            if kind == _SENTINEL:
+                sentinels[key] = ref
+                continue
+            flagged[key] = kind
+            refs[key] = ref
+        if not flagged and not self._carry and not self._unjudged:
+            self._remember_sentinels(window, sentinels)
             return []
-        return self._replay(window, flagged, refs, carriers)
+        new = self._replay(window, flagged, refs, carriers, checked, sentinels, written_bases, reading)
+        return self._judge(new, final)
 
-    def _read_flags(self) -> list[str | None]:
+    def _read_flags(self) -> list:
+        """Per queued pair: None (finite), "nan", "inf", or _SENTINEL (finite, but holding
+        ``finfo.max`` or ``finfo.min`` of a floating dtype: a deliberate mask value)."""
+        self._stack()
         by_device: dict = {}
         for chunk in self._chunks:
             by_device.setdefault(chunk.device, []).append(chunk)
@@ -339,7 +416,7 @@ class NonFiniteTracker:
             # The one host read of this check point.
             chunks = self._chunks
             values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
-            if math.isfinite(sum(values)):
+            if math.isfinite(sum(values)) and _SENTINELS.isdisjoint(values):
                 return [None] * (len(values) // 2)  # the usual case: all finite
         else:
             # One host read per device; chunks are read back in their queued order.
@@ -352,11 +429,22 @@ class NonFiniteTracker:
                 kinds.append("nan")
             elif math.isinf(low) or math.isinf(high):
                 kinds.append("inf")
+            elif low in _SENTINELS or high in _SENTINELS:
+                kinds.append(_SENTINEL)
             else:
                 kinds.append(None)
         return kinds
 
-    def _replay(self, window, flagged, refs, carriers) -> list[Origin]:
+    def _remember_sentinels(self, window, sentinels) -> None:
+        """Keep the finite sentinel-holding tensors that are still alive, for later windows."""
+        alive = {ident: ref for ident, ref in self._sentinels.items() if ref() is not None}
+        for (index, position), ref in sentinels.items():
+            tensor = ref()
+            if tensor is not None:
+                alive[id(tensor)] = ref
+        self._sentinels = alive
+
+    def _replay(self, window, flagged, refs, carriers, checked, sentinels, written_bases, reading) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         log = self._log
         # ident -> (kind, origin or None when it came from a deliberate constant). Carried
@@ -364,6 +452,8 @@ class NonFiniteTracker:
         # and an id reused by a newer tensor is overwritten by the op that made it.
         status = {ident: (kind, origin) for ident, (kind, origin, _) in self._carry.items()}
         live = {ident: ref for ident, (_, _, ref) in self._carry.items()}
+        holds_sentinel = set(self._sentinels)
+        sentinel_refs = dict(self._sentinels)
         origins: list[Origin] = []
         for entry in window:
             outputs = entry_outputs(entry)
@@ -371,64 +461,168 @@ class NonFiniteTracker:
                 continue
             index = entry[E_INDEX]
             func = log.funcs[entry[E_FUNC]]
-            fed = [meta[3] for meta in entry_inputs(entry) if meta[3] in status]
-            input_states = [status[ident] for ident in fed]
-            if preserves_values(func):
-                # Not checked: its outputs hold what its inputs held.
-                source = next((ident for ident in fed if status[ident][1] is not None), None)
-                if source is None and fed:
-                    source = fed[0]
-                carrier = status[source] if source is not None else None
-                if carrier is not None and carrier[1] is not None and carrier[1].last.index != index:
-                    carrier[1].carried_by(log.view(entry))
+            name = func._schema.name
+            # A lift's input is a tensor made from Python data outside any op: its id may be a
+            # dead tensor's, whose state it must not inherit.
+            fed = [] if name in _LIFTS else [meta[M_IDENT] for meta in entry_inputs(entry) if meta[M_IDENT] in status]
+            if name == _GRAD_SCALER_CHECK:
+                # GradScaler's overflow check: what it finds in the scaled gradients makes it
+                # skip the step. Gradients are born in backward; a forward overflow is no
+                # business of the scaler's (the scale does not touch the forward pass).
+                for ident in fed:
+                    origin = status[ident][1]
+                    if origin is not None and origin.record.phase == BACKWARD:
+                        origin.skipped_by_grad_scaler = True
+            if name in _LIFTS:
+                # Python data: new here. A non-finite value in it is a constant the program
+                # wrote on purpose (m[mask] = float("-inf")).
                 for position, meta in enumerate(outputs):
-                    # A view to an integer dtype still holds the bits (x.view(torch.int32)).
-                    if carrier is not None and (meta[1] in _CHECKED_DTYPES or func.is_view):
-                        status[meta[3]] = carrier
-                        # A view holds its base alive: the base's reference stands in for it.
-                        ref = carriers.get(index << 32 | position) or live.get(source)
-                        if ref is not None:
-                            live[meta[3]] = ref
+                    kind = flagged.get((index, position))
+                    if kind is None:
+                        status.pop(meta[M_IDENT], None)
                     else:
-                        status.pop(meta[3], None)
+                        status[meta[M_IDENT]] = (kind, None)
+                        live[meta[M_IDENT]] = refs[(index, position)]
                 continue
+            # Gradient accumulation: a backward op autograd runs with no forward op behind it.
+            accumulates = entry[E_PHASE] == BACKWARD and entry[E_SITE] == 0 and entry[E_FORWARD_FUNC] < 0
+            if preserves_values(func):
+                self._carry_through(entry, func, outputs, fed, status, live, carriers)
+                if accumulates and fed and status[fed[0]][1] is not None:
+                    status[fed[0]][1].reached_gradient = True
+                continue
+            input_states = [status[ident] for ident in fed]
             input_origin = next((state[1] for state in input_states if state[1] is not None), None)
+            deliberate = _has_sentinel_constant(entry) or name in _LIFTS or any(
+                meta[M_IDENT] in holds_sentinel for meta in entry_inputs(entry)
+            )
             record = None
             for position, meta in enumerate(outputs):
-                ident = meta[3]
-                kind = flagged.get((index, position))
-                if kind is None:
-                    status.pop(ident, None)
-                    continue
-                live[ident] = refs[(index, position)]
-                if _has_nonfinite_constant(entry):
-                    origin = None  # a deliberate constant such as masked_fill(mask, -inf)
-                elif not input_states:
-                    record = record or log.view(entry)
-                    origin = Origin(record, kind)
-                    origins.append(origin)
+                ident = meta[M_IDENT]
+                key = (index, position)
+                if key in sentinels:
+                    holds_sentinel.add(ident)
+                    sentinel_refs[ident] = sentinels[key]
                 else:
+                    holds_sentinel.discard(ident)
+                kind = flagged.get(key)
+                if kind is None:
+                    if key not in checked and meta[M_DTYPE] in _CHECKED_DTYPES and input_states:
+                        # Not checked (sparse, nested, subclasses): it holds what its inputs held.
+                        status[ident] = input_states[0]
+                        ref = carriers.get(index << 32 | position)
+                        if ref is not None:
+                            live[ident] = ref
+                    else:
+                        status.pop(ident, None)
+                    continue
+                live[ident] = refs[key]
+                if input_origin is not None:
                     # Fed by non-finite inputs: spread, even where inf turns into nan (inf - inf).
                     origin = input_origin
-                    if origin is not None and origin.last.index != index:
+                    if origin.last.index != index:
                         origin.carried_by(record or log.view(entry), kind)
+                elif input_states and not (kind == "nan" and all(state[0] != "nan" for state in input_states)):
+                    origin = None  # carries deliberate constants on, and made nothing new
+                elif deliberate and not input_states:
+                    origin = None  # a deliberate constant: masked_fill(mask, -inf), finfo.min
+                else:
+                    # Non-finite from finite inputs, or nan from deliberate infs (a softmax over
+                    # a fully masked row): an origin, unless it is a forward op recomputed
+                    # during backward (activation checkpointing) that was one already.
+                    record = record or log.view(entry)
+                    origin = self._recomputed(record, entry)
+                    if origin is None:
+                        origin = Origin(record, kind, from_deliberate=bool(input_states))
+                        origins.append(origin)
+                        self._remember_site(origin, entry)
                 status[ident] = (kind, origin)
+                if origin is not None:
+                    if isinstance(refs[key](), torch.nn.Parameter):
+                        origin.reached_parameter = True
+                    if accumulates:
+                        origin.reached_gradient = True
+                base = written_bases.get(index << 32 | position)
+                if base is not None:
+                    # Written through a view: the values live in the base.
+                    status[base[0]] = (kind, origin)
+                    live[base[0]] = base[1]
+        for ident in reading:
+            state = status.get(ident)
+            if state is not None and state[1] is not None:
+                state[1].read_on_host = True
         self._carry = {
             ident: (kind, origin, live[ident])
             for ident, (kind, origin) in status.items()
             if ident in live and live[ident]() is not None
         }
-        alive_origins = {id(origin) for _, origin, _ in self._carry.values() if origin is not None}
-        for origin in origins:
-            origin.matters = origin.reached_backward or id(origin) in alive_origins
+        self._sentinels = {
+            ident: sentinel_refs[ident] for ident in holds_sentinel if sentinel_refs[ident]() is not None
+        }
         return origins
+
+    def _carry_through(self, entry, func, outputs, fed, status, live, carriers) -> None:
+        """An op that only moves values: its outputs hold what its inputs held."""
+        index = entry[E_INDEX]
+        source = next((ident for ident in fed if status[ident][1] is not None), None)
+        if source is None and fed:
+            source = fed[0]
+        carrier = status[source] if source is not None else None
+        if carrier is not None and carrier[1] is not None and carrier[1].last.index != index:
+            carrier[1].carried_by(self._log.view(entry))
+        for position, meta in enumerate(outputs):
+            # A view to an integer dtype still holds the bits (x.view(torch.int32)).
+            if carrier is not None and (meta[M_DTYPE] in _CHECKED_DTYPES or func.is_view):
+                status[meta[M_IDENT]] = carrier
+                # A view holds its base alive: the base's reference stands in for it.
+                ref = carriers.get(index << 32 | position) or live.get(source)
+                if ref is not None:
+                    live[meta[M_IDENT]] = ref
+            else:
+                status.pop(meta[M_IDENT], None)
+
+    def _recomputed(self, record, entry):
+        """The earlier origin this op repeats, when it is a forward op run again in backward
+        (a checkpoint's recomputation: user code, not an autograd formula); else ``None``."""
+        if record.phase != BACKWARD or entry[E_FORWARD_FUNC] >= 0:
+            return None
+        return self._by_site.get((entry[E_SITE], entry[E_FUNC]))
+
+    def _remember_site(self, origin, entry) -> None:
+        if len(self._by_site) >= self._MAX_REMEMBERED_SITES:
+            self._by_site.clear()
+        self._by_site.setdefault((entry[E_SITE], entry[E_FUNC]), origin)
+
+    def _judge(self, new, final) -> list[Origin]:
+        """Which origins mattered. An origin matters when its values reached a parameter or a
+        host read. One whose values are still alive waits, unless ``final``: the program may yet
+        drop them (autograd keeps a softmax output until backward), use them, or hand them to
+        GradScaler. Then, or once they died: GradScaler's skipped steps are contained; values
+        accumulated into a ``.grad`` or alive at the end matter; others were absorbed."""
+        alive = {id(origin) for _, origin, _ in self._carry.values() if origin is not None}
+        judged = []
+        waiting = []
+        for origin in self._unjudged + new:
+            is_alive = id(origin) in alive
+            if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
+                origin.matters = True
+            elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+                waiting.append(origin)
+                continue
+            else:
+                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or is_alive)
+            judged.append(origin)
+        self._unjudged = waiting
+        judged.sort(key=lambda origin: origin.record.index)
+        return judged
 
     def _prune_carry(self) -> None:
         self._carry = {ident: value for ident, value in self._carry.items() if value[2]() is not None}
 
 
-def _has_nonfinite_constant(entry) -> bool:
+def _has_sentinel_constant(entry) -> bool:
+    """An explicit non-finite or ``finfo.max``/``finfo.min`` constant among the arguments."""
     for value in entry[E_ARGS][1::2]:
-        if type(value) is float and not math.isfinite(value):
+        if type(value) is float and (not math.isfinite(value) or value in _SENTINELS):
             return True
     return False

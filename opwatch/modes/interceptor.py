@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compat import SKIPS_DYNAMO_PER_CODE, current_autograd_node, get_sequence_nr, no_python_dispatch, skip_dynamo_for_code
-from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, OpLog
+from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, OpLog
 from ..sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
@@ -201,7 +201,8 @@ class OpInterceptor(TorchDispatchMode):
             self._internal_error(error)
             return func(*args, **kwargs)
         if is_check_point:
-            self.check_point()  # strict: raises for an origin before this read runs
+            # strict: raises for an origin before this read runs
+            self.check_point(reading=tuple(meta[M_IDENT] for meta in inputs))
         record = None
         if finding is not None:
             # In the log before it is reported: a strict raise dumps it as the failing op.
@@ -286,6 +287,7 @@ class OpInterceptor(TorchDispatchMode):
         context = self._context
         context.site = site
         context.phase = phase
+        context.args = others
         index = self.next_index
         self.next_index = index + 1
         return (index, plan.func_id, site, module, phase, forward_func, tuple(others))
@@ -302,10 +304,11 @@ class OpInterceptor(TorchDispatchMode):
         if error is not None:
             raise error
 
-    def check_point(self, *, may_raise: bool = True) -> None:
-        """Resolve queued nan/inf flags (one host read) and report the new origins. In strict
-        mode, raises for the first origin that matters (unless ``may_raise`` is false: another
-        exception is already on its way)."""
+    def check_point(self, *, may_raise: bool = True, reading=(), final: bool = False) -> None:
+        """Resolve queued nan/inf flags (one host read) and report the origins judged now. In
+        strict mode, raises for the first origin that matters (unless ``may_raise`` is false:
+        another exception is already on its way). ``reading``: idents of the tensors a host read
+        is about to read; ``final``: the program chose this point (see ``ActiveChecks.resolve``)."""
         if self.inert:
             return
         window_start = self._window_start
@@ -313,7 +316,7 @@ class OpInterceptor(TorchDispatchMode):
         first_error = None
         try:
             with no_python_dispatch():
-                origins = self._checks.resolve(self._log, window_start)
+                origins = self._checks.resolve(self._log, window_start, reading=reading, final=final)
             for origin in origins:
                 contained = not origin.matters
                 finding = origin.finding(contained=contained)
