@@ -110,9 +110,12 @@ class Watch:
         enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
     """
 
-    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn):
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, check_every=None):
         self.strict = strict
         self._max_records = _positive_int("max_records", max_records)
+        # Ops between two forced nan/inf check points; 1 checks each op as it goes (a replay,
+        # where a host read per op is fine). Default: max_records.
+        self._check_every = None if check_every is None else _positive_int("check_every", check_every)
         self._checks = _check_names(checks)
         self._dump_on_error = _flag("dump_on_error", dump_on_error)
         self._last = _non_negative_int("last", last)
@@ -200,6 +203,7 @@ class Watch:
                 max_records=self._max_records,
                 on_internal_error=self._internal_error,
                 first_index=self._next_index,
+                check_every=self._check_every,
             )
             modules.install()
         except Exception as error:

@@ -109,7 +109,7 @@ class OpInterceptor(TorchDispatchMode):
         # well, free.
         return not SKIPS_DYNAMO_PER_CODE
 
-    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, first_index: int = 0):
+    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, first_index: int = 0, check_every: int | None = None):
         super().__init__()
         self._log = log
         self._entries = log.entries
@@ -117,7 +117,8 @@ class OpInterceptor(TorchDispatchMode):
         self._context = checks.context
         self._reporter = reporter
         self._modules = modules
-        self._max_records = max_records
+        # At the latest every this many ops, a check point (at most one forced host read).
+        self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
         self._plans: dict = {}  # id(OpOverload) -> _OpPlan (OpOverload hashes in Python)
         # Forward sites kept, oldest dropped first: part of the fixed memory cost of
@@ -246,7 +247,7 @@ class OpInterceptor(TorchDispatchMode):
         except Exception as error:
             self._internal_error(error)
             return out
-        if head[E_INDEX] - self._window_start >= self._max_records:
+        if head[E_INDEX] - self._window_start >= self._check_every - 1:
             self.check_point()
         return out
 
