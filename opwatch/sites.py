@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import torch
 
+from .compat import engine_entry_code
+
 __all__ = ["USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line"]
 
 # How a code object is classified by the frame walk (cached per code object).
@@ -29,23 +31,25 @@ _STDLIB_DIRS = tuple(
     {os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "platstdlib")}
 )
 _SITE_PACKAGES = "site-packages"
+# Installed packages whose only code on an op's path is a pass-through wrapper: a decorator
+# that warns (``typing_extensions.deprecated``, which torch puts on ``quantize_dynamic`` and
+# others; ``deprecated``, ``deprecation``) or forwards the call with the signature preserved
+# (``wrapt``, ``decorator``). Their frames are nobody's line: the op belongs to the caller above.
+# (``functools`` and ``contextlib`` shims are in the standard library, internal already.)
+# Model code in other packages (a transformers modeling file) stays the user's.
+WRAPPER_PACKAGES = frozenset({"typing_extensions", "wrapt", "decorator", "deprecated", "deprecation"})
+_PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _OPWATCH_DIR = os.path.dirname(__file__) + os.sep
 # The demo's scripts ship inside the package but are user code.
 _EXAMPLES_DIR = _OPWATCH_DIR + "examples" + os.sep
 
 
-def _engine_code() -> types.CodeType | None:
-    from torch.autograd import graph
-
-    run = getattr(graph, "_engine_run_backward", None)
-    return getattr(run, "__code__", None)
-
-
-_ENGINE_CODE = _engine_code()
+_ENGINE_CODE = engine_entry_code()
 
 
 def classify_code(code: types.CodeType) -> int:
-    """Whether frames running ``code`` belong to the user (``USER``) or to torch/opwatch."""
+    """Whether frames running ``code`` belong to the user (``USER``) or to torch/opwatch, the
+    standard library or a wrapper-only package (``INTERNAL``, see ``WRAPPER_PACKAGES``)."""
     if code is _ENGINE_CODE:
         return ENGINE
     filename = code.co_filename
@@ -57,7 +61,20 @@ def classify_code(code: types.CodeType) -> int:
         return INTERNAL
     if filename.startswith(_STDLIB_DIRS) and _SITE_PACKAGES not in filename and "dist-packages" not in filename:
         return INTERNAL
+    if _top_level_package(filename) in WRAPPER_PACKAGES:
+        return INTERNAL
     return USER
+
+
+def _top_level_package(filename: str) -> str | None:
+    """``typing_extensions`` for ``.../site-packages/typing_extensions.py``, ``wrapt`` for
+    ``.../site-packages/wrapt/wrappers.py``; ``None`` outside an installed-packages folder."""
+    for marker in _PACKAGE_DIRS:
+        at = filename.rfind(marker)
+        if at >= 0:
+            top = filename[at + len(marker) :].split(os.sep, 1)[0]
+            return top[:-3] if top.endswith(".py") else top
+    return None
 
 
 # The "is this frame user code?" answer, per code object (a pure function of the code object),

@@ -2,17 +2,25 @@
 
 0-dim CPU tensors mix legally with any device (they are scalars) and are not flagged. CPU mixed
 with ``meta`` is flagged even where torch lets it pass: it means a model was only half
-materialised from meta init. Ops whose job is to move data between devices (copies) and ops
-that take CPU index tensors by design (advanced indexing) are exempt.
+materialised from meta init. Ops whose job is to move data between devices (copies) are exempt.
+
+Advanced indexing (``x[idx]``, ``x[idx] = v``) takes index tensors on the CPU whatever the
+device of ``x``; an index tensor on another *non-CPU* device than ``x`` is flagged (on CUDA
+torch raises; with a ``meta`` index into a CPU tensor it silently returns garbage: a buffer
+left on meta by ``load_state_dict(..., assign=True)``, which skips non-persistent buffers).
+
+Composite modules that check their arguments in Python before any op runs (``nn.LSTM`` with its
+initial state on another device) are judged by :mod:`opwatch.checks.module_calls`.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+from ..notation import format_meta
 from .finding import Finding, describe, takes_several_tensors
 
-__all__ = ["KIND", "for_op"]
+__all__ = ["KIND", "for_op", "meta_note"]
 
 KIND = "device_mismatch"
 
@@ -49,9 +57,33 @@ def for_op(func):
 
 
 def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
-    if tensors:
-        tensors = (tensors[0], tensors[-1]) if writes else tensors[:1]
-    return _check(func, tensors)
+    if not tensors:
+        return None
+    device = tensors[0][2]
+    for meta in tensors:
+        if meta[2] != device:
+            break
+    else:
+        return None  # all on one device: the common case
+    # Indices may live on the CPU; the indexed tensor and the values written must agree.
+    indices = tensors[1:-1] if writes else tensors[1:]
+    for position, meta in enumerate(indices, 1):
+        if meta[2] != device and meta[2].type != "cpu":
+            return _index_finding(func, tensors, meta, position)
+    return _check(func, (tensors[0], tensors[-1]) if writes else tensors[:1])
+
+
+def _index_finding(func, tensors, index, position) -> Finding:
+    devices = [str(tensors[0][2]), str(index[2])]
+    return Finding(
+        kind=KIND,
+        problem=(
+            f"index tensor {format_meta(index)} (index #{position}) of {func._schema.name.split('::')[-1]} is on "
+            f"{devices[1]}, the indexed tensor {format_meta(tensors[0])} on {devices[0]}.{meta_note(devices)}"
+        ),
+        expected="index tensors on the CPU, like the indexed tensor" if devices[0] == "cpu" else f"index tensors on the indexed tensor's device ({devices[0]}) or on the CPU",
+        fix=f"make the index on {devices[0]!r} (device=... where it is made, or .to(x.device)); a buffer left on the meta device is materialised with module.to_empty() or by creating it again",
+    )
 
 
 def _check(func, tensors, context=None) -> Finding | None:
@@ -71,19 +103,39 @@ def _check(func, tensors, context=None) -> Finding | None:
 
 def _finding(func, tensors) -> Finding:
     devices = []
+    counts: dict = {}
     for meta in tensors:
         if meta[0] or meta[2].type != "cpu":
             if str(meta[2]) not in devices:
                 devices.append(str(meta[2]))
-    meta_note = ""
-    if "meta" in devices:
-        meta_note = (
-            " A 'meta' tensor has no data: a module or tensor was left on the meta device"
-            " (e.g. built under torch.device('meta') and never materialised with to_empty())."
-        )
+            counts[meta[2]] = counts.get(meta[2], 0) + 1
+    # The odd ones out: those off the most common device (every one of them in a tie).
+    most = max(counts.values())
+    majority = [device for device, count in counts.items() if count == most]
+    odd = tuple(meta for meta in tensors if (meta[0] or meta[2].type != "cpu") and (len(majority) > 1 or meta[2] != majority[0]))
     return Finding(
         kind=KIND,
-        problem=f"tensor arguments on different devices ({', '.join(devices)}): {describe(func, tensors)}.{meta_note}",
+        problem=f"tensor arguments on different devices ({', '.join(devices)}): {describe(func, tensors)}.{meta_note(devices)}",
         expected="every non-scalar tensor argument on one device",
-        fix=f"create or move the odd one out with device=... / .to({devices[-1]!r}) where it is made",
+        fix=f"create or move the odd one out with device=... / .to({_target(devices, majority)!r}) where it is made",
+        odd=odd,
+    )
+
+
+def _target(devices, majority) -> str:
+    """The device the odd one out should move to: an accelerator over the CPU (a stray is
+    usually a CPU tensor in a GPU model), the most common device otherwise."""
+    accelerators = [device for device in devices if device not in ("cpu", "meta")]
+    if accelerators:
+        return accelerators[0]
+    return str(majority[0])
+
+
+def meta_note(devices) -> str:
+    """What a ``meta`` device among ``devices`` (strings) means, for a finding's problem text."""
+    if "meta" not in devices:
+        return ""
+    return (
+        " A 'meta' tensor has no data: a module or tensor was left on the meta device"
+        " (e.g. built under torch.device('meta') and never materialised with to_empty())."
     )

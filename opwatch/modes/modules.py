@@ -4,8 +4,18 @@ Like ``torch.utils.module_tracker``, names are looked up through weak references
 never keeps a module alive. Unlike it, paths are relative to the outermost module called (the
 way ``state_dict`` keys read) and only the thread that entered the watch is tracked.
 
+Ops run by a module's hooks belong to that module: its forward pre-hooks and forward hooks, its
+own and the global ones (``register_module_forward_pre_hook`` / ``register_module_forward_hook``).
+So the entering hook is put first among the global pre-hooks when the watch starts, and when a
+module has forward hooks that run after the exiting global hook (its own, or global ones
+registered after it), the path is kept through them by a one-shot forward hook added last to
+that module for the length of the call (``always_call``, so it runs when forward raises too) and
+removed when it has run.
+
 Limits: modules called from other threads are ignored; a module called inside another one
-without being registered as its child is named ``<parent path>.<ClassName>``.
+without being registered as its child is named ``<parent path>.<ClassName>``; global
+pre-hooks registered while the watch runs come after the entering hook (they get the module's
+path anyway).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..compat import current_autograd_node
 from ..sites import user_frame
 
 __all__ = ["ModuleStack"]
@@ -32,11 +43,21 @@ class ModuleStack:
     keeps nothing alive that would not be alive anyway.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_call=None) -> None:
+        """``on_call(module, args)``, when given, is called on every module call of the watched
+        thread, before the module's own forward pre-hooks and its forward, with the module's
+        path already current (``current``, ``call_answer`` name the module and the user's line
+        that called it). What it raises reaches the program from the module call."""
         self.current: str | None = None
         self.call_frame = None
         self.call_answer = None
-        self._stack: list[tuple] = []  # (path, call frame, user frame answer)
+        self.on_call = on_call
+        self._stack: list[tuple] = []  # (path, call frame, user frame answer, one-shot hook handle or None)
+        self._stale: list = []  # one-shot hooks that ran while an exception was handled: removed later
+        self._exit_hooks: dict = {}  # the global forward hooks (torch's dict), once installed
+        self._exit_id = None
+        self._exit_hooks_len = 0  # their number when ``_exit_is_last`` was worked out
+        self._exit_is_last = True
         self._thread = threading.get_ident()
         # root module -> {descendant module -> path relative to that root}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -46,23 +67,39 @@ class ModuleStack:
         self._handles: list = []
 
     def install(self) -> None:
-        self._handles = [
-            register_module_forward_pre_hook(self._enter),
-            register_module_forward_hook(self._exit, always_call=True),
-        ]
+        enter = register_module_forward_pre_hook(self._enter)
+        exit_ = register_module_forward_hook(self._exit, always_call=True)
+        self._handles = [enter, exit_]
+        # Global pre-hooks registered before the watch run after the entering hook, so that their
+        # ops get the module's path. Only opwatch's own entry moves.
+        pre_hooks = _hooks_dict(enter)
+        if pre_hooks is not None and hasattr(pre_hooks, "move_to_end"):
+            pre_hooks.move_to_end(enter.id, last=False)
+        hooks = _hooks_dict(exit_)
+        self._exit_hooks = hooks if hooks is not None else {}  # {}: never re-checked
+        self._exit_id = exit_.id
+        self._exit_hooks_len = len(self._exit_hooks)
+        self._exit_is_last = True
 
     def uninstall(self) -> None:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
+        for entry in self._stack:
+            if entry[3] is not None:
+                entry[3].remove()
         self._stack.clear()
+        self._remove_stale()
+        self._exit_hooks = {}
         self.current = self.call_frame = self.call_answer = None
 
     def _enter(self, module: nn.Module, args) -> None:
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
-            if torch._C._current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
+            if self._stale and sys.exc_info()[0] is None:
+                self._remove_stale()  # a new forward, outside any exception handling
+            if current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
                 # A checkpoint recomputing part of the last forward: keep that forward's paths.
                 path = self._root_names[module]
             else:
@@ -83,17 +120,92 @@ class ModuleStack:
                 path = f"{self._stack[-1][0]}.{type(module).__name__}"
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
-        self._stack.append((path, call_frame, answer))
+        held = None
+        if module._forward_hooks or len(self._exit_hooks) != self._exit_hooks_len or not self._exit_is_last:
+            if module._forward_hooks or not self._exit_last():
+                held = self._hold_through_hooks(module)
+        self._stack.append((path, call_frame, answer, held))
         self.current, self.call_frame, self.call_answer = path, call_frame, answer
+        if self.on_call is not None:
+            self.on_call(module, args)
+
+    def running(self) -> list[tuple[str, nn.Module]]:
+        """The modules running now, innermost first, as ``(path, module)``. For reports only
+        (it reads the frames of the module calls)."""
+        found = []
+        for path, call_frame, _, _ in reversed(self._stack):
+            module = call_frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                found.append((path, module))
+        return found
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if threading.get_ident() != self._thread or not self._stack:
             return
+        if self._stack[-1][3] is not None:
+            return  # forward hooks of this call run after this one: the one-shot hook pops
+        self._pop()
+
+    def _pop(self) -> None:
         self._stack.pop()
         if self._stack:
-            self.current, self.call_frame, self.call_answer = self._stack[-1]
+            self.current, self.call_frame, self.call_answer, _ = self._stack[-1]
         else:
             self.current = self.call_frame = self.call_answer = None
+
+    def _exit_last(self) -> bool:
+        """Whether no global forward hook but another watch's exiting hook runs after this
+        one's (re-checked only when their number changed)."""
+        hooks = self._exit_hooks
+        if len(hooks) == self._exit_hooks_len:
+            return self._exit_is_last
+        self._exit_hooks_len = len(hooks)
+        after = False
+        last = True
+        for key, hook in list(hooks.items()):
+            if after and getattr(hook, "__func__", None) is not ModuleStack._exit:
+                last = False
+                break
+            after = after or key == self._exit_id
+        self._exit_is_last = last
+        return last
+
+    def _hold_through_hooks(self, module: nn.Module):
+        """Keep ``module``'s path current until its last forward hook of this call has run: a
+        one-shot forward hook added after the others, which pops the path and removes itself.
+        A plain function (not a bound method), so that deep-copying the module meanwhile copies
+        no ModuleStack."""
+        stack = weakref.ref(self)
+        handle = None
+
+        def release(module, args, output):
+            owner = stack()
+            if owner is not None:
+                owner._release(handle)
+            return None
+
+        try:
+            handle = module.register_forward_hook(release, always_call=True)
+        except Exception:
+            return None  # a module that takes no hooks: its forward hooks get the parent's path
+        return handle
+
+    def _release(self, handle) -> None:
+        if threading.get_ident() != self._thread or not self._stack or self._stack[-1][3] is not handle:
+            # Another thread, or not this call's hook: a recursive call of the same module runs
+            # the outer call's hook too (it is popped when the outer call's hooks run).
+            return
+        self._pop()
+        if sys.exc_info()[0] is None:
+            handle.remove()  # the hooks of this call run from a snapshot: removing is safe
+        else:
+            # Run from _call_impl's exception path, which iterates the module's hooks live.
+            self._stale.append(handle)
+
+    def _remove_stale(self) -> None:
+        for handle in self._stale:
+            handle.remove()
+        self._stale.clear()
 
     def _names_for_root(self, root: nn.Module) -> weakref.WeakKeyDictionary:
         names = self._names.get(root)
@@ -104,3 +216,9 @@ class ModuleStack:
                     names[child] = name
             self._names[root] = names
         return names
+
+
+def _hooks_dict(handle):
+    """The hooks dict a ``RemovableHandle`` removes from (torch keeps a weak reference to it)."""
+    ref = getattr(handle, "hooks_dict_ref", None)
+    return ref() if ref is not None else None
