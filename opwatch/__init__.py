@@ -11,23 +11,71 @@ device mix, a silent float64 upcast, a broadcasting blowup, or the first nan/inf
     print(w.table(last=20))
     for anomaly in w.anomalies:
         print(anomaly)
+
+The names below are imported on first use (PEP 562): ``import opwatch`` alone does not import
+torch, so the pytest plugin costs nothing in a test run that does not ask for it.
 """
 
-from .anomaly import Anomaly, AnomalyError, OpwatchWarning
-from .notation import TensorMeta, format_meta
-from .records import OpRecord
-from .watch import Watch, strict, watch
+from __future__ import annotations
 
-__all__ = [
-    "watch",
-    "strict",
-    "Watch",
-    "OpRecord",
-    "TensorMeta",
-    "Anomaly",
-    "AnomalyError",
-    "OpwatchWarning",
-    "format_meta",
-]
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "watch": ".watch",
+    "strict": ".watch",
+    "Watch": ".watch",
+    "guard": ".guard",
+    "Allow": ".allow",
+    "KINDS": ".checks",
+    "OpRecord": ".records",
+    "TensorMeta": ".notation",
+    "format_meta": ".notation",
+    "Anomaly": ".anomaly",
+    "AnomalyError": ".anomaly",
+    "OpwatchWarning": ".anomaly",
+    "load": ".export",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    from .allow import Allow
+    from .anomaly import Anomaly, AnomalyError, OpwatchWarning
+    from .checks import KINDS
+    from .export import load
+    from .guard import guard
+    from .notation import TensorMeta, format_meta
+    from .records import OpRecord
+    from .watch import Watch, strict, watch
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'opwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """The package module. Importing the submodule ``opwatch.watch`` makes Python set the
+    package's attribute ``watch`` to that module; the function ``opwatch.watch`` must stay."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == "." + name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

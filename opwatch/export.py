@@ -1,0 +1,707 @@
+"""A watch's log written to files other tools read, and read back.
+
+- :func:`write_jsonl` / :func:`load`: JSON Lines, one object a line; :func:`load` gives a
+  read-only :class:`SavedLog` that prints the same table and summary as the watch that wrote it.
+- :func:`write_chrome_trace`: Chrome trace-event JSON, as ``torch.profiler`` writes it, for
+  Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``.
+
+The JSON Lines file::
+
+    {"format": "opwatch.jsonl", "version": 1, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": 0, ...}
+    {"type": "site", "site": 1, "filename": "/abs/train.py", "lineno": 26, "end_lineno": 26, "col": 20, "end_col": 28,
+     "text": "squared_diff = (y - pred) ** 2", "expression": "y - pred", "carets": ["squared_diff = (y - pred) ** 2", "    ^^^^^^^^"]}
+    {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "filename": "/abs/train.py", "lineno": 26,
+     "module": null, "phase": "forward", "forward_op": null, "inputs": [{"shape": [4], "dtype": "float32", "device": "cpu", "ident": 1403}, ...],
+     "outputs": [...], "args": [["alpha", 1]], "flags": ["broadcast"], "start_ns": ..., "end_ns": ...}
+    {"type": "anomaly", "in": "anomalies", "kind": "broadcast", "index": 7, "op": "aten.sub.Tensor", ..., "message": "...",
+     "finding": {"kind": "broadcast", "problem": "...", "expected": "...", "fix": "..."}}
+
+A ``site`` line comes before the first record that refers to it and carries the source text
+the renderers show, so a saved log prints its table on a machine without the sources. An
+anomaly line says ``"in"`` which list the watch kept it in (``anomalies``, ``contained``,
+``allowed``); one whose op has left the bounded log carries that record in its ``record``
+field. Dtypes
+and devices are strings, shapes lists; numbers that JSON cannot hold are strings (``"nan"``,
+``"inf"``, ``"-inf"``), and other argument values are tagged (``{"dtype": "float32"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from functools import lru_cache
+
+__all__ = ["FORMAT", "VERSION", "write_jsonl", "load", "write_chrome_trace", "SavedLog", "SavedRecord", "SavedAnomaly", "SavedPosition"]
+
+FORMAT = "opwatch.jsonl"
+VERSION = 1
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
+
+
+# -- writing JSON Lines ---------------------------------------------------------------------
+
+
+def write_jsonl(watch, path) -> None:
+    """Write ``watch``'s log to ``path``: a header, then its records, anomalies, contained
+    nan/inf origins and allowed findings, one JSON object a line (see the module's docstring)."""
+    records = watch.records
+    groups = _anomaly_groups(watch)
+    sites = _SiteTable()
+    logged = {record.index for record in records}
+    with open(path, "w", encoding="utf-8") as stream:
+
+        def put(obj: dict) -> None:
+            # allow_nan=False: a non-finite number that escaped _encode is a bug, not a file
+            # other JSON readers refuse.
+            stream.write(json.dumps(obj, ensure_ascii=False, allow_nan=False))
+            stream.write("\n")
+
+        put(_header(watch, len(records), groups))
+        for record in records:
+            for line in sites.new_lines(record):
+                put(line)
+            put({"type": "record", **_record_fields(record, sites)})
+        for name, group in groups.items():
+            for anomaly in group:
+                line = {"type": "anomaly", "in": name, **_anomaly_fields(anomaly)}
+                if anomaly.index not in logged:  # its op left the bounded log
+                    for site_line in sites.new_lines(anomaly.record):
+                        put(site_line)
+                    line["record"] = _record_fields(anomaly.record, sites)
+                put(line)
+
+
+def _anomaly_groups(watch) -> dict:
+    """``{"anomalies": [...], "contained": [...], "allowed": [...]}``, as the watch keeps them."""
+    return {name: list(getattr(watch, name, ())) for name in _GROUPS}
+
+
+def _header(watch, records: int, groups: dict) -> dict:
+    import torch
+
+    from . import __version__
+
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "opwatch": __version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "rank": _rank(),
+        "strict": watch.strict,
+        "records": records,
+        **{name: len(group) for name, group in groups.items()},
+    }
+
+
+def _rank() -> int:
+    """This process's rank in a ``torch.distributed`` job (see
+    :func:`opwatch.distributed.current_rank`), 0 outside one."""
+    from .distributed import current_rank
+
+    rank = current_rank()
+    return 0 if rank is None else rank
+
+
+class _SiteTable:
+    """Numbers each distinct source position once and writes its text the first time."""
+
+    def __init__(self):
+        self._ids: dict = {}
+
+    def site_of(self, record) -> int:
+        return self._ids[_position_key(record.position)]
+
+    def new_lines(self, record) -> list[dict]:
+        position = record.position
+        key = _position_key(position)
+        if key in self._ids:
+            return []
+        site = self._ids[key] = len(self._ids) + 1
+        return [
+            {
+                "type": "site",
+                "site": site,
+                "filename": position.filename,
+                "lineno": position.lineno,
+                "end_lineno": position.end_lineno,
+                "col": position.col,
+                "end_col": position.end_col,
+                "text": position.line_text(),
+                "expression": position.expression(),
+                "carets": position.caret_lines(),
+            }
+        ]
+
+
+def _position_key(position) -> tuple:
+    return (position.filename, position.lineno, position.end_lineno, position.col, position.end_col)
+
+
+def _record_fields(record, sites: _SiteTable) -> dict:
+    forward = record.forward_func
+    outputs = record.outputs
+    fields = {
+        "index": record.index,
+        "op": record.op,
+        "site": sites.site_of(record),
+        "filename": record.filename,
+        "lineno": record.lineno,
+        "module": record.module,
+        "phase": record.phase,
+        "forward_op": None if forward is None else str(forward),
+        "inputs": [_meta_fields(meta) for meta in record.inputs],
+        "outputs": None if outputs is None else [_meta_fields(meta) for meta in outputs],
+        "args": [[name, _encode(value)] for name, value in record.args],
+        "flags": list(record.flags),
+    }
+    # Op start and end times, where this opwatch records them (perf_counter_ns).
+    fields["start_ns"] = getattr(record, "start_ns", None)
+    fields["end_ns"] = getattr(record, "end_ns", None)
+    return fields
+
+
+def _meta_fields(meta) -> dict:
+    shape = None if meta.shape is None else [_size(size) for size in meta.shape]
+    return {"shape": shape, "dtype": _name(meta.dtype), "device": str(meta.device), "ident": meta.ident}
+
+
+def _size(size):
+    try:
+        return int(size)
+    except (TypeError, ValueError):  # a symbolic size
+        return str(size)
+
+
+def _name(value) -> str:
+    """``torch.float32`` -> ``"float32"``; also layouts and memory formats."""
+    return str(value).removeprefix("torch.")
+
+
+def _anomaly_fields(anomaly) -> dict:
+    finding = anomaly.finding
+    return {
+        "kind": anomaly.kind,
+        "index": anomaly.index,
+        "op": anomaly.op,
+        "filename": anomaly.filename,
+        "lineno": anomaly.lineno,
+        "module": anomaly.module,
+        "phase": anomaly.phase,
+        "message": anomaly.message,
+        "finding": {"kind": finding.kind, "problem": finding.problem, "expected": finding.expected, "fix": finding.fix},
+    }
+
+
+def _encode(value):
+    """An argument value as JSON: numbers, strings, booleans and None as they are, tuples as
+    lists, non-finite floats as ``"nan"``/``"inf"``/``"-inf"``; everything else tagged with
+    its kind (``{"dtype": "float32"}``), and strings that read like a non-finite float tagged
+    ``{"str": ...}``."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _nonfinite_name(value)
+    if isinstance(value, str):
+        return {"str": value} if value in _NONFINITE else value
+    if isinstance(value, (tuple, list)):
+        return [_encode(item) for item in value]
+    if isinstance(value, complex):
+        return {"complex": [_encode(value.real), _encode(value.imag)]}
+    for kind, tag in ((torch.dtype, "dtype"), (torch.layout, "layout"), (torch.memory_format, "memory_format")):
+        if isinstance(value, kind):
+            return {tag: _name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    return {"repr": repr(value)}
+
+
+def _nonfinite_name(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def _decode(value):
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, list):
+        return tuple(_decode(item) for item in value)
+    if isinstance(value, dict):
+        (tag, inner), = value.items()
+        if tag == "str" or tag == "repr":
+            return inner
+        if tag == "complex":
+            return complex(_decode(inner[0]), _decode(inner[1]))
+        if tag == "device":
+            return _device(inner)
+        return _torch_attribute(inner)  # dtype, layout, memory_format
+    return value
+
+
+# -- reading back ---------------------------------------------------------------------------
+
+
+def load(path) -> SavedLog:
+    """Read a log written by :meth:`Watch.export_jsonl`; ``opwatch.load("run.jsonl")``.
+
+    The result is read-only and offers what a watch offers for reading: ``records``,
+    ``anomalies``, ``contained``, ``allowed``, ``table(last=None)`` and ``summary()``, which print what the
+    watch printed (file paths shown relative to the working directory, as the watch shows them).
+    """
+    with open(path, encoding="utf-8") as stream:
+        lines = stream.read().splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty file; expected an opwatch JSON Lines log written by Watch.export_jsonl")
+    header = _parse(path, 1, lines[0])
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an opwatch log (its first line has no \"format\": \"{FORMAT}\"); write one with Watch.export_jsonl")
+    if not isinstance(header.get("version"), int) or header["version"] > VERSION:
+        raise ValueError(f"{path}: written in opwatch log version {header.get('version')!r}; this opwatch reads version {VERSION} and older: upgrade opwatch")
+    sites: dict[int, SavedPosition] = {}
+    records: list[SavedRecord] = []
+    by_index: dict[int, SavedRecord] = {}
+    groups: dict[str, list[SavedAnomaly]] = {name: [] for name in _GROUPS}
+    for number, text in enumerate(lines[1:], 2):
+        if not text.strip():
+            continue
+        line = _parse(path, number, text)
+        kind = line.get("type") if isinstance(line, dict) else None
+        try:
+            if kind == "site":
+                sites[line["site"]] = SavedPosition(
+                    line["filename"], line["lineno"], line["end_lineno"], line["col"], line["end_col"],
+                    text=line["text"], expression=line["expression"], carets=line["carets"],
+                )
+            elif kind == "record":
+                record = SavedRecord(line, sites[line["site"]])
+                records.append(record)
+                by_index[record.index] = record
+            elif kind == "anomaly":
+                record = SavedRecord(line["record"], sites[line["record"]["site"]]) if "record" in line else by_index[line["index"]]
+                groups[line["in"]].append(SavedAnomaly(line, record))
+            else:
+                raise ValueError(f"unknown line type {kind!r}")
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}:{number}: not a valid opwatch log line ({type(error).__name__}: {error})") from None
+    return SavedLog(header, records, groups)
+
+
+def _parse(path, number: int, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+
+
+class SavedLog:
+    """A log read back by :func:`load`: what the watch that wrote it recorded, read-only.
+
+    Attributes:
+        records: the records (:class:`SavedRecord`), oldest first.
+        anomalies / contained / allowed: the anomalies, contained nan/inf origins and allowed
+            findings (:class:`SavedAnomaly`).
+        header: the file's first line: format, version, opwatch, torch and Python versions,
+            rank, strict, counts.
+    """
+
+    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed")
+
+    def __init__(self, header: dict, records: list, groups: dict):
+        self.header = header
+        self._records = tuple(records)
+        self._anomalies = tuple(groups["anomalies"])
+        self._contained = tuple(groups["contained"])
+        self._allowed = tuple(groups["allowed"])
+
+    @property
+    def records(self) -> list[SavedRecord]:
+        return list(self._records)
+
+    @property
+    def anomalies(self) -> list[SavedAnomaly]:
+        return list(self._anomalies)
+
+    @property
+    def contained(self) -> list[SavedAnomaly]:
+        return list(self._contained)
+
+    @property
+    def allowed(self) -> list[SavedAnomaly]:
+        return list(self._allowed)
+
+    @property
+    def rank(self) -> int:
+        return self.header.get("rank", 0)
+
+    def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
+        """The op table, as :meth:`Watch.table` prints it."""
+        from .render import render_table
+
+        records = list(self._records)
+        if last is not None:
+            if isinstance(last, bool) or not isinstance(last, int):
+                raise TypeError(f"last must be an int, got {type(last).__name__}")
+            if last < 0:
+                raise ValueError(f"last must be 0 or more, got {last}")
+            records = records[-last:] if last else []
+        return render_table(records, tablefmt=tablefmt)
+
+    def summary(self) -> str:
+        """The summary, as :meth:`Watch.summary` prints it."""
+        from .render import render_summary
+
+        return render_summary(self._anomalies, self._contained, self._allowed)
+
+    def __repr__(self) -> str:
+        return f"<SavedLog {len(self._records)} records, {len(self._anomalies)} anomalies, {len(self._contained)} contained, {len(self._allowed)} allowed>"
+
+
+class SavedPosition:
+    """A record's source position, with the source text saved at export time: the same
+    attributes and methods as the position of a live record, without reading the file."""
+
+    __slots__ = ("filename", "lineno", "end_lineno", "col", "end_col", "_text", "_expression", "_carets")
+
+    def __init__(self, filename, lineno, end_lineno, col, end_col, *, text: str, expression: str | None, carets: list[str]):
+        self.filename = filename
+        self.lineno = lineno
+        self.end_lineno = end_lineno
+        self.col = col
+        self.end_col = end_col
+        self._text = text
+        self._expression = expression
+        self._carets = tuple(carets)
+
+    def line_text(self) -> str:
+        return self._text
+
+    def expression(self) -> str | None:
+        return self._expression
+
+    def caret_lines(self) -> list[str]:
+        return list(self._carets)
+
+
+class SavedRecord:
+    """One op of a saved log: the properties of :class:`opwatch.OpRecord`, read-only.
+
+    ``func`` and ``forward_func`` are the ``OpOverload`` where this torch has that op, else
+    its name; tensors' dtypes and devices are torch's objects where this torch knows them.
+    """
+
+    __slots__ = ("_fields", "_position", "_inputs", "_outputs", "_args")
+
+    def __init__(self, fields: dict, position: SavedPosition):
+        self._fields = fields
+        self._position = position
+        self._inputs = tuple(_meta(meta) for meta in fields["inputs"])
+        outputs = fields["outputs"]
+        self._outputs = None if outputs is None else tuple(_meta(meta) for meta in outputs)
+        self._args = tuple((name, _decode(value)) for name, value in fields["args"])
+
+    position = property(lambda self: self._position)
+    inputs = property(lambda self: self._inputs)
+    outputs = property(lambda self: self._outputs)
+    args = property(lambda self: self._args)
+    flags = property(lambda self: tuple(self._fields["flags"]))
+    index = property(lambda self: self._fields["index"])
+    op = property(lambda self: self._fields["op"])
+    filename = property(lambda self: self._fields["filename"])
+    lineno = property(lambda self: self._fields["lineno"])
+    module = property(lambda self: self._fields["module"])
+    phase = property(lambda self: self._fields["phase"])
+    start_ns = property(lambda self: self._fields.get("start_ns"))
+    end_ns = property(lambda self: self._fields.get("end_ns"))
+
+    @property
+    def func(self):
+        return _op(self._fields["op"])
+
+    @property
+    def forward_func(self):
+        forward = self._fields["forward_op"]
+        return None if forward is None else _op(forward)
+
+    @property
+    def where(self) -> str:
+        from .render import location
+
+        return location(self)
+
+    @property
+    def _entry(self) -> tuple:
+        # The renderer's table reads tensors from a record's raw log entry; give it one with the
+        # fields it reads. (Drop this when render_table reads ``record.inputs``/``outputs``.)
+        from . import records as layout
+
+        entry = [None] * layout.E_TENSORS
+        entry[layout.E_INDEX] = self.index
+        entry[layout.E_NINPUTS] = len(self.inputs)
+        entry[layout.E_NOUTPUTS] = -1 if self.outputs is None else len(self.outputs)
+        return (*entry, *self.inputs, *(self.outputs or ()))
+
+    def signature(self) -> str:
+        """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
+        from .notation import format_meta
+        from .records import short_op_name
+
+        text = f"{short_op_name(self.op)}({', '.join(format_meta(meta) for meta in self.inputs)})"
+        if self.outputs:
+            text += " -> " + ", ".join(format_meta(meta) for meta in self.outputs)
+        return text
+
+    def __repr__(self) -> str:
+        return f"<SavedRecord #{self.index} {self.signature()} at {self.where} {self.phase}>"
+
+
+class SavedAnomaly:
+    """One anomaly of a saved log: the properties of :class:`opwatch.Anomaly`; ``message`` is
+    the text the watch gave."""
+
+    __slots__ = ("_fields", "record", "finding")
+
+    def __init__(self, fields: dict, record: SavedRecord):
+        from .checks.finding import Finding
+
+        self._fields = fields
+        self.record = record
+        self.finding = Finding(**fields["finding"])
+
+    kind = property(lambda self: self._fields["kind"])
+    op = property(lambda self: self._fields["op"])
+    filename = property(lambda self: self._fields["filename"])
+    lineno = property(lambda self: self._fields["lineno"])
+    module = property(lambda self: self._fields["module"])
+    phase = property(lambda self: self._fields["phase"])
+    index = property(lambda self: self._fields["index"])
+    message = property(lambda self: self._fields["message"])
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"<SavedAnomaly {self.kind} {self.op} at {self.record.where} #{self.index}>"
+
+
+def _meta(fields: dict):
+    from .notation import TensorMeta
+
+    shape = fields["shape"]
+    return TensorMeta(
+        None if shape is None else tuple(shape),
+        _torch_attribute(fields["dtype"]),
+        _device(fields["device"]),
+        fields["ident"],
+    )
+
+
+@lru_cache(maxsize=256)
+def _torch_attribute(name: str):
+    """``"float32"`` -> ``torch.float32`` (dtypes, layouts, memory formats); the name itself
+    when this torch has no such attribute."""
+    import torch
+
+    value = getattr(torch, name, None)
+    return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else name
+
+
+@lru_cache(maxsize=256)
+def _device(name: str):
+    import torch
+
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        return name
+
+
+@lru_cache(maxsize=4096)
+def _op(name: str):
+    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
+    not have that op."""
+    import torch
+
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.partition(".")
+    try:
+        func = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+    except (AttributeError, RuntimeError):
+        return name
+    return func if str(func) == name else name
+
+
+# -- Chrome trace ---------------------------------------------------------------------------
+
+
+def write_chrome_trace(watch, path) -> None:
+    """Write ``watch``'s log to ``path`` as Chrome trace-event JSON (the format of
+    ``torch.profiler``'s ``export_chrome_trace``), for Perfetto and ``chrome://tracing``.
+
+    - one complete (``X``) event per op: its name, start and duration in microseconds, and
+      ``args`` with its inputs, outputs, line, code, module and phase;
+    - module spans: one ``X`` event per run of consecutive ops in the same module (and phase),
+      nested as the module paths are, on the same track, so ops sit inside their modules;
+    - flow arrows (``s``/``f``, category ``fwdbwd`` as torch's) joining each backward op to
+      the forward op it differentiates, drawn from the forward op to the backward op;
+    - each anomaly (and contained nan/inf origin, and allowed finding) as an instant (``i``)
+      event on its op, carrying its message.
+
+    The forward op of a backward op is the latest forward op before it with the same source
+    position, module and op as the backward op names (its ``forward_func``); a line that runs
+    the same op many times in one module (a Python loop over time steps) links each backward
+    op to the last of them.
+    """
+    with open(path, "w", encoding="utf-8") as stream:
+        json.dump(chrome_trace(watch), stream, ensure_ascii=False, allow_nan=False)
+
+
+def chrome_trace(watch) -> dict:
+    """The trace-event JSON object that :func:`write_chrome_trace` writes."""
+    import torch
+
+    from . import __version__
+    from .notation import format_meta
+    from .records import short_op_name
+    from .render import location
+
+    records = watch.records
+    pid = os.getpid()
+    tid = 1
+    rank = _rank()
+    times = _op_times(records)
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"opwatch (rank {rank})"}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "ops"}},
+    ]
+    # Module spans before ops: a span and its first op start at the same time, and viewers
+    # nest events of equal start and length in file order.
+    events += _module_spans(records, times, pid, tid)
+    for record, (ts, dur) in zip(records, times):
+        outputs = record.outputs
+        args = {
+            "index": record.index,
+            "inputs": [format_meta(meta) for meta in record.inputs],
+            "outputs": "not run" if outputs is None else [format_meta(meta) for meta in outputs],
+            "line": location(record),
+            "code": record.position.expression() or record.position.line_text(),
+            "module": record.module,
+            "phase": record.phase,
+        }
+        if record.forward_func is not None:
+            args["forward op"] = short_op_name(record.forward_func)
+        if record.flags:
+            args["flags"] = list(record.flags)
+        events.append({"ph": "X", "cat": "op", "name": short_op_name(record.func), "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args})
+    events += _backward_flows(records, times, pid, tid)
+    start_of = {record.index: ts for record, (ts, _) in zip(records, times)}
+    categories = {"anomalies": "anomaly", "contained": "contained", "allowed": "allowed"}
+    for name, group in _anomaly_groups(watch).items():
+        category = categories[name]
+        for anomaly in group:
+            ts = start_of.get(anomaly.index)
+            if ts is None:  # its op left the bounded log
+                continue
+            events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "cat": category,
+                    "name": f"{anomaly.kind}: {short_op_name(anomaly.op)}" + ("" if category == "anomaly" else f" ({category})"),
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": ts,
+                    "args": {"index": anomaly.index, "message": anomaly.message},
+                }
+            )
+    timed = bool(records) and getattr(records[0], "start_ns", None) is not None
+    return {
+        "schemaVersion": 1,
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "producer": f"opwatch {__version__}",
+            "torch": torch.__version__,
+            "rank": rank,
+            "timestamps": "perf_counter_ns around each kernel" if timed else "synthetic: op index, 1 us per op",
+        },
+    }
+
+
+def _op_times(records) -> list[tuple[float, float]]:
+    """``(ts, dur)`` in microseconds for each record, from the first op's start."""
+    starts = [getattr(record, "start_ns", None) for record in records]
+    if not records or any(start is None for start in starts):
+        # No op times recorded: a synthetic clock, one microsecond per op index, so that the
+        # trace keeps the ops' order and nesting.
+        first = records[0].index if records else 0
+        return [(float(record.index - first), 1.0) for record in records]
+    origin = min(starts)
+    times = []
+    for record, start in zip(records, starts):
+        end = getattr(record, "end_ns", None)
+        # An op stopped before its kernel (strict) or whose kernel raised has no end: a 0-long event.
+        duration = 0 if end is None else max(end - start, 0)
+        times.append((round((start - origin) / 1000, 3), round(duration / 1000, 3)))
+    return times
+
+
+def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
+    """One ``X`` event per maximal run of consecutive ops of one phase inside a module path
+    (and each of its parents), from the first op's start to the last op's end."""
+    spans: list[dict] = []
+    open_spans: list[list] = []  # [path, phase, start, end], outermost first
+
+    def close(count: int) -> None:
+        for path, phase, start, end in reversed(open_spans[len(open_spans) - count :]):
+            spans.append(
+                {"ph": "X", "cat": "module", "name": path, "pid": pid, "tid": tid, "ts": start, "dur": round(end - start, 3), "args": {"module": path, "phase": phase}}
+            )
+        del open_spans[len(open_spans) - count :]
+
+    for record, (ts, dur) in zip(records, times):
+        module = record.module
+        parts = module.split(".") if module else []
+        paths = [".".join(parts[: depth + 1]) for depth in range(len(parts))]
+        kept = 0
+        while kept < len(open_spans) and kept < len(paths) and open_spans[kept][0] == paths[kept] and open_spans[kept][1] == record.phase:
+            kept += 1
+        close(len(open_spans) - kept)
+        end = round(ts + dur, 3)
+        for span in open_spans:
+            span[3] = end
+        for path in paths[kept:]:
+            open_spans.append([path, record.phase, ts, end])
+    close(len(open_spans))
+    return spans
+
+
+def _backward_flows(records, times, pid: int, tid: int) -> list[dict]:
+    """A flow arrow from each forward op to each backward op that differentiates it (see
+    :func:`write_chrome_trace` for the matching rule)."""
+    flows: list[dict] = []
+    latest_forward: dict = {}  # (position, module, op) -> ts of the latest forward op there
+    for record, (ts, _) in zip(records, times):
+        position = record.position
+        if position.filename is None:
+            continue
+        site = (position.filename, position.lineno, position.col, position.end_col, record.module)
+        if record.phase == "forward":
+            latest_forward[(*site, record.op)] = ts
+            continue
+        forward = record.forward_func
+        start = None if forward is None else latest_forward.get((*site, str(forward)))
+        if start is None:
+            continue
+        flow = len(flows) // 2 + 1
+        common = {"cat": "fwdbwd", "name": "fwdbwd", "id": flow, "pid": pid, "tid": tid}
+        flows.append({"ph": "s", "ts": start, **common})
+        flows.append({"ph": "f", "bp": "e", "ts": ts, **common})
+    return flows

@@ -1,0 +1,104 @@
+"""opwatch inside training frameworks: a callback that watches each training step.
+
+- :mod:`opwatch.integrations.lightning`: ``OpwatchCallback`` for ``lightning.Trainer``.
+- :mod:`opwatch.integrations.transformers`: ``OpwatchCallback`` for ``transformers.Trainer``.
+
+Each module imports its framework only when its ``OpwatchCallback`` is first used, and this
+package imports neither. Both callbacks keep one :class:`StepWatch`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["StepWatch", "lazy_callback"]
+
+
+def lazy_callback(module_name: str, build):
+    """A module ``__getattr__`` that builds ``OpwatchCallback`` with ``build()`` on first use, so
+    that importing the integration module does not import its framework."""
+    built = []
+
+    def __getattr__(name: str):
+        if name != "OpwatchCallback":
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        if not built:
+            built.append(build())
+        return built[0]
+
+    return __getattr__
+
+
+class StepWatch:
+    """One :class:`opwatch.Watch` entered around each training step and left after it.
+
+    The same watch is re-entered step after step, so its op log stays one ring buffer of
+    ``max_records`` ops (the latest steps'), its anomalies accumulate (at most
+    ``max_records``), each anomaly is warned once per line for the whole run, and op indices
+    keep counting across steps. ``strict`` picks :func:`opwatch.strict`; the other options are
+    those of :func:`opwatch.watch` (``file`` also receives the summary).
+    """
+
+    def __init__(self, *, strict: bool = False, file=None, **watch_options):
+        import opwatch
+
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        make = opwatch.strict if strict else opwatch.watch
+        self.watch = make(file=file, **watch_options)
+        self._file = file
+        self._active = False
+        self.anomaly_count = 0  # anomalies found so far (the watch keeps the last max_records)
+        self.contained_count = 0
+        self._seen = (None, None)  # the newest anomaly and contained origin already counted
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def enter(self) -> None:
+        """Start watching a step. A step left open (the framework raised without telling the
+        callback) is closed first."""
+        if self._active:
+            self.exit()
+        self.watch.__enter__()
+        self._active = True
+
+    def exit(self, error: BaseException | None = None) -> None:
+        """Stop watching the current step; ``error`` is the exception that ended it, if any:
+        the watch then prints its dump of the last ops and adds its note to ``error``. In
+        strict mode, raises :class:`opwatch.AnomalyError` for a nan/inf found at this last
+        check point."""
+        if not self._active:
+            return
+        self._active = False
+        try:
+            if error is None:
+                self.watch.__exit__(None, None, None)
+            else:
+                self.watch.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self._count()
+
+    def _count(self) -> None:
+        last_anomaly, last_contained = self._seen
+        new = _after(self.watch.anomalies, last_anomaly)
+        self.anomaly_count += len(new)
+        new_contained = _after(self.watch.contained, last_contained)
+        self.contained_count += len(new_contained)
+        self._seen = (new[-1] if new else last_anomaly, new_contained[-1] if new_contained else last_contained)
+
+    def print_summary(self, prefix: str = "") -> None:
+        stream = self._file if self._file is not None else sys.stderr
+        text = self.watch.summary()
+        if self.anomaly_count > len(self.watch.anomalies):
+            text += f"\n(the summary shows the last {len(self.watch.anomalies)} of {self.anomaly_count} anomalies)"
+        print(prefix + text, file=stream)
+
+
+def _after(anomalies: list, seen) -> list:
+    """The anomalies reported after ``seen`` (all of them when ``seen`` is not among them)."""
+    for position in range(len(anomalies) - 1, -1, -1):
+        if anomalies[position] is seen:
+            return anomalies[position + 1 :]
+    return anomalies
