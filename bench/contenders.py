@@ -138,6 +138,55 @@ def checks_contenders(opwatch: Any) -> list[Contender]:
     ]
 
 
+# --------------------------------------------------------------------------- opwatch.guard
+
+
+def guard_split(opwatch: Any, step: Callable[[], None]) -> tuple[Callable[[], None], list[Contender]]:
+    """The workload's step, its forward and backward callable through ``opwatch.guard``, and
+    the two contenders to time on it: eager, and the guard.
+
+    ``opwatch.guard`` wraps forward and backward only (``optimizer.step()`` comes after the
+    guarded call), so the step that ``workloads._training_step`` builds is taken apart: its
+    optimizer and loss closure, and the model the loss closure calls. Both contenders run the
+    same step; the guard's context routes forward and backward through the guarded call.
+    """
+    opt, loss_fn = _free_variable(step, "opt"), _free_variable(step, "loss_fn")
+    model = _free_variable(loss_fn, "model")
+
+    def forward_backward() -> torch.Tensor:
+        loss = loss_fn()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(forward_backward, model)
+    current = [forward_backward]
+
+    def split_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        current[0]()
+        opt.step()
+
+    @contextlib.contextmanager
+    def guarding():
+        current[0] = guarded
+        try:
+            yield guarded
+        finally:
+            current[0] = forward_backward
+
+    return split_step, [Contender("eager", contextlib.nullcontext),
+                        Contender("opwatch.guard()", guarding, is_opwatch=True)]
+
+
+def _free_variable(function: Callable, name: str) -> Any:
+    """The value of ``name`` in ``function``'s closure (how the workload's step is taken apart)."""
+    names = function.__code__.co_freevars
+    if name not in names:
+        raise LookupError(f"{function.__qualname__} has no free variable {name!r} (it has {names}): "
+                          "bench.workloads changed; update guard_split")
+    return function.__closure__[names.index(name)].cell_contents
+
+
 # --------------------------------------------------------------------------- all
 
 

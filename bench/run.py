@@ -17,7 +17,8 @@ machine compare ratios, never absolute times, between runs):
    opwatch see per step, compared with the same counters around eager.
 4. The targets: watch() <= 2x the floor on tfm32, and >= 5x faster than
    DebugMode with stack traces and module tracking.
-5. The price of the nan/inf check on large tensors (tfm256).
+5. The price of the nan/inf check on large tensors (tfm256), and opwatch.guard's
+   healthy steps against eager on tfm32 (target <= 1.10x).
 6. Memory: flat RSS and constant per-op cost over a 10,000-step watch (in a
    fresh process), and bytes per record.
 """
@@ -43,8 +44,8 @@ from tabulate import tabulate
 
 from bench import memory
 from bench.contenders import (
-    Contender, OpCount, checks_contenders, count_ops, load_opwatch, main_contenders,
-    probe_checks,
+    Contender, OpCount, checks_contenders, count_ops, guard_split, load_opwatch,
+    main_contenders, probe_checks,
 )
 from bench.timing import CLOCKS, Measurement, measure, paired_difference, paired_ratio
 from bench.workloads import WORKLOADS
@@ -58,6 +59,9 @@ NAN_WORKLOAD = "tfm256"  # where the nan/inf check is priced separately
 # Targets from the issue.
 TARGET_WATCH_OVER_FLOOR = 2.0
 TARGET_SPEEDUP_VS_DEBUG_FULL = 5.0
+GUARD_WORKLOAD = "tfm32"  # where opwatch.guard's healthy steps are timed against eager
+GUARD_ROUNDS = 3  # x the config's rounds: two contenders only, and a few percent to resolve
+TARGET_GUARD_OVER_EAGER = 1.10
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,36 @@ def _verdict(what: str, value: float | None, target: str, ok: bool) -> str:
     return f"  {'PASS' if ok else 'FAIL'}  {what} = {fmt(value, '.2f', 'x')}  (target {target})"
 
 
+def guard_report(opwatch, cfg: Config, clock: str) -> str:
+    """opwatch.guard on healthy steps against eager, interleaved on the same step (the
+    workload's step split so that forward and backward can be guarded), with what it adds."""
+    try:
+        step, (eager, guard) = guard_split(opwatch, WORKLOADS[GUARD_WORKLOAD].factory())
+        rounds = GUARD_ROUNDS * cfg.rounds
+        log(f"[guard] timing 2 contenders x {rounds} rounds, counting ops")
+        ms = measure(step, [eager, guard], rounds, cfg.target_seconds, CLOCKS[clock])
+        # Counted after the warm-up: the guard's first call makes a tensor it keeps.
+        counts = {c.name: count_ops(step, c, cfg.count_steps, cfg.count_steps) for c in (eager, guard)}
+    except Exception as exc:
+        return f"  skipped ({type(exc).__name__}: {exc})"
+    m, e = ms[guard.name], ms[eager.name]
+    if m.error or e.error:
+        return f"  failed: {m.error or e.error}"
+    ratio, diff = paired_ratio(m, e), paired_difference(m, e)
+    c, base = counts[guard.name], counts[eager.name]
+    added = {op: n - base.by_op.get(op, 0.0) for op, n in c.by_op.items()}
+    added_text = ", ".join(f"{op.removeprefix('aten.').removesuffix('.default')} {n:.3g}"
+                           for op, n in sorted(added.items()) if n > 0.005) or "none"
+    return "\n".join([
+        f"  {GUARD_WORKLOAD}: eager {e.median * 1e3:.3f} ms/step, opwatch.guard() {m.median * 1e3:.3f} ms/step: "
+        f"{fmt(ratio, '.3f', 'x')} eager ({diff * 1e6:+.0f} us/step; noise {e.spread * 100:.0f}% / {m.spread * 100:.0f}%)",
+        f"  ops added per step: {added_text}; host reads added per step: "
+        f"{c.host_reads - base.host_reads:+.2f} (+tolist {c.bypass_reads - base.bypass_reads:+.2f})",
+        _verdict(f"opwatch.guard() / eager on {GUARD_WORKLOAD} (healthy steps)", ratio,
+                 f"<= {TARGET_GUARD_OVER_EAGER}x", ratio is not None and ratio <= TARGET_GUARD_OVER_EAGER),
+    ])
+
+
 def nonfinite_report(wr: WorkloadResult | None, checks_problem: str | None) -> str:
     if checks_problem is not None:
         return f"  skipped: opwatch.watch(checks=...) did not work ({checks_problem})"
@@ -308,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[{name}] skipped: {exc!r}")
             skipped.append(f"  {name}: skipped ({type(exc).__name__}: {exc})")
 
+    guard_text = None
+    if GUARD_WORKLOAD in names and opwatch is not None and hasattr(opwatch, "guard"):
+        guard_text = guard_report(opwatch, cfg, args.clock)
+
     mem_text = None
     if run_memory:
         if opwatch is None:
@@ -342,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             out += ["Cost of the nan/inf check on large tensors:",
                     nonfinite_report(nan_result if opwatch is not None else None, checks_problem),
                     ""]
+    if guard_text is not None:
+        out += [f"opwatch.guard on healthy steps ({GUARD_ROUNDS * cfg.rounds} rounds interleaved with "
+                "eager on the same step):", guard_text, ""]
     if mem_text is not None:
         out += ["Memory and cost over a long watch:", mem_text, ""]
     out.append(f"total bench time {time.perf_counter() - t_start:.0f}s")
