@@ -1,6 +1,6 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--last N] [--jsonl PATH] [--trace PATH] script.py [args...]
+    python -m opwatch [--strict] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
     python -m opwatch show run.jsonl [--last N]
     python -m opwatch demo
 
@@ -23,6 +23,7 @@ import types
 import zipfile
 from importlib.machinery import SourceFileLoader
 
+from .allow import parse_allow
 from .watch import strict, watch
 
 DEMO_STORIES = (
@@ -48,11 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
     parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
     parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
+    parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="FIELD=PATTERN,...",
+        help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
+    )
+    parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
     parser.add_argument("script", help="the script to run, 'show' (a saved log) or 'demo'")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     options = parser.parse_args(argv)
     if options.last < 0:
         parser.error("--last must be 0 or more")
+    try:
+        allow = [parse_allow(text) for text in options.allow]
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
     try:
         if options.script == "demo" and not os.path.exists("demo"):
             return run_demo(last=options.last)
@@ -60,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_show(options.args)
         if not os.path.isfile(options.script):
             parser.error(f"no such script: {options.script}")
-        return run_script(options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace)
+        return run_script(
+            options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace, allow=allow, post_mortem=options.pdb
+        )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
         # 130) once it has shut down (threads joined, atexit handlers run): re-raise the
@@ -69,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None) -> int:
+def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch, then print the summary to
     ``out`` (stderr) and write the log to ``jsonl`` / ``trace`` when given. Returns the exit
     status; an uncaught ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
-    w = (strict if strict_mode else watch)(warn=False, last=last, file=out)
+    w = (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow)
     status, interrupt = 0, None
     with _running_as_main(path, args) as module:
         try:
@@ -88,17 +103,31 @@ def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: i
             status = _exit_status(exit_)
         except BaseException as error:  # noqa: BLE001 -- reported as Python reports it
             _report_uncaught(error)
+            if post_mortem and not isinstance(error, KeyboardInterrupt):
+                _post_mortem(error)
             status = 1
             if isinstance(error, KeyboardInterrupt):
                 interrupt = error
-    print(w.summary(), file=out)
-    if jsonl:
+    if jsonl:  # before printing: a closed stderr must not lose the log
         w.export_jsonl(jsonl)
     if trace:
         w.export_chrome_trace(trace)
+    print(w.summary(), file=out)
+    _print_every_rank(w, out)
     if interrupt is not None:
         raise interrupt
     return status
+
+
+def _print_every_rank(w, out) -> None:
+    """In a job of several ranks (``torchrun ... -m opwatch script.py``), rank 0 also prints the
+    combined summary: every rank's anomalies, naming the rank, op and line that made the first
+    nan/inf. The other ranks' summaries arrive through the process group's store."""
+    if w.rank != 0:
+        return
+    everyone = w.all_anomalies()
+    if everyone.world and everyone.world > 1:
+        print(everyone.summary(), file=out)
 
 
 def run_show(argv: list[str]) -> int:
@@ -192,6 +221,29 @@ def _program_frames(tb: types.TracebackType | None) -> types.TracebackType | Non
     for entry in reversed(kept):
         result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     return result
+
+
+def _post_mortem(error: BaseException) -> None:
+    """pdb post-mortem, like ``pytest --pdb``, in the program's innermost frame of the failure:
+    the user's line that issued the failing op (or raised), not opwatch's or torch's frames."""
+    import pdb
+
+    from .sites import USER, classify_code
+
+    entries = []
+    tb = error.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    users = [i for i, entry in enumerate(entries) if classify_code(entry.tb_frame.f_code) == USER]
+    if not users:
+        pdb.post_mortem(error.__traceback__)
+        return
+    result = None
+    for entry in reversed(entries[: users[-1] + 1]):
+        result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    print(f"opwatch: post-mortem in {entries[users[-1]].tb_frame.f_code.co_filename}:{entries[users[-1]].tb_lineno}", file=sys.stderr)
+    pdb.post_mortem(result)
 
 
 def _mute_report_of(error: BaseException) -> None:

@@ -19,9 +19,12 @@ class Anomaly:
         kind: ``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``, ``"nan"`` or ``"inf"``.
         op: the op's name (``"aten.sub.Tensor"``).
         filename / lineno: the user's source line; for backward ops, the forward line.
+        where: ``train.py:23``, as every message shows it (or a named place, ``DDP bucket [...]``).
         module: the ``nn.Module`` path, or ``None``.
         phase: ``"forward"`` or ``"backward"``.
         index: the op's index in the watch's log.
+        rank: the rank that found it in a ``torch.distributed`` job, else ``None``.
+        received: a nan/inf that arrived through a collective rather than made on this rank.
         record: the op's :class:`~opwatch.OpRecord`.
         message: the full text, also ``str(anomaly)``: kind, op, line and its text with the
             sub-expression marked, module, the tensors involved, what was expected, a likely fix.
@@ -41,6 +44,16 @@ class Anomaly:
     module = property(lambda self: self.record.module)
     phase = property(lambda self: self.record.phase)
     index = property(lambda self: self.record.index)
+    rank = property(lambda self: self.record.rank)
+    where = property(lambda self: self.record.where)
+
+    @property
+    def received(self) -> bool:
+        """Whether this is a nan/inf that reached this rank through a collective (its own inputs
+        to the collective were finite): another rank made it, or the collective itself did."""
+        from .distributed import is_collective_op
+
+        return self.finding.kind in ("nan", "inf") and is_collective_op(self.record.func)
 
     @property
     def message(self) -> str:

@@ -15,6 +15,15 @@ __all__ = [
     "no_python_dispatch",
     "dispatch_modes_outside",
     "engine_entry_code",
+    "restore_caller_state",
+    "amp_non_finite_check",
+    "foreach_norm",
+    "foreach_copy_",
+    "version_counter",
+    "unbox_process_group",
+    "unbox_work",
+    "resolve_process_group",
+    "default_store",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
 ]
@@ -37,6 +46,55 @@ no_python_dispatch = torch._C._DisableTorchDispatch
 # How many dispatch modes are on the thread's stack right now (inside ``__torch_dispatch__``
 # ours is popped, so a non-zero count means modes entered outside opwatch). torch >= 2.0.
 dispatch_modes_outside = torch._C._len_torch_dispatch_stack
+
+
+# Inside ``__torch_dispatch__`` torch's dispatch machinery excludes some keys (autocast among
+# them) from the thread's state; this guard restores the state the op was called with, so that
+# ``torch.is_autocast_enabled()`` read inside it is the caller's. Outside ``__torch_dispatch__``
+# entering it raises RuntimeError (the state is the caller's already). torch >= 1.13; ``None``
+# where missing: autocast then looks off inside a watch.
+restore_caller_state = getattr(torch._C, "_RestorePythonTLSSnapshot", None)
+
+
+# GradScaler's fused finiteness check of a tensor list (torch >= 1.6; a CPU kernel since 2.3):
+# ``None`` where missing, and opwatch.guard falls back to ``foreach_norm``.
+amp_non_finite_check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
+# One kernel over a tensor list: norms, and copies into kept tensors. torch >= 2.1.
+foreach_norm = torch._foreach_norm
+foreach_copy_ = torch._foreach_copy_
+
+
+def version_counter(tensor) -> int:
+    """The tensor's version counter, bumped by every in-place write (``Tensor._version``,
+    torch >= 1.0): tells whether a step changed a parameter or an argument."""
+    return tensor._version
+
+
+# torch.distributed's private pieces (torch 2.13 has them all; callers guard each use, and
+# degrade as opwatch.distributed says, where a torch build lacks them or distributed itself).
+
+
+def unbox_process_group(value):
+    """The ``ProcessGroup`` behind a ``ScriptObject`` argument of a c10d op."""
+    return torch._C._distributed_c10d.ProcessGroup.unbox(value)
+
+
+def unbox_work(value):
+    """The ``Work`` behind a ``ScriptObject`` result of a c10d op (its future tells completion)."""
+    return torch._C._distributed_c10d.Work.unbox(value)
+
+
+def resolve_process_group(name: str):
+    """The process group registered under ``name`` (functional collectives name their group)."""
+    return torch._C._distributed_c10d._resolve_process_group(name)
+
+
+def default_store():
+    """The default process group's store (``distributed_c10d._get_default_store``)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
 
 
 def engine_entry_code():

@@ -58,6 +58,31 @@ def entry_outputs(entry: tuple) -> tuple | None:
     return entry[start : start + count]
 
 
+class ModuleCall:
+    """Stands for an op in the log where a check judged a module call before its forward ran
+    (``LSTM.forward``): composite modules check their arguments before any op is dispatched."""
+
+    __slots__ = ("name",)
+    _known: dict = {}  # module class -> its ModuleCall (a few per program)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @classmethod
+    def of(cls, module_class) -> ModuleCall:
+        known = cls._known.get(module_class)
+        if known is None:
+            if len(cls._known) > 1024:
+                cls._known.clear()
+            known = cls._known[module_class] = cls(f"{module_class.__name__}.forward")
+        return known
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+
 class SharedShapes(dict):
     """``torch.Size`` -> the one plain tuple that entries store for that shape.
 
@@ -89,6 +114,8 @@ class OpLog:
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it, pruned with the ring
         self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
         self.shapes = SharedShapes()
+        # This process's rank in a torch.distributed job (see opwatch.distributed); None outside one.
+        self.rank: int | None = None
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -104,6 +131,11 @@ class OpLog:
             known = self.site_ids[key] = len(self.sites)
             self.sites.append((code, lasti))
         return known
+
+    def label_site(self, label: str) -> int:
+        """The site id of a place that has a name but no source line (``DDP bucket [fc.weight]``,
+        see :class:`opwatch.distributed.ReducerSites`); stored as ``(None, label)``."""
+        return self.site_id(None, label)
 
     def intern(self, values: tuple) -> tuple:
         """One shared copy of an argument tuple. Held by this table, it is scanned (and
@@ -181,6 +213,8 @@ class OpRecord:
         forward_func: for a backward op run by autograd, the forward ``OpOverload`` whose
             gradient it computes (``None`` otherwise).
         flags: anomaly kinds found on this op (``()`` when none).
+        rank: the process's rank in a ``torch.distributed`` job, ``None`` outside one.
+        label: for ops with a named place but no source line (the DDP reducer's), its name.
     """
 
     __slots__ = ("_entry", "_log")
@@ -263,6 +297,18 @@ class OpRecord:
     @property
     def flags(self) -> tuple[str, ...]:
         return tuple(self._log.flags.get(self.index, ()))
+
+    @property
+    def rank(self) -> int | None:
+        """The rank of the process that ran the op in a ``torch.distributed`` job, else ``None``."""
+        return self._log.rank
+
+    @property
+    def label(self) -> str | None:
+        """The name of the op's place when it has no source line but a name (the DDP reducer's
+        ops: ``DDP bucket [fc2.bias, fc2.weight]``), else ``None``."""
+        code, lasti = self._log.sites[self._entry[E_SITE]]
+        return lasti if code is None and isinstance(lasti, str) else None
 
     @property
     def start_ns(self) -> int:

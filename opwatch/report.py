@@ -23,12 +23,14 @@ class Reporter:
     """Keeps one watch's anomalies and contained origins, warns once per place, and says when
     strict mode must raise."""
 
-    def __init__(self, *, log, strict: bool, warn: bool, limit: int):
+    def __init__(self, *, log, strict: bool, warn: bool, limit: int, allow: tuple = ()):
         self._log = log
         self.strict = strict
         self._warn = warn
+        self._allow = allow  # Allow entries: what matches one is allowed, not an anomaly
         self.anomalies: deque[Anomaly] = deque(maxlen=limit)
         self.contained: deque[Anomaly] = deque(maxlen=limit)
+        self.allowed: deque[Anomaly] = deque(maxlen=limit)
         self.count = 0  # anomalies ever reported (the deque drops old ones)
         self._warned: set = set()  # (kind, file, line) already warned
 
@@ -39,6 +41,9 @@ class Reporter:
         anomaly = Anomaly(finding, record)
         if contained:
             self.contained.append(anomaly)
+            return None
+        if self._allow and any(entry.matches(anomaly) for entry in self._allow):
+            self.allowed.append(anomaly)
             return None
         self._log.add_flag(record.index, finding.kind)
         self.anomalies.append(anomaly)

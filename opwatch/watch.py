@@ -9,7 +9,9 @@ import warnings
 from collections.abc import Iterable
 
 from . import checks as _checks
+from .allow import Allow
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
+from .distributed import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, decode
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .records import OpLog, OpRecord
@@ -26,6 +28,7 @@ def watch(
     *,
     max_records: int = 10_000,
     checks: Iterable[str] | None = None,
+    allow: Iterable[Allow] = (),
     dump_on_error: bool = True,
     last: int = 20,
     file=None,
@@ -56,8 +59,16 @@ def watch(
         ``watch(max_records=100)``.
     checks
         Which checks run: any of ``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``,
-        ``"nonfinite"`` (nan/inf origins). ``None`` (default) runs all; ``()`` only records.
+        ``"nonfinite"`` (nan/inf origins), ``"collective_mismatch"`` (shapes and dtypes of each
+        ``torch.distributed`` collective compared across ranks before it runs, through the
+        process group's store: off by default, turn it on on every rank). ``None`` (default)
+        runs all but ``"collective_mismatch"``; ``()`` only records.
         ``watch(checks=["broadcast", "nonfinite"])``.
+    allow
+        Anomalies you know about and accept, as :class:`Allow` entries (each field a glob
+        pattern: ``kind``, ``op``, ``module``, ``where``). A matching finding goes to
+        ``w.allowed``: no anomaly, no warning, no raise in ``strict()``.
+        ``watch(allow=[opwatch.Allow(kind="broadcast", where="train.py:42")])``.
     dump_on_error
         When an exception escapes the block, print the last ``last`` ops, the failing op
         marked, and add a note to the exception naming the op, its line and its tensors. The
@@ -73,13 +84,14 @@ def watch(
 
     Setting the environment variable ``OPWATCH_DISABLE=1`` turns every watch into a no-op.
     """
-    return Watch(strict=False, max_records=max_records, checks=checks, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
 
 
 def strict(
     *,
     max_records: int = 10_000,
     checks: Iterable[str] | None = None,
+    allow: Iterable[Allow] = (),
     dump_on_error: bool = True,
     last: int = 20,
     file=None,
@@ -96,7 +108,7 @@ def strict(
         with opwatch.strict():
             train_step(model, batch)
     """
-    return Watch(strict=True, max_records=max_records, checks=checks, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=True, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
 
 
 class Watch:
@@ -106,13 +118,17 @@ class Watch:
         records: the op log, oldest first, at most ``max_records`` :class:`OpRecord` s.
         anomalies: the :class:`Anomaly` s found (at most ``max_records``, oldest dropped).
         contained: nan/inf origins that were absorbed before they mattered; not anomalies.
+        allowed: findings that matched an ``allow`` entry; not anomalies.
+        rank: this process's rank in a ``torch.distributed`` job, else ``None``; every rank's
+            anomalies: :meth:`all_anomalies`.
         strict: whether anomalies raise.
         enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
     """
 
-    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, check_every=None):
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None):
         self.strict = strict
         self._max_records = _positive_int("max_records", max_records)
+        self._allow = _allow_entries(allow)
         # Ops between two forced nan/inf check points; 1 checks each op as it goes (a replay,
         # where a host read per op is fine). Default: max_records.
         self._check_every = None if check_every is None else _positive_int("check_every", check_every)
@@ -125,11 +141,14 @@ class Watch:
         self._warn = _flag("warn", warn)
         self.enabled = not _disabled_by_environment()
         self._log = OpLog(self._max_records)
-        self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records)
+        self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records, allow=self._allow)
         self._interceptor: OpInterceptor | None = None
         self._modules: ModuleStack | None = None
         self._next_index = 0
         self._told_internal_error = False
+        # The job's view from this process (opwatch.distributed), where torch.distributed exists.
+        self._distributed: DistributedWatch | None = None
+        self._all_anomalies: AllAnomalies | None = None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -145,6 +164,16 @@ class Watch:
     def contained(self) -> list[Anomaly]:
         return list(self._reporter.contained)
 
+    @property
+    def rank(self) -> int | None:
+        """This process's rank in a ``torch.distributed`` job (read when the block starts, at its
+        first collective and when it ends), else ``None``."""
+        return self._log.rank
+
+    @property
+    def allowed(self) -> list[Anomaly]:
+        return list(self._reporter.allowed)
+
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op log as a table (the last ``last`` ops, or all): index, op, inputs, outputs,
         where (``file:line``), the code that issued the op, module, phase and flags."""
@@ -155,7 +184,53 @@ class Watch:
 
     def summary(self) -> str:
         """Each distinct anomaly once (per kind and line, with its count), ready to print."""
-        return render_summary(self._reporter.anomalies, self._reporter.contained)
+        return render_summary(self._reporter.anomalies, self._reporter.contained, self._reporter.allowed, rank=self._log.rank)
+
+    def all_anomalies(self, *, timeout: float = DEFAULT_TIMEOUT) -> AllAnomalies:
+        """Every rank's anomalies in a ``torch.distributed`` job, once the block has ended: this
+        rank's :class:`Anomaly` objects and each other rank's (each distinct one once, with
+        ``.rank``, ``.count`` and its message), in rank order. Each rank publishes its own when
+        its block ends, through the process group's store (or ``$OPWATCH_EXCHANGE_DIR``);
+        this waits at most ``timeout`` seconds for the others, and names those that had not
+        reported by then in ``.missing``. ``.summary()`` is the combined summary: the rank, op
+        and line that made the first nan/inf, and where the others received it. No collective
+        runs on your process groups. Outside a distributed job: this watch's anomalies. ::
+
+            with opwatch.watch() as w:
+                train_step(ddp_model, batch)
+            if dist.get_rank() == 0:
+                print(w.all_anomalies().summary())
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be 0 or more seconds, got {timeout}")
+        state = self._distributed
+        local = list(self._reporter.anomalies)
+        if state is None or state.rank is None:
+            return AllAnomalies(local, world=None)
+        if self._interceptor is not None:
+            raise RuntimeError("all_anomalies() is available once the watched block has ended: every rank publishes its anomalies then")
+        if self._all_anomalies is not None:
+            return self._all_anomalies
+        if state.exchange is None:  # a job of one rank, or publishing failed (warned)
+            missing = [] if not state.world or state.world < 2 else [rank for rank in range(state.world) if rank != state.rank]
+            return AllAnomalies(local, world=state.world, missing=missing, timeout=timeout)
+        try:
+            found, missing = state.exchange.collect(timeout)
+        except Exception as error:
+            warnings.warn(OpwatchWarning(f"opwatch could not read the other ranks' anomalies: {type(error).__name__}: {error}"), stacklevel=2)
+            found, missing = {}, [rank for rank in range(state.world) if rank != state.rank]
+        anomalies = []
+        for rank in range(state.world):
+            if rank == state.rank:
+                anomalies += local
+            elif rank in found:
+                anomalies += decode(found[rank])
+        result = AllAnomalies(anomalies, world=state.world, missing=missing, timeout=timeout)
+        if not missing:
+            self._all_anomalies = result
+        return result
 
     def check(self) -> list[Anomaly]:
         """A nan/inf check point now: at most one host read. Returns the new anomalies (in
@@ -195,16 +270,20 @@ class Watch:
         try:
             keep_dynamo_out()
             modules = ModuleStack()
+            self._distributed = DistributedWatch.start(self._log, modules)
+            self._all_anomalies = None
             interceptor = OpInterceptor(
                 log=self._log,
-                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096),
+                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules),
                 reporter=self._reporter,
                 modules=modules,
                 max_records=self._max_records,
                 on_internal_error=self._internal_error,
                 first_index=self._next_index,
                 check_every=self._check_every,
+                distributed=self._distributed,
             )
+            modules.on_call = interceptor.module_called
             modules.install()
         except Exception as error:
             self._internal_error(error, traceback.format_exc())
@@ -229,13 +308,28 @@ class Watch:
             self._modules = None
             self._next_index = interceptor.next_index
         # The last check point; it must not hide the block's own exception.
-        interceptor.check_point(may_raise=exc is None, final=True)
+        try:
+            interceptor.check_point(may_raise=exc is None, final=True)
+        finally:
+            self._publish()
         if exc is not None and isinstance(exc, Exception):
             try:
                 self._tell_failure(interceptor, exc)
             except Exception as error:
                 self._internal_error(error, traceback.format_exc())
         return False
+
+    def _publish(self) -> None:
+        """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
+        ``set``); a failure is one warning, never an exception on the program's line."""
+        state = self._distributed
+        if state is None:
+            return
+        try:
+            state.publish(self._reporter.anomalies, len(self._reporter.contained))
+        except Exception as error:
+            state.exchange = None
+            warnings.warn(OpwatchWarning(f"opwatch could not publish this rank's anomalies for the other ranks: {type(error).__name__}: {error}"), stacklevel=3)
 
     # -- when something goes wrong ------------------------------------------------------------
 
@@ -262,7 +356,7 @@ class Watch:
         if self._dump_on_error and self._last:
             records = self._log.records()[-self._last :]
             stream = self._file if self._file is not None else sys.stderr
-            print(render_failure(records, failed, error), file=stream)
+            print(render_failure(records, failed, error, rank=self._log.rank), file=stream)
 
     def _failed_record(self, interceptor: OpInterceptor, error: BaseException) -> OpRecord | None:
         if isinstance(error, AnomalyError):
@@ -293,7 +387,7 @@ def _disabled_by_environment() -> bool:
 
 def _check_names(checks) -> frozenset[str]:
     if checks is None:
-        return frozenset(_checks.CHECK_NAMES)
+        return frozenset(_checks.DEFAULT_CHECK_NAMES)
     if isinstance(checks, str):
         raise TypeError(f"checks must be a collection of check names, e.g. checks=[{checks!r}], not a string")
     try:
@@ -304,6 +398,21 @@ def _check_names(checks) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown check name(s) {', '.join(map(repr, unknown))}; valid names are {', '.join(map(repr, _checks.CHECK_NAMES))}")
     return frozenset(names)
+
+
+def _allow_entries(allow) -> tuple[Allow, ...]:
+    if isinstance(allow, Allow):
+        return (allow,)
+    if isinstance(allow, (str, bytes)):
+        raise TypeError(f"allow must be a list of opwatch.Allow entries, e.g. allow=[opwatch.Allow(kind='broadcast')], not a string")
+    try:
+        entries = tuple(allow)
+    except TypeError:
+        raise TypeError(f"allow must be a list of opwatch.Allow entries, got {type(allow).__name__}") from None
+    for entry in entries:
+        if not isinstance(entry, Allow):
+            raise TypeError(f"allow must hold opwatch.Allow entries, got {type(entry).__name__}: {entry!r}")
+    return entries
 
 
 def _positive_int(name, value) -> int:

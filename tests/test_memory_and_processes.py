@@ -121,3 +121,16 @@ def test_a_forked_child_continuing_the_block_is_inert():
     with pytest.raises(opwatch.AnomalyError):  # the parent's watch still works
         with opwatch.strict():
             torch.ones(4) - torch.ones(4, 1)
+
+
+def test_importing_opwatch_imports_no_torch_and_submodules_do_not_hide_its_functions():
+    import subprocess
+
+    code = (
+        "import sys, opwatch\n"
+        "print('torch' in sys.modules)\n"
+        "import opwatch.watch, opwatch.export\n"
+        "print(callable(opwatch.watch), opwatch.watch.__module__, opwatch.load.__module__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["False", "True", "opwatch.watch", "opwatch.export"], result.stderr

@@ -10,7 +10,9 @@ A pre-kernel check is a module with
   tensor arguments as ``(shape, dtype, device, ident)`` tuples; ``context`` is the
   :class:`CheckContext`, which answers the few questions shapes cannot.
 
-They see metadata only, so each is plain code testable without any mode running.
+They see metadata only, so each is plain code testable without any mode running. Composite
+modules (``nn.LSTM``, convolutions with a bias) check some arguments before any op is
+dispatched: :mod:`~opwatch.checks.module_calls` judges those calls from the module pre-hook.
 
 A check that needs to remember something about earlier ops owns that state in a *tracker* of
 its own module: the broadcast check's :class:`~opwatch.checks.broadcast.ShapeProvenance` (how each
@@ -26,16 +28,22 @@ the observers to call, the context, and the nan/inf check points.
 
 from __future__ import annotations
 
-from . import broadcast, device, dtype, nonfinite
+import torch
+
+from . import broadcast, collectives, device, dtype, module_calls, nonfinite
 from .finding import Finding
 
-__all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "KINDS"]
+__all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
 # Run in this order before each kernel; the first finding wins.
-PRE_KERNEL_CHECKS = (device, dtype, broadcast)
+PRE_KERNEL_CHECKS = (device, dtype, broadcast, collectives)
 
 # Names accepted by ``watch(checks=...)``.
 CHECK_NAMES = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + (nonfinite.NAME,)
+
+# The checks ``watch(checks=None)`` runs: all but those that cost something on every call of
+# their ops (collective_mismatch: a store round trip per collective).
+DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name != collectives.KIND)
 
 # Anomaly kinds, as ``Anomaly.kind`` reports them.
 KINDS = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + nonfinite.KINDS
@@ -47,14 +55,15 @@ class CheckContext:
     ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
     """
 
-    __slots__ = ("site", "phase", "args", "_log", "_shapes")
+    __slots__ = ("site", "phase", "args", "_log", "_shapes", "_modules")
 
-    def __init__(self, log, shapes: broadcast.ShapeProvenance | None):
+    def __init__(self, log, shapes: broadcast.ShapeProvenance | None, modules=None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
         self.args = ()  # the op's other arguments, flat: position or name, value, ...
         self._log = log
         self._shapes = shapes
+        self._modules = modules  # the ModuleStack, for where a stray tensor was made
 
     def deliberate_dims(self, tensor: tuple) -> frozenset[int]:
         """Size-1 dims of ``tensor`` (negative, counted from the right) that the program made on
@@ -78,14 +87,58 @@ class CheckContext:
         return f"{short_op_name(record.func)} at {record.where}"
 
 
+    def where_made(self, tensor: tuple, *, missing: str) -> str:
+        """Where ``tensor`` came from, for a report (slow: never on a healthy op): a tensor
+        attribute, parameter or buffer of a running module; else the op that made it, saying
+        when a factory op was called without the ``missing`` argument (``device``, ``dtype``);
+        else that it was made before the watch."""
+        from ..records import M_IDENT, M_SHAPE, short_op_name
+
+        ident = tensor[M_IDENT]
+        for path, module in self._modules.running() if self._modules is not None else ():
+            for name, value in vars(module).items():
+                if id(value) == ident and isinstance(value, torch.Tensor):
+                    return (
+                        f"{type(module).__name__}.{name} is a plain tensor attribute of module {path}: "
+                        f".to() and .cuda() do not move it; make it a buffer (self.register_buffer({name!r}, ...))"
+                    )
+            for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
+                for name, value in named:
+                    if id(value) == ident:
+                        return f"it is {kind} {path}.{name}"
+        record = self._log.producer_of(ident)
+        if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
+            return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
+        made = f"made by {short_op_name(record.func)} at {record.where}"
+        name = record.func._schema.name if hasattr(record.func, "_schema") else ""
+        if name in _FACTORIES:
+            args = dict(record.args)
+            if missing == "device" and args.get("device") == torch.get_default_device():
+                # torch fills the default in: whether the program named it cannot be told.
+                made += f" on the default device ({args['device']}): give it device= (or make it with *_like / new_*)"
+            elif missing == "dtype":
+                given = args.get("dtype")
+                made += f" with dtype={given}" if given is not None else f" in the default dtype ({torch.get_default_dtype()})"
+        return made
+
+
+# Ops that make tensors from nothing: a stray one usually lacks its device= or dtype=.
+_FACTORIES = {
+    "aten::zeros", "aten::ones", "aten::full", "aten::empty", "aten::rand", "aten::randn",
+    "aten::randint", "aten::arange", "aten::linspace", "aten::logspace", "aten::eye",
+    "aten::scalar_tensor", "aten::randperm", "aten::empty_strided",
+}
+
+
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None):
         self._enabled = enabled
+        self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
         self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
-        self.context = CheckContext(log, self.shapes)
+        self.context = CheckContext(log, self.shapes, modules)
         self._trackers = tuple(tracker for tracker in (self.shapes, self.values) if tracker is not None)
 
     def pre_kernel(self, func) -> tuple:
@@ -97,6 +150,14 @@ class ActiveChecks:
         """The trackers' observers to call after each kernel of ``func``."""
         bound = (tracker.for_op(func) for tracker in self._trackers)
         return tuple(observe for observe in bound if observe is not None)
+
+    def module_call(self, module, args) -> Finding | None:
+        """The finding of calling ``module`` with ``args``, judged before its forward runs
+        (:mod:`~opwatch.checks.module_calls`), when its kind is enabled."""
+        if not self._checks_module_calls:
+            return None
+        finding = module_calls.check_call(module, args)
+        return finding if finding is not None and finding.kind in self._enabled else None
 
     def flags_wait_on(self, device) -> bool:
         """Whether nan/inf flags wait on ``device``: a host read there pays for a sync anyway."""

@@ -17,12 +17,15 @@ class Finding:
         problem: what is wrong, quoting the shapes/dtypes/devices involved.
         expected: what a healthy call would have looked like.
         fix: the likely fix.
+        odd: the operands that stand out (the one on another device, the float64 one), as
+            metadata tuples; where each was made is added to the problem when reported.
     """
 
     kind: str
     problem: str
     expected: str
     fix: str
+    odd: tuple = ()
 
 
 def takes_several_tensors(func) -> bool:

@@ -23,6 +23,13 @@ that creates an autograd node bumps the thread's sequence counter, so the counte
 forward op names its node; in backward, the node being run reports the same number. No
 ``grad_fn`` or node metadata is touched (both have crashed or raised in probes).
 
+Collectives (:mod:`opwatch.distributed`) take the same way. Their outputs are the tensors they
+write, also where they return ``([tensors], Work)`` or the ``Work`` alone (decided per op in
+the plan); the nan/inf tracker reads them once the collective has completed. The engine's
+final callbacks (the DDP reducer copying reduced buckets into ``.grad``) are backward ops, and
+in a distributed watch the engine's ops without a forward line get a named site
+(``DDP bucket [fc.weight, fc.bias]``) instead of none.
+
 A process forked while a watch is active (DataLoader workers started with ``fork``) inherits
 the thread's mode stack: there the watch is inert, as it is in spawned workers.
 """
@@ -40,12 +47,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compat import SKIPS_DYNAMO_PER_CODE, current_autograd_node, get_sequence_nr, no_python_dispatch, skip_dynamo_for_code
-from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, OpLog
+from ..distributed import collective_of, collective_outputs, describe_script_object
+from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
 from ..sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
 
 _Tensor = torch.Tensor
+_ScriptObject = torch.ScriptObject
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _HOST_READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
@@ -58,7 +67,7 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("kernel", "func_id", "is_ignored", "mutated_args", "pre_checks", "observers", "may_read_to_host", "is_copy")
+    __slots__ = ("kernel", "func_id", "is_ignored", "mutated_args", "pre_checks", "observers", "may_read_to_host", "is_copy", "collective")
 
     def __init__(self, func, func_id: int, checks):
         # The C++ op itself: OpOverload.__call__ is a Python frame around it.
@@ -83,6 +92,9 @@ class _OpPlan:
         self.may_read_to_host = schema_name in _HOST_READS or schema_name in _COPIES
         # Is it a copy? It reads to the host only from a device to a CPU destination.
         self.is_copy = schema_name in _COPIES
+        # A c10d op or functional collective (opwatch.distributed.Collective): its outputs are
+        # the tensors it writes, filled only once it completes. None for every other op.
+        self.collective = collective_of(func)
 
 
 # Interceptors active in this process, made inert in a forked child (see the module's doc).
@@ -109,7 +121,7 @@ class OpInterceptor(TorchDispatchMode):
         # well, free.
         return not SKIPS_DYNAMO_PER_CODE
 
-    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, first_index: int = 0, check_every: int | None = None):
+    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, first_index: int = 0, check_every: int | None = None, distributed=None):
         super().__init__()
         self._log = log
         self._entries = log.entries
@@ -120,6 +132,10 @@ class OpInterceptor(TorchDispatchMode):
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
+        # opwatch.distributed.DistributedWatch where torch.distributed is available, else None;
+        # its ReducerSites name the engine's ops without a forward line once the rank is known.
+        self._distributed = distributed
+        self._reducer_sites = distributed.sites if distributed is not None and distributed.rank is not None else None
         self._plans: dict = {}  # id(OpOverload) -> _OpPlan (OpOverload hashes in Python)
         # Forward sites kept, oldest dropped first: part of the fixed memory cost of
         # max_records, so that a long loop stays flat.
@@ -157,6 +173,8 @@ class OpInterceptor(TorchDispatchMode):
             try:
                 # The plan holds its op (through the log's table), so the id stays its.
                 plan = self._plans[id(func)] = _OpPlan(func, self._log.func_id(func), self._checks)
+                if plan.collective is not None and self._distributed is not None:
+                    self._collective_seen()
             except Exception as error:
                 self._internal_error(error)
                 return func(*args, **kwargs)
@@ -227,6 +245,8 @@ class OpInterceptor(TorchDispatchMode):
         try:
             if isinstance(out, _Tensor):
                 outputs = (out,)
+            elif plan.collective is not None:
+                outputs = collective_outputs(plan.collective, args, kwargs, out)  # with its Work
             elif type(out) is tuple or type(out) is list:
                 outputs = tuple([item for item in out if isinstance(item, _Tensor)])
             elif plan.mutated_args:
@@ -251,6 +271,13 @@ class OpInterceptor(TorchDispatchMode):
             self.check_point()
         return out
 
+    def _collective_seen(self) -> None:
+        """The first call of a collective op: the process group exists now (a script may create
+        it inside the watch), so the rank is known and the reducer's ops can be named."""
+        self._distributed.refresh()
+        if self._distributed.rank is not None:
+            self._reducer_sites = self._distributed.sites
+
     def _head(self, plan, others) -> tuple:
         """The start of the op's log entry: index, op, source site, module, phase, forward op,
         other arguments. Also tells the check context the op's site and phase."""
@@ -267,6 +294,15 @@ class OpInterceptor(TorchDispatchMode):
             phase = BACKWARD
             site, forward_module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
             module = module or forward_module
+            if not site and self._reducer_sites is not None:
+                # No forward line: a parameter's gradient hook (the DDP reducer's copy into its
+                # bucket, the bucket's all-reduce) or gradient accumulation. Named, not "autograd".
+                site = self._reducer_sites.site(node, plan.collective is not None)
+        elif reached_engine:
+            # The engine's final callbacks (the DDP reducer copying the reduced buckets into
+            # .grad): backward, with no node and no forward line.
+            phase = BACKWARD
+            site = 0 if self._reducer_sites is None else self._reducer_sites.site(None, plan.collective is not None)
         else:
             # Forward, or backward code of the user's own (a hook, a custom Function).
             phase = FORWARD if node is None else BACKWARD
@@ -293,11 +329,47 @@ class OpInterceptor(TorchDispatchMode):
         self.next_index = index + 1
         return (index, plan.func_id, site, module, phase, forward_func, tuple(others))
 
+    # -- module calls ------------------------------------------------------------------------
+
+    def module_called(self, module, args) -> None:
+        """``ModuleStack.on_call``: judge a module call before its forward runs; a finding is
+        logged as a ``ModuleCall`` entry at the user's line that called the module."""
+        if self.inert:
+            return
+        try:
+            finding = self._checks.module_call(module, args)
+            if finding is None:
+                return
+            log = self._log
+            modules = self._modules
+            code, lasti, _ = modules.call_answer or (None, 0, False)
+            phase = FORWARD if current_autograd_node() is None else BACKWARD
+            tensors = []
+            for value in args:
+                if isinstance(value, _Tensor):
+                    tensors.append(value)
+                elif type(value) is tuple or type(value) is list:
+                    tensors.extend(item for item in value if isinstance(item, _Tensor))
+            inputs = _metas(tensors, log.shapes)
+            index = self.next_index
+            self.next_index = index + 1
+            func_id = log.func_id(ModuleCall.of(type(module)))
+            entry = (index, func_id, log.site_id(code, lasti), modules.current, phase, -1, (), perf_counter_ns(), -1, len(inputs), -1, *inputs)
+            self._entries.append(entry)
+            record = log.view(entry)
+        except Exception as error:
+            self._internal_error(error)
+            return
+        self._deliver(finding, record)  # strict: raises before the module's forward runs
+
     # -- reporting -------------------------------------------------------------------------
 
     def _deliver(self, finding, record) -> None:
-        """Report one finding; in strict mode raise the error the reporter hands back."""
+        """Report one finding (telling where its odd operands were made); in strict mode raise
+        the error the reporter hands back."""
         try:
+            if finding.odd:
+                finding = _with_provenance(finding, self._context)
             error = self._reporter.report(finding, record)
         except Exception as internal:
             self._internal_error(internal)
@@ -337,6 +409,18 @@ class OpInterceptor(TorchDispatchMode):
             pass  # telling about it failed too (warnings turned into errors): stay silent
 
 
+def _with_provenance(finding, context):
+    """``finding`` with where each odd operand was made added to its problem (report time)."""
+    from dataclasses import replace
+
+    from ..notation import format_meta
+
+    missing = "device" if finding.kind == "device_mismatch" else "dtype"
+    told = "; ".join(f"{format_meta(meta)}: {context.where_made(meta, missing=missing)}" for meta in finding.odd)
+    problem = finding.problem if finding.problem.endswith(".") else finding.problem + "."
+    return replace(finding, problem=f"{problem} Where the odd one came from: {told}.", odd=())
+
+
 def keep_dynamo_out() -> None:
     """Make TorchDynamo run ``__torch_dispatch__`` and everything it calls uncompiled, as
     ``torch._dynamo.disable`` would: a compiled function running under a watch must not try to
@@ -367,9 +451,14 @@ def _split(key, value, tensors, others, intern) -> None:
         if value and (isinstance(value[0], _Tensor) or value[0] is None):
             tensors.extend(item for item in value if isinstance(item, _Tensor))
             return
+        if value and type(value[0]) is list:  # Tensor[][] (c10d's allgather_ outputs): flattened
+            for inner in value:
+                tensors.extend(item for item in inner if isinstance(item, _Tensor))
+            return
         value = intern(tuple(value))  # sizes and dims: numbers (unhashable ones stay as they are)
     elif kind not in _PLAIN_VALUES:
-        value = kind.__name__
+        # A c10d op's ProcessGroup is stored by its group name (``ProcessGroup(0)``).
+        value = describe_script_object(value) if kind is _ScriptObject else kind.__name__
     others.append(key)
     others.append(value)
 
