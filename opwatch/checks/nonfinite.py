@@ -723,8 +723,15 @@ class NonFiniteTracker:
             # The one host read of this check point.
             chunks = self._chunks
             values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
-            if math.isfinite(sum(values)) and _SENTINELS.isdisjoint(values) and (not check_headroom or _HEADROOM_LIMIT > max(map(abs, values))):
-                return [None] * (len(values) // 2), None  # the usual case: all finite, no float16 near its limit
+            if math.isfinite(sum(values)) and (not check_headroom or _HEADROOM_LIMIT > max(map(abs, values))):
+                # The usual case: all finite, no float16 near its limit. Masks holding
+                # finfo.min (every Hugging Face model) only mark their outputs.
+                kinds = [None] * (len(values) // 2)
+                if not _SENTINELS.isdisjoint(values):
+                    for position, value in enumerate(values):
+                        if value in _SENTINELS:
+                            kinds[position >> 1] = _SENTINEL
+                return kinds, None
         else:
             # One host read per device; chunks are read back in their queued order.
             read = {device: iter(torch.cat(chunks).tolist()) for device, chunks in by_device.items()}

@@ -14,16 +14,17 @@ import sys
 __all__ = ["StepWatch", "lazy_callback"]
 
 
-def lazy_callback(module_name: str, build):
-    """A module ``__getattr__`` that builds ``OpwatchCallback`` with ``build()`` on first use, so
-    that importing the integration module does not import its framework."""
+def lazy_callback(module_name: str, load_base, hooks):
+    """A module ``__getattr__`` that builds ``OpwatchCallback`` (``hooks`` first, then the
+    framework's callback class that ``load_base()`` imports) on first use, so that importing
+    the integration module does not import its framework."""
     built = []
 
     def __getattr__(name: str):
         if name != "OpwatchCallback":
             raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
         if not built:
-            built.append(build())
+            built.append(type("OpwatchCallback", (hooks, load_base()), {"__doc__": hooks.__doc__, "__module__": module_name}))
         return built[0]
 
     return __getattr__

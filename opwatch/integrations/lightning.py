@@ -76,7 +76,7 @@ class _Hooks:
         self._steps.print_summary(prefix)
 
 
-def _build():
+def _load_base():
     try:
         from lightning.pytorch import Callback
     except ImportError:
@@ -84,12 +84,7 @@ def _build():
             from pytorch_lightning import Callback
         except ImportError:
             raise ImportError("opwatch.integrations.lightning needs Lightning: pip install lightning") from None
-
-    class OpwatchCallback(_Hooks, Callback):
-        __doc__ = _Hooks.__doc__
-
-    OpwatchCallback.__module__ = __name__
-    return OpwatchCallback
+    return Callback
 
 
-__getattr__ = lazy_callback(__name__, _build)
+__getattr__ = lazy_callback(__name__, _load_base, _Hooks)

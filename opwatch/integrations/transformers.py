@@ -96,17 +96,12 @@ class _Hooks:
         self._steps.print_summary(prefix)
 
 
-def _build():
+def _load_base():
     try:
         from transformers import TrainerCallback
     except ImportError:
         raise ImportError("opwatch.integrations.transformers needs transformers: pip install transformers") from None
-
-    class OpwatchCallback(_Hooks, TrainerCallback):
-        __doc__ = _Hooks.__doc__
-
-    OpwatchCallback.__module__ = __name__
-    return OpwatchCallback
+    return TrainerCallback
 
 
-__getattr__ = lazy_callback(__name__, _build)
+__getattr__ = lazy_callback(__name__, _load_base, _Hooks)
