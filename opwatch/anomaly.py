@@ -16,7 +16,8 @@ class Anomaly:
     """One anomaly, tied to the op that caused it.
 
     Attributes:
-        kind: ``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``, ``"nan"`` or ``"inf"``.
+        kind: one of ``opwatch.KINDS``: ``"device_mismatch"``, ``"dtype_mismatch"``,
+            ``"broadcast"``, ``"nan"``, ``"inf"``, ``"overflow_risk"``, ``"collective_mismatch"``.
         op: the op's name (``"aten.sub.Tensor"``).
         filename / lineno: the user's source line; for backward ops, the forward line.
         where: ``train.py:23``, as every message shows it (or a named place, ``DDP bucket [...]``).

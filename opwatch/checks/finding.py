@@ -12,8 +12,7 @@ class Finding:
     """One anomaly as a check sees it.
 
     Attributes:
-        kind: the anomaly kind (``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``,
-            ``"nan"``, ``"inf"``).
+        kind: the anomaly kind, one of ``opwatch.KINDS``.
         problem: what is wrong, quoting the shapes/dtypes/devices involved.
         expected: what a healthy call would have looked like.
         fix: the likely fix.
