@@ -16,14 +16,22 @@ propagation:
 - an op is an **origin** when an output holds nan or inf while every input was finite (its
   kind is what the output held: nan wins over inf). Later ops fed by it are counted as its
   spread, not reported again, also where they turn its inf into nan (``inf - inf``);
-- ops that write uninitialised memory (``empty*``) or bring Python data in (``torch.tensor``)
-  are not checked and carry no earlier state; ops given an explicit
-  non-finite constant (``full(-inf)``, ``fill_``, ``masked_fill(mask, -inf)``,
-  ``where(c, x, -inf)``) are deliberate and never origins, though what they feed is tracked;
-- an origin **matters** when its non-finite values reached a backward op or are still alive
-  at the check point (a gradient, a parameter, the value being read, any live tensor). Others
-  were absorbed (T5 takes ``log(0)`` on purpose, casts the ``-inf`` to an integer and drops it
-  with ``where``) and are reported as *contained*, not as anomalies.
+- ops that write uninitialised memory (``empty*``) are not checked and carry no earlier
+  state; deliberate constants are never origins, though what they feed is tracked: explicit
+  non-finite arguments (``full(-inf)``, ``masked_fill(mask, -inf)``, ``where(c, x, -inf)``),
+  Python data (``m[mask] = float("-inf")``: lifts are checked, and non-finite there is on
+  purpose), and ``finfo.max``/``finfo.min`` as an argument or held by an input; but nan made
+  from inputs whose only non-finite values were deliberate infs (a softmax over a fully
+  masked row) is an origin;
+- an origin **matters** once its values reach a sink: a host read, an ``nn.Parameter``
+  written by an op, a ``.grad`` accumulation, or a program-chosen check point (the end of the
+  block, ``Watch.check()``) while still alive. Alive at another check point, it waits (autograd
+  keeps a softmax output until backward). Values that died first were absorbed, and so were
+  overflows GradScaler found in the scaled gradients: reported as *contained*, not anomalies;
+- a write through a view lands in its base; unchecked outputs (sparse, subclasses) hold what
+  their inputs held; a forward op recomputed in backward (checkpointing) is the same origin;
+- float16 forward outputs within ``HEADROOM_FACTOR`` of the float16 limit are reported as
+  ``overflow_risk`` before they overflow.
 
 Collectives (``torch.distributed``) are read once they have completed, not when their op
 returns (see ``NonFiniteTracker._observe_collective``). A nan/inf in a collective's output whose
@@ -46,6 +54,7 @@ import torch
 from ..compat import dispatch_modes_outside, inference_mode_enabled, no_python_dispatch
 from ..distributed import C10D, FUNCTIONAL, WAIT, WRAP, collective_of, is_collective_op, on_completion
 from ..records import BACKWARD, E_ARGS, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_NINPUTS, E_PHASE, E_SITE, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
+from ..notation import format_dtype, format_meta
 from .finding import Finding
 
 __all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "makes_new_data", "checked_outputs"]
@@ -291,8 +300,6 @@ def _input_health(record, kind, input_ranges) -> str:
     and what in it explains the result."""
     if not input_ranges:
         return ""
-    from ..notation import format_meta
-
     parts = []
     for meta, value_range in input_ranges:
         if value_range is None:
@@ -331,17 +338,11 @@ def _explain(record, kind, input_ranges) -> str | None:
     if dtype is not None and dtype.is_floating_point:
         limit = torch.finfo(dtype).max
         if name == "exp" and high > math.log(limit):
-            return f"exp overflows {_short(dtype)} above {math.log(limit):.4g}"
+            return f"exp overflows {format_dtype(dtype)} above {math.log(limit):.4g}"
         largest = max(max(abs(r[0]), abs(r[1])) for r in ranges if r is not None)
         if largest > limit:
-            return f"inputs reach {largest:.4g}, beyond the largest {_short(dtype)} ({limit:.4g})"
+            return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
     return None
-
-
-def _short(dtype) -> str:
-    from ..notation import format_dtype
-
-    return format_dtype(dtype)
 
 
 def _fill_unknown_ranges(origins, log) -> None:
@@ -703,7 +704,7 @@ class NonFiniteTracker:
             refs[key] = ref
         risks = _headroom_risks(window, half, ranges, self._log) if half and ranges else []
         if not flagged and not self._carry and not self._unjudged:
-            self._remember_sentinels(window, sentinels)
+            self._remember_sentinels(sentinels)
             return risks
         new = self._replay(window, flagged, refs, carriers, checked, sentinels, written_bases, reading, ranges)
         _fill_unknown_ranges(new, self._log)
@@ -749,7 +750,7 @@ class NonFiniteTracker:
                 kinds.append(None)
         return kinds, values
 
-    def _remember_sentinels(self, window, sentinels) -> None:
+    def _remember_sentinels(self, sentinels) -> None:
         """Keep the finite sentinel-holding tensors that are still alive, for later windows."""
         alive = {ident: ref for ident, ref in self._sentinels.items() if ref() is not None}
         for (index, position), ref in sentinels.items():
@@ -958,9 +959,6 @@ class NonFiniteTracker:
         self._unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
-
-    def _prune_carry(self) -> None:
-        self._carry = {ident: value for ident, value in self._carry.items() if value[2]() is not None}
 
 
 class OverflowRisk:

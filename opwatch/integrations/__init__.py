@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["StepWatch", "lazy_callback"]
+__all__ = ["StepWatch", "WatchedSteps", "lazy_callback"]
 
 
 def lazy_callback(module_name: str, load_base, hooks):
@@ -95,6 +95,22 @@ class StepWatch:
         if self.anomaly_count > len(self.watch.anomalies):
             text += f"\n(the summary shows the last {len(self.watch.anomalies)} of {self.anomaly_count} anomalies)"
         print(prefix + text, file=stream)
+
+
+class WatchedSteps:
+    """What both callbacks show of their :class:`StepWatch` (``self._steps``)."""
+
+    @property
+    def watch(self):
+        return self._steps.watch
+
+    @property
+    def anomalies(self) -> list:
+        return self._steps.watch.anomalies
+
+    @property
+    def contained(self) -> list:
+        return self._steps.watch.contained
 
 
 def _after(anomalies: list, seen) -> list:

@@ -13,12 +13,12 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
-from . import StepWatch, lazy_callback
+from . import StepWatch, WatchedSteps, lazy_callback
 
 __all__ = ["OpwatchCallback"]
 
 
-class _Hooks:
+class _Hooks(WatchedSteps):
     """Watch each training batch of ``lightning.Trainer.fit``: its forward, backward and
     optimizer step (from ``on_train_batch_start`` to ``on_train_batch_end``). Validation and
     prediction batches are not watched.
@@ -45,18 +45,6 @@ class _Hooks:
             raise TypeError(f"log must be True or False, got {log!r}")
         self._steps = StepWatch(strict=strict, file=file, **watch_options)
         self._log = log
-
-    @property
-    def watch(self):
-        return self._steps.watch
-
-    @property
-    def anomalies(self) -> list:
-        return self._steps.watch.anomalies
-
-    @property
-    def contained(self) -> list:
-        return self._steps.watch.contained
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._steps.enter()

@@ -15,12 +15,12 @@ imported.
 
 from __future__ import annotations
 
-from . import StepWatch, lazy_callback
+from . import StepWatch, WatchedSteps, lazy_callback
 
 __all__ = ["OpwatchCallback"]
 
 
-class _Hooks:
+class _Hooks(WatchedSteps):
     """Watch each training step of ``transformers.Trainer.train``: the forward and backward
     of each of its micro-batches, gradient clipping, the optimizer and scheduler steps (from
     ``on_step_begin`` to ``on_step_end``). Evaluation is not watched.
@@ -49,18 +49,6 @@ class _Hooks:
 
     def __init__(self, *, strict: bool = False, file=None, **watch_options):
         self._steps = StepWatch(strict=strict, file=file, **watch_options)
-
-    @property
-    def watch(self):
-        return self._steps.watch
-
-    @property
-    def anomalies(self) -> list:
-        return self._steps.watch.anomalies
-
-    @property
-    def contained(self) -> list:
-        return self._steps.watch.contained
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop watching now (a step left open when training raised)."""
