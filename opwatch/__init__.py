@@ -19,17 +19,15 @@ torch, so the pytest plugin costs nothing in a test run that does not ask for it
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "watch": ".watch",
-    "strict": ".watch",
-    "Watch": ".watch",
+    "watch": ".session",
+    "strict": ".session",
+    "Watch": ".session",
     "guard": ".guard",
     "Allow": ".allow",
     "KINDS": ".checks",
@@ -52,7 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from .guard import guard
     from .notation import TensorMeta, format_meta
     from .records import OpRecord
-    from .watch import Watch, strict, watch
+    from .session import Watch, strict, watch
 
 
 def __getattr__(name: str):
@@ -66,16 +64,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """The package module. Importing the submodule ``opwatch.watch`` makes Python set the
-    package's attribute ``watch`` to that module; the function ``opwatch.watch`` must stay."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == "." + name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

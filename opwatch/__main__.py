@@ -24,7 +24,7 @@ import zipfile
 from importlib.machinery import SourceFileLoader
 
 from .allow import parse_allow
-from .watch import strict, watch
+from .session import strict, watch
 
 DEMO_STORIES = (
     ("device_mix", "a tensor on the wrong device, then a mask of the wrong dtype (TorchSnooper example 1)"),

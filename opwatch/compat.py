@@ -6,6 +6,8 @@ The package supports ``torch >= 2.5``; an entry without a fallback exists in eve
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = [
@@ -26,6 +28,9 @@ __all__ = [
     "default_store",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
+    "op_kernel",
+    "autograd_sequence_nr",
+    "tensor_base",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -124,3 +129,20 @@ def skip_dynamo_for_code(code) -> None:
     ``__torch_dispatch__`` in ``torch._dynamo.disable`` itself."""
     if SKIPS_DYNAMO_PER_CODE:
         set_code_exec_strategy(code, _SKIP_THIS_AND_CALLEES)
+
+
+def op_kernel(func):
+    """The C++ op behind an ``OpOverload`` (``OpOverload._op``, torch 2.0+): calling it skips
+    the Python frame of ``OpOverload.__call__``. Fallback: the overload itself."""
+    return getattr(func, "_op", func)
+
+
+# The sequence number of an autograd node (``Node._sequence_nr()``, torch 1.x+): the same number
+# its forward op read from the thread's counter. A C-level caller: this runs per backward op.
+autograd_sequence_nr = operator.methodcaller("_sequence_nr")
+
+
+def tensor_base(tensor):
+    """The tensor a view was made from (``Tensor._base``), ``None`` for a tensor that is no
+    view."""
+    return tensor._base

@@ -53,6 +53,7 @@ from datetime import timedelta
 import torch
 
 from .compat import default_store, resolve_process_group, unbox_process_group, unbox_work
+from .ops import C10D, FUNCTIONAL, WAIT, WRAP, Collective, collective_of, is_collective_op
 
 __all__ = [
     "current_rank",
@@ -121,110 +122,6 @@ def _from_environment(name: str) -> int | None:
 
 
 # -- collectives --------------------------------------------------------------------------
-
-C10D = "c10d"  # returns a Work (with the tensors written, or alone)
-FUNCTIONAL = "functional"  # returns tensors that the collective fills later
-WAIT = "wait"  # _c10d_functional.wait_tensor: the collective behind its argument has completed
-WRAP = "wrap"  # _c10d_functional._wrap_tensor_autograd: makes the AsyncCollectiveTensor
-
-_FUNCTIONAL_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
-_C10D_WITHOUT_OUTPUT = {"send", "barrier", "monitored_barrier_"}
-_C10D_NOT_COLLECTIVE = {"check_for_nan"}
-_POINT_TO_POINT = {"send", "recv_", "recv_any_source_", "isend", "irecv", "batch_p2p_ops"}
-# What the collective-mismatch check compares across ranks, where not every tensor argument:
-_COMPARE_FIRST = {"scatter_"}  # the output; only the root passes inputs
-_COMPARE_LAST = {"gather_"}  # the input; only the root passes outputs
-_COMPARE_DTYPES = {"alltoall_", "alltoall_base_", "all_to_all_single"}  # split sizes may differ
-_COMPARE_NOTHING = {"barrier", "monitored_barrier_"}  # the op alone
-
-_collectives: dict = {}  # OpOverload -> Collective or None (a few dozen ops at most)
-
-
-class Collective:
-    """What opwatch needs to know about one collective ``OpOverload``, worked out once.
-
-    Attributes:
-        kind: ``C10D``, ``FUNCTIONAL``, ``WAIT`` or ``WRAP``.
-        name: the op's name without namespace (``allreduce_``).
-        writes_first: whether the tensors of its first argument are its outputs (c10d ops).
-        group_arg: position of its ``process_group`` / ``group_name`` argument, or ``None``.
-        compare: what the mismatch check compares across ranks: ``"all"``, ``"first"``,
-            ``"last"``, ``"dtypes"``, ``"nothing"``; ``None`` for ops it does not compare
-            (point to point, waits).
-    """
-
-    __slots__ = ("kind", "name", "writes_first", "group_arg", "compare")
-
-    def __init__(self, kind, name, writes_first, group_arg, compare):
-        self.kind = kind
-        self.name = name
-        self.writes_first = writes_first
-        self.group_arg = group_arg
-        self.compare = compare
-
-    def __repr__(self) -> str:
-        return f"<Collective {self.kind} {self.name}>"
-
-
-def collective_of(func) -> Collective | None:
-    """The :class:`Collective` of ``func``, or ``None`` for every other op (cached per op)."""
-    try:
-        return _collectives[func]
-    except KeyError:
-        pass
-    except TypeError:  # not hashable: not an OpOverload
-        return None
-    found = _classify(func)
-    if len(_collectives) > 4096:
-        _collectives.clear()
-    _collectives[func] = found
-    return found
-
-
-def _classify(func) -> Collective | None:
-    namespace = getattr(func, "namespace", None)
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return None
-    name = schema.name.split("::")[-1]
-    if namespace == "_dtensor" and name == "shard_dim_alltoall":
-        namespace = "_c10d_functional"
-    group_arg = next(
-        (position for position, arg in enumerate(schema.arguments) if arg.name in ("process_group", "group_name")), None
-    )
-    if namespace == "c10d":
-        if name in _C10D_NOT_COLLECTIVE:
-            return None
-        compare = None if name in _POINT_TO_POINT else _compare_rule(name)
-        return Collective(C10D, name, name not in _C10D_WITHOUT_OUTPUT, group_arg, compare)
-    if namespace in _FUNCTIONAL_NAMESPACES:
-        if name == "wait_tensor":
-            return Collective(WAIT, name, False, None, None)
-        if name == "_wrap_tensor_autograd":
-            return Collective(WRAP, name, False, None, None)
-        compare = None if name in _POINT_TO_POINT else _compare_rule(name)
-        return Collective(FUNCTIONAL, name, False, group_arg, compare)
-    return None
-
-
-def _compare_rule(name: str) -> str:
-    if name in _COMPARE_FIRST:
-        return "first"
-    if name in _COMPARE_LAST:
-        return "last"
-    if name in _COMPARE_DTYPES:
-        return "dtypes"
-    if name in _COMPARE_NOTHING:
-        return "nothing"
-    return "all"
-
-
-def is_collective_op(func) -> bool:
-    """Whether ``func`` moves data between ranks (a c10d op or a functional collective; not
-    ``wait_tensor`` or the ``AsyncCollectiveTensor`` wrapper)."""
-    collective = collective_of(func)
-    return collective is not None and collective.kind in (C10D, FUNCTIONAL)
-
 
 class CollectiveOutputs(tuple):
     """The tensors a collective writes, and the ``Work`` (a ``ScriptObject``) that completes

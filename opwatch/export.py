@@ -183,6 +183,8 @@ def _name(value) -> str:
 
 
 def _anomaly_fields(anomaly) -> dict:
+    from .render.messages import explain
+
     finding = anomaly.finding
     return {
         "kind": anomaly.kind,
@@ -193,7 +195,7 @@ def _anomaly_fields(anomaly) -> dict:
         "module": anomaly.module,
         "phase": anomaly.phase,
         "message": anomaly.message,
-        "finding": {"kind": finding.kind, "problem": finding.problem, "expected": finding.expected, "fix": finding.fix},
+        "finding": dict(zip(("kind", "problem", "expected", "fix"), (finding.kind, *explain(finding)))),
     }
 
 
@@ -468,11 +470,11 @@ class SavedAnomaly:
     __slots__ = ("_fields", "record", "finding")
 
     def __init__(self, fields: dict, record: SavedRecord):
-        from .checks.finding import Finding
+        from .checks.finding import text_finding
 
         self._fields = fields
         self.record = record
-        self.finding = Finding(**fields["finding"])
+        self.finding = text_finding(**fields["finding"])
 
     kind = property(lambda self: self._fields["kind"])
     op = property(lambda self: self._fields["op"])

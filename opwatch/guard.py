@@ -39,7 +39,7 @@ from .compat import amp_non_finite_check, foreach_copy_, foreach_norm, version_c
 from .notation import format_meta
 from .render import display_path, exception_note, location, render_table
 from .repro import InputCapture, write_repro
-from .watch import Watch, _disabled_by_environment
+from .session import Watch, _disabled_by_environment
 
 __all__ = ["guard", "Guarded"]
 

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any
 
 from .notation import TensorMeta, format_meta
-from .sites import Position, position_of
+from .sites import Position, location, position_of
 
 __all__ = ["OpRecord", "OpLog", "SharedShapes", "FORWARD", "BACKWARD", "entry_inputs", "entry_outputs", "short_op_name"]
 
@@ -288,10 +288,8 @@ class OpRecord:
     @property
     def where(self) -> str:
         """``train.py:23``, in the one location format of every message (see
-        :func:`opwatch.render.location`): ``autograd`` for backward ops autograd ran without a
+        :func:`opwatch.sites.location`): ``autograd`` for backward ops autograd ran without a
         forward line (gradient accumulation), ``?`` when no user frame was found."""
-        from .render import location
-
         return location(self)
 
     @property

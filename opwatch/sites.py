@@ -17,7 +17,7 @@ import torch
 
 from .compat import engine_entry_code
 
-__all__ = ["USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line"]
+__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -189,3 +189,41 @@ def position_of(code: types.CodeType | None, lasti: int) -> Position:
         if lineno is not None:
             return Position(code.co_filename, lineno, end_lineno, col, end_col)
     return Position(code.co_filename, code.co_firstlineno)
+
+
+# -- the one location format ----------------------------------------------------------
+
+
+def display_path(filename: str | None) -> str:
+    """How a source file is shown everywhere: relative to the working directory when it lies
+    below it; else relative to the ``sys.path`` entry it was imported from (``site-packages``:
+    ``transformers/models/gpt2/modeling_gpt2.py``); else as given."""
+    if not filename:
+        return "?"
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive on Windows
+        relative = ".."
+    if not relative.startswith(".."):
+        return relative
+    best = None
+    for entry in sys.path:
+        if entry and filename.startswith(os.path.join(entry, "")) and (best is None or len(entry) > len(best)):
+            best = entry
+    if best is not None and ("site-packages" in best or "dist-packages" in best):
+        return os.path.relpath(filename, best)
+    return filename
+
+
+def location(record) -> str:
+    """``train.py:23``; the name of a place without a source line where one is known (the DDP
+    reducer's ops: ``DDP bucket [fc2.bias, fc2.weight]``); ``autograd`` for backward ops
+    autograd ran without a forward line (gradient accumulation); ``?`` when no user frame was
+    found."""
+    position = record.position
+    if position.filename is None:
+        label = getattr(record, "label", None)
+        if label:
+            return label
+        return "autograd" if record.phase == "backward" else "?"
+    return f"{display_path(position.filename)}:{position.lineno}"

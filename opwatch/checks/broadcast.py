@@ -34,7 +34,7 @@ import torch
 
 from ..notation import format_meta, format_shape
 from ..records import E_ARGS, E_SITE, M_IDENT, M_SHAPE
-from .finding import Finding, takes_several_tensors
+from .finding import Finding, text_finding, takes_several_tensors
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
 
@@ -184,7 +184,7 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context,
         )
     else:
         returns = f"{func._schema.name.split('::')[-1]} returns {format_shape(result)}"
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=(
             f"both operands were expanded: {format_meta(vector)} gets new leading dims and "

@@ -30,7 +30,7 @@ from ..distributed import _group_store, _prefix, collective_of, group_of
 from ..notation import format_meta
 from ..records import M_DTYPE, M_SHAPE
 from ..render import display_path, format_ranks
-from .finding import Finding
+from .finding import Finding, text_finding
 
 __all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "compared", "compare"]
 
@@ -97,7 +97,7 @@ def compare(op: str, number: int, group: str, calls: dict, missing, timeout: flo
         problem = f"{op} gets different tensors on the ranks of process group {group}: " + "; ".join(parts)
         expected = "the same shapes and dtypes on every rank of the group (with these, the collective hangs or corrupts memory)"
         fix = "make every rank pass tensors of one shape and dtype: pad an uneven last batch, or all_gather the sizes first and pad to the largest"
-    return Finding(kind=KIND, problem=problem, expected=expected, fix=fix)
+    return text_finding(kind=KIND, problem=problem, expected=expected, fix=fix)
 
 
 def _check(op, collective, tensors, context) -> Finding | None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from functools import partial
 
 from ..notation import format_meta
-from .finding import Finding, describe, takes_several_tensors
+from ..render.messages import describe
+from .finding import Finding, text_finding, takes_several_tensors
 
 __all__ = ["KIND", "for_op", "meta_note"]
 
@@ -75,7 +76,7 @@ def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
 
 def _index_finding(func, tensors, index, position) -> Finding:
     devices = [str(tensors[0][2]), str(index[2])]
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=(
             f"index tensor {format_meta(index)} (index #{position}) of {func._schema.name.split('::')[-1]} is on "
@@ -113,7 +114,7 @@ def _finding(func, tensors) -> Finding:
     most = max(counts.values())
     majority = [device for device, count in counts.items() if count == most]
     odd = tuple(meta for meta in tensors if (meta[0] or meta[2].type != "cpu") and (len(majority) > 1 or meta[2] != majority[0]))
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=f"tensor arguments on different devices ({', '.join(devices)}): {describe(func, tensors)}.{meta_note(devices)}",
         expected="every non-scalar tensor argument on one device",

@@ -42,7 +42,8 @@ import torch
 from ..compat import restore_caller_state
 from ..notation import format_dtype as _name
 from ..notation import format_meta
-from .finding import Finding, describe, takes_several_tensors
+from ..render.messages import describe
+from .finding import Finding, text_finding, takes_several_tensors
 
 __all__ = ["KIND", "for_op", "autocast_allows"]
 
@@ -191,7 +192,7 @@ def _check_promotion(func, tensors, context=None) -> Finding | None:
         for other in dtypes:
             result = torch.promote_types(result, other)
         names = sorted(_name(d) for d in dtypes) if len(dtypes) > 2 else [_name(floating), _name(dtype)]
-        return Finding(
+        return text_finding(
             kind=KIND,
             problem=(
                 f"silent promotion {' with '.join(names)} -> {_name(result)}: "
@@ -218,7 +219,7 @@ def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
     if not got.is_floating_point:
         if name not in _FLOATING_TARGET_LOSSES:
             return None  # an integer target of mse_loss is converted exactly; not an anomaly
-        return Finding(
+        return text_finding(
             kind=KIND,
             problem=(
                 f"{op} needs a floating target, got {_name(got)}: {describe(func, tensors)}. "
@@ -233,7 +234,7 @@ def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
         promoted=_name(torch.promote_types(wanted, got)), target=_name(got), input=_name(wanted),
         target_torch=_TORCH_NAMES.get(got, _name(got)), input_torch=_TORCH_NAMES.get(wanted, _name(wanted)),
     )
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=f"{op} gets a {_name(got)} target for a {_name(wanted)} input: {describe(func, tensors)}. It {consequence}.",
         expected=f"target in the input's dtype ({_name(wanted)})",
@@ -258,7 +259,7 @@ def _check_class_target(func, tensors, context=None) -> Finding | None:
         )
     else:
         fix = "target.long() where the labels are made (numpy int32 arrays and torch.int32 data loaders are the usual source)"
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=problem + "; torch raises 'expected target dtype to be Long or Byte'",
         expected="class indices as i64",
@@ -271,7 +272,7 @@ def _check_indices(func, writes, tensors, context=None) -> Finding | None:
     for meta in indices:
         if meta[1] not in _INDEXING_DTYPES:
             position = indices.index(meta) + 1
-            return Finding(
+            return text_finding(
                 kind=KIND,
                 problem=(
                     f"index tensor {format_meta(meta)} (index #{position}) of {func._schema.name.split('::')[-1]} "
@@ -305,7 +306,7 @@ def _check_same(func, tensors, context=None) -> Finding | None:
             dtypes.append(meta[1])
     if len(dtypes) <= 1:
         return None
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=f"{func._schema.name.split('::')[-1]} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {describe(func, tensors)}",
         expected=f"every operand in {_name(dtypes[0])} (or all in {_name(dtypes[1])})",
@@ -319,7 +320,7 @@ def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None
         return None
     got = tensors[position][1]
     wanted = " or ".join(_name(d) for d in dtypes)
-    return Finding(
+    return text_finding(
         kind=KIND,
         problem=f"argument {arg_name!r} is {_name(got)} but {func._schema.name.split('::')[-1]} needs {wanted}: {describe(func, tensors)}",
         expected=f"{arg_name} as {wanted}",

@@ -1,30 +1,70 @@
-"""What a check returns: the facts of one anomaly, before it is tied to a record."""
+"""What a check returns: the facts of one anomaly, before it is tied to a record.
+
+A finding holds plain data only: which rule fired, the operands' metadata, the odd one,
+where it was made, numbers. Every sentence a user reads is made from these facts in
+:mod:`opwatch.render` (one ``explain`` function per rule), so that a saved log stores facts
+and re-renders them with the same code, and a test can assert a fact without parsing prose.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-__all__ = ["Finding"]
+__all__ = ["Finding", "Place", "takes_several_tensors", "tensor_names"]
+
+
+class Place(NamedTuple):
+    """Another op a finding speaks of (where an odd tensor was made, how far a nan spread), as
+    facts: its name and where it ran. Rendered ``aten.addmm at train.py:23`` by the render
+    package, with the one location format (so a saved log shows it as a live one does)."""
+
+    op: str  # the op's name, ``aten.addmm.default``
+    filename: str | None  # the user's source file, ``None`` when no user frame was found
+    lineno: int | None
+    phase: str  # "forward" or "backward"
+    label: str | None = None  # a named place without a source line (``DDP bucket [fc.weight]``)
+
+    @classmethod
+    def of(cls, record) -> Place:
+        position = record.position
+        return cls(record.op, position.filename, position.lineno, record.phase, getattr(record, "label", None))
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One anomaly as a check sees it.
+    """One anomaly as a check sees it: facts, no prose.
 
     Attributes:
         kind: the anomaly kind, one of ``opwatch.KINDS``.
-        problem: what is wrong, quoting the shapes/dtypes/devices involved.
-        expected: what a healthy call would have looked like.
-        fix: the likely fix.
-        odd: the operands that stand out (the one on another device, the float64 one), as
-            metadata tuples; where each was made is added to the problem when reported.
+        rule: which rule fired (``"device.mix"``, ``"dtype.silent_upcast"``, ...): the render
+            package's ``explain`` function for it turns the facts into sentences.
+        facts: the rule's plain data (numbers, names, dtypes, devices, tensor metadata tuples,
+            :class:`Place`), keyed by name; what each rule puts here is documented where the
+            rule is rendered.
+        operands: the metadata ``(shape, dtype, device, ident)`` of the tensors involved.
+        odd: the operands that stand out (the one on another device, the float64 one).
+        made: where each odd operand was made, one provenance fact tuple each, added when the
+            finding is reported (see ``CheckContext.where_made``).
     """
 
     kind: str
-    problem: str
-    expected: str
-    fix: str
+    rule: str
+    facts: dict[str, Any] = field(default_factory=dict, compare=False)
+    operands: tuple = ()
     odd: tuple = ()
+    made: tuple = ()
+
+    # TRANSITIONAL, for tests written against sentences: remove with text_finding.
+    problem = property(lambda self: _explain(self)[0])
+    expected = property(lambda self: _explain(self)[1])
+    fix = property(lambda self: _explain(self)[2])
+
+
+def _explain(finding):
+    from ..render.messages import explain
+
+    return explain(finding)
 
 
 def takes_several_tensors(func) -> bool:
@@ -52,9 +92,8 @@ def tensor_names(func, count: int) -> list[str]:
     return [f"#{i + 1}" for i in range(count)]
 
 
-def describe(func, tensors) -> str:
-    """``self=f32[6] cpu, mask=b8[6] meta`` for a finding's message."""
-    from ..notation import format_meta
-
-    names = tensor_names(func, len(tensors))
-    return ", ".join(f"{name}={format_meta(meta)}" for name, meta in zip(names, tensors))
+def text_finding(kind: str, problem: str, expected: str, fix: str, odd: tuple = ()) -> Finding:
+    """TRANSITIONAL: a finding whose sentences were written by the check (rule ``"text"``).
+    Every check is being moved to facts rendered in :mod:`opwatch.render`; remove this once
+    none calls it (``tests/test_rules.py`` fails while one does)."""
+    return Finding(kind, "text", {"problem": problem, "expected": expected, "fix": fix}, odd=odd)

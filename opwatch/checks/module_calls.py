@@ -31,7 +31,7 @@ from ..notation import format_dtype as _name
 from ..notation import format_meta
 from . import device as device_check
 from . import dtype as dtype_check
-from .finding import Finding
+from .finding import Finding, text_finding
 
 __all__ = ["check_call"]
 
@@ -94,7 +94,7 @@ def _check_rnn(module, args) -> Finding | None:
         if state.device != data.device:
             return _device_finding(name, f"initial state {label}", state, "the input's", data, "Input and hidden tensors are not at the same device")
     if weight is not None and _floating_mix(data, weight):
-        return Finding(
+        return text_finding(
             kind=dtype_check.KIND,
             problem=(
                 f"{name} gets an input {format_meta(_meta(data))} for {_name(weight.dtype)} parameters; "
@@ -105,7 +105,7 @@ def _check_rnn(module, args) -> Finding | None:
         )
     for label, state in states:
         if _floating_mix(state, data):
-            return Finding(
+            return text_finding(
                 kind=dtype_check.KIND,
                 problem=(
                     f"{name}'s initial state {label} {format_meta(_meta(state))} has another dtype than its input "
@@ -128,7 +128,7 @@ def _states(hx) -> list:
 
 def _device_finding(name, what, tensor, whose, other, torch_says) -> Finding:
     devices = [str(other.device), str(tensor.device)]
-    return Finding(
+    return text_finding(
         kind=device_check.KIND,
         problem=(
             f"{name}'s {what} {format_meta(_meta(tensor))} is not on {whose} device ({other.device}); "
@@ -154,14 +154,14 @@ def _check_conv(module, args) -> Finding | None:
     torch_says = f"'Input type ({_torch_name(data.dtype)}) and bias type ({_torch_name(bias.dtype)}) should be the same' before any op runs"
     if isinstance(weight, torch.Tensor) and weight.dtype == data.dtype:
         # The module's own parameters disagree: its bias was cast on its own.
-        return Finding(
+        return text_finding(
             kind=dtype_check.KIND,
             problem=f"{name}'s bias is {_name(bias.dtype)} but its weight and input are {_name(weight.dtype)}: input {format_meta(_meta(data))}; torch raises {torch_says}",
             expected=f"weight, bias and input in one dtype ({_name(weight.dtype)})",
             fix=f"cast the module as a whole (module.to({weight.dtype})) rather than its bias alone",
         )
     params = _name(bias.dtype) if weight is None or weight.dtype == bias.dtype else f"{_name(weight.dtype)} weight, {_name(bias.dtype)} bias"
-    return Finding(
+    return text_finding(
         kind=dtype_check.KIND,
         problem=f"{name} gets an input {format_meta(_meta(data))} for {params} parameters; torch raises {torch_says}",
         expected=f"the input in the parameters' dtype ({_name(bias.dtype)})",

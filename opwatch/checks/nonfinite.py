@@ -55,7 +55,7 @@ from ..compat import dispatch_modes_outside, inference_mode_enabled, no_python_d
 from ..distributed import C10D, FUNCTIONAL, WAIT, WRAP, collective_of, is_collective_op, on_completion
 from ..records import BACKWARD, E_ARGS, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_NINPUTS, E_PHASE, E_SITE, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
 from ..notation import format_dtype, format_meta
-from .finding import Finding
+from .finding import Finding, text_finding
 
 __all__ = ["NAME", "KINDS", "NonFiniteTracker", "Origin", "needs_carrier", "preserves_values", "makes_new_data", "checked_outputs"]
 
@@ -248,7 +248,7 @@ class Origin:
             fix = _fix_for(record)
         if is_collective_op(record.func):
             # Its outputs hold what other ranks sent: this rank's own inputs to it were finite.
-            return Finding(
+            return text_finding(
                 kind=self.kind,
                 problem=f"{what} received through {record.signature()}: this rank's own inputs to the collective held no {what}, so another rank sent it{spread}",
                 expected="finite values from every rank",
@@ -257,7 +257,7 @@ class Origin:
                     "names its op and line; if no rank made it, the collective's reduction overflowed: reduce in float32 or scale the values down first"
                 ),
             )
-        return Finding(
+        return text_finding(
             kind=self.kind,
             problem=f"first {what} here: {record.signature()} made {what} from {inputs}{spread}",
             expected="finite outputs from finite inputs",
@@ -974,7 +974,7 @@ class OverflowRisk:
 
     def finding(self, *, contained: bool) -> Finding:
         limit = torch.finfo(torch.float16).max
-        return Finding(
+        return text_finding(
             kind=RISK_KIND,
             problem=(
                 f"{self.record.signature()} holds values up to {self.largest:.6g} in magnitude, "

@@ -11,7 +11,7 @@ The way of one op, in ``__torch_dispatch__``:
 4. the complete log entry is appended and the checks' trackers observe the outputs (the
    broadcast check's size-1 dims, the nan/inf check's sync-free reductions);
 5. at check points (a host read where flags wait, every ``max_records`` ops, and when
-   :class:`~opwatch.watch.Watch` asks) the nan/inf flags are resolved and reported.
+   :class:`~opwatch.session.Watch` asks) the nan/inf flags are resolved and reported.
 
 Everything that does not change between calls of one ``OpOverload`` is worked out once and
 cached in an :class:`_OpPlan`. opwatch's own work runs inside one guard: whatever goes wrong in
@@ -46,8 +46,9 @@ from time import perf_counter_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compat import SKIPS_DYNAMO_PER_CODE, current_autograd_node, get_sequence_nr, no_python_dispatch, skip_dynamo_for_code
-from ..distributed import collective_of, collective_outputs, describe_script_object
+from ..compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, no_python_dispatch, op_kernel, skip_dynamo_for_code
+from ..distributed import collective_outputs, describe_script_object
+from ..ops import facts_of
 from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
 from ..sites import user_frame
 
@@ -57,10 +58,6 @@ _Tensor = torch.Tensor
 _ScriptObject = torch.ScriptObject
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
-_HOST_READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
-# Copies that may bring a device's values to the host (printing a CUDA tensor, .cpu()): a
-# check point when they do, since they wait for the device anyway.
-_COPIES = {"aten::_to_copy", "aten::copy_"}
 _NO_SITE = (0, None, -1)
 
 
@@ -71,30 +68,26 @@ class _OpPlan:
 
     def __init__(self, func, func_id: int, checks):
         # The C++ op itself: OpOverload.__call__ is a Python frame around it.
-        self.kernel = getattr(func, "_op", func)
+        self.kernel = op_kernel(func)
         # The op's number in the log's table of ops (entries store it, not the op).
         self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.is_ignored = func.namespace == "profiler"
+        facts = facts_of(func)
         # Arguments written in place, as (position, name): the op's real outputs when it returns
         # nothing (``_foreach_add_`` updating parameters returns None).
-        self.mutated_args = tuple(
-            (position, arg.name)
-            for position, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
+        self.mutated_args = facts.mutated_args
         # The bound pre-kernel checks that can fire on this op, in order.
         self.pre_checks = checks.pre_kernel(func)
         # The checks' trackers to feed with this op's outputs.
         self.observers = checks.observers(func)
-        schema_name = func._schema.name
         # Does the op (sometimes) bring device values to the host? Then it may be a check point.
-        self.may_read_to_host = schema_name in _HOST_READS or schema_name in _COPIES
+        self.may_read_to_host = facts.reads_to_host
         # Is it a copy? It reads to the host only from a device to a CPU destination.
-        self.is_copy = schema_name in _COPIES
-        # A c10d op or functional collective (opwatch.distributed.Collective): its outputs are
+        self.is_copy = facts.is_copy
+        # A c10d op or functional collective (opwatch.ops.Collective): its outputs are
         # the tensors it writes, filled only once it completes. None for every other op.
-        self.collective = collective_of(func)
+        self.collective = facts.collective
 
 
 # Interceptors active in this process, made inert in a forked child (see the module's doc).
@@ -292,7 +285,7 @@ class OpInterceptor(TorchDispatchMode):
             # Run by the autograd engine: point at the forward op that made this node. A
             # module running now is a checkpoint recomputing its forward: keep its path.
             phase = BACKWARD
-            site, forward_module, forward_func = self._forward_sites.get(node._sequence_nr(), _NO_SITE)
+            site, forward_module, forward_func = self._forward_sites.get(autograd_sequence_nr(node), _NO_SITE)
             module = module or forward_module
             if not site and self._reducer_sites is not None:
                 # No forward line: a parameter's gradient hook (the DDP reducer's copy into its
@@ -417,8 +410,9 @@ def _with_provenance(finding, context):
 
     missing = "device" if finding.kind == "device_mismatch" else "dtype"
     told = "; ".join(f"{format_meta(meta)}: {context.where_made(meta, missing=missing)}" for meta in finding.odd)
-    problem = finding.problem if finding.problem.endswith(".") else finding.problem + "."
-    return replace(finding, problem=f"{problem} Where the odd one came from: {told}.", odd=())
+    problem = finding.facts["problem"]
+    problem = problem if problem.endswith(".") else problem + "."
+    return replace(finding, facts={**finding.facts, "problem": f"{problem} Where the odd one came from: {told}."}, odd=())
 
 
 def keep_dynamo_out() -> None:

@@ -1,142 +1,18 @@
-"""Every string a user reads, built here from records and findings: the op table, an anomaly's
-message, the summary, the dump after a failing block, the note added to its exception, and
-the one location format all of them share (:func:`location`).
-
-Formatting happens only when somebody reads; tabulate is imported here, on first use.
-"""
+"""The summary of a watch, the dump after a failing block, the note added to its exception, and
+every rank's anomalies in one summary."""
 
 from __future__ import annotations
 
-import os
-import sys
+from ..records import OpRecord
+from ..sites import location
+from .table import render_table
 
-from .notation import format_meta
-from .records import BACKWARD, OpRecord, entry_inputs, entry_outputs, short_op_name
-
-__all__ = [
-    "display_path",
-    "location",
-    "render_table",
-    "render_message",
-    "render_summary",
-    "render_failure",
-    "exception_note",
-    "render_combined_summary",
-    "format_ranks",
-]
-
-TABLE_HEADERS = ("#", "op", "inputs", "outputs", "where", "code", "module", "phase", "flags")
-_MAX_TENSORS = 3  # per table cell; the rest are counted
-_MAX_CODE = 40
+__all__ = ["render_summary", "render_failure", "exception_note", "render_combined_summary", "format_ranks", "tagged"]
 
 
-def display_path(filename: str | None) -> str:
-    """How a source file is shown everywhere: relative to the working directory when it lies
-    below it; else relative to the ``sys.path`` entry it was imported from (``site-packages``:
-    ``transformers/models/gpt2/modeling_gpt2.py``); else as given."""
-    if not filename:
-        return "?"
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        relative = ".."
-    if not relative.startswith(".."):
-        return relative
-    best = None
-    for entry in sys.path:
-        if entry and filename.startswith(os.path.join(entry, "")) and (best is None or len(entry) > len(best)):
-            best = entry
-    if best is not None and ("site-packages" in best or "dist-packages" in best):
-        return os.path.relpath(filename, best)
-    return filename
-
-
-def location(record: OpRecord) -> str:
-    """``train.py:23``; the name of a place without a source line where one is known (the DDP
-    reducer's ops: ``DDP bucket [fc2.bias, fc2.weight]``); ``autograd`` for backward ops
-    autograd ran without a forward line (gradient accumulation); ``?`` when no user frame was
-    found."""
-    position = record.position
-    if position.filename is None:
-        label = getattr(record, "label", None)
-        if label:
-            return label
-        return "autograd" if record.phase == BACKWARD else "?"
-    return f"{display_path(position.filename)}:{position.lineno}"
-
-
-def _tagged(rank) -> str:
+def tagged(rank) -> str:
     """``opwatch`` outside a distributed job, ``opwatch (rank 1)`` in one."""
     return "opwatch" if rank is None else f"opwatch (rank {rank})"
-
-
-# -- the op table ---------------------------------------------------------------------------
-
-
-def render_table(records: list[OpRecord], *, mark: int | None = None, tablefmt: str = "simple") -> str:
-    """One row per record; the record whose index is ``mark`` is marked ``>>``."""
-    from tabulate import tabulate
-
-    rows = []
-    for record in records:
-        index = f">> {record.index}" if record.index == mark else str(record.index)
-        rows.append(
-            (
-                index,
-                short_op_name(record.func),
-                _tensors(entry_inputs(record._entry)),
-                _outputs(entry_outputs(record._entry)),
-                location(record),
-                _code(record),
-                record.module or "",
-                record.phase,
-                ",".join(record.flags),
-            )
-        )
-    return tabulate(rows, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
-
-
-def _tensors(metas) -> str:
-    shown = [format_meta(meta) for meta in metas[:_MAX_TENSORS]]
-    if len(metas) > _MAX_TENSORS:
-        shown.append(f"... (+{len(metas) - _MAX_TENSORS})")
-    return ", ".join(shown)
-
-
-def _outputs(metas) -> str:
-    return "not run" if metas is None else _tensors(metas)
-
-
-def _code(record: OpRecord) -> str:
-    position = record.position
-    text = position.expression() or position.line_text()
-    if len(text) > _MAX_CODE:
-        text = text[: _MAX_CODE - 3] + "..."
-    return text
-
-
-# -- one anomaly --------------------------------------------------------------------------
-
-
-def render_message(finding, record: OpRecord) -> str:
-    """An anomaly as users read it: kind, op, line (its text, the sub-expression marked),
-    module, phase, then what is wrong, what was expected and a likely fix."""
-    position = record.position
-    where = location(record) if position.filename or getattr(record, "label", None) else "an unknown line"
-    header = f"{finding.kind} in {record.op} at {where}"
-    if record.module:
-        header += f", module {record.module}"
-    rank = getattr(record, "rank", None)
-    header += f" ({record.phase})" if rank is None else f" ({record.phase}, rank {rank})"
-    lines = [header]
-    lines += ["    " + line for line in position.caret_lines()]
-    if record.phase == BACKWARD and position.filename:
-        of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
-        lines.append(f"  (a backward op{of}: the line is the forward op whose gradient it computes)")
-    lines.append(f"  problem:  {finding.problem}")
-    lines.append(f"  expected: {finding.expected}")
-    lines.append(f"  fix:      {finding.fix}")
-    return "\n".join(lines)
 
 
 # -- the summary ----------------------------------------------------------------------------
@@ -154,9 +30,9 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
         else:
             groups[key] = [anomaly, 1]
     if not groups:
-        lines = [f"{_tagged(rank)}: no anomalies."]
+        lines = [f"{tagged(rank)}: no anomalies."]
     else:
-        lines = [f"{_tagged(rank)}: {_places(groups)}:"]
+        lines = [f"{tagged(rank)}: {_places(groups)}:"]
         lines += _messages(groups)
     if contained:
         lines.append("")
@@ -172,7 +48,7 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
 
 def render_failure(records: list[OpRecord], failed: OpRecord | None, error: BaseException, *, rank: int | None = None) -> str:
     """The dump printed when a watched block raises: the last ops, the failing one marked."""
-    lines = [f"{_tagged(rank)}: the watched block raised {type(error).__name__}; the last {len(records)} ops:"]
+    lines = [f"{tagged(rank)}: the watched block raised {type(error).__name__}; the last {len(records)} ops:"]
     lines.append(render_table(records, mark=failed.index if failed else None))
     if failed is not None:
         position = failed.position
@@ -187,7 +63,7 @@ def render_failure(records: list[OpRecord], failed: OpRecord | None, error: Base
 def exception_note(failed: OpRecord) -> str:
     """The note added to the exception of a failing block: the op, its line and its tensors."""
     position = failed.position
-    note = f"{_tagged(getattr(failed, 'rank', None))}: raised in {failed.op} (op #{failed.index}) at {location(failed)}"
+    note = f"{tagged(getattr(failed, 'rank', None))}: raised in {failed.op} (op #{failed.index}) at {location(failed)}"
     code = position.expression() or position.line_text()
     if code:
         note += f": {code}"

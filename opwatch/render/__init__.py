@@ -1,0 +1,32 @@
+"""Every string a user reads, built here from records and findings' facts.
+
+- :mod:`.table`: the op table;
+- :mod:`.messages`: one anomaly's message, from a :class:`~opwatch.checks.finding.Finding`;
+- :mod:`.summary`: the summary, the dump after a failing block, the exception note, and every
+  rank's anomalies in one summary.
+
+The one location format (``train.py:23``) is :func:`opwatch.sites.location`, below the records
+so that a record can say where it is without importing its renderer. Formatting happens only
+when somebody reads.
+"""
+
+from __future__ import annotations
+
+from ..sites import display_path, location
+from .messages import render_message
+from .summary import exception_note, format_ranks, render_combined_summary, render_failure, render_summary, tagged
+from .table import TABLE_HEADERS, render_table
+
+__all__ = [
+    "display_path",
+    "location",
+    "render_table",
+    "render_message",
+    "render_summary",
+    "render_failure",
+    "exception_note",
+    "render_combined_summary",
+    "format_ranks",
+    "tagged",
+    "TABLE_HEADERS",
+]

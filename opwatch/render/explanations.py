@@ -1,0 +1,6 @@
+"""The explanations of every rule, one module each, registered with
+:func:`opwatch.render.messages.explains` when imported here."""
+
+from __future__ import annotations
+
+from . import text  # noqa: F401  TRANSITIONAL
