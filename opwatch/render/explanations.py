@@ -1,6 +1,17 @@
-"""The explanations of every rule, one module each, registered with
-:func:`opwatch.render.messages.explains` when imported here."""
+"""Every module that registers explanations (:func:`opwatch.render.rules.explains`), imported
+here so that :func:`explainer` knows every rule."""
 
 from __future__ import annotations
 
 from . import text  # noqa: F401  TRANSITIONAL
+from .rules import EXPLAIN
+
+__all__ = ["explainer"]
+
+
+def explainer(rule: str):
+    """The ``explain`` function of ``rule``."""
+    try:
+        return EXPLAIN[rule]
+    except KeyError:
+        raise ValueError(f"no explanation is registered for rule {rule!r}; known: {', '.join(sorted(EXPLAIN))}") from None

@@ -1,8 +1,9 @@
 """One anomaly as users read it: the header (kind, op, line, module, phase), the line's text
 with the sub-expression marked, then what is wrong, what was expected and a likely fix.
 
-The three sentences come from the finding's facts: each rule registers one ``explain``
-function with :func:`explains`, called as ``explain(finding) -> (problem, expected, fix)``.
+The three sentences come from the finding's facts: each rule's ``explain`` function, registered
+with :func:`opwatch.render.rules.explains`, is called as ``explain(finding) -> (problem,
+expected, fix)``.
 Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples, shown with
 :func:`place`.
 """
@@ -13,37 +14,13 @@ from ..notation import format_meta
 from ..records import BACKWARD, OpRecord, short_op_name
 from ..sites import display_path, location
 
-__all__ = ["render_message", "explain", "explains", "describe", "place"]
-
-# rule -> explain(finding) -> (problem, expected, fix)
-_EXPLAIN: dict = {}
-
-
-def explains(*rules: str):
-    """Register the decorated ``explain(finding) -> (problem, expected, fix)`` for ``rules``."""
-
-    def register(function):
-        for rule in rules:
-            if rule in _EXPLAIN:
-                raise ValueError(f"rule {rule!r} is explained twice")
-            _EXPLAIN[rule] = function
-        return function
-
-    return register
-
+__all__ = ["render_message", "explain", "describe", "place"]
 
 def explain(finding) -> tuple[str, str, str]:
-    """``(problem, expected, fix)`` of ``finding``, from its facts."""
-    function = _EXPLAIN.get(finding.rule)
-    if function is None:
-        _load_explanations()
-        function = _EXPLAIN[finding.rule]
-    return function(finding)
+    """``(problem, expected, fix)`` of ``finding``, from its facts (see :mod:`.rules`)."""
+    from .explanations import explainer
 
-
-def _load_explanations() -> None:
-    """The render modules that register explanations, imported on first use."""
-    from . import explanations  # noqa: F401
+    return explainer(finding.rule)(finding)
 
 
 def place(where) -> str:

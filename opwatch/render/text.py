@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .messages import explains
+from .rules import explains
 
 
 @explains("text")
