@@ -24,13 +24,8 @@ import zipfile
 from importlib.machinery import SourceFileLoader
 
 from .allow import parse_allow
+from .render.notices import DEMO_STORIES, post_mortem
 from .session import strict, watch
-
-DEMO_STORIES = (
-    ("device_mix", "a tensor on the wrong device, then a mask of the wrong dtype (TorchSnooper example 1)"),
-    ("broadcast_loss", "a (4,) target minus a (4, 1) prediction: the loss silently becomes (4, 4) (example 2)"),
-    ("log_zero", "log(0) turns into inf in forward, and into nan in backward (example 3)"),
-)
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -242,7 +237,7 @@ def _post_mortem(error: BaseException) -> None:
     result = None
     for entry in reversed(entries[: users[-1] + 1]):
         result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    print(f"opwatch: post-mortem in {entries[users[-1]].tb_frame.f_code.co_filename}:{entries[users[-1]].tb_lineno}", file=sys.stderr)
+    print(post_mortem(entries[users[-1]].tb_frame.f_code.co_filename, entries[users[-1]].tb_lineno), file=sys.stderr)
     pdb.post_mortem(result)
 
 

@@ -233,5 +233,7 @@ def pytest_runtest_call(item: pytest.Item):
     if watch.anomalies:
         # The summary's first line: "opwatch: 2 anomalies at 1 place:".
         headline = summary.partition("\n")[0].rstrip(":")
-        pytest.fail(f"{headline} in this test (see 'Captured opwatch call' below)", pytrace=False)
+        from .render.notices import test_failed
+
+        pytest.fail(test_failed(headline), pytrace=False)
     return result

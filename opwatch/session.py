@@ -16,6 +16,7 @@ from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
+from .render.notices import internal_error
 from .report import Reporter
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
@@ -340,12 +341,7 @@ class Watch:
         import torch
 
         warnings.warn(
-            OpwatchWarning(
-                f"opwatch hit an internal error and stopped watching this block: "
-                f"{type(error).__name__}: {error}\nYour program is unaffected. Please report this "
-                f"to the opwatch issue tracker with the traceback below and your versions "
-                f"(torch {torch.__version__}, Python {sys.version.split()[0]}).\n{formatted_traceback}"
-            ),
+            OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)),
             stacklevel=2,
         )
 

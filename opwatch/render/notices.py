@@ -1,0 +1,42 @@
+"""Sentences of the runners and of opwatch's own troubles: the command line's demo and
+post-mortem, the pytest plugin's failure line, and the warnings opwatch gives about itself."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed"]
+
+# The built-in demo: each example script of opwatch/examples with what it shows.
+DEMO_STORIES = (
+    ("device_mix", "a tensor on the wrong device, then a mask of the wrong dtype (TorchSnooper example 1)"),
+    ("broadcast_loss", "a (4,) target minus a (4, 1) prediction: the loss silently becomes (4, 4) (example 2)"),
+    ("log_zero", "log(0) turns into inf in forward, and into nan in backward (example 3)"),
+)
+
+
+def post_mortem(filename: str, lineno: int) -> str:
+    """The line before ``--pdb`` opens the debugger in the user's frame."""
+    return f"opwatch: post-mortem in {filename}:{lineno}"
+
+
+def test_failed(headline: str) -> str:
+    """Why the pytest plugin fails a test: the summary's headline."""
+    return f"{headline} in this test (see 'Captured opwatch call' below)"
+
+
+def internal_error(error: BaseException, formatted_traceback: str, torch_version: str) -> str:
+    """The one warning given when opwatch itself breaks and stops watching."""
+    return (
+        f"opwatch hit an internal error and stopped watching this block: "
+        f"{type(error).__name__}: {error}\nYour program is unaffected. Please report this "
+        f"to the opwatch issue tracker with the traceback below and your versions "
+        f"(torch {torch_version}, Python {sys.version.split()[0]}).\n{formatted_traceback}"
+    )
+
+
+def exchange_failed(publishing: bool, error: BaseException) -> str:
+    """The warning when the anomalies of the ranks could not be published or read."""
+    if publishing:
+        return f"opwatch could not publish this rank's anomalies for the other ranks: {type(error).__name__}: {error}"
+    return f"opwatch could not read the other ranks' anomalies: {type(error).__name__}: {error}"
