@@ -28,6 +28,7 @@ __all__ = [
     "default_store",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
+    "pack_padded_sequence_function",
     "op_kernel",
     "autograd_sequence_nr",
     "tensor_base",
@@ -146,3 +147,11 @@ def tensor_base(tensor):
     """The tensor a view was made from (``Tensor._base``), ``None`` for a tensor that is no
     view."""
     return tensor._base
+
+
+def pack_padded_sequence_function():
+    """The function ``nn.utils.rnn.pack_padded_sequence`` hands its tensors to
+    (``torch._pack_padded_sequence``, torch 1.x+, through ``_VF``): a ``TorchFunctionMode`` sees
+    that call, not the Python wrapper, which has no ``__torch_function__`` of its own.
+    ``None`` where it is missing (the pre-dispatch check then leaves the call alone)."""
+    return getattr(torch, "_pack_padded_sequence", None)

@@ -12,6 +12,7 @@ from . import checks as _checks
 from .allow import Allow
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .distributed import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, decode
+from .modes.functions import FunctionWatch
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .records import OpLog, OpRecord
@@ -145,6 +146,7 @@ class Watch:
         self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records, allow=self._allow)
         self._interceptor: OpInterceptor | None = None
         self._modules: ModuleStack | None = None
+        self._functions: FunctionWatch | None = None  # the pre-dispatch checks' function mode
         self._next_index = 0
         self._told_internal_error = False
         # The job's view from this process (opwatch.distributed), where torch.distributed exists.
@@ -273,9 +275,10 @@ class Watch:
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
             self._all_anomalies = None
+            active = _checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules)
             interceptor = OpInterceptor(
                 log=self._log,
-                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules),
+                checks=active,
                 reporter=self._reporter,
                 modules=modules,
                 max_records=self._max_records,
@@ -285,6 +288,7 @@ class Watch:
                 distributed=self._distributed,
             )
             modules.on_call = interceptor.module_called
+            functions = self._function_watch(interceptor, modules, active.context)
             modules.install()
         except Exception as error:
             self._internal_error(error, traceback.format_exc())
@@ -295,15 +299,47 @@ class Watch:
             modules.uninstall()
             raise
         self._interceptor, self._modules = interceptor, modules
+        # The function mode is entered after the dispatch mode and left before it: it logs into
+        # the interceptor's log and index, so it only ever runs while the interceptor does.
+        # (The two modes live on separate stacks; torch runs a function mode's handler with the
+        # mode taken off, so neither the function itself nor opwatch's own work re-enters it.)
+        if functions is not None:
+            try:
+                functions.__enter__()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+            self._functions = functions
         return self
+
+    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, context) -> FunctionWatch | None:
+        """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when the
+        device or dtype check runs."""
+        kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND}
+        if not kinds:
+            return None
+        return FunctionWatch(
+            log=self._log,
+            reporter=self._reporter,
+            context=context,
+            modules=modules,
+            interceptor=interceptor,
+            kinds=frozenset(kinds),
+            on_internal_error=self._internal_error,
+        )
 
     def __exit__(self, exc_type, exc, traceback_) -> bool:
         interceptor = self._interceptor
         if interceptor is None:
             return False
         self._interceptor = None
+        functions, self._functions = self._functions, None
         try:
-            interceptor.__exit__(exc_type, exc, traceback_)
+            try:
+                if functions is not None:  # entered last, left first
+                    functions.__exit__(exc_type, exc, traceback_)
+            finally:
+                interceptor.__exit__(exc_type, exc, traceback_)
         finally:
             self._modules.uninstall()
             self._modules = None

@@ -1,0 +1,104 @@
+"""The private ``TorchFunctionMode`` that sees the calls of a small table of torch functions:
+those that reject a device or a dtype before any ATen op reaches the dispatch mode
+(:mod:`opwatch.checks.pre_dispatch` holds the table and the judges).
+
+Every torch function call, tensor method and tensor attribute read of the watched thread passes
+through ``__torch_function__`` while the mode is active; a call of a function outside the table
+costs one dict lookup and goes on unchanged. A call of a table function is judged from its
+Python arguments, as metadata; a finding is logged as a small entry (its op a
+:class:`~opwatch.records.ModuleCall` named after the function, ``torch.stft``) at the user's
+line that called it, and reported as the module-call checks are: in strict mode the
+:class:`~opwatch.AnomalyError` is raised before torch runs the function (and raises its own
+error); in ``watch()`` the anomaly is kept and torch's error reaches the program unchanged.
+
+torch runs ``__torch_function__`` with the mode taken off its stack, so the function itself and
+opwatch's own work inside the handler do not come back to it. The mode shares the
+interceptor's index counter and its ``inert`` switch (an internal error, a forked child).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import replace
+from time import perf_counter_ns
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..checks import pre_dispatch
+from ..compat import current_autograd_node, skip_dynamo_for_code
+from ..records import BACKWARD, FORWARD, ModuleCall
+from ..sites import user_frame
+
+__all__ = ["FunctionWatch"]
+
+_Tensor = torch.Tensor
+
+
+class FunctionWatch(TorchFunctionMode):
+    """Judges the calls of :func:`opwatch.checks.pre_dispatch.table`'s functions. ``interceptor``
+    is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor` (its log index counter
+    ``next_index`` and ``inert``); ``kinds``: the anomaly kinds enabled."""
+
+    def __init__(self, *, log, reporter, context, modules, interceptor, kinds: frozenset, on_internal_error):
+        super().__init__()
+        self._table = pre_dispatch.table()
+        self._log = log
+        self._reporter = reporter
+        self._context = context
+        self._modules = modules
+        self._interceptor = interceptor
+        self._kinds = kinds
+        self._on_internal_error = on_internal_error
+        self._callees: dict = {}  # function -> its ModuleCall stand-in in the log
+        self.inert = False
+
+    def __enter__(self):
+        skip_dynamo_for_code(FunctionWatch.__torch_function__.__code__)
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        entry = self._table.get(func)
+        if entry is not None and not (self.inert or self._interceptor.inert):
+            self._judge(func, entry, args, kwargs, sys._getframe(1))  # strict: raises here
+        return func(*args, **kwargs)
+
+    def _judge(self, func, entry, args, kwargs, caller) -> None:
+        try:
+            finding = pre_dispatch.judge(entry, args, kwargs, caller.f_code.co_name)
+            if finding is None or finding.kind not in self._kinds:
+                return
+            record = self._log_call(func, entry[0], finding, caller)
+            finding = self._with_provenance(finding)
+            error = self._reporter.report(finding, record)
+        except Exception as internal:
+            self.inert = True
+            self._on_internal_error(internal, traceback.format_exc())
+            return
+        if error is not None:
+            raise error
+
+    def _log_call(self, func, name, finding, caller):
+        """Log the call as an entry of its own, at the user's line, and return its record."""
+        log, modules = self._log, self._modules
+        code, lasti, _ = user_frame(caller, modules.call_frame, modules.call_answer)
+        callee = self._callees.get(func)
+        if callee is None:
+            callee = self._callees[func] = ModuleCall(name)
+        phase = FORWARD if current_autograd_node() is None else BACKWARD
+        inputs = finding.operands
+        index = self._interceptor.next_index
+        self._interceptor.next_index = index + 1
+        entry = (index, log.func_id(callee), log.site_id(code, lasti), modules.current, phase, -1, (), perf_counter_ns(), -1, len(inputs), -1, *inputs)
+        log.entries.append(entry)
+        return log.view(entry)
+
+    def _with_provenance(self, finding):
+        """``finding`` with where its odd tensor was made (``CheckContext.where_made``) in
+        ``made``; ``odd`` emptied so that no later step tells it a second time."""
+        missing = "device" if finding.rule == pre_dispatch.DEVICE_RULE else "dtype"
+        made = tuple(self._context.where_made(meta, missing=missing) for meta in finding.odd)
+        return replace(finding, made=made, odd=())
