@@ -36,6 +36,13 @@ _CROSS_DEVICE_OPS = {
     "aten::_has_same_storage_numel",
     "aten::_local_scalar_dense",
 }
+# Ops of packed sequences whose second tensor argument (``lengths``, ``batch_sizes``) lives on the
+# CPU whatever the device of the data: a CPU one there is legal. (A ``lengths`` on the GPU is
+# judged at the call of ``pack_padded_sequence`` by opwatch.checks.pre_dispatch.)
+_PACKED_SEQUENCE_OPS = {
+    "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence",
+    "aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu",
+}
 # Advanced indexing accepts CPU index tensors whatever the device of ``self``.
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::_unsafe_index", "aten::_unsafe_index_put"}
 
@@ -51,10 +58,26 @@ def for_op(func):
     op = name.split("::", 1)[-1]
     if op.startswith(("_foreach_", "_fused_", "_nested_")):
         return None
+    if name in _PACKED_SEQUENCE_OPS and _sizes_second(func):
+        return partial(_check_packed, func)
     if name in _INDEX_OPS:
         # Only the indexed tensor and the values written must agree; indices may live on CPU.
         return partial(_check_indexing, func, "put" in name)
     return partial(_check, func)
+
+
+def _check_packed(func, tensors, context=None) -> Finding | None:
+    """A packed-sequence op: its CPU ``lengths``/``batch_sizes`` (the second tensor) left out."""
+    if len(tensors) > 1 and tensors[1][2].type == "cpu":
+        tensors = tensors[:1] + tensors[2:]
+    return _check(func, tensors)
+
+
+def _sizes_second(func) -> bool:
+    """Whether the second tensor argument of ``func`` is ``lengths``/``batch_sizes`` (the
+    ``.data`` overloads of the recurrent ops; not ``lstm.input``, whose second is ``hx``)."""
+    names = [arg.name for arg in func._schema.arguments if "Tensor" in str(arg.type)]
+    return len(names) > 1 and names[1] in ("lengths", "batch_sizes")
 
 
 def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
