@@ -3,4 +3,5 @@
 
 from __future__ import annotations
 
+from . import broadcast, device, dtype, module_calls  # noqa: F401
 from . import text  # noqa: F401  TRANSITIONAL
