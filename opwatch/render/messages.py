@@ -10,7 +10,7 @@ Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples, sh
 
 from __future__ import annotations
 
-from ..checks.finding import Place
+from ..checks.finding import Place, tensor_names
 from ..notation import format_meta
 from ..records import BACKWARD, OpRecord, short_op_name
 from ..sites import display_path, location
@@ -92,8 +92,6 @@ def place(where) -> str:
 
 def describe(func, tensors) -> str:
     """``self=f32[6] cpu, mask=b8[6] meta`` for a finding's message."""
-    from ..checks.finding import tensor_names
-
     return named(tensor_names(func, len(tensors)), tensors)
 
 
