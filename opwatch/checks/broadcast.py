@@ -22,6 +22,9 @@ b.view(1, -1)`` (both sides explicit) and rotary ``pos[..., None].float() * inv_
 
 Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
 ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.broadcast`, where each rule's facts are listed.
 """
 
 from __future__ import annotations

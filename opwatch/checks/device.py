@@ -11,6 +11,9 @@ left on meta by ``load_state_dict(..., assign=True)``, which skips non-persisten
 
 Composite modules that check their arguments in Python before any op runs (``nn.LSTM`` with its
 initial state on another device) are judged by :mod:`opwatch.checks.module_calls`.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.device`, where each rule's facts are listed.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ and outside autocast nothing changes. Promotions in backward ops are not judged 
 promotion was judged when it ran (reported there, or allowed by autocast, whose region the
 backward pass runs outside). Limit: dtype mixes written in the program's own backward code
 (a custom ``autograd.Function.backward``, a tensor hook) are not judged either.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.dtype`, where each rule's facts are listed.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ may cast its input first. Inside ``torch.autocast``, float32 with the autocast d
 as in the per-op checks. :func:`check_call` is a pure function of the module and its positional
 arguments (keyword arguments do not reach a forward pre-hook), cheap for every other module: one
 dict lookup by type.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.module_calls`, where each rule's facts are listed.
 """
 
 from __future__ import annotations
