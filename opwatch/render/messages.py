@@ -10,7 +10,6 @@ Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples, sh
 
 from __future__ import annotations
 
-from ..checks.finding import Place, tensor_names
 from ..notation import format_meta
 from ..records import BACKWARD, OpRecord, short_op_name
 from ..sites import display_path, location
@@ -80,6 +79,8 @@ def _load_explanations() -> None:
 def place(where) -> str:
     """``aten.addmm at train.py:23`` for a :class:`~opwatch.checks.finding.Place` (or the list
     a JSON round trip makes of one)."""
+    from ..checks.finding import Place  # not at import: opwatch.checks imports opwatch.render
+
     if not isinstance(where, Place):
         where = Place(*where)
     op = where.op.removesuffix(".default")
@@ -92,6 +93,8 @@ def place(where) -> str:
 
 def describe(func, tensors) -> str:
     """``self=f32[6] cpu, mask=b8[6] meta`` for a finding's message."""
+    from ..checks.finding import tensor_names
+
     return named(tensor_names(func, len(tensors)), tensors)
 
 
