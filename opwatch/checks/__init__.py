@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import facts_of
+from ..records import M_IDENT, M_SHAPE
 from . import broadcast, collectives, device, dtype, module_calls, nonfinite
-from .finding import Finding
+from .finding import Finding, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
@@ -77,57 +79,53 @@ class CheckContext:
         of ``broadcast_tensors`` pairs."""
         return self._shapes.previous_expand if self._shapes is not None else None
 
-    def producer(self, tensor: tuple) -> str | None:
-        """Short description of the op that produced ``tensor`` (``aten.addmm at demo.py:23``)."""
-        from ..records import M_IDENT, short_op_name
-
+    def producer(self, tensor: tuple) -> Place | None:
+        """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
         record = self._log.producer_of(tensor[M_IDENT])
-        if record is None:
-            return None
-        return f"{short_op_name(record.func)} at {record.where}"
+        return None if record is None else Place.of(record)
 
+    def where_made(self, tensor: tuple, *, missing: str) -> tuple:
+        """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
+        rendered by :func:`opwatch.render.messages.where_made`):
 
-    def where_made(self, tensor: tuple, *, missing: str) -> str:
-        """Where ``tensor`` came from, for a report (slow: never on a healthy op): a tensor
-        attribute, parameter or buffer of a running module; else the op that made it, saying
-        when a factory op was called without the ``missing`` argument (``device``, ``dtype``);
-        else that it was made before the watch."""
-        from ..records import M_IDENT, M_SHAPE, short_op_name
-
+        - ``("attribute", module class name, attribute name, module path)``: a plain tensor
+          attribute of a running module;
+        - ``("parameter" | "buffer", module path, name)``;
+        - ``("made_by", Place)``: the op that made it; for a factory op called without the
+          ``missing`` argument (``"device"``, ``"dtype"``) a third item says what torch filled
+          in: ``("default_device", device)`` or ``("dtype", the dtype given or None, the
+          default dtype)``;
+        - ``("before_watch",)``: made before the watch (or outside torch ops).
+        """
         ident = tensor[M_IDENT]
+        found = self._in_running_modules(ident)
+        if found is not None:
+            return found
+        record = self._log.producer_of(ident)
+        if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
+            return ("before_watch",)
+        made = ("made_by", Place.of(record))
+        if not (hasattr(record.func, "_schema") and facts_of(record.func).is_factory):
+            return made
+        args = dict(record.args)
+        if missing == "device" and args.get("device") == torch.get_default_device():
+            # torch fills the default in: whether the program named it cannot be told.
+            return (*made, ("default_device", args["device"]))
+        if missing == "dtype":
+            return (*made, ("dtype", args.get("dtype"), torch.get_default_dtype()))
+        return made
+
+    def _in_running_modules(self, ident: int) -> tuple | None:
+        """The provenance of the tensor ``ident`` when a running module holds it."""
         for path, module in self._modules.running() if self._modules is not None else ():
             for name, value in vars(module).items():
                 if id(value) == ident and isinstance(value, torch.Tensor):
-                    return (
-                        f"{type(module).__name__}.{name} is a plain tensor attribute of module {path}: "
-                        f".to() and .cuda() do not move it; make it a buffer (self.register_buffer({name!r}, ...))"
-                    )
+                    return ("attribute", type(module).__name__, name, path)
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return f"it is {kind} {path}.{name}"
-        record = self._log.producer_of(ident)
-        if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
-            return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
-        made = f"made by {short_op_name(record.func)} at {record.where}"
-        name = record.func._schema.name if hasattr(record.func, "_schema") else ""
-        if name in _FACTORIES:
-            args = dict(record.args)
-            if missing == "device" and args.get("device") == torch.get_default_device():
-                # torch fills the default in: whether the program named it cannot be told.
-                made += f" on the default device ({args['device']}): give it device= (or make it with *_like / new_*)"
-            elif missing == "dtype":
-                given = args.get("dtype")
-                made += f" with dtype={given}" if given is not None else f" in the default dtype ({torch.get_default_dtype()})"
-        return made
-
-
-# Ops that make tensors from nothing: a stray one usually lacks its device= or dtype=.
-_FACTORIES = {
-    "aten::zeros", "aten::ones", "aten::full", "aten::empty", "aten::rand", "aten::randn",
-    "aten::randint", "aten::arange", "aten::linspace", "aten::logspace", "aten::eye",
-    "aten::scalar_tensor", "aten::randperm", "aten::empty_strided",
-}
+                        return (kind, path, name)
+        return None
 
 
 class ActiveChecks:

@@ -403,16 +403,12 @@ class OpInterceptor(TorchDispatchMode):
 
 
 def _with_provenance(finding, context):
-    """``finding`` with where each odd operand was made added to its problem (report time)."""
+    """``finding`` with where each odd operand was made (report time): ``Finding.made``, one
+    provenance fact tuple per odd operand, rendered after the problem."""
     from dataclasses import replace
 
-    from ..notation import format_meta
-
     missing = "device" if finding.kind == "device_mismatch" else "dtype"
-    told = "; ".join(f"{format_meta(meta)}: {context.where_made(meta, missing=missing)}" for meta in finding.odd)
-    problem = finding.facts["problem"]
-    problem = problem if problem.endswith(".") else problem + "."
-    return replace(finding, facts={**finding.facts, "problem": f"{problem} Where the odd one came from: {told}."}, odd=())
+    return replace(finding, made=tuple(context.where_made(meta, missing=missing) for meta in finding.odd))
 
 
 def keep_dynamo_out() -> None:
