@@ -134,7 +134,7 @@ class OpLog:
 
     def label_site(self, label: str) -> int:
         """The site id of a place that has a name but no source line (``DDP bucket [fc.weight]``,
-        see :class:`opwatch.distributed.ReducerSites`); stored as ``(None, label)``."""
+        see :class:`opwatch.modes.reducer.ReducerSites`); stored as ``(None, label)``."""
         return self.site_id(None, label)
 
     def intern(self, values: tuple) -> tuple:
