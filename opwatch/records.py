@@ -114,7 +114,7 @@ class OpLog:
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it, pruned with the ring
         self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
         self.shapes = SharedShapes()
-        # This process's rank in a torch.distributed job (see opwatch.distributed); None outside one.
+        # This process's rank in a torch.distributed job (see opwatch.collective_ops); None outside one.
         self.rank: int | None = None
 
     def func_id(self, func) -> int:
