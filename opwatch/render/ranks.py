@@ -1,5 +1,5 @@
 """What users read about the ranks of a distributed job: the combined summary of every rank's
-anomalies (:meth:`opwatch.AllAnomalies.summary`), the collective-mismatch findings
+anomalies (:meth:`opwatch.ranks.AllAnomalies.summary`), the collective-mismatch findings
 (:mod:`opwatch.checks.collectives`), the exchange's warnings, and ``ranks 0, 1 and 3``."""
 
 from __future__ import annotations
