@@ -52,7 +52,7 @@ class Anomaly:
     def received(self) -> bool:
         """Whether this is a nan/inf that reached this rank through a collective (its own inputs
         to the collective were finite): another rank made it, or the collective itself did."""
-        from .distributed import is_collective_op
+        from .ops import is_collective_op
 
         return self.finding.kind in ("nan", "inf") and is_collective_op(self.record.func)
 

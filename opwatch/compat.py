@@ -26,6 +26,7 @@ __all__ = [
     "unbox_work",
     "resolve_process_group",
     "default_store",
+    "script_object_type",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
     "op_kernel",
@@ -77,7 +78,7 @@ def version_counter(tensor) -> int:
 
 
 # torch.distributed's private pieces (torch 2.13 has them all; callers guard each use, and
-# degrade as opwatch.distributed says, where a torch build lacks them or distributed itself).
+# degrade as opwatch.collective_ops says, where a torch build lacks them or distributed itself).
 
 
 def unbox_process_group(value):
@@ -100,6 +101,15 @@ def default_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def script_object_type(value) -> str:
+    """The TorchScript class name of a ``ScriptObject`` (``ScriptObject._type().name()``,
+    torch >= 1.4): ``ProcessGroup``, ``ReduceOp``, ``Work``. Fallback: ``"ScriptObject"``."""
+    try:
+        return value._type().name()
+    except Exception:
+        return "ScriptObject"
 
 
 def engine_entry_code():

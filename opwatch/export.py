@@ -100,8 +100,8 @@ def _header(watch, records: int, groups: dict) -> dict:
 
 def _rank() -> int:
     """This process's rank in a ``torch.distributed`` job (see
-    :func:`opwatch.distributed.current_rank`), 0 outside one."""
-    from .distributed import current_rank
+    :func:`opwatch.collective_ops.current_rank`), 0 outside one."""
+    from .collective_ops import current_rank
 
     rank = current_rank()
     return 0 if rank is None else rank

@@ -114,7 +114,7 @@ class OpLog:
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it, pruned with the ring
         self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
         self.shapes = SharedShapes()
-        # This process's rank in a torch.distributed job (see opwatch.distributed); None outside one.
+        # This process's rank in a torch.distributed job (see opwatch.collective_ops); None outside one.
         self.rank: int | None = None
 
     def func_id(self, func) -> int:
@@ -134,7 +134,7 @@ class OpLog:
 
     def label_site(self, label: str) -> int:
         """The site id of a place that has a name but no source line (``DDP bucket [fc.weight]``,
-        see :class:`opwatch.distributed.ReducerSites`); stored as ``(None, label)``."""
+        see :class:`opwatch.modes.reducer.ReducerSites`); stored as ``(None, label)``."""
         return self.site_id(None, label)
 
     def intern(self, values: tuple) -> tuple:

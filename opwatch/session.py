@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from . import checks as _checks
 from .allow import Allow
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
-from .distributed import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, decode
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
+from .ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.notices import internal_error
@@ -147,9 +147,8 @@ class Watch:
         self._modules: ModuleStack | None = None
         self._next_index = 0
         self._told_internal_error = False
-        # The job's view from this process (opwatch.distributed), where torch.distributed exists.
+        # The job's view from this process (opwatch.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
-        self._all_anomalies: AllAnomalies | None = None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -202,36 +201,7 @@ class Watch:
             if dist.get_rank() == 0:
                 print(w.all_anomalies().summary())
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-        if not timeout >= 0:
-            raise ValueError(f"timeout must be 0 or more seconds, got {timeout}")
-        state = self._distributed
-        local = list(self._reporter.anomalies)
-        if state is None or state.rank is None:
-            return AllAnomalies(local, world=None)
-        if self._interceptor is not None:
-            raise RuntimeError("all_anomalies() is available once the watched block has ended: every rank publishes its anomalies then")
-        if self._all_anomalies is not None:
-            return self._all_anomalies
-        if state.exchange is None:  # a job of one rank, or publishing failed (warned)
-            missing = [] if not state.world or state.world < 2 else [rank for rank in range(state.world) if rank != state.rank]
-            return AllAnomalies(local, world=state.world, missing=missing, timeout=timeout)
-        try:
-            found, missing = state.exchange.collect(timeout)
-        except Exception as error:
-            warnings.warn(OpwatchWarning(f"opwatch could not read the other ranks' anomalies: {type(error).__name__}: {error}"), stacklevel=2)
-            found, missing = {}, [rank for rank in range(state.world) if rank != state.rank]
-        anomalies = []
-        for rank in range(state.world):
-            if rank == state.rank:
-                anomalies += local
-            elif rank in found:
-                anomalies += decode(found[rank])
-        result = AllAnomalies(anomalies, world=state.world, missing=missing, timeout=timeout)
-        if not missing:
-            self._all_anomalies = result
-        return result
+        return all_anomalies(self._distributed, self._reporter.anomalies, timeout=timeout, ended=self._interceptor is None)
 
     def check(self) -> list[Anomaly]:
         """A nan/inf check point now: at most one host read. Returns the new anomalies (in
@@ -272,7 +242,6 @@ class Watch:
             keep_dynamo_out()
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
-            self._all_anomalies = None
             interceptor = OpInterceptor(
                 log=self._log,
                 checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules),
@@ -323,14 +292,7 @@ class Watch:
     def _publish(self) -> None:
         """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
         ``set``); a failure is one warning, never an exception on the program's line."""
-        state = self._distributed
-        if state is None:
-            return
-        try:
-            state.publish(self._reporter.anomalies, len(self._reporter.contained))
-        except Exception as error:
-            state.exchange = None
-            warnings.warn(OpwatchWarning(f"opwatch could not publish this rank's anomalies for the other ranks: {type(error).__name__}: {error}"), stacklevel=3)
+        publish(self._distributed, self._reporter.anomalies, len(self._reporter.contained))
 
     # -- when something goes wrong ------------------------------------------------------------
 

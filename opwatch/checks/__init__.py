@@ -57,12 +57,13 @@ class CheckContext:
     ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
     """
 
-    __slots__ = ("site", "phase", "args", "_log", "_shapes", "_modules")
+    __slots__ = ("site", "phase", "args", "handshakes", "_log", "_shapes", "_modules")
 
     def __init__(self, log, shapes: broadcast.ShapeProvenance | None, modules=None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
         self.args = ()  # the op's other arguments, flat: position or name, value, ...
+        self.handshakes = None  # this watch's collectives.Handshakes when that check is on
         self._log = log
         self._shapes = shapes
         self._modules = modules  # the ModuleStack, for where a stray tensor was made
@@ -137,6 +138,8 @@ class ActiveChecks:
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
         self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes, modules)
+        if collectives.KIND in enabled:
+            self.context.handshakes = collectives.Handshakes()
         self._trackers = tuple(tracker for tracker in (self.shapes, self.values) if tracker is not None)
 
     def pre_kernel(self, func) -> tuple:

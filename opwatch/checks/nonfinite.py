@@ -52,7 +52,8 @@ from itertools import islice
 import torch
 
 from ..compat import dispatch_modes_outside, inference_mode_enabled, no_python_dispatch
-from ..distributed import C10D, FUNCTIONAL, WAIT, WRAP, collective_of, is_collective_op, on_completion
+from ..collective_ops import on_completion
+from ..ops import C10D, FUNCTIONAL, WAIT, WRAP, collective_of, is_collective_op
 from ..records import BACKWARD, E_ARGS, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_NINPUTS, E_PHASE, E_SITE, M_DEVICE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
 from ..notation import format_dtype, format_meta
 from .finding import Finding, text_finding
