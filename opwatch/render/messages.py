@@ -48,7 +48,7 @@ def _load_explanations() -> None:
 
 def place(where) -> str:
     """``aten.addmm at train.py:23`` for a :class:`~opwatch.checks.finding.Place`."""
-    op = where.op.removesuffix(".default")
+    op = short_op_name(where.op)
     if where.filename is None:
         at = where.label or ("autograd" if where.phase == BACKWARD else "?")
     else:
