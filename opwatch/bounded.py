@@ -18,7 +18,7 @@ _ABSENT = object()
 class BoundedCache(dict):
     """A dict that holds at most ``limit`` keys: storing one more through :meth:`put` or
     :meth:`keep` clears it first. Reads are plain dict reads (``cache.get(key)``,
-    ``cache[key]``), as fast as a dict's. A subclass may define ``__missing__`` and call
+    ``cache[key]``), as fast as a dict's; :meth:`lookup` memoizes a function. A subclass may define ``__missing__`` and call
     :meth:`put` from it (a table that fills itself on a miss)."""
 
     __slots__ = ("limit",)
@@ -42,4 +42,11 @@ class BoundedCache(dict):
         known = self.get(key, _ABSENT)
         if known is _ABSENT:
             return self.put(key, value)
+        return known
+
+    def lookup(self, key, make):
+        """The value stored under ``key``, else ``make(key)``, stored (a memo of ``make``)."""
+        known = self.get(key, _ABSENT)
+        if known is _ABSENT:
+            return self.put(key, make(key))
         return known

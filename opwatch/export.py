@@ -46,11 +46,10 @@ import json
 import math
 import os
 import sys
-from functools import lru_cache
-
 import torch
 
 from .anomaly import BaseAnomaly
+from .bounded import BoundedCache
 from .checks.finding import Finding, Place
 from .notation import TensorMeta, format_meta
 from .records import BaseRecord, short_op_name
@@ -581,26 +580,41 @@ def _meta(fields: dict):
     )
 
 
-@lru_cache(maxsize=256)
+# Names read back -> torch's objects: a few dozen dtypes and devices, one op per distinct op.
+_NAMED = BoundedCache(4096)
+
+
 def _torch_attribute(name: str):
     """``"float32"`` -> ``torch.float32`` (dtypes, layouts, memory formats); the name itself
     when this torch has no such attribute."""
+    return _NAMED.lookup(("attribute", name), _find_attribute)
+
+
+def _device(name: str):
+    return _NAMED.lookup(("device", name), _find_device)
+
+
+def _op(name: str):
+    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
+    not have that op."""
+    return _NAMED.lookup(("op", name), _find_op)
+
+
+def _find_attribute(key: tuple):
+    name = key[1]
     value = getattr(torch, name, None)
     return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else name
 
 
-@lru_cache(maxsize=256)
-def _device(name: str):
+def _find_device(key: tuple):
     try:
-        return torch.device(name)
+        return torch.device(key[1])
     except (RuntimeError, ValueError):
-        return name
+        return key[1]
 
 
-@lru_cache(maxsize=4096)
-def _op(name: str):
-    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
-    not have that op."""
+def _find_op(key: tuple):
+    name = key[1]
     namespace, _, rest = name.partition(".")
     packet, _, overload = rest.partition(".")
     try:

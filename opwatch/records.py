@@ -10,6 +10,7 @@ Python's collections, which would otherwise cost more than the recording itself.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any
 
 from .bounded import BoundedCache
@@ -376,7 +377,7 @@ class OpRecord(BaseRecord):
         return hash(self._entry[E_INDEX])
 
 
-_as_meta = TensorMeta._make
+_as_meta = partial(tuple.__new__, TensorMeta)  # TensorMeta(*meta), without the Python-level call
 
 
 def short_op_name(func) -> str:
