@@ -152,11 +152,13 @@ class OpLog:
     def intern(self, values: tuple) -> tuple:
         """One shared copy of an argument tuple. Held by this table, it is scanned (and
         untracked) by the garbage collector before the entries that refer to it."""
+        # Keyed by types too: (1, -1) == (1, -1.0) and 1 == True, but they are different arguments.
+        key = (values, tuple(map(type, values)))
         try:
-            # Keyed by types too: (1, -1) == (1, -1.0) and 1 == True, but they are different arguments.
-            return self._interned.keep((values, tuple(map(type, values))), values)
+            known = self._interned.get(key)  # a plain dict read on the hot path; put() on a miss
         except TypeError:  # an unhashable value
             return values
+        return self._interned.put(key, values) if known is None else known
 
     def add_flag(self, index: int, kind: str) -> None:
         """Mark op ``index`` with an anomaly kind. Flags of ops that left the ring go with them

@@ -417,3 +417,56 @@ def test_cli_writes_both_exports_and_shows_a_saved_log(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["show", str(tmp_path / "missing.jsonl")])
     assert "No such file" in capsys.readouterr().err
+
+
+# -- one anomaly interface ----------------------------------------------------------------------
+
+
+class OneRecord(opwatch.records.BaseRecord):
+    """A record with only the primitive accessors, as another kind of record has them."""
+
+    index, module, phase, forward_func, args, flags, rank, label = 5, None, "forward", None, (), (), None, None
+    inputs = (TensorMeta((4,), torch.float32, torch.device("cpu"), 1),)
+    outputs = (TensorMeta((4,), torch.float32, torch.device("cpu"), 2),)
+
+    def __init__(self, func):
+        from opwatch.sites import Position
+
+        self.func = func
+        self.position = Position(str(SCENARIOS / "stories.py"), 3)
+
+
+class OneAnomaly(opwatch.anomaly.BaseAnomaly):
+    """What a subclass must provide: ``finding`` and ``record``."""
+
+    def __init__(self, finding, record):
+        self.finding, self.record = finding, record
+
+
+def test_the_anomaly_interface_derives_everything_from_finding_and_record():
+    w = busy_watch()
+    live = w.anomalies[0]
+    other = OneAnomaly(live.finding, live.record)
+    for field in ANOMALY_FIELDS:
+        assert getattr(other, field) == getattr(live, field), field
+    assert str(other) == str(live) and repr(other) == repr(live).replace("<Anomaly", "<OneAnomaly")
+
+
+def test_received_is_a_nan_or_inf_on_a_collective_op():
+    import dataclasses
+
+    with opwatch.watch(warn=False) as w:
+        stories.log_zero()
+    made = next(a for a in w.anomalies if a.kind in ("nan", "inf"))
+    assert not made.received  # made here, by aten.log
+    finding = made.finding
+    allreduce = torch.ops.c10d.allreduce_.default
+    assert OneAnomaly(finding, OneRecord(allreduce)).received
+    assert not OneAnomaly(finding, OneRecord(torch.ops.aten.add.Tensor)).received
+    other_kind = dataclasses.replace(finding, kind="broadcast")
+    assert not OneAnomaly(other_kind, OneRecord(allreduce)).received
+    # A saved record whose op this torch does not have names it by a string: no collective
+    # that can be asked about, so not received (a saved anomaly keeps what the watch judged).
+    by_name = OneAnomaly(finding, OneRecord("c10d.allreduce_.default"))
+    assert not by_name.received
+    assert by_name.message.startswith(f"{finding.kind} in c10d.allreduce_.default at stories.py:3")
