@@ -178,7 +178,7 @@ def _position_key(position) -> tuple:
 def _record_fields(record, sites: _SiteTable) -> dict:
     forward = record.forward_func
     outputs = record.outputs
-    fields = {
+    return {
         "index": record.index,
         "op": record.op,
         "site": sites.site_of(record),
@@ -192,11 +192,9 @@ def _record_fields(record, sites: _SiteTable) -> dict:
         "outputs": None if outputs is None else [_meta_fields(meta) for meta in outputs],
         "args": [[name, encode(value)] for name, value in record.args],
         "flags": list(record.flags),
+        "start_ns": record.start_ns,  # perf_counter_ns around the kernel
+        "end_ns": record.end_ns,
     }
-    # Op start and end times, where this opwatch records them (perf_counter_ns).
-    fields["start_ns"] = getattr(record, "start_ns", None)
-    fields["end_ns"] = getattr(record, "end_ns", None)
-    return fields
 
 
 def _meta_fields(meta) -> dict:
@@ -704,7 +702,7 @@ def chrome_trace(watch) -> dict:
                     "args": {"index": anomaly.index, "message": anomaly.message},
                 }
             )
-    timed = bool(records) and getattr(records[0], "start_ns", None) is not None
+    timed = bool(records) and records[0].start_ns is not None
     return {
         "schemaVersion": 1,
         "traceEvents": events,
@@ -720,7 +718,7 @@ def chrome_trace(watch) -> dict:
 
 def _op_times(records) -> list[tuple[float, float]]:
     """``(ts, dur)`` in microseconds for each record, from the first op's start."""
-    starts = [getattr(record, "start_ns", None) for record in records]
+    starts = [record.start_ns for record in records]
     if not records or any(start is None for start in starts):
         # No op times recorded: a synthetic clock, one microsecond per op index, so that the
         # trace keeps the ops' order and nesting.
@@ -729,7 +727,7 @@ def _op_times(records) -> list[tuple[float, float]]:
     origin = min(starts)
     times = []
     for record, start in zip(records, starts):
-        end = getattr(record, "end_ns", None)
+        end = record.end_ns
         # An op stopped before its kernel (strict) or whose kernel raised has no end: a 0-long event.
         duration = 0 if end is None else max(end - start, 0)
         times.append((round((start - origin) / 1000, 3), round(duration / 1000, 3)))
