@@ -14,7 +14,7 @@ The JSON Lines file (format version 2)::
      "module": null, "phase": "forward", "forward_op": null, "inputs": [{"shape": [4], "dtype": "float32", "device": "cpu", "ident": 1403}, ...],
      "outputs": [...], "args": [["alpha", 1]], "flags": ["broadcast"], "start_ns": ..., "end_ns": ...}
     {"type": "anomaly", "in": "anomalies", "kind": "broadcast", "index": 7, "op": "aten.sub.Tensor", "received": false,
-     "finding": {"kind": "broadcast", "rule": "broadcast.size_one", "facts": {"dict": {...}}, "operands": [...], "odd": [...], "made": [...]}}
+     "finding": {"kind": "broadcast", "rule": "broadcast.implicit", "facts": {"dict": {...}}, "operands": [...], "odd": [...], "made": [...]}}
 
 A ``site`` line comes before the first record that refers to it and carries the source text
 the renderers show, so a saved log prints its table on a machine without the sources. An
@@ -34,7 +34,9 @@ naming its kind: ``{"list": [...]}``, ``{"dict": {...}}`` (string keys) or ``{"p
 ``{"meta": [shape, dtype, device, ident]}`` (:class:`~opwatch.notation.TensorMeta`),
 ``{"place": [op, filename, lineno, phase, label]}`` (:class:`~opwatch.checks.finding.Place`),
 ``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for anything else (read
-back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these.
+back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these;
+other tuple and list types (a named tuple the codec does not know) are written as their items
+and read back as plain tuples: add a tag here for a new kind of fact that must keep its type.
 
 Version 1 files (which stored the messages' text) are not read: :func:`load` names the versions
 it reads.
@@ -422,7 +424,8 @@ class SavedLog:
         anomalies / contained / allowed: the anomalies, contained nan/inf origins and allowed
             findings (:class:`SavedAnomaly`).
         header: the file's first line: format, version, opwatch, torch and Python versions,
-            rank, strict, counts.
+            rank (``None`` outside a distributed job), strict, counts.
+        rank: the watch's rank, as :attr:`Watch.rank`.
     """
 
     __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed")

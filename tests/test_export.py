@@ -106,6 +106,9 @@ def test_round_trip_is_exact(tmp_path):
         assert len(getattr(saved, group)) == len(getattr(w, group)), group
     for saved_anomaly, anomaly in zip(saved.anomalies + saved.contained + saved.allowed, w.anomalies + w.contained + w.allowed):
         assert_same_anomaly(saved_anomaly, anomaly)
+    # One interface: the table reads saved records as it reads live ones (no forged log entry).
+    assert all(isinstance(r, opwatch.records.BaseRecord) and not hasattr(r, "_entry") for r in saved.records)
+    assert all(isinstance(a, opwatch.anomaly.BaseAnomaly) for a in saved.anomalies + w.anomalies)
     # A saved anomaly points at the saved record of its op, as a live one does.
     assert all(any(a.record is r for r in saved.records) for a in saved.anomalies)
 
