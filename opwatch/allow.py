@@ -32,7 +32,7 @@ class Allow:
         working directory, ``"src/train.py:42"`` matches ``.../src/train.py`` but not
         ``.../tools/train.py``, and a pattern starting with ``/`` is the whole path. A pattern
         also matches the location as messages show it (``where``, relative to the working
-        directory, or a named place such as ``"DDP bucket [*]"`` or ``"autograd"``).
+        directory, or a named place such as ``"DDP bucket*"`` or ``"autograd"``).
 
     ``Allow()`` with no field allows everything. Unknown fields or kinds are a ``ValueError``
     naming the accepted ones.
