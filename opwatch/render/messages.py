@@ -61,7 +61,7 @@ def place(where) -> str:
 
     if not isinstance(where, Place):
         where = Place(*where)
-    op = where.op.removesuffix(".default")
+    op = short_op_name(where.op)
     if where.filename is None:
         at = where.label or ("autograd" if where.phase == BACKWARD else "?")
     else:

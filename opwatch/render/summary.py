@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..records import OpRecord
+from ..records import BaseRecord
 from ..sites import location
 from .table import render_table
 
@@ -46,7 +46,7 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
 # -- a failing block ------------------------------------------------------------------------
 
 
-def render_failure(records: list[OpRecord], failed: OpRecord | None, error: BaseException, *, rank: int | None = None) -> str:
+def render_failure(records: list[BaseRecord], failed: BaseRecord | None, error: BaseException, *, rank: int | None = None) -> str:
     """The dump printed when a watched block raises: the last ops, the failing one marked."""
     lines = [f"{tagged(rank)}: the watched block raised {type(error).__name__}; the last {len(records)} ops:"]
     lines.append(render_table(records, mark=failed.index if failed else None))
@@ -60,10 +60,10 @@ def render_failure(records: list[OpRecord], failed: OpRecord | None, error: Base
     return "\n".join(lines)
 
 
-def exception_note(failed: OpRecord) -> str:
+def exception_note(failed: BaseRecord) -> str:
     """The note added to the exception of a failing block: the op, its line and its tensors."""
     position = failed.position
-    note = f"{tagged(getattr(failed, 'rank', None))}: raised in {failed.op} (op #{failed.index}) at {location(failed)}"
+    note = f"{tagged(failed.rank)}: raised in {failed.op} (op #{failed.index}) at {location(failed)}"
     code = position.expression() or position.line_text()
     if code:
         note += f": {code}"
