@@ -3,4 +3,5 @@
 
 from __future__ import annotations
 
+from . import nonfinite  # noqa: F401
 from . import text  # noqa: F401  TRANSITIONAL
