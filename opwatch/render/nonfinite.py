@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ..checks.finding import Place
 from ..checks.nonfinite.rules import HEADROOM_FACTOR
 from ..notation import format_dtype, format_meta
 from ..records import BACKWARD, M_DTYPE
@@ -64,6 +65,11 @@ def _signature(facts) -> str:
     return text
 
 
+def _place(where):
+    """A :class:`Place` fact, also when a JSON round trip made it a list; ``None`` stays."""
+    return where if where is None or isinstance(where, Place) else Place(*where)
+
+
 def _at(where) -> str:
     """``aten.neg.default at train.py:23``: a Place with its full op name, in the one location
     format (``autograd`` / ``?`` / a label where it has no source line)."""
@@ -80,12 +86,12 @@ def _story(finding) -> str:
     what = finding.kind
     story = ""
     if facts["spread"]:
-        last = facts["last"]
+        last = _place(facts["last"])
         story = f"; by the check point it had spread to {facts['spread']} later op(s), the last {_at(last)} ({last.phase})"
-    turned = facts["became_nan"]
+    turned = _place(facts["became_nan"])
     if turned is not None:
         story += f"; it turned into nan at {_at(turned)} ({turned.phase})"
-    masked, back = facts["masked_by"], facts["back_in_backward"]
+    masked, back = _place(facts["masked_by"]), _place(facts["back_in_backward"])
     if masked is not None and back is not None:
         name = facts["masked_by_name"]
         story += (
@@ -126,7 +132,8 @@ def _input_health(finding) -> str:
         if value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
         else:
-            parts.append(f"input {format_meta(meta)}: min {value_range[0]:.4g}, max {value_range[1]:.4g}")
+            low, high = value_range
+            parts.append(f"input {format_meta(meta)}: min {low:.4g}, max {high:.4g}")
     text = "; ".join(parts)
     reason = _reason(finding)
     return f"{text} -> {reason}" if reason else text
@@ -137,7 +144,7 @@ def _reason(finding) -> str | None:
     facts = finding.facts
     name = facts["op_name"]
     ranges = [value_range for _, value_range in facts["input_ranges"]]
-    first = ranges[0] if ranges else None
+    first, divisor = (ranges + [None, None])[:2]
     if first is None:
         return None
     low, high = first
@@ -152,20 +159,28 @@ def _reason(finding) -> str | None:
         return "sqrt of a negative number is nan"
     if name == "rsqrt" and low <= 0:
         return "rsqrt(0) = inf, and of a negative number nan"
-    if name == "div" and len(ranges) > 1 and ranges[1] is not None and ranges[1][0] <= 0 <= ranges[1][1]:
-        if finding.kind == "nan" and low <= 0 <= high:
+    if name == "div" and _holds_zero(divisor):
+        if finding.kind == "nan" and _holds_zero(first):
             return "the divisor holds 0, and so does the dividend: 0 / 0 = nan"
         return "the divisor holds 0: x / 0 = inf"
-    return _overflow_reason(name, facts["outputs"], ranges)
+    return _overflow_reason(name, facts["outputs"], ranges, high)
 
 
-def _overflow_reason(name, outputs, ranges) -> str | None:
-    dtype = outputs[0][M_DTYPE] if outputs else None
+def _holds_zero(value_range) -> bool:
+    if value_range is None:
+        return False
+    low, high = value_range
+    return low <= 0 <= high
+
+
+def _overflow_reason(name, outputs, ranges, high) -> str | None:
+    """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
+    dtype = next((meta[M_DTYPE] for meta in outputs), None)
     if dtype is not None and dtype.is_floating_point:
         limit = torch.finfo(dtype).max
-        if name == "exp" and ranges[0][1] > math.log(limit):
+        if name == "exp" and high > math.log(limit):
             return f"exp overflows {format_dtype(dtype)} above {math.log(limit):.4g}"
-        largest = max(max(abs(r[0]), abs(r[1])) for r in ranges if r is not None)
+        largest = max(max(abs(low), abs(top)) for low, top in filter(None, ranges))
         if largest > limit:
             return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
     return None
