@@ -230,7 +230,8 @@ def delivered(entry, facts, deliveries, status, origins):
     earlier read, of a buffer not filled yet, is dropped). Any other use of an output ends its
     delivery."""
     inputs = entry_inputs(entry)
-    if facts.schema_name == "aten::copy_" and inputs and inputs[0][M_IDENT] in deliveries:
+    # ``copy_`` (a copy that writes its first argument in place):
+    if facts.is_copy and facts.mutated_args and inputs and inputs[0][M_IDENT] in deliveries:
         ident = inputs[0][M_IDENT]
         record, state = deliveries.pop(ident)
         for meta in inputs[1:]:

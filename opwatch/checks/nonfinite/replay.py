@@ -54,7 +54,7 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "origins", "deliveries")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "origins", "deliveries", "accumulates", "received")
 
     def __init__(self, log, flags, carry, sentinels):
         self.log = log
@@ -69,6 +69,10 @@ class _Window:
         self.value_ranges: dict = {}  # ident -> (min, max) of tensors made in this window
         self.origins: list[Origin] = []
         self.deliveries: dict = {}  # outputs of collectives not used yet (see collectives.delivered)
+        # Of the entry being replayed: whether it accumulates into a ``.grad``, and the
+        # collective whose result it delivers (``None`` for most).
+        self.accumulates = False
+        self.received = None
 
 
 class Origins:
@@ -122,7 +126,7 @@ class Origins:
         """One entry, by kind."""
         facts = facts_of(state.log.funcs[entry[E_FUNC]])
         status = state.status
-        received = delivered(entry, facts, state.deliveries, status, state.origins) if state.deliveries else None
+        state.received = delivered(entry, facts, state.deliveries, status, state.origins) if state.deliveries else None
         if facts.is_lift:
             _step_lift(state, entry, outputs)
             return
@@ -132,21 +136,21 @@ class Origins:
         # Gradient accumulation: a backward op autograd runs with no forward op behind it.
         # (No source line: site 0, or a named place such as the DDP reducer's "DDP gradient of fc.weight".)
         code, _ = state.log.sites[entry[E_SITE]]
-        accumulates = entry[E_PHASE] == BACKWARD and code is None and entry[E_FORWARD_FUNC] < 0
+        state.accumulates = entry[E_PHASE] == BACKWARD and code is None and entry[E_FORWARD_FUNC] < 0
         if facts.keeps_values:
             _keep_range(state, entry, outputs)
         if facts.preserves_values:
             _step_carrier(state, entry, facts, outputs, fed)
-            if accumulates and fed and status[fed[0]][ST_ORIGIN] is not None:
+            if state.accumulates and fed and status[fed[0]][ST_ORIGIN] is not None:
                 status[fed[0]][ST_ORIGIN].reached_gradient = True
             return
-        self._step_checked(state, entry, facts, outputs, fed, accumulates, received)
+        self._step_checked(state, entry, facts, outputs, fed)
         if facts.is_collective:
             record = state.log.view(entry)
             for meta in outputs:
                 state.deliveries[meta[M_IDENT]] = (record, status.get(meta[M_IDENT]))
 
-    def _step_checked(self, state, entry, facts, outputs, fed, accumulates, received) -> None:
+    def _step_checked(self, state, entry, facts, outputs, fed) -> None:
         """An op whose outputs were checked: origin, spread, or a deliberate constant."""
         index = entry[E_INDEX]
         flags = state.flags
@@ -175,10 +179,10 @@ class Origins:
                 origin = None  # a deliberate constant: masked_fill(mask, -inf), finfo.min
             else:
                 record = record or state.log.view(entry)
-                origin = self._origin(state, entry, facts, record, kind, bool(input_states), received)
+                origin = self._origin(state, entry, facts, record, kind, bool(input_states))
             state.status[ident] = (kind, origin)
             if origin is not None:
-                _mark_sinks(origin, flags.refs[key], accumulates)
+                _mark_sinks(origin, flags.refs[key], state.accumulates)
             base = flags.written_bases.get(index << 32 | position)
             if base is not None:
                 # Written through a view: the values live in the base.
@@ -186,11 +190,12 @@ class Origins:
                 state.status[base_ident] = (kind, origin)
                 state.live[base_ident] = base_ref
 
-    def _origin(self, state, entry, facts, record, kind, from_deliberate, received) -> Origin:
+    def _origin(self, state, entry, facts, record, kind, from_deliberate) -> Origin:
         """Non-finite from finite inputs, or nan from deliberate infs (a softmax over a fully
         masked row): an origin, unless it is a forward op recomputed during backward (activation
         checkpointing) that was one already. A collective's output was received from other
         ranks, never recomputed."""
+        received = state.received
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
