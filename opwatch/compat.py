@@ -32,6 +32,7 @@ __all__ = [
     "op_kernel",
     "autograd_sequence_nr",
     "tensor_base",
+    "is_zerotensor",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -156,3 +157,12 @@ def tensor_base(tensor):
     """The tensor a view was made from (``Tensor._base``), ``None`` for a tensor that is no
     view."""
     return tensor._base
+
+
+def _never_zerotensor(tensor) -> bool:
+    return False
+
+
+# Whether a tensor is a ZeroTensor (autograd's lazy zeros, which hold no memory to reduce):
+# ``Tensor._is_zerotensor``, torch >= 1.11, called unbound as a C-level method. Fallback: none is.
+is_zerotensor = getattr(torch.Tensor, "_is_zerotensor", _never_zerotensor)
