@@ -60,11 +60,18 @@ def write_jsonl(watch, path) -> None:
             stream.write(json.dumps(obj, ensure_ascii=False, allow_nan=False))
             stream.write("\n")
 
-        put(_header(watch, len(records), groups))
+        # issue 19: with watch(fingerprints=True), the header says so and each record line
+        # carries its outputs' fingerprints (opwatch.checks.fingerprints.encode), for opwatch.diff.
+        prints = getattr(watch, "fingerprints", None)
+        from .checks import fingerprints as _fingerprints
+        put({**_header(watch, len(records), groups), **({} if prints is None else {"fingerprints": True})})
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
-            put({"type": "record", **_record_fields(record, sites)})
+            line = {"type": "record", **_record_fields(record, sites)}
+            if prints is not None and record.index in prints:  # issue 19
+                line["fingerprints"] = _fingerprints.encode(prints[record.index])
+            put(line)
         for name, group in groups.items():
             for anomaly in group:
                 line = {"type": "anomaly", "in": name, **_anomaly_fields(anomaly)}
@@ -342,6 +349,14 @@ class SavedLog:
     def rank(self) -> int:
         return self.header.get("rank", 0)
 
+    @property
+    def fingerprints(self) -> dict | None:
+        """issue 19: op index -> its outputs' fingerprints, as :attr:`Watch.fingerprints`;
+        ``None`` for a log recorded without ``fingerprints=True``."""
+        if not self.header.get("fingerprints"):
+            return None
+        return {record.index: record.fingerprints for record in self._records if record.fingerprints is not None}
+
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op table, as :meth:`Watch.table` prints it."""
         from .render import render_table
@@ -421,6 +436,14 @@ class SavedRecord:
     phase = property(lambda self: self._fields["phase"])
     start_ns = property(lambda self: self._fields.get("start_ns"))
     end_ns = property(lambda self: self._fields.get("end_ns"))
+
+    @property
+    def fingerprints(self) -> tuple | None:
+        """issue 19: the outputs' fingerprints, when the log was recorded with them."""
+        from .checks.fingerprints import decode
+
+        fields = self._fields.get("fingerprints")
+        return None if fields is None else decode(fields)
 
     @property
     def func(self):
