@@ -5,11 +5,12 @@ Both runs are recorded with ``watch(fingerprints=True)`` (or ``python -m opwatch
 --fingerprints``): every op output has a fingerprint, an exact hash of its bits and its sum,
 L2 norm, min and max (:mod:`opwatch.checks.fingerprints`).
 
-1. *Align.* Each op is keyed by (op, source file name and line, module path, phase); the two
-   key sequences are aligned with :class:`difflib.SequenceMatcher`, so an op that exists in one
-   run only is reported as such and the rest still lines up. Stretches that do not line up
-   (lines moved by an edit) are aligned again on (op, file name, module, phase), without the
-   line. File names, not paths: the runs may come from two machines or checkouts.
+1. *Align.* Each op is keyed by (op, source file name and the text of its line, module path,
+   phase); the two key sequences are aligned with :class:`difflib.SequenceMatcher`, so an op
+   that exists in one run only is reported as such and the rest still lines up. The line's
+   text, not its number: a line inserted above moves every later number, not their text.
+   Stretches that do not line up (an edited line) are aligned again on (op, file name, module,
+   phase). File names, not paths: the runs may come from two machines or checkouts.
 2. *Compare.* Aligned ops in order: outputs bitwise (hash, shape, dtype) by default; with a
    tolerance, each statistic within ``atol + rtol * scale`` (the scale of a sum is the larger
    of its size and the L2 norm, of a min or max the largest magnitude: sums of values near zero
@@ -142,9 +143,15 @@ class _Run:
         self.prints = prints
         self.keys = []
         self.loose = []
+        texts: dict = {}  # (file, line) -> the line's text, read once
         for record in records:
-            base = os.path.basename(record.filename) if record.filename else getattr(record, "label", None)
-            self.keys.append((record.op, base, record.lineno, record.module, record.phase))
+            position = record.position
+            base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
+            place = (position.filename, position.lineno)
+            text = texts.get(place)
+            if text is None:
+                text = texts[place] = position.line_text().strip() if position.filename else ""
+            self.keys.append((record.op, base, text, record.module, record.phase))
             self.loose.append((record.op, base, record.module, record.phase))
         self.producers = _producers(records, prints)
 

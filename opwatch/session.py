@@ -179,7 +179,7 @@ class Watch:
         """With ``watch(fingerprints=True)``: op index -> one ``(hash, sum, norm, min, max)``
         per output (``None`` for outputs not fingerprinted), for the ops in :attr:`records` up
         to the last check point; ``None`` when fingerprints are off."""
-        return None if self._fingerprints is None else dict(self._fingerprints)
+        return None if self._fingerprints is None else {index: tuple(prints) for index, prints in self._fingerprints.items()}
 
     @property
     def rank(self) -> int | None:

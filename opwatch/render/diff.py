@@ -152,8 +152,11 @@ def _render_only(result) -> list[str]:
     for name, records in (("a", result.only_in_a), ("b", result.only_in_b)):
         if not records:
             continue
-        shown = ", ".join(_place(record) for record in records[:_SHOWN_ONLY])
-        more = f" and {len(records) - _SHOWN_ONLY} more" if len(records) > _SHOWN_ONLY else ""
+        counts: dict = {}  # each place once, in order, with how often
+        for record in records:
+            counts[_place(record)] = counts.get(_place(record), 0) + 1
+        shown = ", ".join(place + (f" ({count} times)" if count > 1 else "") for place, count in list(counts.items())[:_SHOWN_ONLY])
+        more = f" and {len(counts) - _SHOWN_ONLY} more places" if len(counts) > _SHOWN_ONLY else ""
         lines.append(f"{len(records)} op{'s' if len(records) != 1 else ''} only in {name}: {shown}{more}.")
     return lines
 
