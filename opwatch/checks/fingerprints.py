@@ -76,7 +76,7 @@ class FingerprintTracker:
     def __init__(self, log, store: dict) -> None:
         self._log = log
         self.store = store  # op index -> tuple of Fingerprint or None per output (the Watch's)
-        self._rows: list[torch.Tensor] = []  # 5-element int64 rows on _device
+        self._rows: list[tuple] = []  # (hash, stats) pairs on _device
         self._device = None
         self._chunks: list[torch.Tensor] = []
         self._keys: list[tuple] = []  # (op index, output position, output count) per row
@@ -121,8 +121,9 @@ class FingerprintTracker:
             if len(self._rows) >= self._CHUNK:
                 self._stack()
 
-    def _fingerprint(self, tensor, dtype, device) -> torch.Tensor:
-        """Five int64: the hash, then sum, norm, min and max as float64 bits."""
+    def _fingerprint(self, tensor, dtype, device) -> tuple:
+        """The hash (0-dim int64) and the statistics (sum, norm, min, max: 4 floats), queued
+        apart and joined per chunk into rows of five int64 (``_stack``)."""
         if dtype in _COMPLEX:
             tensor = torch.view_as_real(tensor.resolve_conj())
         flat = tensor.reshape(-1)
@@ -135,25 +136,24 @@ class FingerprintTracker:
             else:  # the same weights, position by position, in a longer table
                 size = min(_WEIGHTS_CACHED, max(count, 4096, 0 if weights is None else 2 * weights.numel()))
                 weights = self._weights[device] = _weights(size, device)
-        hashed = (bits.to(torch.int64) * weights[:count]).sum()
-        if not flat.is_floating_point():
-            values = flat.to(torch.float64)
-        elif flat.element_size() == 1:  # float8: few kernels take it
-            values = flat.to(torch.float32)
-        else:
-            values = flat
+        wide = bits.to(torch.int64)
+        # One fused kernel on the CPU; CUDA has no integer dot.
+        hashed = torch.dot(wide, weights[:count]) if flat.is_cpu else (wide * weights[:count]).sum()
+        if not flat.is_floating_point() or flat.element_size() == 1:  # integers, bool, float8
+            values, accumulate = flat.to(torch.float32), None
+        else:  # float16 and bfloat16 sums accumulate in float32: no overflow, fewer roundings
+            values, accumulate = flat, (torch.float32 if flat.element_size() == 2 else None)
         low, high = torch.aminmax(values)
-        stats = torch.stack((
-            values.sum(dtype=torch.float64),
-            torch.linalg.vector_norm(values, dtype=torch.float64),
-            low.to(torch.float64),
-            high.to(torch.float64),
-        ))
-        return torch.cat((hashed.reshape(1), stats.view(torch.int64)))
+        total = values.sum(dtype=accumulate)
+        norm = torch.linalg.vector_norm(values, dtype=accumulate)
+        return hashed, torch.stack((total, norm, low.to(total.dtype), high.to(total.dtype)))
 
     def _stack(self) -> None:
         if self._rows:
-            self._chunks.append(torch.stack(self._rows))
+            hashes = torch.stack([hashed for hashed, _ in self._rows]).reshape(-1, 1)
+            # float32 and float64 statistics: stack promotes them to float64 (exactly).
+            stats = torch.stack([stats for _, stats in self._rows]).to(torch.float64).view(torch.int64)
+            self._chunks.append(torch.cat((hashes, stats), dim=1))
             self._rows = []
 
     def resolve(self) -> None:
