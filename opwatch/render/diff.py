@@ -69,7 +69,7 @@ def _render_first(first, tolerance) -> list[str]:
     lines += _render_outputs(first, tolerance)
     if tuple(a.args) != tuple(b.args):
         lines.append(f"  Its other arguments differ: {_args(a)} in a, {_args(b)} in b.")
-    lines.append("  " + _render_inputs(first))
+    lines.append("  " + _render_inputs(first, tolerance))
     return lines
 
 
@@ -100,11 +100,17 @@ def _render_outputs(first, tolerance) -> list[str]:
     return lines
 
 
-def _render_inputs(first) -> str:
+def _render_inputs(first, tolerance) -> str:
     inputs = first.inputs
     if not inputs:
         return "It has no tensor inputs: the op itself made the difference (a random op differs when the runs are not seeded alike)."
     made = "; ".join(_input_origin(position, record_a, record_b, state) for position, state, record_a, record_b in inputs)
+    if first.verdict == "made_here" and tolerance.reason == "dtypes":
+        low, high = tolerance.dtypes
+        return (
+            f"Its inputs agreed within the tolerance ({made}): this op lost the precision, its {low} result "
+            f"far from the {high} one (a cancellation, an overflow, a long reduction)."
+        )
     if first.verdict == "made_here":
         return (
             f"Its inputs agreed ({made}): this op made the difference (a random op not seeded alike, a "
