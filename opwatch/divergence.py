@@ -6,7 +6,7 @@ Both runs are recorded with ``watch(fingerprints=True)`` (or ``python -m opwatch
 L2 norm, min and max (:mod:`opwatch.checks.fingerprints`).
 
 1. *Align.* Each op is keyed by (op, source file name and the text of its line, module path,
-   phase); the two key sequences are aligned with :class:`difflib.SequenceMatcher`, so an op
+   phase); the two key sequences are aligned by a shortest edit script (Myers), so an op
    that exists in one run only is reported as such and the rest still lines up. The line's
    text, not its number: a line inserted above moves every later number, not their text.
    Stretches that do not line up (an edited line) are aligned again on (op, file name, module,
@@ -218,28 +218,89 @@ def _producers(records, prints) -> list[tuple]:
 
 def align(a: _Run, b: _Run) -> list[tuple]:
     """``(step in a or None, step in b or None)`` for every op of both runs, in stream order."""
-    if a.keys == b.keys:  # the usual case for two runs of one script: no matching to do
-        return [(i, i) for i in range(len(a.keys))]
+    return _align(a.keys, b.keys, a.loose, b.loose)
+
+
+def _align(keys_a: list, keys_b: list, loose_a: list | None, loose_b: list | None) -> list[tuple]:
     pairs: list = []
-    for tag, i1, i2, j1, j2 in _opcodes(a.keys, b.keys):
-        if tag == "equal":
-            pairs += zip(range(i1, i2), range(j1, j2))
-            continue
-        # Lines moved (an edit above them): align this stretch again without the line.
-        for tag2, k1, k2, l1, l2 in _opcodes(a.loose[i1:i2], b.loose[j1:j2]) if tag == "replace" else [(tag, 0, i2 - i1, 0, j2 - j1)]:
-            if tag2 == "equal":
-                pairs += zip(range(i1 + k1, i1 + k2), range(j1 + l1, j1 + l2))
-            else:
-                pairs += [(i, None) for i in range(i1 + k1, i1 + k2)]
-                pairs += [(None, j) for j in range(j1 + l1, j1 + l2)]
+    i = j = 0
+    for match_i, match_j in [*_matches(keys_a, keys_b), (len(keys_a), len(keys_b))]:
+        if match_i > i and match_j > j and loose_a is not None:
+            # Ops in both runs between two matches (an edited line): align them without the line.
+            for x, y in _align(loose_a[i:match_i], loose_b[j:match_j], None, None):
+                pairs.append((None if x is None else i + x, None if y is None else j + y))
+        else:
+            pairs += [(x, None) for x in range(i, match_i)]
+            pairs += [(None, y) for y in range(j, match_j)]
+        if match_i < len(keys_a):
+            pairs.append((match_i, match_j))
+        i, j = match_i + 1, match_j + 1
     return pairs
 
 
-def _opcodes(a: list, b: list) -> list:
+def _matches(a: list, b: list) -> list[tuple[int, int]]:
+    """The aligned ``(i, j)`` of two key lists, increasing: the common start and end, and a
+    shortest edit script (Myers) between them. A training loop repeats its ops every step, and
+    longest-block matching (difflib) pairs a step with the wrong one after an insertion; a
+    shortest edit script does not, and takes O((n + m) d) for d edits."""
     ids: dict = {}
     a = [ids.setdefault(key, len(ids)) for key in a]
     b = [ids.setdefault(key, len(ids)) for key in b]
-    return SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    start = 0
+    while start < len(a) and start < len(b) and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < len(a) - start and end < len(b) - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    middle_a, middle_b = a[start : len(a) - end], b[start : len(b) - end]
+    found = _shortest_edit(middle_a, middle_b, _MAX_EDITS) if middle_a and middle_b else []
+    if found is None:  # too different for a shortest edit script: difflib's longest blocks
+        blocks = SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_matching_blocks()
+        found = [(x + k, y + k) for x, y, size in blocks for k in range(size)]
+    middle = [(start + x, start + y) for x, y in found]
+    tail = [(len(a) - end + k, len(b) - end + k) for k in range(end)]
+    return [(k, k) for k in range(start)] + middle + tail
+
+
+_MAX_EDITS = 1000  # beyond this many insertions and deletions, fall back to difflib
+
+
+def _shortest_edit(a: list, b: list, max_edits: int) -> list[tuple[int, int]] | None:
+    """Myers' greedy shortest edit script: the matched ``(i, j)``, or ``None`` past ``max_edits``."""
+    n, m = len(a), len(b)
+    frontier = {1: 0}  # diagonal k = x - y -> furthest x reached
+    trace = []
+    for edits in range(min(max_edits, n + m) + 1):
+        trace.append(dict(frontier))
+        for k in range(-edits, edits + 1, 2):
+            down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
+            x = frontier[k + 1] if down else frontier[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            frontier[k] = x
+            if x >= n and y >= m:
+                return _walk_back(trace, n, m)
+    return None
+
+
+def _walk_back(trace: list, x: int, y: int) -> list[tuple[int, int]]:
+    matched = []
+    for edits in range(len(trace) - 1, 0, -1):
+        frontier, k = trace[edits], x - y
+        down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
+        before = k + 1 if down else k - 1
+        before_x = frontier[before]
+        before_y = before_x - before
+        while x > before_x and y > before_y:
+            x, y = x - 1, y - 1
+            matched.append((x, y))
+        x, y = before_x, before_y
+    while x > 0 and y > 0:
+        x, y = x - 1, y - 1
+        matched.append((x, y))
+    matched.reverse()
+    return matched
 
 
 def choose_tolerance(a: _Run, b: _Run, pairs, rtol, atol) -> Tolerance:
