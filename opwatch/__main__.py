@@ -2,6 +2,7 @@
 
     python -m opwatch [--strict] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
     python -m opwatch show run.jsonl [--last N]
+    python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/cli_diff.py)
     python -m opwatch demo
 
 The script runs as ``python script.py args...`` would run it: ``__main__`` with an absolute
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
     parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
     parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
     parser.add_argument(
         "--allow",
@@ -66,10 +68,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(last=options.last)
         if options.script == "show" and not os.path.exists("show"):
             return run_show(options.args)
+        if options.script == "diff" and not os.path.exists("diff"):
+            from .cli_diff import run_diff
+
+            return run_diff(options.args)
         if not os.path.isfile(options.script):
             parser.error(f"no such script: {options.script}")
         return run_script(
-            options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace, allow=allow, post_mortem=options.pdb
+            options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace, allow=allow, post_mortem=options.pdb,
+            fingerprints=options.fingerprints,
         )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
@@ -79,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False) -> int:
+def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, fingerprints: bool = False) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch, then print the summary to
     ``out`` (stderr) and write the log to ``jsonl`` / ``trace`` when given. Returns the exit
     status; an uncaught ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
-    w = (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow)
+    w = (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints)
     status, interrupt = 0, None
     with _running_as_main(path, args) as module:
         try:

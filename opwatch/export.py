@@ -52,6 +52,7 @@ import torch
 
 from .anomaly import BaseAnomaly
 from .bounded import BoundedCache
+from .checks import fingerprints
 from .checks.finding import Finding, Place
 from .notation import TensorMeta, format_meta
 from .records import BaseRecord, short_op_name
@@ -97,11 +98,17 @@ def write_jsonl(watch, path) -> None:
             stream.write(json.dumps(obj, ensure_ascii=False, allow_nan=False))
             stream.write("\n")
 
-        put(_header(watch, len(records), groups))
+        # With watch(fingerprints=True) the header says so and each record line carries its
+        # outputs' fingerprints, for opwatch.diff.
+        prints = getattr(watch, "fingerprints", None)
+        put({**_header(watch, len(records), groups), **({} if prints is None else {"fingerprints": True})})
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
-            put({"type": "record", **_record_fields(record, sites)})
+            line = {"type": "record", **_record_fields(record, sites)}
+            if prints is not None and record.index in prints:
+                line["fingerprints"] = fingerprints.encode(prints[record.index])
+            put(line)
         for name, group in groups.items():
             for anomaly in group:
                 line = {"type": "anomaly", "in": name, **_anomaly_fields(anomaly)}
@@ -458,6 +465,14 @@ class SavedLog:
         """The watch's rank in a ``torch.distributed`` job, ``None`` outside one."""
         return self.header.get("rank")
 
+    @property
+    def fingerprints(self) -> dict | None:
+        """Op index -> its outputs' fingerprints, as :attr:`Watch.fingerprints`;
+        ``None`` for a log recorded without ``fingerprints=True``."""
+        if not self.header.get("fingerprints"):
+            return None
+        return {record.index: record.fingerprints for record in self._records if record.fingerprints is not None}
+
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op table, as :meth:`Watch.table` prints it."""
         from .render import render_table
@@ -542,6 +557,13 @@ class SavedRecord(BaseRecord):
     label = property(lambda self: self._fields.get("label"))
     start_ns = property(lambda self: self._fields.get("start_ns"))
     end_ns = property(lambda self: self._fields.get("end_ns"))
+
+    @property
+    def fingerprints(self) -> tuple | None:
+        """The outputs' fingerprints, when the log was recorded with them."""
+
+        fields = self._fields.get("fingerprints")
+        return None if fields is None else fingerprints.decode(fields)
 
     @property
     def func(self):

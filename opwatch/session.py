@@ -34,6 +34,7 @@ def watch(
     last: int = 20,
     file=None,
     warn: bool = True,
+    fingerprints: bool = False,
 ) -> Watch:
     """Watch every PyTorch op run inside a ``with`` block; collect anomalies and warn.
 
@@ -82,10 +83,16 @@ def watch(
     warn
         Warn each anomaly once per (kind, file, line); with ``False`` anomalies are only
         collected. ``watch(warn=False)``.
+    fingerprints
+        Record a fingerprint of every floating, integer and bool op output (an exact hash and
+        sum, L2 norm, min, max), computed on the device and read with the check points' reads,
+        for comparing two runs with :func:`opwatch.diff`; kept per op with the log, saved by
+        :meth:`Watch.export_jsonl`. Off by default (it costs a few small kernels per op).
+        ``watch(fingerprints=True)``.
 
     Setting the environment variable ``OPWATCH_DISABLE=1`` turns every watch into a no-op.
     """
-    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints)
 
 
 def strict(
@@ -97,6 +104,7 @@ def strict(
     last: int = 20,
     file=None,
     warn: bool = True,
+    fingerprints: bool = False,
 ) -> Watch:
     """Like :func:`watch`, but raise :class:`AnomalyError` at the first anomaly.
 
@@ -109,7 +117,7 @@ def strict(
         with opwatch.strict():
             train_step(model, batch)
     """
-    return Watch(strict=True, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=True, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints)
 
 
 class Watch:
@@ -126,7 +134,7 @@ class Watch:
         enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
     """
 
-    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None):
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None, fingerprints=False):
         self.strict = strict
         self._max_records = _positive_int("max_records", max_records)
         self._allow = _allow_entries(allow)
@@ -140,6 +148,8 @@ class Watch:
             raise TypeError(f"file must be a text stream with a write() method, got {type(file).__name__}")
         self._file = file
         self._warn = _flag("warn", warn)
+        # op index -> output fingerprints (opwatch.checks.fingerprints), or None when off
+        self._fingerprints = {} if _flag("fingerprints", fingerprints) else None
         self.enabled = not _disabled_by_environment()
         self._log = OpLog(self._max_records)
         self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records, allow=self._allow)
@@ -163,6 +173,13 @@ class Watch:
     @property
     def contained(self) -> list[Anomaly]:
         return list(self._reporter.contained)
+
+    @property
+    def fingerprints(self) -> dict | None:
+        """With ``watch(fingerprints=True)``: op index -> one ``(hash, sum, norm, min, max)``
+        per output (``None`` for outputs not fingerprinted), for the ops in :attr:`records` up
+        to the last check point; ``None`` when fingerprints are off."""
+        return None if self._fingerprints is None else {index: tuple(prints) for index, prints in self._fingerprints.items()}
 
     @property
     def rank(self) -> int | None:
@@ -244,7 +261,7 @@ class Watch:
             self._distributed = DistributedWatch.start(self._log, modules)
             interceptor = OpInterceptor(
                 log=self._log,
-                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules),
+                checks=_checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules, fingerprints=self._fingerprints),
                 reporter=self._reporter,
                 modules=modules,
                 max_records=self._max_records,

@@ -32,7 +32,7 @@ import torch
 
 from ..ops import facts_of
 from ..records import M_IDENT, M_SHAPE
-from . import broadcast, collectives, device, dtype, module_calls, nonfinite
+from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite
 from .finding import Finding, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
@@ -132,7 +132,7 @@ class CheckContext:
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
@@ -140,7 +140,9 @@ class ActiveChecks:
         self.context = CheckContext(log, self.shapes, modules)
         if collectives.KIND in enabled:
             self.context.handshakes = collectives.Handshakes()
-        self._trackers = tuple(tracker for tracker in (self.shapes, self.values) if tracker is not None)
+        # watch(fingerprints=True): output fingerprints for opwatch.diff, read at check points.
+        self.prints = fingerprints_tracker(log, fingerprints)
+        self._trackers = tuple(tracker for tracker in (self.shapes, self.values, self.prints) if tracker is not None)
 
     def pre_kernel(self, func) -> tuple:
         """The bound pre-kernel checks that can fire on ``func``, in order."""
@@ -169,7 +171,15 @@ class ActiveChecks:
         (:class:`~opwatch.checks.nonfinite.Origin`, ``matters`` set), oldest first, among the
         ops of ``log`` from index ``since`` on; ``reading``: idents of the tensors the program
         is about to read on the host; ``final``: judge what is still alive (the program chose
-        this point: the end of the block, ``Watch.check()``)."""
+        this point: the end of the block, ``Watch.check()``). Fingerprints are read here too."""
+        if self.prints is not None:
+            self.prints.resolve()
         if self.values is None or not (self.values.pending or self.values.carrying):
             return []
         return self.values.resolve(log.since(since), reading=reading, final=final)
+
+
+def fingerprints_tracker(log, store: dict | None):
+    """The :class:`~opwatch.checks.fingerprints.FingerprintTracker` filling ``store``, or
+    ``None`` when fingerprints are off (``store`` is ``None``): then nothing is bound."""
+    return None if store is None else fingerprints.FingerprintTracker(log, store)
