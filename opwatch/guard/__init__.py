@@ -255,6 +255,8 @@ class Guarded:
         if self._check_results and not self._checked(result):
             failure = not_finite(result, self._snapshots.params, self._parameter_names())
             del result  # not kept alive through the replay
+            if audit is not None:
+                self._audited(audit, start, may_raise=False)  # the failure is what raises
             return self._failed(start, args, kwargs, failure, audit=audit)
         if audit is not None:
             self._audited(audit, start)
@@ -270,14 +272,14 @@ class Guarded:
         return Watch(strict=False, max_records=self._max_records, checks=self._checks, dump_on_error=False,
                      last=0, file=None, warn=False, **allow_option(self._allow))
 
-    def _audited(self, audit, start) -> None:
+    def _audited(self, audit, start, may_raise=True) -> None:
         """Keep and warn an audit's findings (nan/inf count only through the fused check: with
         a GradScaler, overflow is its business); with ``strict``, raise the first."""
         found = [anomaly for anomaly in audit.anomalies if anomaly.kind not in NONFINITE]
         if not found:
             return
         self.anomalies.extend(found)
-        if self._strict:
+        if self._strict and may_raise:
             self._snapshots.put_grads(start)  # the optimizer never sees this step's gradients
             raise AnomalyError(found[0])
         for anomaly in found:
