@@ -149,3 +149,116 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# -- item 3: python -m opwatch --guard ------------------------------------------------------
+
+TRAIN = """\
+import os
+import numpy as np
+import torch
+from torch import nn
+
+BUG = os.environ.get("BUG", "")
+STEPS = int(os.environ.get("STEPS", "6"))
+NAN_AT = int(os.environ.get("NAN_AT", "0"))
+NAN_FROM = int(os.environ.get("NAN_FROM", "0"))
+REPAIR = os.environ.get("REPAIR") == "1"  # a loop that puts non-finite weights back to 0
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.shift = torch.zeros(16, device="meta" if BUG == "device" else "cpu")
+
+    def forward(self, x, poison=False):
+        h = torch.relu(self.fc1(x)) + self.shift  # SHIFT: the device mix
+        if poison:
+            h = torch.where(h > 0, h, h.log())  # POISON: the nan, made in backward
+        return self.fc2(h).float()
+
+
+model = Net()
+weights = torch.from_numpy(np.ones(8)) if BUG == "float64" else torch.ones(8)  # numpy's float64
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(1, STEPS + 1):
+    x = torch.randn(8, 4)
+    y = x.sum(-1) if BUG == "broadcast" else x.sum(-1, keepdim=True)
+    optimizer.zero_grad()
+    error = (model(x, poison=step == NAN_AT or 0 < NAN_FROM <= step) - y) ** 2  # LOSS: the broadcast
+    loss = (error.mean(-1) * weights).mean()  # WEIGHTS: upcast to float64
+    loss.backward()
+    optimizer.step()
+    if REPAIR:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.nan_to_num_(0.0)
+print("weights finite:", bool(torch.isfinite(model.fc1.weight).all()))
+"""
+
+
+def run_guard(tmp_path, *options, **env):
+    (tmp_path / "train.py").write_text(TRAIN)
+    environment = dict(os.environ, PYTHONPATH=ROOT, **{key: str(value) for key, value in env.items()})
+    return subprocess.run(
+        [sys.executable, "-m", "opwatch", "--guard", *options, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300
+    )
+
+
+def train_line(marker):
+    return next(number for number, line in enumerate(TRAIN.splitlines(), 1) if marker in line)
+
+
+@pytest.mark.parametrize("bug, kind, marker", [("broadcast", "broadcast", "LOSS"), ("float64", "dtype", "WEIGHTS"), ("device", "device", "SHIFT")])
+def test_guard_cli_audit_reports_the_silent_bugs(tmp_path, bug, kind, marker):
+    result = run_guard(tmp_path, BUG=bug)
+    line = train_line(marker)
+    assert f"train.py:{line}" in result.stderr, result.stderr
+    assert kind in result.stderr.lower()
+    if bug != "device":  # the device mix raises in eager too; the others train silently
+        assert result.returncode == 0, result.stderr
+        assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
+
+
+def test_guard_cli_healthy_run_reports_nothing(tmp_path):
+    result = run_guard(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
+    assert "nan/inf" not in result.stderr.replace("0 failed (nan/inf", "")
+
+
+def test_guard_cli_names_the_step_the_parameters_and_the_origin_of_a_nan_first_made_at_step_k(tmp_path):
+    result = run_guard(tmp_path, NAN_FROM=4, REPAIR=1)
+    assert result.returncode == 0, result.stderr
+    assert "optimizer step 4: the gradients about to be applied hold nan/inf: fc1.weight (nan), fc1.bias (nan)" in result.stderr, result.stderr
+    assert f"the failure of step 4 recurred at step 5: " in result.stderr
+    assert f"first made by aten.log.default at train.py:{train_line('POISON')}" in result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+
+
+def test_guard_cli_says_when_the_optimizer_wrote_the_nan_into_the_weights(tmp_path):
+    result = run_guard(tmp_path, NAN_AT=4)
+    assert result.returncode == 0, result.stderr
+    assert "optimizer step 4 wrote nan/inf into the weights: fc1.weight (nan)" in result.stderr, result.stderr
+    assert "recurred" not in result.stderr and "weights finite: False" in result.stdout
+    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+
+
+def test_guard_cli_says_plainly_when_a_failure_did_not_recur(tmp_path):
+    result = run_guard(tmp_path, NAN_AT=3, REPAIR=1)
+    assert "optimizer step 3: the gradients about to be applied hold nan/inf" in result.stderr, result.stderr
+    assert "the failure of step 3 did not recur: step 4 ran under a full watch" in result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 1 failed" in result.stderr
+
+
+def test_guard_cli_strict_raises_before_the_optimizer_and_leaves_the_weights_finite(tmp_path):
+    script = TRAIN.replace("    optimizer.step()\n", "    try:\n        optimizer.step()\n    except RuntimeError as error:\n        print('stopped:', type(error).__name__); break\n")
+    (tmp_path / "train.py").write_text(script)
+    environment = dict(os.environ, PYTHONPATH=ROOT, NAN_AT="4")
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+    assert "stopped: GradientsNotFinite" in result.stdout, result.stdout + result.stderr
+    assert "weights finite: True" in result.stdout
+    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr

@@ -1,0 +1,264 @@
+"""Leave opwatch on for a whole training run: ``python -m opwatch --guard`` and the trainers'
+``mode="guard"``.
+
+Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
+optimizer step (the audit) sees them. After it the program runs with no dispatch mode, and
+each optimizer step is preceded by one fused finiteness check of the gradients it is about to
+apply (one host read per device). Steps are found through torch's global optimizer step hooks,
+so any ``torch.optim`` optimizer is seen, however the loop is written.
+
+A failing check names the step and the parameters that hold nan/inf. In strict mode it raises
+:class:`GradientsNotFinite` before the optimizer applies them (the weights stay as they were);
+otherwise it warns and watches the next step fully, so that a failure that recurs is reported
+with the op and line that made it, and says plainly when it did not recur.
+
+GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite: the steps it
+skips never reach the hooks, so they are not failures (and not counted as steps).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+import weakref
+
+import torch
+
+from .anomaly import OpwatchWarning
+from .compat import no_python_dispatch
+from .compat import foreach_norm
+from .session import Watch, strict, watch
+
+__all__ = ["LeaveOn", "GradientsNotFinite", "all_finite", "nonfinite_names"]
+
+_NONFINITE_KINDS = ("nan", "inf")
+_TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
+
+
+class GradientsNotFinite(RuntimeError):
+    """Raised in strict mode before an optimizer applies gradients that hold nan/inf.
+
+    Attributes: ``step`` (1-based count of optimizer steps), ``parameters`` (``(name, kind)``
+    pairs, kind ``"nan"`` or ``"inf"``)."""
+
+    def __init__(self, message: str, *, step: int, parameters: list):
+        super().__init__(message)
+        self.step = step
+        self.parameters = parameters
+
+
+class LeaveOn:
+    """A context manager: the audit, then the fused gradient check at every optimizer step.
+
+    ``audit="first"`` (the CLI's): a full watch from the start until the first optimizer step
+    has run. ``audit="manual"`` (the trainers'): no watch until :meth:`start_audit`, and each
+    audit ends after the next optimizer step (or at :meth:`end_audit`). ``strict``, ``allow``,
+    ``last``, ``file``, ``warn`` go to the watch (:func:`opwatch.watch`); the same watch is
+    re-entered for every audit, so its anomalies accumulate and warn once per line.
+    """
+
+    def __init__(self, *, strict_mode: bool = False, audit: str = "first", file=None, **watch_options):
+        if audit not in ("first", "manual"):
+            raise ValueError(f"audit must be 'first' or 'manual', got {audit!r}")
+        self.strict = strict_mode
+        self.watch: Watch = (strict if strict_mode else watch)(file=file, **watch_options)
+        self._audit_first = audit == "first"
+        self._file = file
+        self.steps = 0  # optimizer steps that ran (GradScaler's skipped ones never call it)
+        self.audited = 0  # of them, run under the full watch
+        self.failed = 0  # of them, with nan/inf in the gradients about to be applied
+        self.failures: list[tuple[int, list]] = []  # (step, [(parameter, kind), ...])
+        self._auditing = False
+        self._recheck_of: int | None = None  # the failed step the running audit re-checks
+        self._before_audit: set = set()
+        self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
+        self._handles: list = []  # the optimizer hooks
+        self._module_hook = None  # names the parameters; only during audits
+        self._poisoned: list = []  # parameters that hold nan/inf themselves: told once
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def __enter__(self) -> LeaveOn:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles = [register_optimizer_step_pre_hook(self._before_step), register_optimizer_step_post_hook(self._after_step)]
+        if self._audit_first:
+            self.start_audit()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback_) -> bool:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.end_audit(exc)
+        return False
+
+    @property
+    def auditing(self) -> bool:
+        return self._auditing
+
+    def start_audit(self) -> None:
+        """Run under the full watch until the next optimizer step has run."""
+        if self._auditing or not self.watch.enabled:
+            return
+        self._before_audit = {id(anomaly) for anomaly in self.watch.anomalies}
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_seen)
+        self._auditing = True
+        self.watch.__enter__()
+
+    def end_audit(self, error: BaseException | None = None) -> list:
+        """Leave the full watch (``error``: the exception that ended it); returns the anomalies
+        it found."""
+        if not self._auditing:
+            return []
+        self._auditing = False
+        self._module_hook.remove()
+        if error is None:
+            self.watch.__exit__(None, None, None)
+        else:
+            self.watch.__exit__(type(error), error, error.__traceback__)
+        return [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit]
+
+    def _module_seen(self, module, args) -> None:
+        self._modules.setdefault(module, None)
+
+    # -- the optimizer hooks ------------------------------------------------------------------
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        if self._auditing and self._recheck_of is None:
+            return  # the watch's own check point (opwatch.session) judges this step
+        if all_finite(gradients(optimizer)):
+            return
+        names = self._names()
+        bad = nonfinite_names(optimizer, names)
+        self.failed += 1
+        self.failures.append((self.steps, bad))
+        if self.strict:
+            raise GradientsNotFinite(_failure_text(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
+        if self._recheck_of is not None:
+            # Weights that hold nan/inf make every later step fail: no op of this one is the origin.
+            self._poisoned = nonfinite_parameters(optimizer, names)
+        elif self._told():
+            _warn(_failure_text(self.steps, bad, strict_mode=False, last=len(self.failures) == _TOLD_FAILURES))
+
+    def _told(self) -> bool:
+        """Whether the newest failure is one of those warned and re-checked one by one."""
+        return len(self.failures) <= _TOLD_FAILURES
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._auditing:
+            self.audited += 1
+            found = self.end_audit()
+            recheck, self._recheck_of = self._recheck_of, None
+            if recheck is not None and self._poisoned:
+                _warn(_poisoned_text(recheck, self._poisoned))
+            elif recheck is not None:
+                _warn(_recheck_text(recheck, self.steps, found, self.failures))
+            elif any(anomaly.kind in _NONFINITE_KINDS for anomaly in found):
+                self.failed += 1
+        elif self.failures and self.failures[-1][0] == self.steps and not self.strict and self._told() and not self._poisoned:
+            self._recheck_of = self.steps
+            self.start_audit()
+
+    # -- names --------------------------------------------------------------------------------
+
+    def _names(self) -> dict:
+        names = {}
+        for module in list(self._modules):  # outermost first: a module's hook runs before its children's
+            for name, parameter in module.named_parameters():
+                names.setdefault(id(parameter), name)
+        return names
+
+    def summary(self) -> str:
+        return _summary_text(self.steps, self.audited, self.failed, self.watch.enabled)
+
+    def print_summary(self, prefix: str = "") -> None:
+        print(prefix + self.summary(), file=self._file if self._file is not None else sys.stderr)
+
+
+def gradients(optimizer) -> list:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def all_finite(tensors) -> bool:
+    """Whether every value of ``tensors`` is finite: per device, one fused largest-magnitude
+    kernel (nan and inf carry through) and one host read. Sparse, meta and integer tensors are
+    left out."""
+    by_device: dict = {}
+    for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        by_device.setdefault(tensor.device, []).append(tensor)
+    with torch.no_grad(), no_python_dispatch():
+        largest = [torch.stack([norm.float() for norm in foreach_norm(group, math.inf)]).amax() for group in by_device.values()]
+        return all(math.isfinite(value.item()) for value in largest)
+
+
+def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.grad) -> list:
+    """``(name, "nan" | "inf")`` of each parameter whose gradient (or ``of(parameter)``) is
+    not finite (read after a failed check, so one host read per parameter is fine); a parameter
+    the audit did not see in a module is named by its place in ``optimizer.param_groups``."""
+    bad = []
+    with torch.no_grad(), no_python_dispatch():
+        for number, group in enumerate(optimizer.param_groups):
+            for position, parameter in enumerate(group["params"]):
+                grad = of(parameter)
+                if grad is None or grad.layout != torch.strided or grad.device.type == "meta" or all_finite([grad]):
+                    continue
+                kind = "nan" if bool(torch.isnan(grad).any()) else "inf"
+                bad.append((names.get(id(parameter), f"param_groups[{number}]['params'][{position}]"), kind))
+    return bad
+
+
+def nonfinite_parameters(optimizer, names: dict) -> list:
+    """``(name, kind)`` of each parameter of ``optimizer`` that holds nan/inf itself."""
+    return nonfinite_names(optimizer, names, of=lambda parameter: parameter.detach())
+
+
+def _warn(text: str) -> None:
+    warnings.warn(OpwatchWarning(text), stacklevel=4)
+
+
+# -- words (kept beside the runner: the CLI's and the callbacks' own lines) ------------------
+
+
+def _parameters_text(bad: list) -> str:
+    shown = ", ".join(f"{name} ({kind})" for name, kind in bad[:8])
+    return shown + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+
+
+def _failure_text(step: int, bad: list, *, strict_mode: bool, last: bool = False) -> str:
+    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {_parameters_text(bad)}."
+    if strict_mode:
+        return head + " The optimizer did not run: the weights are as they were before this step."
+    tail = " Later failures are only counted in the summary." if last else ""
+    return head + " The optimizer applies them as usual; the next step runs under a full watch to find the op that makes them." + tail
+
+
+def _poisoned_text(step: int, bad: list) -> str:
+    return (
+        f"opwatch: optimizer step {step} wrote nan/inf into the weights: {_parameters_text(bad)}. Every later step carries them, "
+        "so no later op can be named as their origin; run with --strict to stop before the optimizer applies them. "
+        "Later failures are only counted in the summary."
+    )
+
+
+def _recheck_text(failed_step: int, step: int, found: list, failures: list) -> str:
+    origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
+    if origins:
+        first = origins[0]
+        return f"opwatch: the failure of step {failed_step} recurred at step {step}: {first.kind} first made by {first.op} at {first.where} ({first.phase})."
+    if failures and failures[-1][0] == step:
+        return (
+            f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
+            "they came in with the weights, the batch or the optimizer's state."
+        )
+    return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
+
+
+def _summary_text(steps: int, audited: int, failed: int, enabled: bool) -> str:
+    if not enabled:
+        return "opwatch guard: off (OPWATCH_DISABLE)."
+    return f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, {failed} failed (nan/inf in the gradients)."
