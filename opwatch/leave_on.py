@@ -52,15 +52,24 @@ class LeaveOn:
     """A context manager: the audit, then the fused gradient check at every optimizer step.
 
     ``audit="first"`` (the CLI's): a full watch from the start until the first optimizer step
-    has run. ``audit="manual"`` (the trainers'): no watch until :meth:`start_audit`, and each
-    audit ends after the next optimizer step (or at :meth:`end_audit`). ``strict``, ``allow``,
-    ``last``, ``file``, ``warn`` go to the watch (:func:`opwatch.watch`); the same watch is
+    has run. ``audit="manual"`` (the trainers'): no watch until :meth:`start_audit` (or
+    :meth:`audit_batch`: the first batch and each new signature), and each audit ends after the
+    next optimizer step (or at :meth:`end_audit`). ``pre_hook=False``: the caller calls
+    :meth:`before_step` itself after the backward (Lightning runs the forward and backward
+    inside ``optimizer.step(closure)``, after torch's pre-hook). ``max_audits``: the most
+    distinct batch signatures audited. ``strict``, ``allow``, ``last``, ``file``, ``warn``,
+    ``checks``, ``max_records`` go to the watch (:func:`opwatch.watch`); the same watch is
     re-entered for every audit, so its anomalies accumulate and warn once per line.
     """
 
-    def __init__(self, *, strict_mode: bool = False, audit: str = "first", file=None, **watch_options):
+    def __init__(self, *, strict_mode: bool = False, audit: str = "first", pre_hook: bool = True, max_audits: int = 8, file=None, **watch_options):
         if audit not in ("first", "manual"):
             raise ValueError(f"audit must be 'first' or 'manual', got {audit!r}")
+        if isinstance(max_audits, bool) or not isinstance(max_audits, int) or max_audits < 1:
+            raise ValueError(f"max_audits must be an int of at least 1, got {max_audits!r}")
+        self.pre_hook = pre_hook  # read when the run starts
+        self._max_audits = max_audits
+        self._signatures: set = set()
         self.strict = strict_mode
         self.watch: Watch = (strict if strict_mode else watch)(file=file, **watch_options)
         self._audit_first = audit == "first"
@@ -82,12 +91,17 @@ class LeaveOn:
     def __enter__(self) -> LeaveOn:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handles = [register_optimizer_step_pre_hook(self._before_step), register_optimizer_step_post_hook(self._after_step)]
+        for handle in self._handles:  # entered again (a second trainer.train())
+            handle.remove()
+        self._handles = [register_optimizer_step_post_hook(self._after_step)]
+        if self.pre_hook:
+            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         if self._audit_first:
             self.start_audit()
         return self
 
     def __exit__(self, exc_type, exc, traceback_) -> bool:
+        """End the run (again: nothing happens)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -97,6 +111,16 @@ class LeaveOn:
     @property
     def auditing(self) -> bool:
         return self._auditing
+
+    def audit_batch(self, batch) -> bool:
+        """Audit this batch if its signature (nesting, shapes, dtypes, devices) is new and
+        fewer than ``max_audits`` were audited; returns whether it is audited."""
+        key = signature(batch)
+        if key in self._signatures or len(self._signatures) >= self._max_audits:
+            return False
+        self._signatures.add(key)
+        self.start_audit()
+        return True
 
     def start_audit(self) -> None:
         """Run under the full watch until the next optimizer step has run."""
@@ -120,15 +144,31 @@ class LeaveOn:
             self.watch.__exit__(type(error), error, error.__traceback__)
         return [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit]
 
+    def know(self, module) -> None:
+        """Name the parameters after ``module`` (the trainer's model) before any other."""
+        self._modules.setdefault(module, None)
+
+    def end_batch(self) -> None:
+        """A trainer's batch ended: end an audit that saw no optimizer step (gradient
+        accumulation); a re-check armed after a failed step goes on to the next step."""
+        if self._recheck_of is None:
+            self.end_audit()
+
     def _module_seen(self, module, args) -> None:
         self._modules.setdefault(module, None)
 
     # -- the optimizer hooks ------------------------------------------------------------------
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        self.before_step(optimizer)
+
+    def before_step(self, optimizer) -> None:
+        """The check before ``optimizer`` applies its gradients (torch's step pre-hook, or the
+        trainer's hook after the backward)."""
         self.steps += 1
         if self._auditing and self._recheck_of is None:
-            return  # the watch's own check point (opwatch.session) judges this step
+            self.watch.check()  # the watch's own check point: names the origin, raises in strict
+            return
         if all_finite(gradients(optimizer)):
             return
         names = self._names()
@@ -174,8 +214,24 @@ class LeaveOn:
     def summary(self) -> str:
         return _summary_text(self.steps, self.audited, self.failed, self.watch.enabled)
 
-    def print_summary(self, prefix: str = "") -> None:
-        print(prefix + self.summary(), file=self._file if self._file is not None else sys.stderr)
+    def print_summary(self, prefix: str = "", *, watch_summary: bool = False) -> None:
+        """Print the counts (after the audits' summary with ``watch_summary``)."""
+        text = prefix + self.summary()
+        if watch_summary:
+            text = prefix + self.watch.summary() + "\n" + text
+        print(text, file=self._file if self._file is not None else sys.stderr)
+
+
+def signature(value, depth: int = 0):
+    """What an audit depends on: the nesting of ``value`` and its tensors' shapes, dtypes and
+    devices (other leaves by type)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    if depth < 8 and isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(signature(item, depth + 1) for item in value))
+    if depth < 8 and isinstance(value, dict):
+        return ("dict", tuple((key, signature(item, depth + 1)) for key, item in value.items()))
+    return type(value).__name__
 
 
 def gradients(optimizer) -> list:

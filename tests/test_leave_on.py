@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Regressor(nn.Module):
-    """A small MLP; ``bug="backward nan"`` makes a nan only in backward (a masked log)."""
+    """A small MLP; ``bug="backward nan"`` makes a nan only in backward,
+    ``bug="broadcast"`` returns ``(B, 1)`` predictions."""
 
     def __init__(self, bug=None):
         super().__init__()
@@ -32,8 +34,9 @@ class Regressor(nn.Module):
     def forward(self, x):
         h = torch.relu(self.fc1(x))
         if self.bug == "backward nan":
-            h = torch.where(h > 0, h, h.log())  # BUG backward: log'(0) * 0 = nan, forward masked
-        return self.fc2(h).squeeze(-1)
+            h = h + (h * 0).sqrt()  # BUG backward: sqrt'(0) * 0 = nan; forward adds 0
+        out = self.fc2(h)
+        return out if self.bug == "broadcast" else out.squeeze(-1)  # BUG broadcast: keeps (B, 1)
 
 
 def batches(count, size=8):
@@ -154,6 +157,7 @@ class _nothing:
 # -- item 3: python -m opwatch --guard ------------------------------------------------------
 
 TRAIN = """\
+import io
 import os
 import numpy as np
 import torch
@@ -262,3 +266,167 @@ def test_guard_cli_strict_raises_before_the_optimizer_and_leaves_the_weights_fin
     assert "stopped: GradientsNotFinite" in result.stdout, result.stdout + result.stderr
     assert "weights finite: True" in result.stdout
     assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr
+
+
+# -- item 4: the trainers' guard mode --------------------------------------------------------
+
+
+def steady_data(count=12, width=4):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(count, width, generator=generator)
+    return x, x.sum(-1)
+
+
+def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=None):
+    lightning = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Regressor()
+            self.weights = torch.from_numpy(np.ones(1)) if bug == "float64" else torch.ones(1)
+
+        def training_step(self, batch, batch_idx):
+            x, target = batch
+            self.net.bug = "backward nan" if self.global_step + 1 == nan_at else bug
+            pred = self.net(x)
+            return (((pred - target) ** 2) * self.weights).mean()  # LIGHTNING LOSS
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = lightning.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[callback],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Regression()
+    trainer.fit(module, DataLoader(TensorDataset(*(data or steady_data(4 * steps))), batch_size=4))
+    return module
+
+
+@pytest.mark.parametrize("bug, kind", [("broadcast", "broadcast"), ("float64", "dtype_mismatch")])
+def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    lightning_guard(tmp_path, callback, bug=bug)
+    assert [anomaly.kind for anomaly in callback.anomalies] == [kind]
+    assert callback.anomalies[0].filename == __file__
+    assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
+
+
+def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    lightning_guard(tmp_path, callback, steps=4, data=steady_data(14))  # batches of 4, 4, 4, 2
+    assert (callback.runner.steps, callback.runner.audited) == (4, 2)
+    assert not callback.anomalies
+
+
+def test_lightning_guard_names_a_nan_first_made_at_step_k_and_strict_keeps_the_weights(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.leave_on import GradientsNotFinite
+
+    callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
+    with pytest.raises(GradientsNotFinite) as raised:
+        module = lightning_guard(tmp_path, callback, nan_at=2)
+    assert raised.value.step == 2 and ("net.fc1.weight", "nan") in raised.value.parameters
+    assert "optimizer step 2" in str(raised.value)
+
+
+def test_lightning_guard_without_strict_names_the_origin_at_the_next_step(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: the gradients about to be applied hold nan/inf"):
+        lightning_guard(tmp_path, callback, nan_at=2, steps=4)
+    assert callback.runner.failed >= 1 and callback.runner.audited == 2
+
+
+def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
+    """A Hugging Face train; ``nan_at``: the forward call that makes a backward nan;
+    ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Regressor()
+            self.calls = 0
+
+        def forward(self, x, labels=None):
+            self.calls += 1
+            poisoned = self.calls == nan_at or bool((x.abs() > 100).any())
+            self.net.bug = "backward nan" if poisoned else bug
+            pred = self.net(x)
+            return {"loss": ((pred - labels) ** 2).mean(), "logits": pred}  # HF LOSS
+
+    x, y = steady_data(4 * steps)
+    if bad_sample is not None:
+        x[bad_sample] = 1000.0
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=0.01, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = Regression()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)], callbacks=[callback])
+    if guard is not None:
+        guard(trainer)
+    with callback:
+        trainer.train()
+    return model
+
+
+def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback
+
+    out = io.StringIO()
+    callback = OpwatchCallback(mode="guard", warn=False, file=out)
+    hf_guard(tmp_path, callback, bug="broadcast")
+    assert [anomaly.kind for anomaly in callback.anomalies] == ["broadcast"]
+    assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
+    assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in out.getvalue()
+
+
+def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.leave_on import GradientsNotFinite
+
+    callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
+    with pytest.raises(GradientsNotFinite) as raised:
+        model = hf_guard(tmp_path, callback, nan_at=2)
+    assert raised.value.step == 2
+
+
+def test_guard_trainer_replays_the_failing_batch_and_names_the_origin(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        hf_guard(tmp_path, callback, bad_sample=5, guard=guard_trainer)
+    anomaly = raised.value.anomaly
+    assert anomaly.kind in ("nan", "inf") and (anomaly.filename, anomaly.lineno) == (__file__, line_of("BUG backward", __file__))
+
+
+def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+
+    guarded = []
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning):
+        model = hf_guard(tmp_path, callback, bad_sample=5, guard=lambda t: guarded.append(guard_trainer(t, on_failure="skip")))
+    assert len(guarded[0].failures) == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert callback.runner.failed == 0  # the skipped batch's gradients never reached the optimizer
+
+
+def test_a_bad_mode_is_a_value_error_naming_the_modes():
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    with pytest.raises(ValueError, match="'watch', 'guard'"):
+        OpwatchCallback(mode="fast")
+
+
