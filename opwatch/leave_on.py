@@ -26,11 +26,10 @@ import weakref
 import torch
 
 from .anomaly import OpwatchWarning
-from .compat import no_python_dispatch
-from .compat import foreach_norm
+from .compat import foreach_norm, no_python_dispatch
 from .session import Watch, strict, watch
 
-__all__ = ["LeaveOn", "GradientsNotFinite", "all_finite", "nonfinite_names"]
+__all__ = ["LeaveOn", "GradientsNotFinite", "signature", "all_finite", "nonfinite_names", "nonfinite_parameters"]
 
 _NONFINITE_KINDS = ("nan", "inf")
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -159,6 +160,7 @@ class _nothing:
 TRAIN = """\
 import io
 import os
+import re
 import numpy as np
 import torch
 from torch import nn
@@ -430,3 +432,34 @@ def test_a_bad_mode_is_a_value_error_naming_the_modes():
         OpwatchCallback(mode="fast")
 
 
+
+
+SCALED = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows at first: skipped steps
+for step in range(8):
+    x = torch.randn(8, 4)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = ((model(x).squeeze(-1) - x.sum(-1)) ** 2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+@pytest.mark.parametrize("strict_option", [(), ("--strict",)])
+def test_guard_cli_gradscaler_skipped_steps_are_not_failures(tmp_path, strict_option):
+    (tmp_path / "train.py").write_text(SCALED)
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", *strict_option, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr
+    skipped = 8 - int(re.search(r"opwatch guard: (\d+) optimizer steps ran", result.stderr).group(1))
+    assert skipped >= 1 and float(result.stdout.split()[-1]) < 2.0**40  # the scaler skipped steps
+    assert ", 0 failed" in result.stderr and "hold nan/inf" not in result.stderr
