@@ -92,6 +92,9 @@ class LeaveOn:
 
         for handle in self._handles:  # entered again (a second trainer.train())
             handle.remove()
+        self._handles = []
+        if not self.watch.enabled:  # OPWATCH_DISABLE: the run goes on untouched
+            return self
         self._handles = [register_optimizer_step_post_hook(self._after_step)]
         if self.pre_hook:
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
@@ -164,6 +167,8 @@ class LeaveOn:
     def before_step(self, optimizer) -> None:
         """The check before ``optimizer`` applies its gradients (torch's step pre-hook, or the
         trainer's hook after the backward)."""
+        if not self.watch.enabled:
+            return
         self.steps += 1
         if self._auditing and self._recheck_of is None:
             self.watch.check()  # the watch's own check point: names the origin, raises in strict
