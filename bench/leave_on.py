@@ -9,10 +9,10 @@ taken within this one run, the contenders interleaved (A B A B ...), so that a n
 shifts both alike:
 
 - cli: ``python -m opwatch --guard train.py`` against ``python train.py`` on a 600-step
-  training script (an MLP, SGD, a ``loss.item()`` every 50 steps), start-up included: each run
-  is a fresh process, timed by ``RUSAGE_CHILDREN``.
+  training script (an MLP, Adam, a ``loss.item()`` every 50 steps), start-up included: each
+  run is a fresh process (``OMP_NUM_THREADS=1``), timed by ``RUSAGE_CHILDREN``.
 - lightning: ``Trainer.fit`` with ``OpwatchCallback(mode="guard")`` against the same fit with
-  no callback (in this process).
+  no callback (in this process, both warmed up by a 5-step fit first: imports are not timed).
 - hf: ``transformers.Trainer.train`` with ``OpwatchCallback(mode="guard")`` against the same
   train with no callback (in this process).
 
@@ -55,7 +55,8 @@ for step in range({steps}):
 def child_cpu(command: list[str], cwd: str) -> float:
     """CPU seconds (user + system) of one run of ``command`` in a fresh process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # One intra-op thread: idle OpenMP workers spin, and their spinning would count as CPU time.
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     subprocess.run(command, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -129,7 +130,8 @@ def lightning_fit(steps: int, callback):
 def bench_lightning(steps: int, repeats: int) -> str:
     from opwatch.integrations.lightning import OpwatchCallback
 
-    lightning_fit(5, None)  # imports and first-call costs out of the timings
+    lightning_fit(5, None)  # imports and first-call costs out of the timings, both sides
+    lightning_fit(5, OpwatchCallback(mode="guard", log=False, file=open(os.devnull, "w")))
     runs = {
         "fit": lambda: _cpu(lambda: lightning_fit(steps, None)),
         "fit guard": lambda: _cpu(lambda: lightning_fit(steps, OpwatchCallback(mode="guard", log=False, file=open(os.devnull, "w")))),
@@ -168,7 +170,8 @@ def bench_hf(steps: int, repeats: int) -> str:
 
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as folder:
-        hf_train(5, None, folder)
+        hf_train(5, None, folder)  # imports and first-call costs out of the timings, both sides
+        hf_train(5, OpwatchCallback(mode="guard", file=open(os.devnull, "w")), folder)
         runs = {
             "train": lambda: _cpu(lambda: hf_train(steps, None, folder)),
             "train guard": lambda: _cpu(lambda: hf_train(steps, OpwatchCallback(mode="guard", file=open(os.devnull, "w")), folder)),

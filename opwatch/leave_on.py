@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .anomaly import OpwatchWarning
-from .compat import foreach_norm, no_python_dispatch
+from .compat import amp_non_finite_check, foreach_norm, no_python_dispatch
 from .session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "signature", "all_finite", "nonfinite_names", "nonfinite_parameters"]
@@ -81,6 +81,7 @@ class LeaveOn:
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
         self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
+        self._flags: dict = {}  # device -> the fused check's (found-inf flag, 1)
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
         self._poisoned: list = []  # parameters that hold nan/inf themselves: told once
@@ -173,7 +174,7 @@ class LeaveOn:
         if self._auditing and self._recheck_of is None:
             self.watch.check()  # the watch's own check point: names the origin, raises in strict
             return
-        if all_finite(gradients(optimizer)):
+        if all_finite(gradients(optimizer), self._flags):
             return
         names = self._names()
         bad = nonfinite_names(optimizer, names)
@@ -242,18 +243,35 @@ def gradients(optimizer) -> list:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def all_finite(tensors) -> bool:
-    """Whether every value of ``tensors`` is finite: per device, one fused largest-magnitude
-    kernel (nan and inf carry through) and one host read. Sparse, meta and integer tensors are
-    left out."""
+def all_finite(tensors, flags: dict | None = None) -> bool:
+    """Whether every value of ``tensors`` is finite: per device one fused kernel and one host
+    read. GradScaler's check (``compat.amp_non_finite_check``, which multiplies the values by
+    1 in place: unchanged) where it takes the tensors, with its found-inf flag kept in
+    ``flags`` per device; else their largest magnitudes (nan and inf carry through). Sparse,
+    meta and integer tensors are left out."""
     by_device: dict = {}
     for tensor in tensors:
         if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
             continue
         by_device.setdefault(tensor.device, []).append(tensor)
     with torch.no_grad(), no_python_dispatch():
-        largest = [torch.stack([norm.float() for norm in foreach_norm(group, math.inf)]).amax() for group in by_device.values()]
-        return all(math.isfinite(value.item()) for value in largest)
+        return all(_finite_on_device(device, group, flags) for device, group in by_device.items())
+
+
+def _finite_on_device(device, group: list, flags: dict | None) -> bool:
+    if flags is not None and amp_non_finite_check is not None and not any(t.requires_grad or t.is_complex() for t in group):
+        found, one = flags.get(device) or flags.setdefault(device, (torch.zeros(1, device=device), torch.ones(1, device=device)))
+        try:
+            amp_non_finite_check(group, found, one)
+        except (RuntimeError, NotImplementedError, TypeError):
+            found.zero_()  # overlapping or mixed tensors: the kernel gave up; the norms below
+        else:
+            if found.item() == 0:
+                return True
+            found.zero_()
+            return False
+    largest = torch.stack([norm.float() for norm in foreach_norm(group, math.inf)]).amax()
+    return math.isfinite(largest.item())
 
 
 def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.grad) -> list:
