@@ -34,6 +34,8 @@ class Regressor(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.fc1(x))
+        if self.bug == "device":
+            h = h + torch.zeros(16, device="meta")  # BUG device: meta stands in for the GPU
         if self.bug == "backward nan":
             h = h + (h * 0).sqrt()  # BUG backward: sqrt'(0) * 0 = nan; forward adds 0
         out = self.fc2(h)
@@ -316,6 +318,16 @@ def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
     assert [anomaly.kind for anomaly in callback.anomalies] == [kind]
     assert callback.anomalies[0].filename == __file__
     assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
+
+
+def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.raises(RuntimeError):  # the mix fails in eager too: the audit names it first
+        lightning_guard(tmp_path, callback, bug="device")
+    assert [anomaly.kind for anomaly in callback.anomalies] == ["device_mismatch"]
+    assert (callback.anomalies[0].filename, callback.anomalies[0].lineno) == (__file__, line_of("BUG device", __file__))
 
 
 def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
