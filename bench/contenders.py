@@ -251,7 +251,8 @@ def main_contenders(opwatch: Any | None) -> list[Contender]:
     contenders += [
         Contender("DebugMode()", _debug_mode),
         Contender("DebugMode(stack,module)", _debug_mode_full),
-        Contender("detect_anomaly()", torch.autograd.detect_anomaly),
+        # What users compare opwatch with: autograd's anomaly mode, nan checks on (its default).
+        Contender("detect_anomaly(check_nan=True)", lambda: torch.autograd.detect_anomaly(check_nan=True)),
     ]
     return contenders
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Iterable
@@ -157,6 +158,7 @@ class Watch:
         self._modules: ModuleStack | None = None
         self._next_index = 0
         self._told_internal_error = False
+        self._thread = None  # the thread the watch is active on (the optimizer hook asks)
         # The job's view from this process (opwatch.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
 
@@ -281,6 +283,7 @@ class Watch:
             modules.uninstall()
             raise
         self._interceptor, self._modules = interceptor, modules
+        _steps_checked.hold(self)
         return self
 
     def __exit__(self, exc_type, exc, traceback_) -> bool:
@@ -288,6 +291,7 @@ class Watch:
         if interceptor is None:
             return False
         self._interceptor = None
+        _steps_checked.release(self)
         try:
             interceptor.__exit__(exc_type, exc, traceback_)
         finally:
@@ -305,6 +309,13 @@ class Watch:
             except Exception as error:
                 self._internal_error(error, traceback.format_exc())
         return False
+
+    def _before_optimizer_step(self) -> None:
+        """A check point before an optimizer applies the gradients (the optimizer step
+        pre-hook): in strict mode a nan/inf about to reach the weights raises here, naming the
+        op that made it, and the weights stay as they were."""
+        if self._interceptor is not None:
+            self._interceptor.check_point(final=True)
 
     def _publish(self) -> None:
         """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
@@ -349,6 +360,49 @@ class Watch:
         else:
             return None
         return self._log.find(index)
+
+
+class _OptimizerCheckPoints:
+    """One global optimizer step pre-hook while any watch is active (registered by the first,
+    removed by the last, however they nest): each step of any ``torch.optim`` optimizer is a
+    check point of the watches active on the thread that runs it, innermost first.
+
+    GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite, so the
+    steps it skips never reach this hook."""
+
+    def __init__(self):
+        self._watches: list[Watch] = []
+        self._handle = None
+        self._lock = threading.Lock()
+
+    def hold(self, w: Watch) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        with self._lock:
+            w._thread = threading.get_ident()
+            self._watches.append(w)
+            if self._handle is None:
+                self._handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def release(self, w: Watch) -> None:
+        with self._lock:
+            self._watches = [other for other in self._watches if other is not w]
+            if not self._watches and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+    @property
+    def registered(self) -> bool:
+        return self._handle is not None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        thread = threading.get_ident()
+        for w in reversed(self._watches):
+            if w._thread == thread:
+                w._before_optimizer_step()
+
+
+_steps_checked = _OptimizerCheckPoints()
 
 
 def _disabled_by_environment() -> bool:
