@@ -6,7 +6,7 @@
 Each variant is ``watch()`` with one part switched off or stubbed; the cost of a part is the
 median over rounds of (full variant - variant without it), paired within a round, like the
 ratios of ``bench.run``. Stubbing a part means patching opwatch's private internals for the
-duration of a block (``_head``, ``_metas``, ``NonFiniteTracker._reduce``): this harness is
+duration of a block (``_head``, ``_metas``, ``nonfinite.tracker.NonFiniteTracker._reduce``): this harness is
 tied to opwatch's internals on purpose and must follow them when they change. Garbage
 collection time is measured with ``gc.callbacks`` around watched blocks.
 """
@@ -28,7 +28,7 @@ import torch
 from tabulate import tabulate
 
 import opwatch
-from opwatch.checks import nonfinite
+from opwatch.checks.nonfinite import tracker as nonfinite
 from opwatch.modes import interceptor
 from bench.contenders import Contender, Passthrough
 from bench.timing import measure, paired_difference, paired_ratio

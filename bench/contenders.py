@@ -178,6 +178,37 @@ def guard_split(opwatch: Any, step: Callable[[], None]) -> tuple[Callable[[], No
                         Contender("opwatch.guard()", guarding, is_opwatch=True)]
 
 
+AUDITED_STEPS = 200  # steps of one block of the audited guard: one fresh guard, one audit
+
+
+def guard_audit_split(opwatch: Any, step: Callable[[], None]) -> tuple[Callable[[], None], list[Contender]]:
+    """Like :func:`guard_split`, with a guard made fresh in each block (``audit="new"``, the
+    default): its first call runs under a full watch, so a block of :data:`AUDITED_STEPS`
+    steps bills one audit, the way a 200-step run does; a fresh ``audit="never"`` guard beside
+    it isolates the audit's share. Time them with
+    ``measure(step, contenders, rounds, target_seconds=1e9, max_steps=AUDITED_STEPS)`` so that
+    every block is exactly that many steps."""
+    split_step, (eager, _) = guard_split(opwatch, step)
+    current = _free_variable(split_step, "current")
+    forward_backward = current[0]
+    model = _free_variable(_free_variable(step, "loss_fn"), "model")
+
+    def fresh(audit: str) -> Callable[[], ContextManager]:
+        @contextlib.contextmanager
+        def guarding():
+            current[0] = guarded = opwatch.guard(forward_backward, model, audit=audit)
+            try:
+                yield guarded
+            finally:
+                current[0] = forward_backward
+
+        return guarding
+
+    return split_step, [eager,
+                        Contender(f"opwatch.guard(audit='new') x{AUDITED_STEPS}", fresh("new"), is_opwatch=True),
+                        Contender(f"opwatch.guard(audit='never') x{AUDITED_STEPS}", fresh("never"), is_opwatch=True)]
+
+
 def _free_variable(function: Callable, name: str) -> Any:
     """The value of ``name`` in ``function``'s closure (how the workload's step is taken apart)."""
     names = function.__code__.co_freevars
@@ -220,7 +251,8 @@ def main_contenders(opwatch: Any | None) -> list[Contender]:
     contenders += [
         Contender("DebugMode()", _debug_mode),
         Contender("DebugMode(stack,module)", _debug_mode_full),
-        Contender("detect_anomaly()", torch.autograd.detect_anomaly),
+        # What users compare opwatch with: autograd's anomaly mode, nan checks on (its default).
+        Contender("detect_anomaly(check_nan=True)", lambda: torch.autograd.detect_anomaly(check_nan=True)),
     ]
     return contenders
 

@@ -52,6 +52,7 @@ from bench.workloads import WORKLOADS
 
 EAGER, FLOOR, WATCH = "eager", "passthrough", "opwatch.watch()"
 DEBUG_FULL = "DebugMode(stack,module)"
+DETECT_ANOMALY = "detect_anomaly(check_nan=True)"
 CHECKS_VARIANTS = ("watch(no nonfinite)", "watch(no checks)")
 DEFAULT_MAX_RECORDS = 10_000  # opwatch's documented default
 NAN_WORKLOAD = "tfm256"  # where the nan/inf check is priced separately
@@ -231,11 +232,15 @@ def targets_report(results: list[WorkloadResult]) -> str:
     lines, rows = [], []
     for wr in results:
         w, f, d = (wr.measurements.get(k) for k in (WATCH, FLOOR, DEBUG_FULL))
+        a, e = wr.measurements.get(DETECT_ANOMALY), wr.measurements.get(EAGER)
         if not w:
             continue
         over_floor = paired_ratio(w, f) if f else None
         speedup = paired_ratio(d, w) if d else None
-        rows.append([wr.name, fmt(over_floor, ".2f", "x"), fmt(speedup, ".1f", "x")])
+        anomaly_over_eager = paired_ratio(a, e) if a and e and not a.error else None
+        anomaly_over_watch = paired_ratio(a, w) if a and not a.error else None
+        rows.append([wr.name, fmt(over_floor, ".2f", "x"), fmt(speedup, ".1f", "x"),
+                     fmt(anomaly_over_eager, ".2f", "x"), fmt(anomaly_over_watch, ".2f", "x")])
         if wr.name == "tfm32":
             lines.append(_verdict("watch() / passthrough on tfm32", over_floor,
                                   f"<= {TARGET_WATCH_OVER_FLOOR}x",
@@ -245,7 +250,8 @@ def targets_report(results: list[WorkloadResult]) -> str:
                                   speedup is not None and speedup >= TARGET_SPEEDUP_VS_DEBUG_FULL))
     if not rows:
         return "  (opwatch not available: targets not evaluated)"
-    table = tabulate(rows, headers=["workload", "watch()/floor", "DebugMode(stack,module)/watch()"])
+    table = tabulate(rows, headers=["workload", "watch()/floor", "DebugMode(stack,module)/watch()",
+                                    "detect_anomaly/eager", "detect_anomaly/watch()"])
     return "\n".join(lines + ["", table])
 
 

@@ -38,6 +38,7 @@ _EXPORTS = {
     "AnomalyError": ".anomaly",
     "OpwatchWarning": ".anomaly",
     "load": ".export",
+    "diff": ".divergence",
 }
 
 __all__ = list(_EXPORTS)
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from .allow import Allow
     from .anomaly import Anomaly, AnomalyError, OpwatchWarning
     from .checks import KINDS
+    from .divergence import diff
     from .export import load
     from .guard import guard
     from .notation import TensorMeta, format_meta

@@ -1,7 +1,8 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
+    python -m opwatch [--strict] [--guard] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
     python -m opwatch show run.jsonl [--last N]
+    python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/cli_diff.py)
     python -m opwatch demo
 
 The script runs as ``python script.py args...`` would run it: ``__main__`` with an absolute
@@ -9,6 +10,10 @@ The script runs as ``python script.py args...`` would run it: ``__main__`` with 
 Python's warning filters, ``sys.exit`` codes and messages, the traceback of an uncaught exception
 (without opwatch's and runpy's frames) through ``sys.excepthook``, and Ctrl-C ending the process
 by SIGINT. The one difference is opwatch's report, printed to stderr at the end.
+
+``--guard`` leaves opwatch on at eager speed for a long run (:mod:`opwatch.leave_on`): a full
+watch until the first optimizer step has run, then one fused finiteness check of the gradients
+before each optimizer step.
 """
 
 from __future__ import annotations
@@ -41,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         "and, if the script fails, the last ops before the failure. 'demo' runs the built-in demo.",
     )
     parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
+    parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="watch fully until the first optimizer step, then only check the gradients before each optimizer step (eager speed); a failure re-arms the full watch",
+    )
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
     parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
     parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
     parser.add_argument(
         "--allow",
@@ -57,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.last < 0:
         parser.error("--last must be 0 or more")
+    if options.guard and options.fingerprints:
+        parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
     try:
         allow = [parse_allow(text) for text in options.allow]
     except (ValueError, TypeError) as error:
@@ -66,10 +79,23 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(last=options.last)
         if options.script == "show" and not os.path.exists("show"):
             return run_show(options.args)
+        if options.script == "diff" and not os.path.exists("diff"):
+            from .cli_diff import run_diff
+
+            return run_diff(options.args)
         if not os.path.isfile(options.script):
             parser.error(f"no such script: {options.script}")
         return run_script(
-            options.script, options.args, strict_mode=options.strict, last=options.last, jsonl=options.jsonl, trace=options.trace, allow=allow, post_mortem=options.pdb
+            options.script,
+            options.args,
+            strict_mode=options.strict,
+            last=options.last,
+            jsonl=options.jsonl,
+            trace=options.trace,
+            allow=allow,
+            post_mortem=options.pdb,
+            guard=options.guard,
+            fingerprints=options.fingerprints,
         )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
@@ -79,17 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False) -> int:
-    """Run ``path`` as ``python path args...`` would, under a watch, then print the summary to
-    ``out`` (stderr) and write the log to ``jsonl`` / ``trace`` when given. Returns the exit
-    status; an uncaught ``KeyboardInterrupt`` is reported and then re-raised."""
+def run_script(
+    path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
+    fingerprints: bool = False,
+) -> int:
+    """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
+    :class:`opwatch.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
+    log to ``jsonl`` / ``trace`` when given. Returns the exit status; an uncaught
+    ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
-    w = (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow)
+    runner = None
+    if guard:
+        from .leave_on import LeaveOn
+
+        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow)
+    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints)
     status, interrupt = 0, None
     with _running_as_main(path, args) as module:
         try:
             program = _compile(module.__file__)
-            with w:
+            with runner if guard else w:
                 if program is None:  # a zip application or a .pyc: runpy knows those
                     runpy.run_path(path, run_name="__main__")
                 else:
@@ -108,6 +143,8 @@ def run_script(path: str, args: list[str], *, strict_mode: bool = False, last: i
     if trace:
         w.export_chrome_trace(trace)
     print(w.summary(), file=out)
+    if guard:
+        runner.print_summary()
     _print_every_rank(w, out)
     if interrupt is not None:
         raise interrupt

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from fnmatch import fnmatchcase
 
-__all__ = ["Allow", "parse_allow"]
+__all__ = ["Allow", "parse_allow", "where_matches"]
 
 FIELDS = ("kind", "op", "module", "where")
 
@@ -24,8 +25,14 @@ class Allow:
     module
         The module path: ``Allow(module="encoder.*.attn")``.
     where
-        The user's line as messages show it (``"train.py:42"``, ``"src/train.py:4?"``); a
-        pattern without a folder also matches the file's base name.
+        The user's line, ``FILE:LINE`` (``"train.py:42"``, ``"src/train.py:4?"``), or a file
+        alone (``"src/train.py"``: any of its lines). ``FILE`` is matched against the end of
+        the file's absolute path, one path component against one (``*`` stays within a
+        component): ``"train.py:42"`` matches ``/home/me/proj/train.py`` line 42 from any
+        working directory, ``"src/train.py:42"`` matches ``.../src/train.py`` but not
+        ``.../tools/train.py``, and a pattern starting with ``/`` is the whole path. A pattern
+        also matches the location as messages show it (``where``, relative to the working
+        directory, or a named place such as ``"DDP bucket*"`` or ``"autograd"``).
 
     ``Allow()`` with no field allows everything. Unknown fields or kinds are a ``ValueError``
     naming the accepted ones.
@@ -60,12 +67,8 @@ class Allow:
                 return False
         if self.module is not None and not fnmatchcase(anomaly.module or "", self.module):
             return False
-        if self.where is not None:
-            where = anomaly.record.where
-            if not fnmatchcase(where, self.where):
-                base = where.replace("\\", "/").rsplit("/", 1)[-1]
-                if "/" in self.where or not fnmatchcase(base, self.where):
-                    return False
+        if self.where is not None and not where_matches(self.where, anomaly.filename, anomaly.lineno, anomaly.where):
+            return False
         return True
 
     def __eq__(self, other) -> bool:
@@ -77,6 +80,28 @@ class Allow:
     def __repr__(self) -> str:
         given = ", ".join(f"{name}={getattr(self, name)!r}" for name in FIELDS if getattr(self, name) is not None)
         return f"Allow({given})"
+
+
+def where_matches(pattern: str, filename: str | None, lineno: int | None, shown: str) -> bool:
+    """Whether ``pattern`` (``FILE:LINE`` or ``FILE``, globs allowed) names the line ``lineno``
+    of ``filename``, or the location ``shown`` as messages show it (see :class:`Allow`)."""
+    if fnmatchcase(shown, pattern):
+        return True
+    if filename is None:
+        return False
+    path, sep, line = pattern.rpartition(":")
+    if not sep or "/" in line or "\\" in line:  # no line given (or a Windows drive's colon)
+        path, line = pattern, "*"
+    if lineno is None or not fnmatchcase(str(lineno), line):
+        return False
+    wanted = path.replace("\\", "/").split("/")
+    anchored = wanted[0] == "" and len(wanted) > 1  # "/abs/train.py": the whole path
+    wanted = [part for part in wanted if part not in ("", ".")]
+    parts = os.path.abspath(filename).replace("\\", "/").split("/")
+    parts = [part for part in parts if part]
+    if not wanted or len(wanted) > len(parts) or (anchored and len(wanted) != len(parts)):
+        return False
+    return all(fnmatchcase(have, want) for have, want in zip(parts[len(parts) - len(wanted) :], wanted))
 
 
 def parse_allow(text: str) -> Allow:

@@ -3,40 +3,35 @@
 from __future__ import annotations
 
 from .checks.finding import Finding
+from .ops import is_collective_op
 from .records import OpRecord
 
-__all__ = ["Anomaly", "AnomalyError", "OpwatchWarning"]
+__all__ = ["BaseAnomaly", "Anomaly", "AnomalyError", "OpwatchWarning"]
 
 
 class OpwatchWarning(UserWarning):
     """Warned once per (kind, file, line) by ``watch()``; also how internal errors are told."""
 
 
-class Anomaly:
-    """One anomaly, tied to the op that caused it.
+class BaseAnomaly:
+    """The one anomaly interface, shared by live anomalies (:class:`Anomaly`), saved ones
+    (:class:`opwatch.export.SavedAnomaly`), replayed ones (guard) and other ranks' ones.
 
-    Attributes:
-        kind: one of ``opwatch.KINDS``: ``"device_mismatch"``, ``"dtype_mismatch"``,
-            ``"broadcast"``, ``"nan"``, ``"inf"``, ``"overflow_risk"``, ``"collective_mismatch"``.
-        op: the op's name (``"aten.sub.Tensor"``).
-        filename / lineno: the user's source line; for backward ops, the forward line.
-        where: ``train.py:23``, as every message shows it (or a named place, ``DDP bucket [...]``).
-        module: the ``nn.Module`` path, or ``None``.
-        phase: ``"forward"`` or ``"backward"``.
-        index: the op's index in the watch's log.
-        rank: the rank that found it in a ``torch.distributed`` job, else ``None``.
-        received: a nan/inf that arrived through a collective rather than made on this rank.
-        record: the op's :class:`~opwatch.OpRecord`.
-        message: the full text, also ``str(anomaly)``: kind, op, line and its text with the
-            sub-expression marked, module, the tensors involved, what was expected, a likely fix.
+    A subclass provides two attributes (slots, plain attributes or properties):
+
+    - ``finding``: the :class:`~opwatch.checks.finding.Finding` (its facts);
+    - ``record``: the op's record, anything with the interface of
+      :class:`~opwatch.records.BaseRecord` (``func``, ``position``, ``phase``, ...).
+
+    Derived here from those two: ``kind``, ``op``, ``filename``, ``lineno``, ``module``,
+    ``phase``, ``index``, ``rank``, ``where``, ``received`` and ``message`` (also ``str()``),
+    rendered from the facts by :func:`opwatch.render.render_message` on first read and kept.
+    A subclass may override any of them: one that adds lines to the message overrides
+    ``message`` and calls ``BaseAnomaly.message.fget(self)`` for the rendered text; one whose
+    record is not at hand (another rank's anomaly) provides the derived attributes itself.
     """
 
-    __slots__ = ("record", "finding", "_message")
-
-    def __init__(self, finding: Finding, record: OpRecord):
-        self.finding = finding
-        self.record = record
-        self._message = None
+    __slots__ = ()
 
     kind = property(lambda self: self.finding.kind)
     op = property(lambda self: self.record.op)
@@ -51,24 +46,58 @@ class Anomaly:
     @property
     def received(self) -> bool:
         """Whether this is a nan/inf that reached this rank through a collective (its own inputs
-        to the collective were finite): another rank made it, or the collective itself did."""
-        from .distributed import is_collective_op
-
+        to the collective were finite): another rank made it, or the collective itself did.
+        False for a record whose ``func`` is only a name (an op this torch does not have)."""
         return self.finding.kind in ("nan", "inf") and is_collective_op(self.record.func)
 
     @property
     def message(self) -> str:
-        if self._message is None:
-            from .render import render_message
+        # Kept in ``_message`` (a slot or an instance attribute of the subclass) once rendered.
+        try:
+            return self._message
+        except AttributeError:
+            pass
+        from .render import render_message
 
-            self._message = render_message(self.finding, self.record)
-        return self._message
+        message = render_message(self.finding, self.record)
+        try:
+            self._message = message
+        except AttributeError:  # a subclass without room for it: render on every read
+            pass
+        return message
 
     def __str__(self) -> str:
         return self.message
 
     def __repr__(self) -> str:
-        return f"<Anomaly {self.kind} {self.record.op} at {self.record.where} #{self.index}>"
+        return f"<{type(self).__name__} {self.kind} {self.op} at {self.where} #{self.index}>"
+
+
+class Anomaly(BaseAnomaly):
+    """One anomaly, tied to the op that caused it.
+
+    Attributes:
+        kind: one of ``opwatch.KINDS``: ``"device_mismatch"``, ``"dtype_mismatch"``,
+            ``"broadcast"``, ``"nan"``, ``"inf"``, ``"overflow_risk"``, ``"collective_mismatch"``.
+        op: the op's name (``"aten.sub.Tensor"``).
+        filename / lineno: the user's source line; for backward ops, the forward line.
+        where: ``train.py:23``, as every message shows it (or a named place, ``DDP bucket [...]``).
+        module: the ``nn.Module`` path, or ``None``.
+        phase: ``"forward"`` or ``"backward"``.
+        index: the op's index in the watch's log.
+        rank: the rank that found it in a ``torch.distributed`` job, else ``None``.
+        received: a nan/inf that arrived through a collective rather than made on this rank.
+        record: the op's :class:`~opwatch.OpRecord`.
+        finding: the :class:`~opwatch.checks.finding.Finding`: the rule that fired and its facts.
+        message: the full text, also ``str(anomaly)``: kind, op, line and its text with the
+            sub-expression marked, module, the tensors involved, what was expected, a likely fix.
+    """
+
+    __slots__ = ("record", "finding", "_message")
+
+    def __init__(self, finding: Finding, record: OpRecord):
+        self.finding = finding
+        self.record = record
 
 
 class AnomalyError(RuntimeError):

@@ -26,12 +26,14 @@ __all__ = [
     "unbox_work",
     "resolve_process_group",
     "default_store",
+    "script_object_type",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
     "pack_padded_sequence_function",
     "op_kernel",
     "autograd_sequence_nr",
     "tensor_base",
+    "is_zerotensor",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -78,7 +80,7 @@ def version_counter(tensor) -> int:
 
 
 # torch.distributed's private pieces (torch 2.13 has them all; callers guard each use, and
-# degrade as opwatch.distributed says, where a torch build lacks them or distributed itself).
+# degrade as opwatch.collective_ops says, where a torch build lacks them or distributed itself).
 
 
 def unbox_process_group(value):
@@ -101,6 +103,15 @@ def default_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def script_object_type(value) -> str:
+    """The TorchScript class name of a ``ScriptObject`` (``ScriptObject._type().name()``,
+    torch >= 1.4): ``ProcessGroup``, ``ReduceOp``, ``Work``. Fallback: ``"ScriptObject"``."""
+    try:
+        return value._type().name()
+    except Exception:
+        return "ScriptObject"
 
 
 def engine_entry_code():
@@ -155,3 +166,12 @@ def pack_padded_sequence_function():
     that call, not the Python wrapper, which has no ``__torch_function__`` of its own.
     ``None`` where it is missing (the pre-dispatch check then leaves the call alone)."""
     return getattr(torch, "_pack_padded_sequence", None)
+
+
+def _never_zerotensor(tensor) -> bool:
+    return False
+
+
+# Whether a tensor is a ZeroTensor (autograd's lazy zeros, which hold no memory to reduce):
+# ``Tensor._is_zerotensor``, torch >= 1.11, called unbound as a C-level method. Fallback: none is.
+is_zerotensor = getattr(torch.Tensor, "_is_zerotensor", _never_zerotensor)

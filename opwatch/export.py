@@ -5,24 +5,41 @@
 - :func:`write_chrome_trace`: Chrome trace-event JSON, as ``torch.profiler`` writes it, for
   Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``.
 
-The JSON Lines file::
+The JSON Lines file (format version 2)::
 
-    {"format": "opwatch.jsonl", "version": 1, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": 0, ...}
+    {"format": "opwatch.jsonl", "version": 2, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
     {"type": "site", "site": 1, "filename": "/abs/train.py", "lineno": 26, "end_lineno": 26, "col": 20, "end_col": 28,
      "text": "squared_diff = (y - pred) ** 2", "expression": "y - pred", "carets": ["squared_diff = (y - pred) ** 2", "    ^^^^^^^^"]}
-    {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "filename": "/abs/train.py", "lineno": 26,
+    {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "label": null, "filename": "/abs/train.py", "lineno": 26,
      "module": null, "phase": "forward", "forward_op": null, "inputs": [{"shape": [4], "dtype": "float32", "device": "cpu", "ident": 1403}, ...],
      "outputs": [...], "args": [["alpha", 1]], "flags": ["broadcast"], "start_ns": ..., "end_ns": ...}
-    {"type": "anomaly", "in": "anomalies", "kind": "broadcast", "index": 7, "op": "aten.sub.Tensor", ..., "message": "...",
-     "finding": {"kind": "broadcast", "problem": "...", "expected": "...", "fix": "..."}}
+    {"type": "anomaly", "in": "anomalies", "kind": "broadcast", "index": 7, "op": "aten.sub.Tensor", "received": false,
+     "finding": {"kind": "broadcast", "rule": "broadcast.implicit", "facts": {"dict": {...}}, "operands": [...], "odd": [...], "made": [...]}}
 
 A ``site`` line comes before the first record that refers to it and carries the source text
 the renderers show, so a saved log prints its table on a machine without the sources. An
 anomaly line says ``"in"`` which list the watch kept it in (``anomalies``, ``contained``,
 ``allowed``); one whose op has left the bounded log carries that record in its ``record``
-field. Dtypes
-and devices are strings, shapes lists; numbers that JSON cannot hold are strings (``"nan"``,
-``"inf"``, ``"-inf"``), and other argument values are tagged (``{"dtype": "float32"}``).
+field. The header's ``rank`` is the watch's (``null`` outside a ``torch.distributed`` job).
+
+An anomaly stores its finding's FACTS, never its text: :func:`load` renders every message
+again from them with the same code as the live watch, so a saved anomaly reads as the live one
+did (paths shown relative to the working directory, as the watch shows them). Values go through
+one codec (:func:`encode` / :func:`decode`), for any rule's facts: numbers, strings, booleans
+and None as they are; tuples as JSON arrays; non-finite floats as ``"nan"``/``"inf"``/``"-inf"``
+(and a string that reads like one as ``{"str": ...}``); everything else as a one-key object
+naming its kind: ``{"list": [...]}``, ``{"dict": {...}}`` (string keys) or ``{"pairs": [[k, v],
+...]}``, ``{"dtype": "float32"}``, ``{"device": "cuda:0"}``, ``{"layout": ...}``,
+``{"memory_format": ...}``, ``{"complex": [re, im]}``, ``{"size": [...]}`` (``torch.Size``),
+``{"meta": [shape, dtype, device, ident]}`` (:class:`~opwatch.notation.TensorMeta`),
+``{"place": [op, filename, lineno, phase, label]}`` (:class:`~opwatch.checks.finding.Place`),
+``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for anything else (read
+back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these;
+other tuple and list types (a named tuple the codec does not know) are written as their items
+and read back as plain tuples: add a tag here for a new kind of fact that must keep its type.
+
+Version 1 files (which stored the messages' text) are not read: :func:`load` names the versions
+it reads.
 """
 
 from __future__ import annotations
@@ -31,12 +48,33 @@ import json
 import math
 import os
 import sys
-from functools import lru_cache
+import torch
 
-__all__ = ["FORMAT", "VERSION", "write_jsonl", "load", "write_chrome_trace", "SavedLog", "SavedRecord", "SavedAnomaly", "SavedPosition"]
+from .anomaly import BaseAnomaly
+from .bounded import BoundedCache
+from .checks import fingerprints
+from .checks.finding import Finding, Place
+from .notation import TensorMeta, format_meta
+from .records import BaseRecord, short_op_name
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "READS",
+    "write_jsonl",
+    "load",
+    "encode",
+    "decode",
+    "write_chrome_trace",
+    "SavedLog",
+    "SavedRecord",
+    "SavedAnomaly",
+    "SavedPosition",
+]
 
 FORMAT = "opwatch.jsonl"
-VERSION = 1
+VERSION = 2
+READS = (2,)  # the format versions load() reads
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
@@ -55,16 +93,22 @@ def write_jsonl(watch, path) -> None:
     with open(path, "w", encoding="utf-8") as stream:
 
         def put(obj: dict) -> None:
-            # allow_nan=False: a non-finite number that escaped _encode is a bug, not a file
+            # allow_nan=False: a non-finite number that escaped encode() is a bug, not a file
             # other JSON readers refuse.
             stream.write(json.dumps(obj, ensure_ascii=False, allow_nan=False))
             stream.write("\n")
 
-        put(_header(watch, len(records), groups))
+        # With watch(fingerprints=True) the header says so and each record line carries its
+        # outputs' fingerprints, for opwatch.diff.
+        prints = getattr(watch, "fingerprints", None)
+        put({**_header(watch, len(records), groups), **({} if prints is None else {"fingerprints": True})})
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
-            put({"type": "record", **_record_fields(record, sites)})
+            line = {"type": "record", **_record_fields(record, sites)}
+            if prints is not None and record.index in prints:
+                line["fingerprints"] = fingerprints.encode(prints[record.index])
+            put(line)
         for name, group in groups.items():
             for anomaly in group:
                 line = {"type": "anomaly", "in": name, **_anomaly_fields(anomaly)}
@@ -81,8 +125,6 @@ def _anomaly_groups(watch) -> dict:
 
 
 def _header(watch, records: int, groups: dict) -> dict:
-    import torch
-
     from . import __version__
 
     return {
@@ -91,7 +133,7 @@ def _header(watch, records: int, groups: dict) -> dict:
         "opwatch": __version__,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
-        "rank": _rank(),
+        "rank": getattr(watch, "rank", None),
         "strict": watch.strict,
         "records": records,
         **{name: len(group) for name, group in groups.items()},
@@ -100,8 +142,8 @@ def _header(watch, records: int, groups: dict) -> dict:
 
 def _rank() -> int:
     """This process's rank in a ``torch.distributed`` job (see
-    :func:`opwatch.distributed.current_rank`), 0 outside one."""
-    from .distributed import current_rank
+    :func:`opwatch.collective_ops.current_rank`), 0 outside one."""
+    from .collective_ops import current_rank
 
     rank = current_rank()
     return 0 if rank is None else rank
@@ -145,10 +187,11 @@ def _position_key(position) -> tuple:
 def _record_fields(record, sites: _SiteTable) -> dict:
     forward = record.forward_func
     outputs = record.outputs
-    fields = {
+    return {
         "index": record.index,
         "op": record.op,
         "site": sites.site_of(record),
+        "label": record.label,
         "filename": record.filename,
         "lineno": record.lineno,
         "module": record.module,
@@ -156,13 +199,11 @@ def _record_fields(record, sites: _SiteTable) -> dict:
         "forward_op": None if forward is None else str(forward),
         "inputs": [_meta_fields(meta) for meta in record.inputs],
         "outputs": None if outputs is None else [_meta_fields(meta) for meta in outputs],
-        "args": [[name, _encode(value)] for name, value in record.args],
+        "args": [[name, encode(value)] for name, value in record.args],
         "flags": list(record.flags),
+        "start_ns": record.start_ns,  # perf_counter_ns around the kernel
+        "end_ns": record.end_ns,
     }
-    # Op start and end times, where this opwatch records them (perf_counter_ns).
-    fields["start_ns"] = getattr(record, "start_ns", None)
-    fields["end_ns"] = getattr(record, "end_ns", None)
-    return fields
 
 
 def _meta_fields(meta) -> dict:
@@ -183,45 +224,83 @@ def _name(value) -> str:
 
 
 def _anomaly_fields(anomaly) -> dict:
-    from .render.messages import explain
-
-    finding = anomaly.finding
+    """An anomaly's facts: its kind, op and finding (the text is rendered again on reading)."""
     return {
         "kind": anomaly.kind,
         "index": anomaly.index,
         "op": anomaly.op,
-        "filename": anomaly.filename,
-        "lineno": anomaly.lineno,
-        "module": anomaly.module,
-        "phase": anomaly.phase,
-        "message": anomaly.message,
-        "finding": dict(zip(("kind", "problem", "expected", "fix"), (finding.kind, *explain(finding)))),
+        "received": anomaly.received,
+        "finding": _finding_fields(anomaly.finding),
     }
 
 
-def _encode(value):
-    """An argument value as JSON: numbers, strings, booleans and None as they are, tuples as
-    lists, non-finite floats as ``"nan"``/``"inf"``/``"-inf"``; everything else tagged with
-    its kind (``{"dtype": "float32"}``), and strings that read like a non-finite float tagged
-    ``{"str": ...}``."""
-    import torch
+def _finding_fields(finding) -> dict:
+    return {
+        "kind": finding.kind,
+        "rule": finding.rule,
+        "facts": encode(finding.facts),
+        "operands": encode(finding.operands),
+        "odd": encode(finding.odd),
+        "made": encode(finding.made),
+    }
 
+
+def _finding(fields: dict):
+    return Finding(
+        fields["kind"],
+        fields["rule"],
+        decode(fields["facts"]),
+        decode(fields["operands"]),
+        decode(fields["odd"]),
+        decode(fields["made"]),
+    )
+
+
+# -- the codec of values --------------------------------------------------------------------
+
+
+def encode(value):
+    """``value`` (a fact, an argument) as JSON data that :func:`decode` turns back into an
+    equal value of the same type (see the module's docstring for the forms)."""
     if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else _nonfinite_name(value)
     if isinstance(value, str):
         return {"str": value} if value in _NONFINITE else value
-    if isinstance(value, (tuple, list)):
-        return [_encode(item) for item in value]
+    if type(value) is tuple:
+        return [encode(item) for item in value]
+    if type(value) is list:
+        return {"list": [encode(item) for item in value]}
+    if isinstance(value, dict):
+        if all(type(key) is str for key in value):
+            return {"dict": {key: encode(item) for key, item in value.items()}}
+        return {"pairs": [[encode(key), encode(item)] for key, item in value.items()]}
+    tagged = _encode_tagged(value)
+    if tagged is not None:
+        return tagged
+    if isinstance(value, (tuple, list)):  # another tuple or list type: its items
+        return [encode(item) for item in value]
+    return {"repr": repr(value)}
+
+
+def _encode_tagged(value) -> dict | None:
+    if isinstance(value, Place):
+        return {"place": [encode(item) for item in value]}
+    if isinstance(value, TensorMeta):
+        return {"meta": [encode(item) for item in value]}
+    if isinstance(value, torch.Size):
+        return {"size": [encode(item) for item in value]}
     if isinstance(value, complex):
-        return {"complex": [_encode(value.real), _encode(value.imag)]}
+        return {"complex": [encode(value.real), encode(value.imag)]}
     for kind, tag in ((torch.dtype, "dtype"), (torch.layout, "layout"), (torch.memory_format, "memory_format")):
         if isinstance(value, kind):
             return {tag: _name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
-    return {"repr": repr(value)}
+    if hasattr(value, "overloadpacket"):  # an OpOverload
+        return {"op": str(value)}
+    return None
 
 
 def _nonfinite_name(value: float) -> str:
@@ -230,21 +309,53 @@ def _nonfinite_name(value: float) -> str:
     return "inf" if value > 0 else "-inf"
 
 
-def _decode(value):
+def decode(value):
+    """The value that :func:`encode` wrote as ``value``."""
     if isinstance(value, str):
         return _NONFINITE.get(value, value)
     if isinstance(value, list):
-        return tuple(_decode(item) for item in value)
+        return tuple(decode(item) for item in value)
     if isinstance(value, dict):
         (tag, inner), = value.items()
-        if tag == "str" or tag == "repr":
-            return inner
-        if tag == "complex":
-            return complex(_decode(inner[0]), _decode(inner[1]))
-        if tag == "device":
-            return _device(inner)
-        return _torch_attribute(inner)  # dtype, layout, memory_format
+        decoder = _DECODERS.get(tag)
+        if decoder is None:
+            raise ValueError(f"unknown value tag {tag!r}; the tags are {', '.join(map(repr, _DECODERS))}")
+        return decoder(inner)
     return value
+
+
+def _decode_items(inner) -> list:
+    return [decode(item) for item in inner]
+
+
+def _place(inner):
+    return Place(*_decode_items(inner))
+
+
+def _tensor_meta(inner):
+    return TensorMeta(*_decode_items(inner))
+
+
+def _size_of(inner):
+    return torch.Size(_decode_items(inner))
+
+
+_DECODERS = {
+    "str": lambda inner: inner,
+    "repr": lambda inner: inner,
+    "list": _decode_items,
+    "dict": lambda inner: {key: decode(item) for key, item in inner.items()},
+    "pairs": lambda inner: {decode(key): decode(item) for key, item in inner},
+    "complex": lambda inner: complex(decode(inner[0]), decode(inner[1])),
+    "device": lambda inner: _device(inner),
+    "dtype": lambda inner: _torch_attribute(inner),
+    "layout": lambda inner: _torch_attribute(inner),
+    "memory_format": lambda inner: _torch_attribute(inner),
+    "size": _size_of,
+    "meta": _tensor_meta,
+    "place": _place,
+    "op": lambda inner: _op(inner),
+}
 
 
 # -- reading back ---------------------------------------------------------------------------
@@ -254,8 +365,10 @@ def load(path) -> SavedLog:
     """Read a log written by :meth:`Watch.export_jsonl`; ``opwatch.load("run.jsonl")``.
 
     The result is read-only and offers what a watch offers for reading: ``records``,
-    ``anomalies``, ``contained``, ``allowed``, ``table(last=None)`` and ``summary()``, which print what the
-    watch printed (file paths shown relative to the working directory, as the watch shows them).
+    ``anomalies``, ``contained``, ``allowed``, ``rank``, ``table(last=None)`` and
+    ``summary()``, which print what the watch printed: each message is rendered again from the
+    saved facts (file paths shown relative to the working directory, as the watch shows them).
+    A file of another format version is a ``ValueError`` naming the versions this opwatch reads.
     """
     with open(path, encoding="utf-8") as stream:
         lines = stream.read().splitlines()
@@ -264,12 +377,12 @@ def load(path) -> SavedLog:
     header = _parse(path, 1, lines[0])
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path}: not an opwatch log (its first line has no \"format\": \"{FORMAT}\"); write one with Watch.export_jsonl")
-    if not isinstance(header.get("version"), int) or header["version"] > VERSION:
-        raise ValueError(f"{path}: written in opwatch log version {header.get('version')!r}; this opwatch reads version {VERSION} and older: upgrade opwatch")
+    _check_version(path, header.get("version"))
     sites: dict[int, SavedPosition] = {}
     records: list[SavedRecord] = []
     by_index: dict[int, SavedRecord] = {}
     groups: dict[str, list[SavedAnomaly]] = {name: [] for name in _GROUPS}
+    rank = header.get("rank")
     for number, text in enumerate(lines[1:], 2):
         if not text.strip():
             continue
@@ -277,22 +390,30 @@ def load(path) -> SavedLog:
         kind = line.get("type") if isinstance(line, dict) else None
         try:
             if kind == "site":
-                sites[line["site"]] = SavedPosition(
-                    line["filename"], line["lineno"], line["end_lineno"], line["col"], line["end_col"],
-                    text=line["text"], expression=line["expression"], carets=line["carets"],
-                )
+                sites[line["site"]] = SavedPosition.of(line)
             elif kind == "record":
-                record = SavedRecord(line, sites[line["site"]])
+                record = SavedRecord(line, sites[line["site"]], rank)
                 records.append(record)
                 by_index[record.index] = record
             elif kind == "anomaly":
-                record = SavedRecord(line["record"], sites[line["record"]["site"]]) if "record" in line else by_index[line["index"]]
+                record = SavedRecord(line["record"], sites[line["record"]["site"]], rank) if "record" in line else by_index[line["index"]]
                 groups[line["in"]].append(SavedAnomaly(line, record))
             else:
                 raise ValueError(f"unknown line type {kind!r}")
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path}:{number}: not a valid opwatch log line ({type(error).__name__}: {error})") from None
     return SavedLog(header, records, groups)
+
+
+def _check_version(path, version) -> None:
+    if isinstance(version, int) and not isinstance(version, bool) and version in READS:
+        return
+    accepted = " and ".join(map(str, READS))
+    if isinstance(version, int) and version > VERSION:
+        advice = "upgrade opwatch to read it"
+    else:
+        advice = "export the run again with this opwatch (older versions stored the messages' text, not their facts)"
+    raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: {advice}")
 
 
 def _parse(path, number: int, text: str):
@@ -310,7 +431,8 @@ class SavedLog:
         anomalies / contained / allowed: the anomalies, contained nan/inf origins and allowed
             findings (:class:`SavedAnomaly`).
         header: the file's first line: format, version, opwatch, torch and Python versions,
-            rank, strict, counts.
+            rank (``None`` outside a distributed job), strict, counts.
+        rank: the watch's rank, as :attr:`Watch.rank`.
     """
 
     __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed")
@@ -339,8 +461,17 @@ class SavedLog:
         return list(self._allowed)
 
     @property
-    def rank(self) -> int:
-        return self.header.get("rank", 0)
+    def rank(self) -> int | None:
+        """The watch's rank in a ``torch.distributed`` job, ``None`` outside one."""
+        return self.header.get("rank")
+
+    @property
+    def fingerprints(self) -> dict | None:
+        """Op index -> its outputs' fingerprints, as :attr:`Watch.fingerprints`;
+        ``None`` for a log recorded without ``fingerprints=True``."""
+        if not self.header.get("fingerprints"):
+            return None
+        return {record.index: record.fingerprints for record in self._records if record.fingerprints is not None}
 
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op table, as :meth:`Watch.table` prints it."""
@@ -359,7 +490,7 @@ class SavedLog:
         """The summary, as :meth:`Watch.summary` prints it."""
         from .render import render_summary
 
-        return render_summary(self._anomalies, self._contained, self._allowed)
+        return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank)
 
     def __repr__(self) -> str:
         return f"<SavedLog {len(self._records)} records, {len(self._anomalies)} anomalies, {len(self._contained)} contained, {len(self._allowed)} allowed>"
@@ -381,6 +512,14 @@ class SavedPosition:
         self._expression = expression
         self._carets = tuple(carets)
 
+    @classmethod
+    def of(cls, line: dict) -> SavedPosition:
+        """The position of a ``site`` line."""
+        return cls(
+            line["filename"], line["lineno"], line["end_lineno"], line["col"], line["end_col"],
+            text=line["text"], expression=line["expression"], carets=line["carets"],
+        )
+
     def line_text(self) -> str:
         return self._text
 
@@ -391,36 +530,40 @@ class SavedPosition:
         return list(self._carets)
 
 
-class SavedRecord:
-    """One op of a saved log: the properties of :class:`opwatch.OpRecord`, read-only.
+class SavedRecord(BaseRecord):
+    """One op of a saved log: the record interface of :class:`opwatch.OpRecord`
+    (:class:`~opwatch.records.BaseRecord`), read-only.
 
     ``func`` and ``forward_func`` are the ``OpOverload`` where this torch has that op, else
     its name; tensors' dtypes and devices are torch's objects where this torch knows them.
     """
 
-    __slots__ = ("_fields", "_position", "_inputs", "_outputs", "_args")
+    __slots__ = ("_fields", "position", "inputs", "outputs", "args", "rank")
 
-    def __init__(self, fields: dict, position: SavedPosition):
+    def __init__(self, fields: dict, position: SavedPosition, rank: int | None = None):
         self._fields = fields
-        self._position = position
-        self._inputs = tuple(_meta(meta) for meta in fields["inputs"])
+        self.position = position
+        self.inputs = tuple(_meta(meta) for meta in fields["inputs"])
         outputs = fields["outputs"]
-        self._outputs = None if outputs is None else tuple(_meta(meta) for meta in outputs)
-        self._args = tuple((name, _decode(value)) for name, value in fields["args"])
+        self.outputs = None if outputs is None else tuple(_meta(meta) for meta in outputs)
+        self.args = tuple((name, decode(value)) for name, value in fields["args"])
+        self.rank = rank
 
-    position = property(lambda self: self._position)
-    inputs = property(lambda self: self._inputs)
-    outputs = property(lambda self: self._outputs)
-    args = property(lambda self: self._args)
     flags = property(lambda self: tuple(self._fields["flags"]))
     index = property(lambda self: self._fields["index"])
     op = property(lambda self: self._fields["op"])
-    filename = property(lambda self: self._fields["filename"])
-    lineno = property(lambda self: self._fields["lineno"])
     module = property(lambda self: self._fields["module"])
     phase = property(lambda self: self._fields["phase"])
+    label = property(lambda self: self._fields.get("label"))
     start_ns = property(lambda self: self._fields.get("start_ns"))
     end_ns = property(lambda self: self._fields.get("end_ns"))
+
+    @property
+    def fingerprints(self) -> tuple | None:
+        """The outputs' fingerprints, when the log was recorded with them."""
+
+        fields = self._fields.get("fingerprints")
+        return None if fields is None else fingerprints.decode(fields)
 
     @property
     def func(self):
@@ -431,70 +574,26 @@ class SavedRecord:
         forward = self._fields["forward_op"]
         return None if forward is None else _op(forward)
 
-    @property
-    def where(self) -> str:
-        from .render import location
 
-        return location(self)
+class SavedAnomaly(BaseAnomaly):
+    """One anomaly of a saved log: the anomaly interface of :class:`opwatch.Anomaly`
+    (:class:`~opwatch.anomaly.BaseAnomaly`). ``finding`` holds the saved facts; ``message`` is
+    rendered from them as the watch rendered it."""
 
-    @property
-    def _entry(self) -> tuple:
-        # The renderer's table reads tensors from a record's raw log entry; give it one with the
-        # fields it reads. (Drop this when render_table reads ``record.inputs``/``outputs``.)
-        from . import records as layout
-
-        entry = [None] * layout.E_TENSORS
-        entry[layout.E_INDEX] = self.index
-        entry[layout.E_NINPUTS] = len(self.inputs)
-        entry[layout.E_NOUTPUTS] = -1 if self.outputs is None else len(self.outputs)
-        return (*entry, *self.inputs, *(self.outputs or ()))
-
-    def signature(self) -> str:
-        """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
-        from .notation import format_meta
-        from .records import short_op_name
-
-        text = f"{short_op_name(self.op)}({', '.join(format_meta(meta) for meta in self.inputs)})"
-        if self.outputs:
-            text += " -> " + ", ".join(format_meta(meta) for meta in self.outputs)
-        return text
-
-    def __repr__(self) -> str:
-        return f"<SavedRecord #{self.index} {self.signature()} at {self.where} {self.phase}>"
-
-
-class SavedAnomaly:
-    """One anomaly of a saved log: the properties of :class:`opwatch.Anomaly`; ``message`` is
-    the text the watch gave."""
-
-    __slots__ = ("_fields", "record", "finding")
+    __slots__ = ("record", "finding", "_received", "_message")
 
     def __init__(self, fields: dict, record: SavedRecord):
-        from .checks.finding import text_finding
-
-        self._fields = fields
         self.record = record
-        self.finding = text_finding(**fields["finding"])
+        self.finding = _finding(fields["finding"])
+        self._received = fields["received"]
 
-    kind = property(lambda self: self._fields["kind"])
-    op = property(lambda self: self._fields["op"])
-    filename = property(lambda self: self._fields["filename"])
-    lineno = property(lambda self: self._fields["lineno"])
-    module = property(lambda self: self._fields["module"])
-    phase = property(lambda self: self._fields["phase"])
-    index = property(lambda self: self._fields["index"])
-    message = property(lambda self: self._fields["message"])
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __repr__(self) -> str:
-        return f"<SavedAnomaly {self.kind} {self.op} at {self.record.where} #{self.index}>"
+    @property
+    def received(self) -> bool:
+        # As the watch judged it (a collective op this torch may not have cannot be asked).
+        return self._received
 
 
 def _meta(fields: dict):
-    from .notation import TensorMeta
-
     shape = fields["shape"]
     return TensorMeta(
         None if shape is None else tuple(shape),
@@ -504,32 +603,41 @@ def _meta(fields: dict):
     )
 
 
-@lru_cache(maxsize=256)
+# Names read back -> torch's objects: a few dozen dtypes and devices, one op per distinct op.
+_NAMED = BoundedCache(4096)
+
+
 def _torch_attribute(name: str):
     """``"float32"`` -> ``torch.float32`` (dtypes, layouts, memory formats); the name itself
     when this torch has no such attribute."""
-    import torch
+    return _NAMED.lookup(("attribute", name), _find_attribute)
 
+
+def _device(name: str):
+    return _NAMED.lookup(("device", name), _find_device)
+
+
+def _op(name: str):
+    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
+    not have that op."""
+    return _NAMED.lookup(("op", name), _find_op)
+
+
+def _find_attribute(key: tuple):
+    name = key[1]
     value = getattr(torch, name, None)
     return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else name
 
 
-@lru_cache(maxsize=256)
-def _device(name: str):
-    import torch
-
+def _find_device(key: tuple):
     try:
-        return torch.device(name)
+        return torch.device(key[1])
     except (RuntimeError, ValueError):
-        return name
+        return key[1]
 
 
-@lru_cache(maxsize=4096)
-def _op(name: str):
-    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
-    not have that op."""
-    import torch
-
+def _find_op(key: tuple):
+    name = key[1]
     namespace, _, rest = name.partition(".")
     packet, _, overload = rest.partition(".")
     try:
@@ -566,11 +674,7 @@ def write_chrome_trace(watch, path) -> None:
 
 def chrome_trace(watch) -> dict:
     """The trace-event JSON object that :func:`write_chrome_trace` writes."""
-    import torch
-
     from . import __version__
-    from .notation import format_meta
-    from .records import short_op_name
     from .render import location
 
     records = watch.records
@@ -623,7 +727,7 @@ def chrome_trace(watch) -> dict:
                     "args": {"index": anomaly.index, "message": anomaly.message},
                 }
             )
-    timed = bool(records) and getattr(records[0], "start_ns", None) is not None
+    timed = bool(records) and records[0].start_ns is not None
     return {
         "schemaVersion": 1,
         "traceEvents": events,
@@ -639,7 +743,7 @@ def chrome_trace(watch) -> dict:
 
 def _op_times(records) -> list[tuple[float, float]]:
     """``(ts, dur)`` in microseconds for each record, from the first op's start."""
-    starts = [getattr(record, "start_ns", None) for record in records]
+    starts = [record.start_ns for record in records]
     if not records or any(start is None for start in starts):
         # No op times recorded: a synthetic clock, one microsecond per op index, so that the
         # trace keeps the ops' order and nesting.
@@ -648,7 +752,7 @@ def _op_times(records) -> list[tuple[float, float]]:
     origin = min(starts)
     times = []
     for record, start in zip(records, starts):
-        end = getattr(record, "end_ns", None)
+        end = record.end_ns
         # An op stopped before its kernel (strict) or whose kernel raised has no end: a 0-long event.
         duration = 0 if end is None else max(end - start, 0)
         times.append((round((start - origin) / 1000, 3), round(duration / 1000, 3)))

@@ -10,12 +10,24 @@ Python's collections, which would otherwise cost more than the recording itself.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any
 
+from .bounded import BoundedCache
 from .notation import TensorMeta, format_meta
 from .sites import Position, location, position_of
 
-__all__ = ["OpRecord", "OpLog", "SharedShapes", "FORWARD", "BACKWARD", "entry_inputs", "entry_outputs", "short_op_name"]
+__all__ = [
+    "BaseRecord",
+    "OpRecord",
+    "OpLog",
+    "SharedShapes",
+    "FORWARD",
+    "BACKWARD",
+    "entry_inputs",
+    "entry_outputs",
+    "short_op_name",
+]
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -63,7 +75,7 @@ class ModuleCall:
     (``LSTM.forward``): composite modules check their arguments before any op is dispatched."""
 
     __slots__ = ("name",)
-    _known: dict = {}  # module class -> its ModuleCall (a few per program)
+    _known = BoundedCache(1024)  # module class -> its ModuleCall (a few per program)
 
     def __init__(self, name: str):
         self.name = name
@@ -72,9 +84,7 @@ class ModuleCall:
     def of(cls, module_class) -> ModuleCall:
         known = cls._known.get(module_class)
         if known is None:
-            if len(cls._known) > 1024:
-                cls._known.clear()
-            known = cls._known[module_class] = cls(f"{module_class.__name__}.forward")
+            known = cls._known.put(module_class, cls(f"{module_class.__name__}.forward"))
         return known
 
     def __str__(self) -> str:
@@ -83,7 +93,7 @@ class ModuleCall:
     __repr__ = __str__
 
 
-class SharedShapes(dict):
+class SharedShapes(BoundedCache):
     """``torch.Size`` -> the one plain tuple that entries store for that shape.
 
     Looked up as ``shapes[tensor.shape]``: a miss interns the shape. Distinct shapes beyond a
@@ -92,11 +102,11 @@ class SharedShapes(dict):
 
     __slots__ = ()
 
+    def __init__(self, limit: int = 4096):
+        super().__init__(limit)
+
     def __missing__(self, size) -> tuple:
-        if len(self) > 4096:
-            self.clear()
-        shape = self[size] = tuple(size)
-        return shape
+        return self.put(size, tuple(size))
 
 
 class OpLog:
@@ -112,9 +122,11 @@ class OpLog:
         # object alive, so its id is not reused.
         self.site_ids: dict = {(id(None), 0): 0}
         self.flags: dict[int, list[str]] = {}  # op index -> anomaly kinds found on it, pruned with the ring
-        self._interned: dict = {}  # list-valued arguments (sizes, dims): most calls repeat earlier ones
+        # List-valued arguments (sizes, dims): most calls repeat earlier ones. Unique scalars (a
+        # decaying learning rate) must not pile up.
+        self._interned = BoundedCache(4096)
         self.shapes = SharedShapes()
-        # This process's rank in a torch.distributed job (see opwatch.distributed); None outside one.
+        # This process's rank in a torch.distributed job (see opwatch.collective_ops); None outside one.
         self.rank: int | None = None
 
     def func_id(self, func) -> int:
@@ -134,20 +146,19 @@ class OpLog:
 
     def label_site(self, label: str) -> int:
         """The site id of a place that has a name but no source line (``DDP bucket [fc.weight]``,
-        see :class:`opwatch.distributed.ReducerSites`); stored as ``(None, label)``."""
+        see :class:`opwatch.modes.reducer.ReducerSites`); stored as ``(None, label)``."""
         return self.site_id(None, label)
 
     def intern(self, values: tuple) -> tuple:
         """One shared copy of an argument tuple. Held by this table, it is scanned (and
         untracked) by the garbage collector before the entries that refer to it."""
+        # Keyed by types too: (1, -1) == (1, -1.0) and 1 == True, but they are different arguments.
+        key = (values, tuple(map(type, values)))
         try:
-            # Keyed by types too: (1, -1) == (1, -1.0) and 1 == True, but they are different arguments.
-            known = self._interned.setdefault((values, tuple(map(type, values))), values)
+            known = self._interned.get(key)  # a plain dict read on the hot path; put() on a miss
         except TypeError:  # an unhashable value
             return values
-        if len(self._interned) > 4096:
-            self._interned.clear()  # unique scalars (a decaying learning rate) must not pile up
-        return known
+        return self._interned.put(key, values) if known is None else known
 
     def add_flag(self, index: int, kind: str) -> None:
         """Mark op ``index`` with an anomaly kind. Flags of ops that left the ring go with them
@@ -192,8 +203,62 @@ class OpLog:
         return newer
 
 
-class OpRecord:
-    """What opwatch saw of one ATen op.
+class BaseRecord:
+    """The one record interface, shared by live records (:class:`OpRecord`), saved ones
+    (:class:`opwatch.export.SavedRecord`) and any other view of one op.
+
+    A subclass provides these primitive attributes (plain attributes or properties):
+
+    - ``index`` (int), ``func`` (the ``OpOverload``, or the op's name where none is known),
+      ``module`` (str or ``None``), ``phase`` (``FORWARD`` / ``BACKWARD``), ``forward_func``;
+    - ``inputs`` / ``outputs``: metadata tuples ``(shape, dtype, device, ident)``, one a tensor
+      (``outputs`` is ``None`` when the kernel raised or did not run);
+    - ``args``: ``(name, value)`` pairs; ``flags``: anomaly kinds; ``rank``; ``label``;
+      ``start_ns`` / ``end_ns``;
+    - ``position``: an object with ``filename``, ``lineno``, ``end_lineno``, ``col``,
+      ``end_col`` and the methods ``line_text()``, ``expression()``, ``caret_lines()``
+      (:class:`opwatch.sites.Position`).
+
+    Derived here, the same for every record: ``op``, ``filename``, ``lineno``, ``where``,
+    :meth:`signature` and the ``repr``. Renderers read records only through this interface.
+    """
+
+    __slots__ = ()
+
+    @property
+    def op(self) -> str:
+        """The op's name, ``aten.addmm.default``."""
+        return str(self.func)
+
+    @property
+    def filename(self) -> str | None:
+        return self.position.filename
+
+    @property
+    def lineno(self) -> int | None:
+        return self.position.lineno
+
+    @property
+    def where(self) -> str:
+        """``train.py:23``, in the one location format of every message (see
+        :func:`opwatch.sites.location`): ``autograd`` for backward ops autograd ran without a
+        forward line (gradient accumulation), ``?`` when no user frame was found."""
+        return location(self)
+
+    def signature(self) -> str:
+        """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
+        text = f"{short_op_name(self.func)}({', '.join(map(format_meta, self.inputs))})"
+        outputs = self.outputs
+        if outputs:
+            text += " -> " + ", ".join(map(format_meta, outputs))
+        return text
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} #{self.index} {self.signature()} at {self.where} {self.phase}>"
+
+
+class OpRecord(BaseRecord):
+    """What opwatch saw of one ATen op: a view of one entry of the watch's log.
 
     Attributes:
         index: position of the op in the watch's log, counted from 0 since the watch began; it
@@ -215,6 +280,7 @@ class OpRecord:
         flags: anomaly kinds found on this op (``()`` when none).
         rank: the process's rank in a ``torch.distributed`` job, ``None`` outside one.
         label: for ops with a named place but no source line (the DDP reducer's), its name.
+        where, signature(): see :class:`BaseRecord`.
     """
 
     __slots__ = ("_entry", "_log")
@@ -232,19 +298,15 @@ class OpRecord:
         return self._log.funcs[self._entry[E_FUNC]]
 
     @property
-    def op(self) -> str:
-        return str(self.func)
-
-    @property
     def inputs(self) -> tuple[TensorMeta, ...]:
-        return tuple(TensorMeta(*meta) for meta in entry_inputs(self._entry))
+        return tuple(map(_as_meta, entry_inputs(self._entry)))
 
     @property
     def outputs(self) -> tuple[TensorMeta, ...] | None:
         outputs = entry_outputs(self._entry)
         if outputs is None:
             return None
-        return tuple(TensorMeta(*meta) for meta in outputs)
+        return tuple(map(_as_meta, outputs))
 
     @property
     def args(self) -> tuple[tuple[str, Any], ...]:
@@ -278,19 +340,9 @@ class OpRecord:
 
     @property
     def filename(self) -> str | None:
+        # Without building the position: the file is the code object's.
         code = self._log.sites[self._entry[E_SITE]][0]
         return code.co_filename if code is not None else None
-
-    @property
-    def lineno(self) -> int | None:
-        return self.position.lineno
-
-    @property
-    def where(self) -> str:
-        """``train.py:23``, in the one location format of every message (see
-        :func:`opwatch.sites.location`): ``autograd`` for backward ops autograd ran without a
-        forward line (gradient accumulation), ``?`` when no user frame was found."""
-        return location(self)
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -320,25 +372,17 @@ class OpRecord:
         end = self._entry[E_END_NS]
         return None if end < 0 else end
 
-    def signature(self) -> str:
-        """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
-        inputs = ", ".join(format_meta(meta) for meta in entry_inputs(self._entry))
-        text = f"{short_op_name(self.func)}({inputs})"
-        outputs = entry_outputs(self._entry)
-        if outputs:
-            text += " -> " + ", ".join(format_meta(meta) for meta in outputs)
-        return text
-
     def __eq__(self, other) -> bool:
         return isinstance(other, OpRecord) and other._entry is self._entry
 
     def __hash__(self) -> int:
         return hash(self._entry[E_INDEX])
 
-    def __repr__(self) -> str:
-        return f"<OpRecord #{self.index} {self.signature()} at {self.where} {self.phase}>"
+
+_as_meta = partial(tuple.__new__, TensorMeta)  # TensorMeta(*meta), without the Python-level call
 
 
 def short_op_name(func) -> str:
-    """``aten.mm.default`` -> ``aten.mm``; other overload names are kept (``aten.add.Tensor``)."""
+    """The op's name as tables and messages show it: ``aten.mm.default`` -> ``aten.mm``; other
+    overload names are kept (``aten.add.Tensor``). ``func``: an ``OpOverload`` or its name."""
     return str(func).removesuffix(".default")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Iterable
@@ -11,10 +12,10 @@ from collections.abc import Iterable
 from . import checks as _checks
 from .allow import Allow
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
-from .distributed import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, decode
 from .modes.functions import FunctionWatch
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
+from .ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.notices import internal_error
@@ -35,6 +36,7 @@ def watch(
     last: int = 20,
     file=None,
     warn: bool = True,
+    fingerprints: bool = False,
 ) -> Watch:
     """Watch every PyTorch op run inside a ``with`` block; collect anomalies and warn.
 
@@ -83,10 +85,16 @@ def watch(
     warn
         Warn each anomaly once per (kind, file, line); with ``False`` anomalies are only
         collected. ``watch(warn=False)``.
+    fingerprints
+        Record a fingerprint of every floating, integer and bool op output (an exact hash and
+        sum, L2 norm, min, max), computed on the device and read with the check points' reads,
+        for comparing two runs with :func:`opwatch.diff`; kept per op with the log, saved by
+        :meth:`Watch.export_jsonl`. Off by default (it costs a few small kernels per op).
+        ``watch(fingerprints=True)``.
 
     Setting the environment variable ``OPWATCH_DISABLE=1`` turns every watch into a no-op.
     """
-    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints)
 
 
 def strict(
@@ -98,6 +106,7 @@ def strict(
     last: int = 20,
     file=None,
     warn: bool = True,
+    fingerprints: bool = False,
 ) -> Watch:
     """Like :func:`watch`, but raise :class:`AnomalyError` at the first anomaly.
 
@@ -110,7 +119,7 @@ def strict(
         with opwatch.strict():
             train_step(model, batch)
     """
-    return Watch(strict=True, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn)
+    return Watch(strict=True, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints)
 
 
 class Watch:
@@ -127,7 +136,7 @@ class Watch:
         enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
     """
 
-    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None):
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None, fingerprints=False):
         self.strict = strict
         self._max_records = _positive_int("max_records", max_records)
         self._allow = _allow_entries(allow)
@@ -141,6 +150,8 @@ class Watch:
             raise TypeError(f"file must be a text stream with a write() method, got {type(file).__name__}")
         self._file = file
         self._warn = _flag("warn", warn)
+        # op index -> output fingerprints (opwatch.checks.fingerprints), or None when off
+        self._fingerprints = {} if _flag("fingerprints", fingerprints) else None
         self.enabled = not _disabled_by_environment()
         self._log = OpLog(self._max_records)
         self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records, allow=self._allow)
@@ -149,9 +160,9 @@ class Watch:
         self._functions: FunctionWatch | None = None  # the pre-dispatch checks' function mode
         self._next_index = 0
         self._told_internal_error = False
-        # The job's view from this process (opwatch.distributed), where torch.distributed exists.
+        self._thread = None  # the thread the watch is active on (the optimizer hook asks)
+        # The job's view from this process (opwatch.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
-        self._all_anomalies: AllAnomalies | None = None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -166,6 +177,13 @@ class Watch:
     @property
     def contained(self) -> list[Anomaly]:
         return list(self._reporter.contained)
+
+    @property
+    def fingerprints(self) -> dict | None:
+        """With ``watch(fingerprints=True)``: op index -> one ``(hash, sum, norm, min, max)``
+        per output (``None`` for outputs not fingerprinted), for the ops in :attr:`records` up
+        to the last check point; ``None`` when fingerprints are off."""
+        return None if self._fingerprints is None else {index: tuple(prints) for index, prints in self._fingerprints.items()}
 
     @property
     def rank(self) -> int | None:
@@ -204,36 +222,7 @@ class Watch:
             if dist.get_rank() == 0:
                 print(w.all_anomalies().summary())
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-        if not timeout >= 0:
-            raise ValueError(f"timeout must be 0 or more seconds, got {timeout}")
-        state = self._distributed
-        local = list(self._reporter.anomalies)
-        if state is None or state.rank is None:
-            return AllAnomalies(local, world=None)
-        if self._interceptor is not None:
-            raise RuntimeError("all_anomalies() is available once the watched block has ended: every rank publishes its anomalies then")
-        if self._all_anomalies is not None:
-            return self._all_anomalies
-        if state.exchange is None:  # a job of one rank, or publishing failed (warned)
-            missing = [] if not state.world or state.world < 2 else [rank for rank in range(state.world) if rank != state.rank]
-            return AllAnomalies(local, world=state.world, missing=missing, timeout=timeout)
-        try:
-            found, missing = state.exchange.collect(timeout)
-        except Exception as error:
-            warnings.warn(OpwatchWarning(f"opwatch could not read the other ranks' anomalies: {type(error).__name__}: {error}"), stacklevel=2)
-            found, missing = {}, [rank for rank in range(state.world) if rank != state.rank]
-        anomalies = []
-        for rank in range(state.world):
-            if rank == state.rank:
-                anomalies += local
-            elif rank in found:
-                anomalies += decode(found[rank])
-        result = AllAnomalies(anomalies, world=state.world, missing=missing, timeout=timeout)
-        if not missing:
-            self._all_anomalies = result
-        return result
+        return all_anomalies(self._distributed, self._reporter.anomalies, timeout=timeout, ended=self._interceptor is None)
 
     def check(self) -> list[Anomaly]:
         """A nan/inf check point now: at most one host read. Returns the new anomalies (in
@@ -274,8 +263,7 @@ class Watch:
             keep_dynamo_out()
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
-            self._all_anomalies = None
-            active = _checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules)
+            active = _checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules, fingerprints=self._fingerprints)
             interceptor = OpInterceptor(
                 log=self._log,
                 checks=active,
@@ -310,6 +298,7 @@ class Watch:
                 self.__exit__(None, None, None)
                 raise
             self._functions = functions
+        _steps_checked.hold(self)
         return self
 
     def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, context) -> FunctionWatch | None:
@@ -334,6 +323,7 @@ class Watch:
             return False
         self._interceptor = None
         functions, self._functions = self._functions, None
+        _steps_checked.release(self)
         try:
             try:
                 if functions is not None:  # entered last, left first
@@ -356,17 +346,17 @@ class Watch:
                 self._internal_error(error, traceback.format_exc())
         return False
 
+    def _before_optimizer_step(self) -> None:
+        """A check point before an optimizer applies the gradients (the optimizer step
+        pre-hook): in strict mode a nan/inf about to reach the weights raises here, naming the
+        op that made it, and the weights stay as they were."""
+        if self._interceptor is not None:
+            self._interceptor.check_point(final=True)
+
     def _publish(self) -> None:
         """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
         ``set``); a failure is one warning, never an exception on the program's line."""
-        state = self._distributed
-        if state is None:
-            return
-        try:
-            state.publish(self._reporter.anomalies, len(self._reporter.contained))
-        except Exception as error:
-            state.exchange = None
-            warnings.warn(OpwatchWarning(f"opwatch could not publish this rank's anomalies for the other ranks: {type(error).__name__}: {error}"), stacklevel=3)
+        publish(self._distributed, self._reporter.anomalies, len(self._reporter.contained))
 
     # -- when something goes wrong ------------------------------------------------------------
 
@@ -406,6 +396,49 @@ class Watch:
         else:
             return None
         return self._log.find(index)
+
+
+class _OptimizerCheckPoints:
+    """One global optimizer step pre-hook while any watch is active (registered by the first,
+    removed by the last, however they nest): each step of any ``torch.optim`` optimizer is a
+    check point of the watches active on the thread that runs it, innermost first.
+
+    GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite, so the
+    steps it skips never reach this hook."""
+
+    def __init__(self):
+        self._watches: list[Watch] = []
+        self._handle = None
+        self._lock = threading.Lock()
+
+    def hold(self, w: Watch) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        with self._lock:
+            w._thread = threading.get_ident()
+            self._watches.append(w)
+            if self._handle is None:
+                self._handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def release(self, w: Watch) -> None:
+        with self._lock:
+            self._watches = [other for other in self._watches if other is not w]
+            if not self._watches and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+    @property
+    def registered(self) -> bool:
+        return self._handle is not None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        thread = threading.get_ident()
+        for w in reversed(self._watches):
+            if w._thread == thread:
+                w._before_optimizer_step()
+
+
+_steps_checked = _OptimizerCheckPoints()
 
 
 def _disabled_by_environment() -> bool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# What StubContext says made every tensor with a nonzero ident.
-PRODUCER = "aten.addmm at model.py:3"
+from opwatch.checks.finding import Place
+
+# What StubContext says made every tensor with a nonzero ident (rendered "aten.addmm at model.py:3").
+PRODUCER = Place("aten.addmm.default", "model.py", 3, "forward")
 
 
 def line_of(marker: str, path: str) -> int:
@@ -41,7 +43,7 @@ class StubContext:
     def deliberate_dims(self, meta) -> frozenset[int]:
         return frozenset(self.deliberate.get(meta[3], ()))
 
-    def producer(self, meta) -> str | None:
+    def producer(self, meta) -> Place | None:
         return PRODUCER if meta[3] else None
 
 

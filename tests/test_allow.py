@@ -136,3 +136,68 @@ def test_cli_syntax():
         parse_allow("broadcast")
     with pytest.raises(ValueError, match="unknown Allow field"):
         parse_allow("file=train.py")
+
+
+# -- where: a location that does not depend on the working directory -------------------------
+
+BROADCAST = """\
+import torch
+x, y = torch.randn(8, 1), torch.randn(8)
+loss = ((y - x) ** 2).mean()
+"""
+
+
+def run_file(path):
+    """Run the program at ``path`` as ``python path`` would: its code names that file."""
+    exec(compile(path.read_text(), str(path), "exec"), {"__name__": "__main__"})
+
+
+@pytest.fixture
+def two_trains(tmp_path):
+    """``a/train.py`` and ``b/train.py``: the same broadcast at line 3 of two files."""
+    paths = []
+    for folder in ("a", "b"):
+        path = tmp_path / "proj" / folder / "train.py"
+        path.parent.mkdir(parents=True)
+        path.write_text(BROADCAST)
+        paths.append(path)
+    return paths
+
+
+def allowed_files(entry, paths):
+    with opwatch.watch(warn=False, allow=[entry]) as w:
+        for path in paths:
+            run_file(path)
+    return sorted(a.filename for a in w.allowed), sorted(a.filename for a in w.anomalies)
+
+
+@pytest.mark.parametrize("cwd", ["proj", "proj/a", "elsewhere", "/"])
+def test_where_with_a_folder_matches_the_same_file_from_any_working_directory(two_trains, tmp_path, monkeypatch, cwd):
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / cwd)
+    a, b = map(str, two_trains)
+    for pattern in ("a/train.py:3", "proj/a/train.py:3", "a/*.py:3", "a/train.py", f"{a}:3"):
+        assert allowed_files(opwatch.Allow(where=pattern), two_trains) == ([a], [b]), pattern
+    # Without a folder: the file's name, whichever folder it is in.
+    assert allowed_files(opwatch.Allow(where="train.py:3"), two_trains) == ([a, b], [])
+    assert allowed_files(opwatch.Allow(where="*.py:?"), two_trains) == ([a, b], [])
+    # No false match: another line, another folder, a folder that is only a part of a name.
+    for pattern in ("train.py:4", "c/train.py:3", "roj/a/train.py:3", "/a/train.py:3", "a/train.py:3?"):
+        assert allowed_files(opwatch.Allow(where=pattern), two_trains) == ([], [a, b]), pattern
+
+
+def test_where_matching_rule():
+    from opwatch.allow import where_matches
+
+    file = "/home/me/proj/src/train.py"
+    assert where_matches("src/train.py:42", file, 42, "elsewhere.py:1")
+    assert where_matches("train.py:4?", file, 42, "?")
+    assert where_matches("src/*:42", file, 42, "?") and where_matches("proj/*/train.py", file, 7, "?")
+    assert where_matches(f"{file}:42", file, 42, "?") and where_matches("/home/*/proj/src/train.py:42", file, 42, "?")
+    assert not where_matches("/proj/src/train.py:42", file, 42, "?")  # "/": the whole path
+    assert not where_matches("tools/train.py:42", file, 42, "?") and not where_matches("rc/train.py:42", file, 42, "?")
+    assert not where_matches("src/train.py:43", file, 42, "?") and not where_matches("train.py:42", None, None, "?")
+    # The location as messages show it still matches: named places, and the old form.
+    assert where_matches("DDP bucket [[]*", None, None, "DDP bucket [fc.weight]")
+    assert where_matches("autograd", None, None, "autograd")
+    assert where_matches("src/*.py:4?", "/elsewhere/x.py", 1, "src/deep/er/train.py:42")

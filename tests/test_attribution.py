@@ -4,6 +4,7 @@ hooks (its own and the global ones) carry that module's path."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -16,7 +17,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 import opwatch
 from conftest import SCENARIOS
 from helpers import line_of as _line_of
-from opwatch.sites import INTERNAL, USER, classify_code
+from opwatch.checks.finding import Place
+from opwatch.render.messages import explain
+from opwatch.sites import INTERNAL, USER, classify_code, display_path
 
 sys.path.insert(0, str(SCENARIOS))
 import hooks_wrappers as hw  # noqa: E402
@@ -203,3 +206,59 @@ def test_nested_watches_both_give_hook_ops_the_modules_path():
         assert {r.module for r in records_at(w, "return output * 1.0")} == {"block"}
         assert {r.module for r in w.records if r.op == "aten.addmm.default" and r.phase == "forward"} == {"head"}
     assert len(model.block._forward_hooks) == 0
+
+
+# == where an odd operand was made: provenance as facts (Finding.made) =============================
+
+
+def only_anomaly(body):
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        with contextlib.suppress(RuntimeError):  # torch's own error may follow the report
+            body()
+    (anomaly,) = w.anomalies
+    return anomaly.finding
+
+
+def test_a_factory_without_dtype_is_named_with_the_dtype_it_was_given():
+    def body():
+        x = torch.randn(4, 3)
+        noise = torch.zeros(4, 3, dtype=torch.float64)  # made with dtype=float64 on purpose
+        return x + noise
+
+    finding = only_anomaly(body)
+    line = _line_of("# made with dtype=float64 on purpose", __file__)
+    assert finding.rule == "dtype.silent_upcast"
+    assert finding.made == (("made_by", Place("aten.zeros.default", __file__, line, "forward"), ("dtype", torch.float64, torch.float32)),)
+    problem = explain(finding)[0]
+    assert problem.endswith(f"Where the odd one came from: f64[4, 3] cpu: made by aten.zeros at {display_path(__file__)}:{line} with dtype=torch.float64.")
+    # A saved log holds the facts after a JSON round trip: lists where tuples were.
+    relisted = dataclasses.replace(finding, made=([list(fact) if isinstance(fact, tuple) else fact for fact in finding.made[0]],))
+    assert explain(relisted) == explain(finding)
+
+
+def test_a_parameter_a_buffer_less_attribute_and_an_outsider_are_named_as_facts():
+    model = torch.nn.Linear(3, 2)
+    model.bias.data = model.bias.data.double()
+    assert only_anomaly(lambda: model(torch.randn(4, 3))).made == (("parameter", "Linear", "bias"),)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.ones(3, dtype=torch.float64)  # a plain attribute, not a buffer
+
+        def forward(self, x):
+            return x * self.scale
+
+    assert only_anomaly(lambda: Scaled()(torch.randn(2, 3))).made == (("attribute", "Scaled", "scale", "Scaled"),)
+    stray = torch.zeros(3, dtype=torch.float64)
+    assert only_anomaly(lambda: torch.ones(3) + stray).made == (("before_watch",),)
+
+
+def test_findings_without_an_odd_operand_carry_no_provenance():
+    def body():
+        pred = torch.nn.Linear(4, 1)(torch.randn(8, 4))
+        return torch.randn(8) - pred  # a broadcast: no operand is the odd one
+
+    finding = only_anomaly(body)
+    assert finding.rule == "broadcast.implicit" and finding.odd == () and finding.made == ()
+    assert "Where the odd one came from" not in explain(finding)[0]

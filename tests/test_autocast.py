@@ -23,6 +23,7 @@ import mixed_precision as mp  # noqa: E402
 
 from opwatch.checks import dtype  # noqa: E402
 from opwatch.notation import TensorMeta  # noqa: E402
+from opwatch.render.messages import explain  # noqa: E402
 
 SCENARIO = str(SCENARIOS / "mixed_precision.py")
 aten = torch.ops.aten
@@ -64,7 +65,9 @@ def test_float32_with_the_autocast_dtype_passes_inside_autocast(low):
 
 def test_float64_is_flagged_inside_autocast():
     with torch.autocast("cpu", dtype=BF16):
-        assert "f32 with f64 -> f64" in promotion(t(4), t(4, dtype=F64)).problem
+        finding = promotion(t(4), t(4, dtype=F64))
+        assert finding.rule == "dtype.silent_upcast" and finding.facts["result"] == F64
+        assert "f32 with f64 -> f64" in explain(finding)[0]
         assert promotion(t(4, dtype=BF16), t(4, dtype=F64)) is not None
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import opwatch
+from opwatch.render.messages import explain
 from conftest import SCENARIOS, CountingMode, assert_golden, needs_columns
 
 sys.path.insert(0, str(SCENARIOS))
@@ -221,7 +222,7 @@ def test_python_data_never_inherits_a_dead_tensors_state():
         bad = torch.zeros(4).log()
         torch.ops.aten.lift_fresh(bad)
     found = w.anomalies + w.contained
-    assert [(a.op, "spread" in a.finding.problem) for a in found] == [("aten.log.default", False)]
+    assert [(a.op, "spread" in explain(a.finding)[0]) for a in found] == [("aten.log.default", False)]
 
 
 # -- warnings and strict ------------------------------------------------------------------

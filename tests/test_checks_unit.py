@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import StubContext
+from helpers import PRODUCER, StubContext
 from opwatch.checks import broadcast, device, dtype
 from opwatch.notation import TensorMeta
+from opwatch.render.messages import explain
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -34,9 +35,12 @@ def test_device_same_device_passes():
 
 def test_device_cpu_with_meta_is_flagged_with_names():
     finding = run(device, aten.masked_scatter_.default, t(6), t(6, dtype=B8, device=META), t(3, device=META))
-    assert finding.kind == "device_mismatch"
-    assert "self=f32[6] cpu" in finding.problem and "mask=b8[6] meta" in finding.problem
-    assert "meta device" in finding.problem
+    assert finding.kind == "device_mismatch" and finding.rule == "device.mix"
+    assert finding.facts["devices"] == ["cpu", "meta"] and finding.facts["names"] == ["self", "mask", "source"]
+    assert finding.odd == (t(6),)
+    problem = explain(finding)[0]
+    assert "self=f32[6] cpu" in problem and "mask=b8[6] meta" in problem
+    assert "meta device" in problem
 
 
 def test_device_zero_dim_cpu_scalar_is_legal_anywhere():
@@ -57,14 +61,16 @@ def test_device_copies_are_exempt_and_indices_may_stay_on_cpu():
 
 def test_dtype_matmul_needs_one_dtype():
     finding = run(dtype, aten.mm.default, t(5, 3, dtype=F64), t(3, 2))
-    assert finding.kind == "dtype_mismatch"
-    assert "mm needs one dtype for all operands, got f64, f32" in finding.problem
+    assert finding.kind == "dtype_mismatch" and finding.rule == "dtype.one_dtype"
+    assert finding.facts["op"] == "mm" and finding.facts["dtypes"] == [F64, F32]
+    assert "mm needs one dtype for all operands, got f64, f32" in explain(finding)[0]
     assert run(dtype, aten.mm.default, t(5, 3), t(3, 2)) is None
 
 
 def test_dtype_mask_and_index_arguments():
     finding = run(dtype, aten.masked_fill.Scalar, t(4), t(4, dtype=I64))
-    assert "argument 'mask' is i64" in finding.problem
+    assert finding.rule == "dtype.arg_dtype" and finding.facts["arg"] == "mask" and finding.facts["got"] == I64
+    assert "argument 'mask' is i64" in explain(finding)[0]
     assert run(dtype, aten.masked_fill.Scalar, t(4), t(4, dtype=B8)) is None
     assert run(dtype, aten.index_select.default, t(4, 2), t(3, dtype=F32)) is not None
     assert run(dtype, aten.index_select.default, t(4, 2), t(3, dtype=I64)) is None
@@ -73,7 +79,9 @@ def test_dtype_mask_and_index_arguments():
 
 def test_dtype_silent_float_promotion():
     finding = run(dtype, aten.mul.Tensor, t(4), t(4, dtype=F64))
-    assert "silent promotion f32 with f64 -> f64" in finding.problem
+    assert finding.rule == "dtype.silent_upcast" and finding.facts["result"] == F64
+    assert finding.odd == (t(4, dtype=F64),)
+    assert "silent promotion f32 with f64 -> f64" in explain(finding)[0]
     assert run(dtype, aten.add.Tensor, t(4, dtype=torch.bfloat16), t(4)) is not None
 
 
@@ -101,10 +109,14 @@ def test_broadcast_shape():
 
 def test_broadcast_vector_minus_column_is_flagged():
     finding = run(broadcast, aten.sub.Tensor, t(4), t(4, 1, ident=7))
-    assert finding.kind == "broadcast"
-    assert "f32[4] cpu gets new leading dims" in finding.problem
-    assert "f32[4, 1] cpu (made by aten.addmm at model.py:3) is stretched along dim 1" in finding.problem
-    assert "[4, 4], 4x more elements" in finding.problem
+    assert finding.kind == "broadcast" and finding.rule == "broadcast.implicit"
+    facts = finding.facts
+    assert (facts["vector"], facts["column"], facts["dims"]) == (t(4), t(4, 1, ident=7), [-1])
+    assert (facts["result"], facts["growth"], facts["made_by"]) == ((4, 4), 4, PRODUCER)
+    problem = explain(finding)[0]
+    assert "f32[4] cpu gets new leading dims" in problem
+    assert "f32[4, 1] cpu (made by aten.addmm at model.py:3) is stretched along dim 1" in problem
+    assert "[4, 4], 4x more elements" in problem
 
 
 def test_broadcast_column_made_on_purpose_is_not_flagged():

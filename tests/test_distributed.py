@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 import opwatch
-from opwatch import distributed
-from opwatch.distributed import AllAnomalies, RankAnomaly, collective_of, decode, encode, is_collective_op
+from opwatch import ranks
+from opwatch.ops import collective_of, is_collective_op
+from opwatch.ranks import AllAnomalies, RankAnomaly, decode, encode
 from opwatch.render import render_combined_summary
+from opwatch.render.messages import explain
 
 from helpers import line_of
 
@@ -294,14 +296,14 @@ def test_combined_summary_names_the_first_origin():
 
 
 def test_exchange_through_files_and_a_missing_rank(tmp_path, monkeypatch):
-    monkeypatch.setenv(distributed.EXCHANGE_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(ranks.EXCHANGE_DIR_VARIABLE, str(tmp_path))
     with opwatch.watch(warn=False) as w:
         kept = torch.zeros(1).log()  # -inf, alive at the end: one anomaly
     payload = encode(w.anomalies, rank=1, world=3)
     for rank in (0, 1):
-        distributed.Exchange.open(None, rank, 3, block=5).publish(payload if rank == 1 else encode([], rank=0, world=3))
+        ranks.Exchange.open(None, rank, 3, block=5).publish(payload if rank == 1 else encode([], rank=0, world=3))
     started = time.monotonic()
-    found, missing = distributed.Exchange.open(None, 0, 3, block=5).collect(timeout=0.3)
+    found, missing = ranks.Exchange.open(None, 0, 3, block=5).collect(timeout=0.3)
     assert time.monotonic() - started < 2.0
     assert missing == [2] and set(found) == {1}
     (received,) = decode(found[1])
@@ -311,21 +313,58 @@ def test_exchange_through_files_and_a_missing_rank(tmp_path, monkeypatch):
     assert rows.summary().startswith("opwatch, the 2 of 3 ranks that reported: the first inf was made on rank 1 by aten.log.default")
 
 
+def test_collective_handshakes_are_per_watch(monkeypatch):
+    """Each watch numbers its collectives from 1 in keys of its own: a late entry of an earlier
+    watch never answers a later one (rank 1 is played here by a second Handshakes)."""
+    from opwatch.checks import collectives
+
+    store = dist.HashStore()
+    monkeypatch.setattr(collectives, "group_store", lambda: store)
+
+    def call(shape):
+        return {"op": "c10d.allreduce_", "tensors": [f"f32[{shape}] cpu"], "where": [None, None, None]}
+
+    first = collectives.Handshakes()
+    assert first.meet("0", 0, [0, 1], call(4), 0.05) == (1, {0: call(4)}, [1])  # rank 1 is late
+    assert first.meet("7", 0, [0, 1], call(4), 0.05)[0] == 1  # counted per group
+    peer = collectives.Handshakes()  # rank 1 reaches its first watch's collective now
+    assert peer.meet("0", 1, [0, 1], call(6), 0.05) == (1, {1: call(6), 0: call(4)}, [])
+    second = collectives.Handshakes()  # rank 0's next watch: rank 1's entry above is not its
+    assert second.meet("0", 0, [0, 1], call(4), 0.05) == (1, {0: call(4)}, [1])
+    assert (store.add(collectives.counter_key(0), 0), store.add(collectives.counter_key(1), 0)) == (2, 1)
+
+
 def test_collective_mismatch_compares_plain_data():
     from opwatch.checks import collectives
 
-    def call(shape, where="train.py:3", op="c10d.allreduce_"):
-        return {"op": op, "tensors": [f"f32[{shape}] cpu"], "where": where}
+    def call(shape, line=3, op="c10d.allreduce_"):
+        return {"op": op, "tensors": [f"f32[{shape}] cpu"], "where": [str(SCENARIOS / "train.py"), line, None]}
 
-    assert collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(4)}, [], 60.0) is None
-    finding = collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(6), 2: call(4)}, [], 60.0)
-    assert finding.kind == "collective_mismatch"
-    assert finding.problem == (
-        "c10d.allreduce_ gets different tensors on the ranks of process group 0: "
-        "ranks 0 and 2: c10d.allreduce_(f32[4] cpu) at train.py:3; rank 1: c10d.allreduce_(f32[6] cpu) at train.py:3"
-    )
-    late = collectives.compare("c10d.allreduce_", 7, "0", {0: call(4)}, [1], 5.0)
-    assert late.problem.startswith("rank 1 of process group 0 did not reach its collective #7 (c10d.allreduce_) within 5 s")
+    saved = os.getcwd()
+    os.chdir(SCENARIOS)  # where a call was made is shown relative to the working directory
+    try:
+        assert collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(4)}, [], 60.0) is None
+        finding = collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(6), 2: call(4)}, [], 60.0)
+        assert (finding.kind, finding.rule) == ("collective_mismatch", "collective.mismatch")
+        assert finding.facts["calls"][1] == {"ranks": [1], "op": "c10d.allreduce_", "tensors": ["f32[6] cpu"], "where": [call(6)["where"]]}
+        assert json.loads(json.dumps(finding.facts)) == finding.facts  # facts survive the export
+        assert explain(finding)[0] == (
+            "c10d.allreduce_ gets different tensors on the ranks of process group 0: "
+            "ranks 0 and 2: c10d.allreduce_(f32[4] cpu) at train.py:3; rank 1: c10d.allreduce_(f32[6] cpu) at train.py:3"
+        )
+        late = collectives.compare("c10d.allreduce_", 7, "0", {0: call(4)}, [1], 5.0)
+        assert (late.rule, late.facts["missing"], late.facts["number"]) == ("collective.late", [1], 7)
+        assert explain(late)[0].startswith("rank 1 of process group 0 did not reach its collective #7 (c10d.allreduce_) within 5 s")
+        other = collectives.compare("c10d.allreduce_", 2, "0", {0: call(2), 1: call(2, line=9, op="c10d.broadcast_")}, [], 5.0)
+        assert other.rule == "collective.different_ops"
+        assert explain(other)[0] == (
+            "the ranks of process group 0 call different collectives as collective #2: "
+            "rank 0: c10d.allreduce_(f32[2] cpu) at train.py:3; rank 1: c10d.broadcast_(f32[2] cpu) at train.py:9"
+        )
+        bucket = collectives.compare("c10d.allreduce_", 1, "0", {0: {**call(4), "where": [None, None, "DDP bucket [fc.weight]"]}, 1: call(6)}, [], 5.0)
+        assert "rank 0: c10d.allreduce_(f32[4] cpu) at DDP bucket [fc.weight];" in explain(bucket)[0]
+    finally:
+        os.chdir(saved)
     metas = [((2, 3), torch.float32, torch.device("cpu"), 1), ((4,), torch.float16, torch.device("cpu"), 2)]
     assert collectives.compared("all", metas) == ["f32[2, 3] cpu", "f16[4] cpu"]
     assert collectives.compared("last", metas) == ["f16[4] cpu"]

@@ -19,7 +19,8 @@ from conftest import SCENARIOS
 from helpers import StubContext
 from helpers import line_of as _line_of
 from opwatch.checks import device, dtype
-from opwatch.notation import TensorMeta
+from opwatch.notation import TensorMeta, format_dtype
+from opwatch.render.messages import explain
 from opwatch.sites import position_of
 
 sys.path.insert(0, str(SCENARIOS))
@@ -89,8 +90,10 @@ def run(check, func, *tensors):
 )
 def test_unit_loss_target_of_another_floating_dtype(op, consequence):
     finding = run(dtype, op, t(8), t(8, dtype=F64))
-    assert finding.kind == "dtype_mismatch"
-    assert "gets a f64 target for a f32 input" in finding.problem and consequence in finding.problem
+    assert finding.kind == "dtype_mismatch" and finding.rule == "dtype.loss_target"
+    assert (finding.facts["got"], finding.facts["wanted"], finding.facts["promoted"]) == (F64, torch.float32, F64)
+    problem = explain(finding)[0]
+    assert "gets a f64 target for a f32 input" in problem and consequence in problem
     assert run(dtype, op, t(8), t(8)) is None
 
 
@@ -98,7 +101,8 @@ def test_unit_loss_targets_torch_takes():
     assert run(dtype, aten.mse_loss.default, t(8), t(8, dtype=I64)) is None  # counts: exact
     assert run(dtype, aten.mse_loss.default, t(8), t(8, dtype=B8)) is None
     finding = run(dtype, aten.binary_cross_entropy_with_logits.default, t(4, 3), t(4, 3, dtype=I64))
-    assert "needs a floating target, got i64" in finding.problem
+    assert finding.rule == "dtype.loss_floating_target" and finding.facts["got"] == I64
+    assert "needs a floating target, got i64" in explain(finding)[0]
     assert run(dtype, aten.binary_cross_entropy.default, t(4, 3), t(4, 3, dtype=B8)) is not None
 
 
@@ -135,8 +139,11 @@ def test_loss_targets_torch_handles_are_not_flagged(story):
 @pytest.mark.parametrize("target", [I32, I16, F32, F64], ids=str)
 def test_unit_class_index_target_must_be_int64(target):
     finding = run(dtype, aten.nll_loss_forward.default, t(6, 4), t(6, dtype=target))
-    assert f"class-index target of nll_loss/cross_entropy is {dtype._name(target)}" in finding.problem
-    assert "expected target dtype to be Long or Byte" in finding.problem
+    assert finding.rule == "dtype.class_target" and finding.facts["got"] == target
+    assert finding.facts["floating"] == target.is_floating_point
+    problem = explain(finding)[0]
+    assert f"class-index target of nll_loss/cross_entropy is {format_dtype(target)}" in problem
+    assert "expected target dtype to be Long or Byte" in problem
     assert run(dtype, aten.nll_loss2d_forward.default, t(2, 4, 8, 8), t(2, 8, 8, dtype=target)) is not None
 
 
@@ -177,7 +184,8 @@ def test_class_targets_torch_takes_are_not_flagged(story):
 
 def test_unit_cat_and_stack_of_mixed_floating_dtypes():
     finding = run(dtype, aten.cat.default, t(4, 6), t(4, 2, dtype=F64))
-    assert "silent promotion f32 with f64 -> f64" in finding.problem
+    assert finding.rule == "dtype.silent_upcast" and finding.odd == (t(4, 2, dtype=F64),)
+    assert "silent promotion f32 with f64 -> f64" in explain(finding)[0]
     assert run(dtype, aten.stack.default, t(4), t(4, dtype=BF16)) is not None
     assert run(dtype, aten.cat.default, t(4, 6), t(4, 2, dtype=I64)) is None
     assert run(dtype, aten.cat.default, t(4, 6), t(4, 2)) is None
@@ -202,7 +210,9 @@ def test_float32_side_features_are_not_flagged():
 @pytest.mark.parametrize("index", [F32, I16, torch.int8], ids=str)
 def test_unit_tensors_used_as_indices_must_be_integer_or_bool(index):
     finding = run(dtype, aten.index.Tensor, t(4, 3), t(2, dtype=index))
-    assert "is neither integer nor bool" in finding.problem
+    assert finding.rule == "dtype.index_dtype" and finding.facts["position"] == 1
+    assert finding.facts["index"] == t(2, dtype=index)
+    assert "is neither integer nor bool" in explain(finding)[0]
     assert run(dtype, aten.index_put_.default, t(4, 3), t(2, dtype=index), t()) is not None
 
 
@@ -242,7 +252,9 @@ def test_unit_int32_indices_torch_takes(op, tensors):
     ids=lambda value: str(value) if not isinstance(value, tuple) else "",
 )
 def test_unit_int64_only_indices(op, tensors):
-    assert "needs i64" in run(dtype, op, *tensors).problem
+    finding = run(dtype, op, *tensors)
+    assert finding.rule == "dtype.arg_dtype" and finding.facts["accepted"] == [I64]
+    assert "needs i64" in explain(finding)[0]
 
 
 def test_float_positions_are_flagged_at_the_indexing_line():
@@ -262,9 +274,11 @@ def test_indices_torch_takes_are_not_flagged(story):
 
 def test_unit_index_on_another_non_cpu_device():
     finding = run(device, aten.index.Tensor, t(16, 4), t(5, dtype=I64, device=META))
-    assert finding.kind == "device_mismatch"
-    assert "index tensor i64[5] meta (index #1) of index is on meta, the indexed tensor f32[16, 4] cpu on cpu" in finding.problem
-    assert "meta device" in finding.problem
+    assert finding.kind == "device_mismatch" and finding.rule == "device.index"
+    assert (finding.facts["op"], finding.facts["position"]) == ("index", 1)
+    problem = explain(finding)[0]
+    assert "index tensor i64[5] meta (index #1) of index is on meta, the indexed tensor f32[16, 4] cpu on cpu" in problem
+    assert "meta device" in problem
     assert run(device, aten.index_put_.default, t(16, 4), t(5, dtype=I64, device=META), t(5, 4)) is not None
     # CPU indices into a tensor on another device stay legal, and so do indices on its device.
     assert run(device, aten.index.Tensor, t(16, 4, device=META), t(5, dtype=I64)) is None
@@ -303,11 +317,14 @@ def test_unit_rnn_initial_state_on_another_device_or_dtype(cell):
     rnn = cell(4, 8, batch_first=True)
     x = torch.randn(2, 5, 4)
     finding = check_call(rnn, (x, _state(cell, lambda h: h.to("meta"))))
-    assert finding.kind == "device_mismatch"
-    assert f"{cell.__name__}'s initial state h_0 f32[1, 2, 8] meta is not on the input's device (cpu)" in finding.problem
-    assert "Input and hidden tensors are not at the same device" in finding.problem
+    assert finding.kind == "device_mismatch" and finding.rule == "module.rnn_state_device"
+    assert (finding.facts["module"], finding.facts["label"]) == (cell.__name__, "h_0")
+    problem = explain(finding)[0]
+    assert f"{cell.__name__}'s initial state h_0 f32[1, 2, 8] meta is not on the input's device (cpu)" in problem
+    assert "Input and hidden tensors are not at the same device" in problem
     finding = check_call(rnn, (x, _state(cell, torch.Tensor.double)))
-    assert finding.kind == "dtype_mismatch" and "initial state h_0 f64[1, 2, 8] cpu" in finding.problem
+    assert finding.kind == "dtype_mismatch" and finding.rule == "module.rnn_state_dtype"
+    assert "initial state h_0 f64[1, 2, 8] cpu" in explain(finding)[0]
     assert check_call(rnn, (x.double(),)).kind == "dtype_mismatch"
     assert check_call(rnn, (x.to("meta"),)).kind == "device_mismatch"
     # Healthy calls.
@@ -321,7 +338,8 @@ def test_unit_lstm_cell_state_alone_on_another_device():
     rnn = nn.LSTM(4, 8)
     h = torch.zeros(1, 2, 8)
     finding = check_call(rnn, (torch.randn(5, 2, 4), (h, h.to("meta"))))
-    assert "initial state c_0" in finding.problem
+    assert finding.rule == "module.rnn_state_device" and finding.facts["label"] == "c_0"
+    assert "initial state c_0" in explain(finding)[0]
 
 
 def test_unit_packed_sequences():
@@ -336,14 +354,17 @@ def test_unit_packed_sequences():
 def test_unit_conv_input_against_its_bias():
     conv = nn.Conv2d(3, 4, 3)
     finding = check_call(conv, (torch.randn(1, 3, 5, 5, dtype=F64),))
-    assert finding.kind == "dtype_mismatch"
-    assert "Conv2d gets an input f64[1, 3, 5, 5] cpu for f32 parameters" in finding.problem
-    assert "Input type (double) and bias type (float) should be the same" in finding.problem
+    assert finding.kind == "dtype_mismatch" and finding.rule == "module.conv_input_dtype"
+    assert (finding.facts["bias_dtype"], finding.facts["weight_dtype"]) == (torch.float32, torch.float32)
+    problem = explain(finding)[0]
+    assert "Conv2d gets an input f64[1, 3, 5, 5] cpu for f32 parameters" in problem
+    assert "Input type (double) and bias type (float) should be the same" in problem
     assert check_call(nn.Conv1d(3, 4, 3), (torch.randn(1, 3, 5, dtype=BF16),)) is not None
     odd_bias = nn.Conv2d(3, 4, 3)
     odd_bias.bias.data = odd_bias.bias.data.double()
     finding = check_call(odd_bias, (torch.randn(1, 3, 5, 5),))
-    assert "Conv2d's bias is f64 but its weight and input are f32" in finding.problem
+    assert finding.rule == "module.conv_bias_dtype" and finding.facts["bias_dtype"] == F64
+    assert "Conv2d's bias is f64 but its weight and input are f32" in explain(finding)[0]
     assert check_call(conv, (torch.randn(1, 3, 5, 5),)) is None
     # Without a bias the mismatch reaches aten.convolution, where the per-op check sees it.
     assert check_call(nn.Conv2d(3, 4, 3, bias=False), (torch.randn(1, 3, 5, 5, dtype=F64),)) is None

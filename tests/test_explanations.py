@@ -10,7 +10,11 @@ from torch import nn
 
 import sys
 
+import json
+
 import opwatch
+from opwatch.checks.finding import Finding
+from opwatch.render.messages import explain
 from conftest import SCENARIOS, assert_golden, needs_columns
 from helpers import line_of as _line_of
 
@@ -69,6 +73,10 @@ def test_the_where_gradient_trap_tells_its_story():
     assert "came back in backward" in anomaly.message and "the torch.where gradient trap" in anomaly.message
     assert "double-where trick" in anomaly.message
     assert_golden("message_where_trap.txt", anomaly.message + "\n")
+    facts = anomaly.finding.facts
+    assert anomaly.finding.rule == "nonfinite.origin" and facts["op_name"] == "sqrt"
+    assert (facts["masked_by"].op, facts["masked_by_name"]) == ("aten.where.self", "where")
+    assert facts["back_in_backward"].phase == "backward" and facts["reached_gradient"] and not facts["contained"]
 
 
 def test_the_double_where_fix_is_quiet_and_its_gradients_finite():
@@ -83,6 +91,45 @@ def test_a_where_that_masks_a_nan_nobody_differentiates_is_contained():
         r = torch.where(d > 0, torch.sqrt(d), 0.0)
         total = r.sum().item()
     assert total == 2.0 and w.anomalies == [] and len(w.contained) == 1
+    facts = w.contained[0].finding.facts
+    assert facts["contained"] and facts["masked_by"] is not None and facts["back_in_backward"] is None
+    assert [value_range for _, value_range in facts["input_ranges"]] == [(-1.0, 4.0)]
+
+
+# -- facts survive a saved log ----------------------------------------------------------------
+
+
+def _json_round_trip(facts):
+    """The facts as a JSON export would store and load them: tuples become lists, dtypes and
+    devices strings tagged by type."""
+
+    def encode(value):
+        if isinstance(value, torch.dtype):
+            return {"dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"device": str(value)}
+        raise TypeError(type(value))
+
+    def decode(value):
+        if "dtype" in value:
+            return getattr(torch, value["dtype"])
+        if "device" in value:
+            return torch.device(value["device"])
+        return value
+
+    return json.loads(json.dumps(facts, default=encode), object_hook=decode)
+
+
+@pytest.mark.parametrize("program, kind", [
+    (scenarios.train_distance, "nan"),
+    (scenarios.train_log_likelihood, "inf"),
+    (scenarios.float16_headroom, "overflow_risk"),
+])
+def test_nonfinite_facts_survive_a_json_round_trip_and_render_the_same(program, kind):
+    w = watched(program, dump_on_error=False)
+    finding = first(w, kind).finding
+    saved = Finding(finding.kind, finding.rule, _json_round_trip(finding.facts))
+    assert explain(saved) == explain(finding)
 
 
 # -- where a stray tensor was made ----------------------------------------------------------

@@ -13,7 +13,9 @@ import torch
 
 import opwatch
 from conftest import SCENARIOS
-from opwatch.export import FORMAT, VERSION, chrome_trace, load
+from opwatch.checks.finding import Place
+from opwatch.export import FORMAT, READS, VERSION, chrome_trace, decode, encode, load
+from opwatch.notation import TensorMeta
 
 sys.path.insert(0, str(SCENARIOS))
 import stories  # noqa: E402
@@ -21,9 +23,9 @@ import training  # noqa: E402
 
 RECORD_FIELDS = (
     "index", "op", "func", "inputs", "outputs", "args", "filename", "lineno", "module", "phase",
-    "forward_func", "flags", "where", "start_ns", "end_ns",
+    "forward_func", "flags", "where", "start_ns", "end_ns", "rank", "label",
 )  # fmt: skip
-ANOMALY_FIELDS = ("kind", "op", "filename", "lineno", "module", "phase", "index", "message", "finding")
+ANOMALY_FIELDS = ("kind", "op", "filename", "lineno", "module", "phase", "index", "rank", "where", "received", "message")
 POSITION_FIELDS = ("filename", "lineno", "end_lineno", "col", "end_col")
 
 
@@ -69,16 +71,24 @@ def assert_same_record(saved, live):
     assert saved.signature() == live.signature()
 
 
+def assert_same_finding(saved, live):
+    """Equal facts of the same types (``repr``: nan != nan, and it tells tuples from lists)."""
+    for field in ("kind", "rule", "facts", "operands", "odd", "made"):
+        assert repr(getattr(saved, field)) == repr(getattr(live, field)), field
+
+
 def assert_same_anomaly(saved, live):
     for field in ANOMALY_FIELDS:
         assert getattr(saved, field) == getattr(live, field), field
     assert str(saved) == str(live)
+    assert_same_finding(saved.finding, live.finding)
     assert_same_record(saved.record, live.record)
 
 
 def test_round_trip_is_exact(tmp_path):
     w = busy_watch()
     assert {a.kind for a in w.anomalies} >= {"broadcast", "dtype_mismatch", "device_mismatch", "inf", "nan"}
+    assert len(w.anomalies) > len({a.kind for a in w.anomalies})  # several of some kinds
     assert w.contained and w.allowed
     path = tmp_path / "run.jsonl"
     w.export_jsonl(path)
@@ -96,8 +106,78 @@ def test_round_trip_is_exact(tmp_path):
         assert len(getattr(saved, group)) == len(getattr(w, group)), group
     for saved_anomaly, anomaly in zip(saved.anomalies + saved.contained + saved.allowed, w.anomalies + w.contained + w.allowed):
         assert_same_anomaly(saved_anomaly, anomaly)
+    # One interface: the table reads saved records as it reads live ones (no forged log entry).
+    assert all(isinstance(r, opwatch.records.BaseRecord) and not hasattr(r, "_entry") for r in saved.records)
+    assert all(isinstance(a, opwatch.anomaly.BaseAnomaly) for a in saved.anomalies + w.anomalies)
     # A saved anomaly points at the saved record of its op, as a live one does.
     assert all(any(a.record is r for r in saved.records) for a in saved.anomalies)
+
+
+def test_anomalies_are_saved_as_facts_and_their_messages_rendered_again(tmp_path):
+    w = busy_watch()
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    text = path.read_text(encoding="utf-8")
+    lines = [json.loads(line) for line in text.splitlines()]
+    saved_lines = [line for line in lines if line.get("type") == "anomaly"]
+    live = w.anomalies + w.contained + w.allowed
+    for line, anomaly in zip(saved_lines, live, strict=True):
+        assert "message" not in line
+        assert line["finding"]["rule"] == anomaly.finding.rule and line["finding"]["kind"] == anomaly.kind
+        # No message, nor any of its lines, is written: load renders them from the facts.
+        assert json.dumps(anomaly.message, ensure_ascii=False)[1:-1] not in text
+        assert json.dumps(anomaly.message.splitlines()[0], ensure_ascii=False)[1:-1] not in text
+    saved = load(path)
+    for kind in {a.kind for a in live}:  # several real anomalies of each kind
+        pairs = [(s, a) for s, a in zip(saved.anomalies + saved.contained + saved.allowed, live) if a.kind == kind]
+        assert pairs and all(str(s) == str(a) for s, a in pairs), kind
+
+
+def test_a_rank_s_log_reads_back_with_its_rank(tmp_path):
+    model, x, y = training.make()
+    with opwatch.watch(warn=False) as w:
+        w._log.rank = 3  # as a watch in a torch.distributed job on rank 3 sets it
+        training.step(model, x, y)
+        stories.broadcast_loss()
+        stories.log_zero()
+    w.export_jsonl(tmp_path / "run.jsonl")
+    saved = load(tmp_path / "run.jsonl")
+    assert saved.rank == 3 and saved.summary() == w.summary() and "opwatch (rank 3)" in saved.summary()
+    assert all("rank 3)" in str(a) for a in saved.anomalies) and len(saved.anomalies) == len(w.anomalies) >= 2
+    for saved_anomaly, anomaly in zip(saved.anomalies, w.anomalies):
+        assert_same_anomaly(saved_anomaly, anomaly)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None, True, 0, -3, 2**70, 1.5, -0.0, math.inf, -math.inf, "text", "nan", "inf", "-inf", "",
+        (1, 2), [1, 2], (), [], ([1, (2, [3])],), {"a": 1, "b": (1.0, [2])}, {1: "one", (2, 3): None},
+        torch.float16, torch.bfloat16, torch.device("cpu"), torch.device("meta"), torch.strided,
+        torch.channels_last, complex(1, -math.inf), torch.Size([4, 1]),
+        ((4, 1), torch.float32, torch.device("cpu"), 140234),  # tensor metadata, as findings hold it
+        TensorMeta((2, 3), torch.float64, torch.device("cpu"), 7),
+        Place("aten.addmm.default", "/abs/train.py", 23, "forward"),
+        Place("c10d.allreduce_.default", None, None, "backward", "DDP bucket [fc.weight]"),
+        {"odd": (Place("aten.mm.default", None, None, "backward"),), "counts": [3, math.inf], "names": ("self", "other")},
+        torch.ops.aten.add.Tensor,
+    ],
+    ids=repr,
+)
+def test_the_codec_keeps_values_and_their_types(value):
+    encoded = encode(value)
+    line = json.dumps(encoded, allow_nan=False)  # plain JSON
+    decoded = decode(json.loads(line))
+    assert repr(decoded) == repr(value) and type(decoded) is type(value)
+    assert decoded == value or value != value
+
+
+def test_the_codec_keeps_nan_and_reads_unknown_objects_as_their_text():
+    decoded = decode(json.loads(json.dumps(encode((math.nan, [math.nan])))))
+    assert math.isnan(decoded[0]) and isinstance(decoded[1], list) and math.isnan(decoded[1][0])
+    assert decode(encode(object)) == repr(object)
+    with pytest.raises(ValueError, match="unknown value tag 'bogus'; the tags are 'str'"):
+        decode({"bogus": 1})
 
 
 def test_arguments_keep_their_values_and_types(tmp_path):
@@ -124,7 +204,7 @@ def test_file_format(tmp_path):
     objects = [strict_json(line) for line in lines]
     header = objects[0]
     assert header["format"] == FORMAT and header["version"] == VERSION
-    assert header["torch"] == torch.__version__ and header["opwatch"] == opwatch.__version__ and header["rank"] == 0
+    assert header["torch"] == torch.__version__ and header["opwatch"] == opwatch.__version__ and header["rank"] is None
     kinds = defaultdict(list)
     for obj in objects[1:]:
         kinds[obj["type"]].append(obj)
@@ -176,8 +256,14 @@ def test_load_refuses_other_files(tmp_path):
         load(other)
     newer = tmp_path / "newer.jsonl"
     newer.write_text(json.dumps({"format": FORMAT, "version": VERSION + 1}) + "\n")
-    with pytest.raises(ValueError, match="upgrade opwatch"):
+    with pytest.raises(ValueError, match=f"version {VERSION + 1}; this opwatch reads version {VERSION}: upgrade opwatch"):
         load(newer)
+    # Version 1 stored the messages' text, not the findings' facts: not read, and said so.
+    older = tmp_path / "older.jsonl"
+    older.write_text(json.dumps({"format": FORMAT, "version": 1}) + "\n")
+    with pytest.raises(ValueError, match=f"version 1; this opwatch reads version {VERSION}: export the run again"):
+        load(older)
+    assert 1 not in READS and VERSION in READS
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"format": FORMAT, "version": VERSION}) + '\n{"type": "record"}\n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not a valid opwatch log line"):
@@ -334,3 +420,56 @@ def test_cli_writes_both_exports_and_shows_a_saved_log(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["show", str(tmp_path / "missing.jsonl")])
     assert "No such file" in capsys.readouterr().err
+
+
+# -- one anomaly interface ----------------------------------------------------------------------
+
+
+class OneRecord(opwatch.records.BaseRecord):
+    """A record with only the primitive accessors, as another kind of record has them."""
+
+    index, module, phase, forward_func, args, flags, rank, label = 5, None, "forward", None, (), (), None, None
+    inputs = (TensorMeta((4,), torch.float32, torch.device("cpu"), 1),)
+    outputs = (TensorMeta((4,), torch.float32, torch.device("cpu"), 2),)
+
+    def __init__(self, func):
+        from opwatch.sites import Position
+
+        self.func = func
+        self.position = Position(str(SCENARIOS / "stories.py"), 3)
+
+
+class OneAnomaly(opwatch.anomaly.BaseAnomaly):
+    """What a subclass must provide: ``finding`` and ``record``."""
+
+    def __init__(self, finding, record):
+        self.finding, self.record = finding, record
+
+
+def test_the_anomaly_interface_derives_everything_from_finding_and_record():
+    w = busy_watch()
+    live = w.anomalies[0]
+    other = OneAnomaly(live.finding, live.record)
+    for field in ANOMALY_FIELDS:
+        assert getattr(other, field) == getattr(live, field), field
+    assert str(other) == str(live) and repr(other) == repr(live).replace("<Anomaly", "<OneAnomaly")
+
+
+def test_received_is_a_nan_or_inf_on_a_collective_op():
+    import dataclasses
+
+    with opwatch.watch(warn=False) as w:
+        stories.log_zero()
+    made = next(a for a in w.anomalies if a.kind in ("nan", "inf"))
+    assert not made.received  # made here, by aten.log
+    finding = made.finding
+    allreduce = torch.ops.c10d.allreduce_.default
+    assert OneAnomaly(finding, OneRecord(allreduce)).received
+    assert not OneAnomaly(finding, OneRecord(torch.ops.aten.add.Tensor)).received
+    other_kind = dataclasses.replace(finding, kind="broadcast")
+    assert not OneAnomaly(other_kind, OneRecord(allreduce)).received
+    # A saved record whose op this torch does not have names it by a string: no collective
+    # that can be asked about, so not received (a saved anomaly keeps what the watch judged).
+    by_name = OneAnomaly(finding, OneRecord("c10d.allreduce_.default"))
+    assert not by_name.received
+    assert by_name.message.startswith(f"{finding.kind} in c10d.allreduce_.default at stories.py:3")

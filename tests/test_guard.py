@@ -65,6 +65,7 @@ def make(bug=None, **options):
         loss.backward()
         return loss
 
+    options.setdefault("audit", "never")  # these tests are about the replay; audits: test_guard_audits.py
     return model, train_step, opwatch.guard(train_step, model, **options)
 
 
@@ -96,7 +97,7 @@ def test_a_healthy_step_runs_with_no_dispatch_mode_and_returns_what_the_step_ret
         modes.append(torch._C._len_torch_dispatch_stack())
         return train_step(x, y)
 
-    guarded = opwatch.guard(watched, model)
+    guarded = opwatch.guard(watched, model, audit="never")
     x, y = batch()
     reference = copy.deepcopy(model)
     torch.manual_seed(5)
@@ -137,7 +138,7 @@ def test_the_only_ops_added_on_a_healthy_step_are_the_finiteness_check():
         loss.backward()
         return loss
 
-    assert added_ops(model, train_step, opwatch.guard(train_step, model)) == {
+    assert added_ops(model, train_step, opwatch.guard(train_step, model, audit="never")) == {
         "aten.linalg_vector_norm.default": 1,  # the returned loss's largest magnitude
         "aten._amp_foreach_non_finite_check_and_unscale_.default": 1,  # the gradients and that
         "aten._local_scalar_dense.default": 1,  # the one host read
@@ -176,8 +177,8 @@ def test_gradients_the_fused_kernel_does_not_take_are_checked_per_device():
         loss.backward()
         return loss
 
-    step = opwatch.guard(train_step, [weight, scale], repro=False)
-    assert step(torch.ones(3, dtype=torch.complex64)) == 3 and step._by_device
+    step = opwatch.guard(train_step, [weight, scale], repro=False, audit="never")
+    assert step(torch.ones(3, dtype=torch.complex64)) == 3 and step._finite._by_device
     weight.grad = scale.grad = None
     with pytest.raises(opwatch.AnomalyError, match="inf in aten.log.default") as caught:
         step(torch.tensor([1, 0, 1], dtype=torch.complex64))
@@ -310,7 +311,7 @@ def test_a_failing_step_that_changed_its_argument_in_place_is_refused():
         return train_step(x, y)
 
     with pytest.raises(ValueError, match=r"cannot replay call 1 of .*normalizes \(the check after it found nan .*\): it changed its argument args\[0\] \(f32\[16, 4\] cpu\) in place"):
-        opwatch.guard(normalizes, model)(*batch())
+        opwatch.guard(normalizes, model, audit="never")(*batch())
 
 
 def test_a_failure_the_replay_does_not_find_again_is_said_plainly():

@@ -8,6 +8,8 @@ import weakref
 import torch
 
 from opwatch.checks.nonfinite import NonFiniteTracker
+from opwatch.checks.nonfinite.replay import Flags
+from opwatch.render.messages import explain
 from opwatch.records import BACKWARD, FORWARD, OpLog
 
 aten = torch.ops.aten
@@ -56,9 +58,10 @@ class Program:
             del self.keep[name]
 
     def resolve(self, *, final=False, reading=()):
-        tracker = self.tracker
-        new = tracker._replay(list(self.log.entries), self.flagged, self.refs, {}, self.checked, {}, self.written_bases, tuple(id(self.keep[n]) for n in reading))
-        return tracker._judge(new, final)
+        origins = self.tracker._origins
+        flags = Flags(self.flagged, self.refs, self.checked, written_bases=self.written_bases)
+        new = origins.replay(list(self.log.entries), flags, tuple(id(self.keep[n]) for n in reading))
+        return origins.judge(new, final)
 
 
 def test_non_finite_from_finite_inputs_is_an_origin_and_what_it_feeds_is_spread():
@@ -86,7 +89,7 @@ def test_an_alive_origin_waits_until_it_reaches_a_sink_or_the_end():
     p = Program()
     p.op(aten.log.default, (), ("y",), kind="inf")
     assert p.resolve() == []  # alive, no sink yet: the program may still drop it
-    (origin,) = p.tracker._judge([], final=True)
+    (origin,) = p.tracker._origins.judge([], final=True)
     assert origin.matters
 
 
@@ -127,7 +130,9 @@ def test_nan_made_from_deliberate_infs_is_an_origin():
     p.op(aten._softmax.default, ("masked",), ("probs",), kind="nan")
     (origin,) = p.resolve(final=True)
     assert origin.record.op == "aten._softmax.default" and origin.from_deliberate
-    assert "every entry of a row was masked" in origin.finding(contained=False).fix
+    finding = origin.finding(contained=False)
+    assert (finding.rule, finding.facts["from_deliberate"], finding.facts["op_name"]) == ("nonfinite.origin", True, "_softmax")
+    assert "every entry of a row was masked" in explain(finding)[2]
 
 
 def test_views_carry_their_inputs_state():
@@ -167,7 +172,9 @@ def test_grad_scaler_skips_are_contained_and_forward_origins_are_not_its_busines
     p.op(aten._amp_foreach_non_finite_check_and_unscale_.default, ("grad", "activation"), ("grad",), kind="inf", inplace=True)
     origins = {origin.record.op: origin for origin in p.resolve(final=True)}
     assert origins["aten.mm.default"].skipped_by_grad_scaler and not origins["aten.mm.default"].matters
-    assert "GradScaler" in origins["aten.mm.default"].finding(contained=True).problem
+    finding = origins["aten.mm.default"].finding(contained=True)
+    assert finding.facts["skipped_by_grad_scaler"] and finding.facts["contained"]
+    assert "GradScaler" in explain(finding)[0]
     assert not origins["aten.log.default"].skipped_by_grad_scaler and origins["aten.log.default"].matters
 
 

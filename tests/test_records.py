@@ -245,3 +245,70 @@ def test_importing_opwatch_does_not_import_tabulate():
     code = "import sys, opwatch; print('tabulate' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+# -- bounded caches ---------------------------------------------------------------------------
+
+
+def test_bounded_cache_starts_afresh_when_full():
+    from opwatch.bounded import BoundedCache
+
+    cache = BoundedCache(3)
+    for key in "abc":
+        assert cache.put(key, key.upper()) == key.upper()
+    assert cache.keep("a", "other") == "A" and len(cache) == 3  # known: kept, nothing stored
+    assert cache.keep("d", "D") == "D" and dict(cache) == {"d": "D"}  # a fourth key: cleared first
+    made = []
+    assert cache.lookup("e", lambda key: made.append(key) or key * 2) == "ee"
+    assert cache.lookup("e", lambda key: made.append(key) or "again") == "ee" and made == ["e"]
+    with pytest.raises(TypeError):
+        cache.keep([1], 1)
+    with pytest.raises(ValueError, match="limit must be 1 or more"):
+        BoundedCache(0)
+
+
+def test_the_log_s_tables_stay_bounded_when_every_step_brings_new_values():
+    from opwatch.records import OpLog
+
+    log = OpLog(10)
+    for length in range(5000):  # a new sequence length every step
+        assert log.shapes[torch.Size([2, length])] == (2, length)
+        assert log.intern((length, 0.5)) == (length, 0.5)
+    assert len(log.shapes) <= 4096 and len(log._interned) <= 4096
+    # Interned: the same shape or argument tuple is one object while it stays in the table.
+    assert log.shapes[torch.Size([2, 4999])] is log.shapes[torch.Size([2, 4999])]
+    assert log.intern((4999, 0.5)) is log.intern((4999, 0.5))
+    assert log.intern((1, -1)) is not log.intern((1, -1.0))  # equal, but different arguments
+
+
+# -- one record interface ----------------------------------------------------------------------
+
+
+def test_a_record_of_another_kind_gets_the_derived_fields_from_the_interface():
+    from opwatch.notation import TensorMeta
+    from opwatch.records import BaseRecord
+    from opwatch.render import render_table
+    from opwatch.sites import Position
+
+    class Plain(BaseRecord):  # only the primitive accessors, as another record kind has them
+        index, func, module, phase, forward_func, args, flags, rank, label = 3, "aten.mm.default", None, "forward", None, (), (), None, None
+        inputs = (TensorMeta((5, 3), torch.float64, torch.device("cpu")), TensorMeta((3, 2), torch.float32, torch.device("cpu")))
+        outputs = None
+        position = Position(TRAINING, 1)
+
+    record = Plain()
+    assert record.op == "aten.mm.default" and record.filename == TRAINING and record.lineno == 1
+    assert record.where == "training.py:1" and record.signature() == "aten.mm(f64[5, 3] cpu, f32[3, 2] cpu)"
+    assert repr(record) == "<Plain #3 aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) at training.py:1 forward>"
+    assert "f64[5, 3] cpu, f32[3, 2] cpu  not run" in render_table([record])
+
+
+def test_live_records_share_the_interface():
+    from opwatch.records import BaseRecord, short_op_name
+
+    w = watched_step()
+    record = w.records[0]
+    assert isinstance(record, BaseRecord) and record.where == f"training.py:{record.lineno}"
+    assert record.signature().startswith(short_op_name(record.func) + "(")
+    assert short_op_name("aten.mm.default") == short_op_name(torch.ops.aten.mm.default) == "aten.mm"
+    assert short_op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"

@@ -19,12 +19,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "opwatch"
 
 # Bottom to top. A module may import its own layer or lower ones; packages by prefix.
 LAYERS = [
-    {"opwatch.compat", "opwatch.notation", "opwatch.ops"},
+    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded"},
     {"opwatch.sites", "opwatch.records", "opwatch.collective_ops"},
     {"opwatch.checks", "opwatch.modes"},
     {"opwatch.render"},
     {"opwatch.anomaly", "opwatch.report", "opwatch.allow"},
-    {"opwatch.ranks", "opwatch.distributed", "opwatch.export", "opwatch.diff"},
+    {"opwatch.ranks", "opwatch.distributed", "opwatch.export", "opwatch.divergence"},
     {"opwatch.session"},
     {"opwatch.guard", "opwatch.repro", "opwatch.leave_on", "opwatch.__main__", "opwatch.cli_diff",
      "opwatch.pytest_plugin", "opwatch.integrations", "opwatch.examples"},

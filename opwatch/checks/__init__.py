@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from . import broadcast, collectives, device, dtype, module_calls, nonfinite
-from .finding import Finding
+from ..ops import facts_of
+from ..records import M_IDENT, M_SHAPE
+from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite
+from .finding import Finding, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
@@ -55,12 +57,13 @@ class CheckContext:
     ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
     """
 
-    __slots__ = ("site", "phase", "args", "_log", "_shapes", "_modules")
+    __slots__ = ("site", "phase", "args", "handshakes", "_log", "_shapes", "_modules")
 
     def __init__(self, log, shapes: broadcast.ShapeProvenance | None, modules=None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
         self.args = ()  # the op's other arguments, flat: position or name, value, ...
+        self.handshakes = None  # this watch's collectives.Handshakes when that check is on
         self._log = log
         self._shapes = shapes
         self._modules = modules  # the ModuleStack, for where a stray tensor was made
@@ -77,69 +80,69 @@ class CheckContext:
         of ``broadcast_tensors`` pairs."""
         return self._shapes.previous_expand if self._shapes is not None else None
 
-    def producer(self, tensor: tuple) -> str | None:
-        """Short description of the op that produced ``tensor`` (``aten.addmm at demo.py:23``)."""
-        from ..records import M_IDENT, short_op_name
-
+    def producer(self, tensor: tuple) -> Place | None:
+        """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
         record = self._log.producer_of(tensor[M_IDENT])
-        if record is None:
-            return None
-        return f"{short_op_name(record.func)} at {record.where}"
+        return None if record is None else Place.of(record)
 
+    def where_made(self, tensor: tuple, *, missing: str) -> tuple:
+        """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
+        rendered by :func:`opwatch.render.messages.where_made`):
 
-    def where_made(self, tensor: tuple, *, missing: str) -> str:
-        """Where ``tensor`` came from, for a report (slow: never on a healthy op): a tensor
-        attribute, parameter or buffer of a running module; else the op that made it, saying
-        when a factory op was called without the ``missing`` argument (``device``, ``dtype``);
-        else that it was made before the watch."""
-        from ..records import M_IDENT, M_SHAPE, short_op_name
-
+        - ``("attribute", module class name, attribute name, module path)``: a plain tensor
+          attribute of a running module;
+        - ``("parameter" | "buffer", module path, name)``;
+        - ``("made_by", Place)``: the op that made it; for a factory op called without the
+          ``missing`` argument (``"device"``, ``"dtype"``) a third item says what torch filled
+          in: ``("default_device", device)`` or ``("dtype", the dtype given or None, the
+          default dtype)``;
+        - ``("before_watch",)``: made before the watch (or outside torch ops).
+        """
         ident = tensor[M_IDENT]
+        found = self._in_running_modules(ident)
+        if found is not None:
+            return found
+        record = self._log.producer_of(ident)
+        if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
+            return ("before_watch",)
+        made = ("made_by", Place.of(record))
+        if not (hasattr(record.func, "_schema") and facts_of(record.func).is_factory):
+            return made
+        args = dict(record.args)
+        if missing == "device" and args.get("device") == torch.get_default_device():
+            # torch fills the default in: whether the program named it cannot be told.
+            return (*made, ("default_device", args["device"]))
+        if missing == "dtype":
+            return (*made, ("dtype", args.get("dtype"), torch.get_default_dtype()))
+        return made
+
+    def _in_running_modules(self, ident: int) -> tuple | None:
+        """The provenance of the tensor ``ident`` when a running module holds it."""
         for path, module in self._modules.running() if self._modules is not None else ():
             for name, value in vars(module).items():
                 if id(value) == ident and isinstance(value, torch.Tensor):
-                    return (
-                        f"{type(module).__name__}.{name} is a plain tensor attribute of module {path}: "
-                        f".to() and .cuda() do not move it; make it a buffer (self.register_buffer({name!r}, ...))"
-                    )
+                    return ("attribute", type(module).__name__, name, path)
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return f"it is {kind} {path}.{name}"
-        record = self._log.producer_of(ident)
-        if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
-            return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
-        made = f"made by {short_op_name(record.func)} at {record.where}"
-        name = record.func._schema.name if hasattr(record.func, "_schema") else ""
-        if name in _FACTORIES:
-            args = dict(record.args)
-            if missing == "device" and args.get("device") == torch.get_default_device():
-                # torch fills the default in: whether the program named it cannot be told.
-                made += f" on the default device ({args['device']}): give it device= (or make it with *_like / new_*)"
-            elif missing == "dtype":
-                given = args.get("dtype")
-                made += f" with dtype={given}" if given is not None else f" in the default dtype ({torch.get_default_dtype()})"
-        return made
-
-
-# Ops that make tensors from nothing: a stray one usually lacks its device= or dtype=.
-_FACTORIES = {
-    "aten::zeros", "aten::ones", "aten::full", "aten::empty", "aten::rand", "aten::randn",
-    "aten::randint", "aten::arange", "aten::linspace", "aten::logspace", "aten::eye",
-    "aten::scalar_tensor", "aten::randperm", "aten::empty_strided",
-}
+                        return (kind, path, name)
+        return None
 
 
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
         self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes, modules)
-        self._trackers = tuple(tracker for tracker in (self.shapes, self.values) if tracker is not None)
+        if collectives.KIND in enabled:
+            self.context.handshakes = collectives.Handshakes()
+        # watch(fingerprints=True): output fingerprints for opwatch.diff, read at check points.
+        self.prints = fingerprints_tracker(log, fingerprints)
+        self._trackers = tuple(tracker for tracker in (self.shapes, self.values, self.prints) if tracker is not None)
 
     def pre_kernel(self, func) -> tuple:
         """The bound pre-kernel checks that can fire on ``func``, in order."""
@@ -168,7 +171,15 @@ class ActiveChecks:
         (:class:`~opwatch.checks.nonfinite.Origin`, ``matters`` set), oldest first, among the
         ops of ``log`` from index ``since`` on; ``reading``: idents of the tensors the program
         is about to read on the host; ``final``: judge what is still alive (the program chose
-        this point: the end of the block, ``Watch.check()``)."""
+        this point: the end of the block, ``Watch.check()``). Fingerprints are read here too."""
+        if self.prints is not None:
+            self.prints.resolve()
         if self.values is None or not (self.values.pending or self.values.carrying):
             return []
         return self.values.resolve(log.since(since), reading=reading, final=final)
+
+
+def fingerprints_tracker(log, store: dict | None):
+    """The :class:`~opwatch.checks.fingerprints.FingerprintTracker` filling ``store``, or
+    ``None`` when fingerprints are off (``store`` is ``None``): then nothing is bound."""
+    return None if store is None else fingerprints.FingerprintTracker(log, store)

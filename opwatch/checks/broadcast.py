@@ -22,6 +22,9 @@ b.view(1, -1)`` (both sides explicit) and rotary ``pos[..., None].float() * inv_
 
 Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
 ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.broadcast`, where each rule's facts are listed.
 """
 
 from __future__ import annotations
@@ -32,9 +35,8 @@ from itertools import islice
 
 import torch
 
-from ..notation import format_meta, format_shape
 from ..records import E_ARGS, E_SITE, M_IDENT, M_SHAPE
-from .finding import Finding, text_finding, takes_several_tensors
+from .finding import Finding, takes_several_tensors
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
 
@@ -42,6 +44,10 @@ KIND = "broadcast"
 
 _UNSQUEEZE = "aten::unsqueeze"
 _EXPAND = "aten::expand"
+# ShapeProvenance's entries: (shape, deliberate dims, site id); its previous_expand: (site id,
+# operand meta, result shape).
+_K_SHAPE, _K_DELIBERATE, _K_SITE = 0, 1, 2
+_X_SITE = 0
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
@@ -88,16 +94,16 @@ def _fits(shape, into) -> bool:
 def check(func, tensors, context, *, made_by_broadcast_tensors: bool = False) -> Finding | None:
     if len(tensors) < 2:
         return None
-    first = tensors[0][0]
+    first = tensors[0][M_SHAPE]
     for meta in tensors:
-        if meta[0] != first:
+        if meta[M_SHAPE] != first:
             break
     else:
         return None  # nothing is broadcast
     shapes = []
     widest = ()
     for meta in tensors:
-        shape = meta[0]
+        shape = meta[M_SHAPE]
         if shape is None:
             return None  # nested tensors have no single shape
         shapes.append(shape)
@@ -119,7 +125,7 @@ def check(func, tensors, context, *, made_by_broadcast_tensors: bool = False) ->
     implicit = []
     accidental = []
     for meta in tensors:
-        shape = meta[0]
+        shape = meta[M_SHAPE]
         ndim = len(shape)
         if ndim == 0:
             continue
@@ -145,7 +151,7 @@ def _check_expand(func, tensors, context) -> Finding | None:
     if not tensors or context.site == 0:
         return None
     previous = context.previous_expand()
-    if previous is None or previous[0] != context.site:
+    if previous is None or previous[_X_SITE] != context.site:
         return None  # not the second expand of one call
     _, first, target = previous
     second = tensors[0]
@@ -171,33 +177,19 @@ def _expand_size(args):
 
 
 def _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors=False) -> Finding:
-    largest = max(math.prod(meta[0]) for meta in tensors)
-    vector = implicit[0]
+    largest = max(math.prod(meta[M_SHAPE]) for meta in tensors)
     column, dims = accidental[0]
-    made_by = context.producer(column)
-    made = f" (made by {made_by})" if made_by else ""
-    dims_text = ", ".join(str(len(result) + d) for d in dims)
-    if made_by_broadcast_tensors:
-        returns = (
-            f"this call broadcasts them together (torch.broadcast_tensors, as F.mse_loss, F.l1_loss, "
-            f"F.smooth_l1_loss and F.huber_loss do with input and target: torch only warns) to {format_shape(result)}"
-        )
-    else:
-        returns = f"{func._schema.name.split('::')[-1]} returns {format_shape(result)}"
-    return text_finding(
-        kind=KIND,
-        problem=(
-            f"both operands were expanded: {format_meta(vector)} gets new leading dims and "
-            f"{format_meta(column)}{made} is stretched along dim {dims_text}; "
-            f"{returns}, {result_numel // largest}x more elements than its largest input"
-        ),
-        expected=f"operands whose shapes already agree (e.g. {format_shape(vector[0])} with {format_shape(vector[0])}), or size-1 dims made on purpose with unsqueeze / None indexing",
-        fix=(
-            f"drop the size-1 dim where it is made (.squeeze({dims[0]}) or .view(-1) on the "
-            f"{format_shape(column[0])} operand), or give the other side the same dim with .unsqueeze({dims[0]}); "
-            f"if the {format_shape(result)} result is intended, write it with unsqueeze/None on both sides"
-        ),
-    )
+    facts = {
+        "op": func._schema.name.split("::")[-1],
+        "vector": implicit[0],  # gets new leading dims
+        "column": column,  # stretched along its own size-1 dims
+        "made_by": context.producer(column),  # a Place, or None
+        "dims": list(dims),  # the column's stretched dims, negative (from the right)
+        "result": result,
+        "growth": result_numel // largest,  # times more elements than the largest operand
+    }
+    rule = "broadcast.tensors" if made_by_broadcast_tensors else "broadcast.implicit"
+    return Finding(KIND, rule, facts, operands=tuple(tensors))
 
 
 class ShapeProvenance:
@@ -215,10 +207,11 @@ class ShapeProvenance:
     """
 
     def __init__(self, limit: int):
-        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id of its op)
+        # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id of its op),
+        # read with _K_SHAPE, _K_DELIBERATE, _K_SITE
         self._known: dict = {}
         self._limit = limit
-        # (site id, operand meta, result shape) of the last expand op
+        # (site id, operand meta, result shape) of the last expand op (_X_SITE, ...)
         self.previous_expand = None
 
     def for_op(self, func):
@@ -239,15 +232,15 @@ class ShapeProvenance:
         known = self._entry(meta)
         if known is None:
             return frozenset()
-        if known[2] == site and site != 0:
+        if known[_K_SITE] == site and site != 0:
             # Made inside the same call as this op (torch.outer reshapes internally).
             return frozenset(range(-len(meta[M_SHAPE]), 0))
-        return frozenset(known[1])
+        return frozenset(known[_K_DELIBERATE])
 
     def _entry(self, meta):
         known = self._known.get(meta[M_IDENT])
         # An id is reused once its tensor dies; a different shape means another tensor.
-        if known is None or known[0] != meta[M_SHAPE]:
+        if known is None or known[_K_SHAPE] != meta[M_SHAPE]:
             return None
         return known
 
@@ -262,7 +255,7 @@ class ShapeProvenance:
             new_dim = (dim if dim >= 0 else dim + ndim) - ndim
             # The input's deliberate dims, moved past the new one (negative: from the right).
             known = self._entry(inputs[0]) if inputs else None
-            kept = known[1] if known is not None else ()
+            kept = known[_K_DELIBERATE] if known is not None else ()
             deliberate = tuple(sorted({d if d > new_dim else d - 1 for d in kept} | {new_dim}))
             self._remember(meta, deliberate, entry)
 
@@ -313,5 +306,5 @@ class ShapeProvenance:
         for meta in inputs:
             known = self._entry(meta)
             if known is not None:
-                dims.update(d for d in known[1] if -len(shape) <= d and shape[d] == 1)
+                dims.update(d for d in known[_K_DELIBERATE] if -len(shape) <= d and shape[d] == 1)
         return tuple(dims)

@@ -6,18 +6,27 @@ store round trip per collective; turn it on with
 
 Before each collective (c10d ops and functional collectives; not point to point), every rank
 of the group writes what it passes (the op, the shapes and dtypes its rule compares, its line)
-under ``opwatch/<run>/<restart>/collective/<group>/<n>/<rank>`` in the process group's store,
-``<n>`` counting the collectives this process has called on that group under a watch with
-this check, then waits for the other ranks' entries, at most ``OPWATCH_COLLECTIVE_TIMEOUT``
-seconds (default 60). A difference, or a rank that has not written by then, is a finding with
+under ``opwatch/<run>/<restart>/collective/<watch>/<group>/<n>/<rank>`` in the process group's
+store, ``<n>`` counting the collectives this watch has called on that group and ``<watch>`` the
+watches of this rank that reached a collective with this check (a counter the rank keeps in the
+store), then waits for the other ranks' entries, at most ``OPWATCH_COLLECTIVE_TIMEOUT`` seconds
+(default 60). This wait blocks before the kernel, on purpose: a mismatch must be found before
+the collective hangs. A difference, or a rank that has not written by then, is a finding with
 every rank's line; in ``strict()`` it raises before the collective runs, so before the hang.
 No collective runs on the program's groups: only the store.
 
-What is compared (``opwatch.distributed.Collective.compare``): every tensor's shape and dtype;
+The counters live in a :class:`Handshakes` object per watch (``CheckContext.handshakes``, made
+by :class:`~opwatch.checks.ActiveChecks` when the check is on), not in the process.
+
+What is compared (``opwatch.ops.Collective.compare``): every tensor's shape and dtype;
 only the output for ``scatter_`` and only the input for ``gather_`` (the root alone passes the
 others); dtypes only for all-to-all (split sizes differ by rank); the op alone for barriers.
 Limit: it compares per call, so every rank must run the same watched collectives; the keys it
 writes stay in the store (about 150 bytes per rank and collective).
+
+Findings (rendered by :mod:`opwatch.render.ranks`): ``collective.mismatch`` (one collective,
+different tensors), ``collective.different_ops`` (different collectives at the same place in
+the order), ``collective.late`` (a rank did not call it within the timeout).
 """
 
 from __future__ import annotations
@@ -26,20 +35,18 @@ import json
 import os
 from datetime import timedelta
 
-from ..distributed import _group_store, _prefix, collective_of, group_of
+from ..collective_ops import group_of, group_store, store_prefix
 from ..notation import format_meta
-from ..records import M_DTYPE, M_SHAPE
-from ..render import display_path, format_ranks
-from .finding import Finding, text_finding
+from ..ops import collective_of
+from ..records import M_DEVICE, M_DTYPE, M_SHAPE
+from ..sites import position_of
+from .finding import Finding
 
-__all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "compared", "compare"]
+__all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "Handshakes", "compared", "compare", "counter_key"]
 
 KIND = "collective_mismatch"
 TIMEOUT_VARIABLE = "OPWATCH_COLLECTIVE_TIMEOUT"
 _DEFAULT_TIMEOUT = 60.0
-# Collectives this process has called, per group name: the n in each key. Process-wide, not
-# per watch: every rank must count the same calls for the keys to meet.
-_calls: dict[str, int] = {}
 
 
 def for_op(func):
@@ -55,6 +62,52 @@ def for_op(func):
     return check
 
 
+def counter_key(rank: int) -> str:
+    """The store key where ``rank`` counts its watches that reached a checked collective."""
+    return f"{store_prefix()}/collective/watches/{rank}"
+
+
+class Handshakes:
+    """One watch's memory of the check: the store the ranks meet in, this watch's number among
+    the rank's watches (so that the keys of an earlier watch never answer a later one), and the
+    collectives called per group (the ``n`` in each key)."""
+
+    def __init__(self):
+        self._store = None
+        self._watch: int | None = None
+        self._calls: dict[str, int] = {}  # group name -> collectives called on it in this watch
+
+    def meet(self, group: str, rank: int, ranks, mine: dict, timeout: float):
+        """Write this rank's call ``mine`` of the next collective on ``group`` and wait at most
+        ``timeout`` seconds for the other ``ranks``' calls: ``(number, calls, missing)``
+        (``number`` from 1, ``calls``: ``rank -> call``, ``missing``: ranks that wrote nothing);
+        ``None`` without a store."""
+        store = group_store()
+        if store is None:
+            return None  # no group to tell the ranks by: nothing to compare
+        if store is not self._store:
+            self._store, self._calls = store, {}
+            self._watch = store.add(counter_key(rank), 1)
+        number = self._calls.get(group, 0) + 1
+        self._calls[group] = number
+        prefix = f"{store_prefix()}/collective/{self._watch}/{group}/{number}"
+        store.set(f"{prefix}/{rank}", json.dumps(mine, separators=(",", ":")))
+        others = [other for other in ranks if other != rank]
+        keys = [f"{prefix}/{other}" for other in others]
+        missing = []
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+            present = others
+        except Exception:  # some rank did not write in time (DistStoreError)
+            present = [other for other, key in zip(others, keys) if store.check([key])]
+            missing = [other for other in others if other not in present]
+        calls = {rank: mine}
+        if present:
+            values = store.multi_get([f"{prefix}/{other}" for other in present])
+            calls.update({other: json.loads(value) for other, value in zip(present, values)})
+        return number, calls, missing
+
+
 def compared(rule: str, tensors) -> list[str]:
     """What a rank's call contributes to the comparison, in the one tensor notation."""
     if rule == "nothing" or not tensors:
@@ -65,73 +118,57 @@ def compared(rule: str, tensors) -> list[str]:
         tensors = tensors[-1:]
     if rule == "dtypes":
         return [str(meta[M_DTYPE]).removeprefix("torch.") for meta in tensors]
-    return [format_meta((meta[M_SHAPE], meta[M_DTYPE], meta[2])) for meta in tensors]
+    return [format_meta((meta[M_SHAPE], meta[M_DTYPE], meta[M_DEVICE])) for meta in tensors]
 
 
 def compare(op: str, number: int, group: str, calls: dict, missing, timeout: float) -> Finding | None:
-    """The finding for the ranks' calls (``rank -> {"op", "tensors", "where"}``) of the
-    ``number``-th collective (from 1) on ``group``; ``missing``: ranks that wrote nothing within
-    ``timeout`` seconds."""
+    """The finding for the ranks' calls (``rank -> {"op", "tensors", "where"}``, ``where`` a
+    ``[filename, lineno, label]`` list) of the ``number``-th collective (from 1) on ``group``;
+    ``missing``: ranks that wrote nothing within ``timeout`` seconds. Its facts: ``op``,
+    ``number``, ``group``, ``timeout``, ``missing`` (sorted ranks) and ``calls``, one
+    ``{"ranks", "op", "tensors", "where"}`` per distinct call (``where``: its ranks' places)."""
     kinds: dict = {}
     for rank in sorted(calls):
         call = calls[rank]
         kinds.setdefault((call["op"], tuple(call["tensors"])), []).append(rank)
     if len(kinds) <= 1 and not missing:
         return None
-    parts = []
+    grouped = []
     for (called, tensors), ranks in kinds.items():
-        lines = sorted({calls[rank]["where"] for rank in ranks})
-        parts.append(f"{format_ranks(ranks)}: {called}({', '.join(tensors)}) at {', '.join(lines)}")
-    if missing:
-        parts.append(f"{format_ranks(sorted(missing))}: no call within {timeout:g} s")
-    ops = {called for called, _ in kinds}
+        places = []
+        for rank in ranks:
+            where = list(calls[rank]["where"])
+            if where not in places:
+                places.append(where)
+        grouped.append({"ranks": ranks, "op": called, "tensors": list(tensors), "where": places})
     if missing and len(kinds) <= 1:
-        problem = f"{format_ranks(sorted(missing))} of process group {group} did not reach its collective #{number} ({op}) within {timeout:g} s; the others wait there: " + "; ".join(parts)
-        expected = "every rank of the group calls the same collectives in the same order"
-        fix = "look for a collective that only some ranks call (inside an if on the rank or on data, an early return, an uneven last batch); or raise OPWATCH_COLLECTIVE_TIMEOUT if a rank is only slow"
-    elif len(ops) > 1:
-        problem = f"the ranks of process group {group} call different collectives as collective #{number}: " + "; ".join(parts)
-        expected = "every rank of the group calls the same collectives in the same order (this call hangs or mixes up data)"
-        fix = "make every rank run the same collectives in the same order: a collective inside an if on the rank or on data runs on some ranks only"
+        rule = "collective.late"
+    elif len({called for called, _ in kinds}) > 1:
+        rule = "collective.different_ops"
     else:
-        problem = f"{op} gets different tensors on the ranks of process group {group}: " + "; ".join(parts)
-        expected = "the same shapes and dtypes on every rank of the group (with these, the collective hangs or corrupts memory)"
-        fix = "make every rank pass tensors of one shape and dtype: pad an uneven last batch, or all_gather the sizes first and pad to the largest"
-    return text_finding(kind=KIND, problem=problem, expected=expected, fix=fix)
+        rule = "collective.mismatch"
+    facts = {"op": op, "number": number, "group": group, "timeout": timeout, "missing": sorted(missing), "calls": grouped}
+    return Finding(KIND, rule, facts)
 
 
 def _check(op, collective, tensors, context) -> Finding | None:
+    handshakes = getattr(context, "handshakes", None)
     resolved = group_of(collective, context.args)
-    store = _group_store()
-    if resolved is None or store is None:
-        return None  # no group to tell the ranks by: nothing to compare
+    if handshakes is None or resolved is None:
+        return None
     import torch.distributed as dist
 
     name, group = resolved
     ranks = dist.get_process_group_ranks(group)
-    rank = dist.get_rank()
     if len(ranks) < 2:
         return None
-    number = _calls.get(name, 0)
-    _calls[name] = number + 1
     timeout = _timeout()
-    prefix = f"{_prefix()}/collective/{name}/{number}"
     mine = {"op": op, "tensors": compared(collective.compare, tensors), "where": _where(context)}
-    store.set(f"{prefix}/{rank}", json.dumps(mine, separators=(",", ":")))
-    others = [other for other in ranks if other != rank]
-    keys = [f"{prefix}/{other}" for other in others]
-    missing = []
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-        present = others
-    except Exception:  # some rank did not write in time (DistStoreError)
-        present = [other for other, key in zip(others, keys) if store.check([key])]
-        missing = [other for other in others if other not in present]
-    calls = {rank: mine}
-    if present:
-        values = store.multi_get([f"{prefix}/{other}" for other in present])
-        calls.update({other: json.loads(value) for other, value in zip(present, values)})
-    return compare(op, number + 1, name, calls, missing, timeout)
+    met = handshakes.meet(name, dist.get_rank(), ranks, mine, timeout)
+    if met is None:
+        return None
+    number, calls, missing = met
+    return compare(op, number, name, calls, missing, timeout)
 
 
 def _timeout() -> float:
@@ -147,16 +184,14 @@ def _timeout() -> float:
     return seconds
 
 
-def _where(context) -> str:
-    """``train.py:23`` for the op being checked (or the name of its place), in the one location
-    format; ``?`` when unknown."""
+def _where(context) -> list:
+    """``[filename, lineno, None]`` of the op being checked, ``[None, None, label]`` for a
+    labelled place (a DDP bucket), ``[None, None, None]`` when unknown."""
     log = getattr(context, "_log", None)
     if log is None:
-        return "?"
-    from ..sites import position_of
-
+        return [None, None, None]
     code, lasti = log.sites[context.site]
     if code is None:
-        return lasti if isinstance(lasti, str) else "?"
+        return [None, None, lasti if isinstance(lasti, str) else None]
     position = position_of(code, lasti)
-    return f"{display_path(position.filename)}:{position.lineno}"
+    return [position.filename, position.lineno, None]

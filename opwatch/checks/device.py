@@ -11,17 +11,19 @@ left on meta by ``load_state_dict(..., assign=True)``, which skips non-persisten
 
 Composite modules that check their arguments in Python before any op runs (``nn.LSTM`` with its
 initial state on another device) are judged by :mod:`opwatch.checks.module_calls`.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.device`, where each rule's facts are listed.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from ..notation import format_meta
-from ..render.messages import describe
-from .finding import Finding, text_finding, takes_several_tensors
+from ..records import M_DEVICE, M_SHAPE
+from .finding import Finding, takes_several_tensors, tensor_names
 
-__all__ = ["KIND", "for_op", "meta_note"]
+__all__ = ["KIND", "for_op"]
 
 KIND = "device_mismatch"
 
@@ -83,40 +85,28 @@ def _sizes_second(func) -> bool:
 def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
     if not tensors:
         return None
-    device = tensors[0][2]
+    device = tensors[0][M_DEVICE]
     for meta in tensors:
-        if meta[2] != device:
+        if meta[M_DEVICE] != device:
             break
     else:
         return None  # all on one device: the common case
     # Indices may live on the CPU; the indexed tensor and the values written must agree.
     indices = tensors[1:-1] if writes else tensors[1:]
     for position, meta in enumerate(indices, 1):
-        if meta[2] != device and meta[2].type != "cpu":
-            return _index_finding(func, tensors, meta, position)
+        if meta[M_DEVICE] != device and meta[M_DEVICE].type != "cpu":
+            facts = {"op": func._schema.name.split("::")[-1], "position": position, "indexed": tensors[0], "index": meta}
+            return Finding(KIND, "device.index", facts, operands=tuple(tensors))
     return _check(func, (tensors[0], tensors[-1]) if writes else tensors[:1])
-
-
-def _index_finding(func, tensors, index, position) -> Finding:
-    devices = [str(tensors[0][2]), str(index[2])]
-    return text_finding(
-        kind=KIND,
-        problem=(
-            f"index tensor {format_meta(index)} (index #{position}) of {func._schema.name.split('::')[-1]} is on "
-            f"{devices[1]}, the indexed tensor {format_meta(tensors[0])} on {devices[0]}.{meta_note(devices)}"
-        ),
-        expected="index tensors on the CPU, like the indexed tensor" if devices[0] == "cpu" else f"index tensors on the indexed tensor's device ({devices[0]}) or on the CPU",
-        fix=f"make the index on {devices[0]!r} (device=... where it is made, or .to(x.device)); a buffer left on the meta device is materialised with module.to_empty() or by creating it again",
-    )
 
 
 def _check(func, tensors, context=None) -> Finding | None:
     device = None
     for meta in tensors:
-        other = meta[2]
+        other = meta[M_DEVICE]
         if other == device:
             continue
-        if not meta[0] and other.type == "cpu":
+        if not meta[M_SHAPE] and other.type == "cpu":
             continue  # a 0-dim CPU tensor is a scalar: legal with any device
         if device is None:
             device = other
@@ -129,21 +119,20 @@ def _finding(func, tensors) -> Finding:
     devices = []
     counts: dict = {}
     for meta in tensors:
-        if meta[0] or meta[2].type != "cpu":
-            if str(meta[2]) not in devices:
-                devices.append(str(meta[2]))
-            counts[meta[2]] = counts.get(meta[2], 0) + 1
+        if meta[M_SHAPE] or meta[M_DEVICE].type != "cpu":
+            if str(meta[M_DEVICE]) not in devices:
+                devices.append(str(meta[M_DEVICE]))
+            counts[meta[M_DEVICE]] = counts.get(meta[M_DEVICE], 0) + 1
     # The odd ones out: those off the most common device (every one of them in a tie).
     most = max(counts.values())
     majority = [device for device, count in counts.items() if count == most]
-    odd = tuple(meta for meta in tensors if (meta[0] or meta[2].type != "cpu") and (len(majority) > 1 or meta[2] != majority[0]))
-    return text_finding(
-        kind=KIND,
-        problem=f"tensor arguments on different devices ({', '.join(devices)}): {describe(func, tensors)}.{meta_note(devices)}",
-        expected="every non-scalar tensor argument on one device",
-        fix=f"create or move the odd one out with device=... / .to({_target(devices, majority)!r}) where it is made",
-        odd=odd,
+    odd = tuple(
+        meta
+        for meta in tensors
+        if (meta[M_SHAPE] or meta[M_DEVICE].type != "cpu") and (len(majority) > 1 or meta[M_DEVICE] != majority[0])
     )
+    facts = {"devices": devices, "names": tensor_names(func, len(tensors)), "target": _target(devices, majority)}
+    return Finding(KIND, "device.mix", facts, operands=tuple(tensors), odd=odd)
 
 
 def _target(devices, majority) -> str:
@@ -153,13 +142,3 @@ def _target(devices, majority) -> str:
     if accelerators:
         return accelerators[0]
     return str(majority[0])
-
-
-def meta_note(devices) -> str:
-    """What a ``meta`` device among ``devices`` (strings) means, for a finding's problem text."""
-    if "meta" not in devices:
-        return ""
-    return (
-        " A 'meta' tensor has no data: a module or tensor was left on the meta device"
-        " (e.g. built under torch.device('meta') and never materialised with to_empty())."
-    )

@@ -31,6 +31,9 @@ and outside autocast nothing changes. Promotions in backward ops are not judged 
 promotion was judged when it ran (reported there, or allowed by autocast, whose region the
 backward pass runs outside). Limit: dtype mixes written in the program's own backward code
 (a custom ``autograd.Function.backward``, a tensor hook) are not judged either.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.dtype`, where each rule's facts are listed.
 """
 
 from __future__ import annotations
@@ -40,10 +43,8 @@ from functools import partial
 import torch
 
 from ..compat import restore_caller_state
-from ..notation import format_dtype as _name
-from ..notation import format_meta
-from ..render.messages import describe
-from .finding import Finding, text_finding, takes_several_tensors
+from ..records import M_DEVICE, M_DTYPE, M_SHAPE
+from .finding import Finding, takes_several_tensors, tensor_names
 
 __all__ = ["KIND", "for_op", "autocast_allows"]
 
@@ -84,22 +85,17 @@ _ADVANCED_INDEXING = {
 }
 _INDEXING_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8, torch.bool})
 _CONCATENATIONS = {"aten::cat", "aten::stack"}
-# Elementwise losses seen as one op ``(input, target, ...)``, and what a target of another
-# floating dtype does there (torch 2.13, CPU). l1_loss, kl_div, poisson_nll_loss and
+# Elementwise losses seen as one op ``(input, target, ...)`` (what a target of another floating
+# dtype does in each is told in opwatch.render.dtype). l1_loss, kl_div, poisson_nll_loss and
 # gaussian_nll_loss decompose into pointwise ops, where the promotion rule sees them.
 _ELEMENTWISE_LOSSES = {
-    "aten::mse_loss": "promotes silently: the loss and its backward run in {promoted}",
-    "aten::smooth_l1_loss": "promotes silently: the loss and its backward run in {promoted}",
-    "aten::binary_cross_entropy_with_logits": "takes the target's dtype: the loss and its backward run in {target}",
-    "aten::huber_loss": "passes in forward, then the backward raises 'Found dtype {target_torch} but expected {input_torch}'",
-    "aten::soft_margin_loss": "converts the target to {input} on every call",
-    "aten::binary_cross_entropy": "raises 'Found dtype {target_torch} but expected {input_torch}'",
+    "aten::mse_loss", "aten::smooth_l1_loss", "aten::binary_cross_entropy_with_logits", "aten::huber_loss",
+    "aten::soft_margin_loss", "aten::binary_cross_entropy",
 }
 _FLOATING_TARGET_LOSSES = {"aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits"}
 # Class-index losses: ``(input, target, weight?, ...)``; the kernel takes int64 or uint8 targets.
 _CLASS_INDEX_LOSSES = {"aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::nll_loss", "aten::nll_loss2d", "aten::nll_loss_nd"}
 _CLASS_INDEX_DTYPES = frozenset({torch.int64, torch.uint8})
-_TORCH_NAMES = {torch.float64: "Double", torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half"}
 
 # torch turns autocast off while a dispatch mode's ``__torch_dispatch__`` runs: read the
 # caller's state through compat.restore_caller_state (a RuntimeError outside dispatch: a module
@@ -172,11 +168,16 @@ def _in_backward(context) -> bool:
     return getattr(context, "phase", "forward") == "backward"
 
 
+def _short(func) -> str:
+    """``aten::index_put_`` -> ``index_put_``: the op's name in a finding's facts."""
+    return func._schema.name.split("::")[-1]
+
+
 def _check_promotion(func, tensors, context=None) -> Finding | None:
     floating = None
     for meta in tensors:
-        dtype = meta[1]
-        if not meta[0] or not dtype.is_floating_point or dtype == floating:
+        dtype = meta[M_DTYPE]
+        if not meta[M_SHAPE] or not dtype.is_floating_point or dtype == floating:
             continue
         if floating is None:
             floating = dtype
@@ -184,27 +185,18 @@ def _check_promotion(func, tensors, context=None) -> Finding | None:
         # Two floating dtypes: the rare path.
         if _in_backward(context):
             return None
-        involved = [m for m in tensors if m[0] and m[1].is_floating_point]
-        dtypes = {m[1] for m in involved}
-        if autocast_allows(dtypes, involved[0][2]):
+        involved = [m for m in tensors if m[M_SHAPE] and m[M_DTYPE].is_floating_point]
+        dtypes = {m[M_DTYPE] for m in involved}
+        if autocast_allows(dtypes, involved[0][M_DEVICE]):
             return None
         result = floating
         for other in dtypes:
             result = torch.promote_types(result, other)
-        names = sorted(_name(d) for d in dtypes) if len(dtypes) > 2 else [_name(floating), _name(dtype)]
-        return text_finding(
-            kind=KIND,
-            problem=(
-                f"silent promotion {' with '.join(names)} -> {_name(result)}: "
-                f"{describe(func, tensors)}. The op runs in {_name(result)} and so does everything downstream."
-            ),
-            expected=f"one floating dtype for all non-scalar operands (got {len(involved)} operands in {', '.join(names[:-1])} and {names[-1]})",
-            fix=(
-                f"cast where the odd tensor is made, e.g. torch.from_numpy(a).to({_name(floating)}) or "
-                f".to(other.dtype); torch.set_default_dtype is not the cause when numpy made the array"
-            ),
-            odd=_minority(involved),
-        )
+        facts = {
+            "first": floating, "second": dtype, "dtypes": sorted(dtypes, key=str), "result": result,
+            "count": len(involved), "names": tensor_names(func, len(tensors)),
+        }
+        return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=_minority(involved))
     return None
 
 
@@ -212,79 +204,38 @@ def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
     if len(tensors) < 2:
         return None
     source, target = tensors[0], tensors[1]
-    got, wanted = target[1], source[1]
+    got, wanted = target[M_DTYPE], source[M_DTYPE]
     if got == wanted or not wanted.is_floating_point:
         return None
-    op = name.split("::")[-1]
+    facts = {"op": _short(func), "got": got, "wanted": wanted, "names": tensor_names(func, len(tensors))}
     if not got.is_floating_point:
         if name not in _FLOATING_TARGET_LOSSES:
             return None  # an integer target of mse_loss is converted exactly; not an anomaly
-        return text_finding(
-            kind=KIND,
-            problem=(
-                f"{op} needs a floating target, got {_name(got)}: {describe(func, tensors)}. "
-                f"torch raises a cast error ('result type Float can't be cast to the desired output type ...')"
-            ),
-            expected=f"target as {_name(wanted)}, like the input (0/1 labels as floats)",
-            fix=f"target.to({wanted}) where the labels are made (multi-hot labels are often built as i64)",
-        )
-    if _in_backward(context) or autocast_allows((got, wanted), source[2]):
+        return Finding(KIND, "dtype.loss_floating_target", facts, operands=tuple(tensors))
+    if _in_backward(context) or autocast_allows((got, wanted), source[M_DEVICE]):
         return None
-    consequence = _ELEMENTWISE_LOSSES[name].format(
-        promoted=_name(torch.promote_types(wanted, got)), target=_name(got), input=_name(wanted),
-        target_torch=_TORCH_NAMES.get(got, _name(got)), input_torch=_TORCH_NAMES.get(wanted, _name(wanted)),
-    )
-    return text_finding(
-        kind=KIND,
-        problem=f"{op} gets a {_name(got)} target for a {_name(wanted)} input: {describe(func, tensors)}. It {consequence}.",
-        expected=f"target in the input's dtype ({_name(wanted)})",
-        fix=f"cast the target where it is made, e.g. torch.from_numpy(y).to({wanted}) or target.to(pred.dtype)",
-    )
+    facts["promoted"] = torch.promote_types(wanted, got)
+    return Finding(KIND, "dtype.loss_target", facts, operands=tuple(tensors))
 
 
 def _check_class_target(func, tensors, context=None) -> Finding | None:
-    if len(tensors) < 2 or tensors[1][1] in _CLASS_INDEX_DTYPES:
+    if len(tensors) < 2 or tensors[1][M_DTYPE] in _CLASS_INDEX_DTYPES:
         return None
     source, target = tensors[0], tensors[1]
-    got = target[1]
-    problem = f"class-index target of nll_loss/cross_entropy is {_name(got)}, but the kernel needs i64: {describe(func, tensors)}"
-    if got.is_floating_point:
-        problem += (
-            f". A floating target of shape {list(target[0])} holds class indices stored as floats;"
-            f" cross_entropy takes floating targets only as class probabilities, shaped like the input"
-        )
-        fix = (
-            "target.long() where the labels are made; for class probabilities (soft labels) give"
-            f" cross_entropy a floating target of the input's shape {list(source[0])}"
-        )
-    else:
-        fix = "target.long() where the labels are made (numpy int32 arrays and torch.int32 data loaders are the usual source)"
-    return text_finding(
-        kind=KIND,
-        problem=problem + "; torch raises 'expected target dtype to be Long or Byte'",
-        expected="class indices as i64",
-        fix=fix,
-    )
+    got = target[M_DTYPE]
+    facts = {
+        "got": got, "floating": got.is_floating_point, "target_shape": target[M_SHAPE],
+        "input_shape": source[M_SHAPE], "names": tensor_names(func, len(tensors)),
+    }
+    return Finding(KIND, "dtype.class_target", facts, operands=tuple(tensors))
 
 
 def _check_indices(func, writes, tensors, context=None) -> Finding | None:
     indices = tensors[1:-1] if writes else tensors[1:]
-    for meta in indices:
-        if meta[1] not in _INDEXING_DTYPES:
-            position = indices.index(meta) + 1
-            return text_finding(
-                kind=KIND,
-                problem=(
-                    f"index tensor {format_meta(meta)} (index #{position}) of {func._schema.name.split('::')[-1]} "
-                    f"is neither integer nor bool: indexed tensor {format_meta(tensors[0])}. torch raises "
-                    f"'tensors used as indices must be long, int, byte or bool tensors'"
-                ),
-                expected="index tensors as i64 or i32 (positions) or bool (a mask)",
-                fix=(
-                    "idx.long() where the positions are computed (arange/linspace/division of floats"
-                    " makes floating positions), or build a bool mask with a comparison"
-                ),
-            )
+    for position, meta in enumerate(indices, 1):
+        if meta[M_DTYPE] not in _INDEXING_DTYPES:
+            facts = {"op": _short(func), "position": position, "index": meta, "indexed": tensors[0]}
+            return Finding(KIND, "dtype.index_dtype", facts, operands=tuple(tensors))
     return None
 
 
@@ -292,37 +243,29 @@ def _minority(tensors) -> tuple:
     """The operands of the least common dtype (the widest ones in a tie): the odd ones out."""
     counts: dict = {}
     for meta in tensors:
-        counts[meta[1]] = counts.get(meta[1], 0) + 1
+        counts[meta[M_DTYPE]] = counts.get(meta[M_DTYPE], 0) + 1
     fewest = min(counts.values())
     candidates = [dtype for dtype, count in counts.items() if count == fewest]
     odd_dtype = max(candidates, key=lambda dtype: (dtype.is_floating_point, dtype.itemsize))
-    return tuple(meta for meta in tensors if meta[1] == odd_dtype)
+    return tuple(meta for meta in tensors if meta[M_DTYPE] == odd_dtype)
 
 
 def _check_same(func, tensors, context=None) -> Finding | None:
     dtypes = []
     for meta in tensors:
-        if meta[1] not in dtypes:
-            dtypes.append(meta[1])
+        if meta[M_DTYPE] not in dtypes:
+            dtypes.append(meta[M_DTYPE])
     if len(dtypes) <= 1:
         return None
-    return text_finding(
-        kind=KIND,
-        problem=f"{func._schema.name.split('::')[-1]} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {describe(func, tensors)}",
-        expected=f"every operand in {_name(dtypes[0])} (or all in {_name(dtypes[1])})",
-        fix="cast one side where it is made (.to(x.dtype)); a stray .double() or a float64 numpy array is the usual cause",
-        odd=_minority(tensors),
-    )
+    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors))}
+    return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=_minority(tensors))
 
 
 def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None) -> Finding | None:
-    if position >= len(tensors) or tensors[position][1] in accepted:
+    if position >= len(tensors) or tensors[position][M_DTYPE] in accepted:
         return None
-    got = tensors[position][1]
-    wanted = " or ".join(_name(d) for d in dtypes)
-    return text_finding(
-        kind=KIND,
-        problem=f"argument {arg_name!r} is {_name(got)} but {func._schema.name.split('::')[-1]} needs {wanted}: {describe(func, tensors)}",
-        expected=f"{arg_name} as {wanted}",
-        fix=f"build it as {wanted} (e.g. {arg_name}.to({dtypes[0]}) or dtype={dtypes[0]} where it is made)",
-    )
+    facts = {
+        "op": _short(func), "arg": arg_name, "got": tensors[position][M_DTYPE], "accepted": list(dtypes),
+        "names": tensor_names(func, len(tensors)),
+    }
+    return Finding(KIND, "dtype.arg_dtype", facts, operands=tuple(tensors))

@@ -19,6 +19,9 @@ may cast its input first. Inside ``torch.autocast``, float32 with the autocast d
 as in the per-op checks. :func:`check_call` is a pure function of the module and its positional
 arguments (keyword arguments do not reach a forward pre-hook), cheap for every other module: one
 dict lookup by type.
+
+Findings hold facts only (a rule name per sentence family); their sentences are made in
+:mod:`opwatch.render.module_calls`, where each rule's facts are listed.
 """
 
 from __future__ import annotations
@@ -27,11 +30,9 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..notation import format_dtype as _name
-from ..notation import format_meta
 from . import device as device_check
 from . import dtype as dtype_check
-from .finding import Finding, text_finding
+from .finding import Finding
 
 __all__ = ["check_call"]
 
@@ -87,34 +88,21 @@ def _check_rnn(module, args) -> Finding | None:
     weights = getattr(module, "_flat_weights", None) or list(module.parameters())
     weight = next((w for w in weights if isinstance(w, torch.Tensor)), None)
     states = _states(args[1] if len(args) > 1 else None)
-    name = type(module).__name__
+    facts = {"module": type(module).__name__, "input": _meta(data)}
     if weight is not None and data.device != weight.device:
-        return _device_finding(name, "input", data, "its parameters'", weight, "Input and parameter tensors are not at the same device")
+        facts["device"] = str(weight.device)
+        return Finding(device_check.KIND, "module.rnn_input_device", facts)
     for label, state in states:
         if state.device != data.device:
-            return _device_finding(name, f"initial state {label}", state, "the input's", data, "Input and hidden tensors are not at the same device")
+            facts.update(label=label, state=_meta(state))
+            return Finding(device_check.KIND, "module.rnn_state_device", facts)
     if weight is not None and _floating_mix(data, weight):
-        return text_finding(
-            kind=dtype_check.KIND,
-            problem=(
-                f"{name} gets an input {format_meta(_meta(data))} for {_name(weight.dtype)} parameters; "
-                f"torch raises 'RNN input dtype ({data.dtype}) does not match weight dtype ({weight.dtype})'"
-            ),
-            expected=f"the input in the parameters' dtype ({_name(weight.dtype)})",
-            fix=f"cast the input where it is made (x.to({weight.dtype}), torch.from_numpy(a).float()) or the model (model.to(x.dtype))",
-        )
+        facts["weight_dtype"] = weight.dtype
+        return Finding(dtype_check.KIND, "module.rnn_input_dtype", facts)
     for label, state in states:
         if _floating_mix(state, data):
-            return text_finding(
-                kind=dtype_check.KIND,
-                problem=(
-                    f"{name}'s initial state {label} {format_meta(_meta(state))} has another dtype than its input "
-                    f"{format_meta(_meta(data))}; torch fails inside the recurrent kernel ('unsupported data type' "
-                    f"in oneDNN's LSTM, a matmul dtype error in GRU/RNN)"
-                ),
-                expected=f"{label} in the input's dtype ({_name(data.dtype)})",
-                fix=f"make the state like the input: torch.zeros(..., dtype=x.dtype, device=x.device) or {label}.to(x.dtype)",
-            )
+            facts.update(label=label, state=_meta(state))
+            return Finding(dtype_check.KIND, "module.rnn_state_dtype", facts)
     return None
 
 
@@ -124,19 +112,6 @@ def _states(hx) -> list:
     if isinstance(hx, (tuple, list)):
         return [(label, state) for label, state in zip(("h_0", "c_0"), hx) if isinstance(state, torch.Tensor)]
     return []
-
-
-def _device_finding(name, what, tensor, whose, other, torch_says) -> Finding:
-    devices = [str(other.device), str(tensor.device)]
-    return text_finding(
-        kind=device_check.KIND,
-        problem=(
-            f"{name}'s {what} {format_meta(_meta(tensor))} is not on {whose} device ({other.device}); "
-            f"torch raises '{torch_says}' from inside nn.{name}.{device_check.meta_note(devices)}"
-        ),
-        expected=f"the input, the initial state and the parameters on one device ({other.device})",
-        fix=f"create the {what} on {str(other.device)!r} (device=x.device where it is made), or move the model with model.to(...)",
-    )
 
 
 # -- convolutions ----------------------------------------------------------------------------------
@@ -149,25 +124,10 @@ def _check_conv(module, args) -> Finding | None:
         return None
     if not _floating_mix(data, bias):
         return None
-    name = type(module).__name__
     weight = getattr(module, "weight", None)
-    torch_says = f"'Input type ({_torch_name(data.dtype)}) and bias type ({_torch_name(bias.dtype)}) should be the same' before any op runs"
-    if isinstance(weight, torch.Tensor) and weight.dtype == data.dtype:
+    weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+    facts = {"module": type(module).__name__, "input": _meta(data), "bias_dtype": bias.dtype, "weight_dtype": weight_dtype}
+    if weight_dtype == data.dtype:
         # The module's own parameters disagree: its bias was cast on its own.
-        return text_finding(
-            kind=dtype_check.KIND,
-            problem=f"{name}'s bias is {_name(bias.dtype)} but its weight and input are {_name(weight.dtype)}: input {format_meta(_meta(data))}; torch raises {torch_says}",
-            expected=f"weight, bias and input in one dtype ({_name(weight.dtype)})",
-            fix=f"cast the module as a whole (module.to({weight.dtype})) rather than its bias alone",
-        )
-    params = _name(bias.dtype) if weight is None or weight.dtype == bias.dtype else f"{_name(weight.dtype)} weight, {_name(bias.dtype)} bias"
-    return text_finding(
-        kind=dtype_check.KIND,
-        problem=f"{name} gets an input {format_meta(_meta(data))} for {params} parameters; torch raises {torch_says}",
-        expected=f"the input in the parameters' dtype ({_name(bias.dtype)})",
-        fix=f"cast the input where it is made (images.to({bias.dtype}), torch.from_numpy(a).float()) or the model (model.to(images.dtype))",
-    )
-
-
-def _torch_name(dtype) -> str:
-    return {torch.float64: "double", torch.float32: "float", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}.get(dtype, str(dtype))
+        return Finding(dtype_check.KIND, "module.conv_bias_dtype", facts)
+    return Finding(dtype_check.KIND, "module.conv_input_dtype", facts)

@@ -4,14 +4,31 @@
 - :mod:`opwatch.integrations.transformers`: ``OpwatchCallback`` for ``transformers.Trainer``.
 
 Each module imports its framework only when its ``OpwatchCallback`` is first used, and this
-package imports neither. Both callbacks keep one :class:`StepWatch`.
+package imports neither. Both callbacks keep one :class:`StepWatch` (``mode="watch"``) or one
+:class:`opwatch.leave_on.LeaveOn` (``mode="guard"``).
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["StepWatch", "WatchedSteps", "lazy_callback"]
+__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner"]
+
+MODES = ("watch", "guard")
+
+
+def leave_on_runner(mode: str, *, strict: bool, file, **options):
+    """``None`` for ``mode="watch"``; for ``mode="guard"`` the leave-on runner the callback
+    drives (audits under a full watch, the fused gradient check before each optimizer step)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode == "watch":
+        return None
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
+    from ..leave_on import LeaveOn
+
+    return LeaveOn(strict_mode=strict, audit="manual", file=file, **options)
 
 
 def lazy_callback(module_name: str, load_base, hooks):
@@ -98,7 +115,7 @@ class StepWatch:
 
 
 class WatchedSteps:
-    """What both callbacks show of their :class:`StepWatch` (``self._steps``)."""
+    """What both callbacks show of their :class:`StepWatch` or ``LeaveOn`` (``self._steps``)."""
 
     @property
     def watch(self):

@@ -3,6 +3,7 @@
     from opwatch.integrations.lightning import OpwatchCallback
 
     callback = OpwatchCallback()                # strict=True: stop at the first anomaly
+                                                # mode="guard": leave it on at eager speed
     trainer = lightning.Trainer(callbacks=[callback], ...)
     trainer.fit(model, data)
     callback.anomalies                          # what was found, as opwatch.Anomaly objects
@@ -13,7 +14,7 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
-from . import StepWatch, WatchedSteps, lazy_callback
+from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner
 
 __all__ = ["OpwatchCallback"]
 
@@ -36,31 +37,70 @@ class _Hooks(WatchedSteps):
     - When a batch raises, the watch prints the last ``last`` ops with the failing one marked
       and adds a note to the exception, as a ``with opwatch.watch():`` block does.
 
+    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.leave_on`): the first batch and
+    each batch of a new signature (nesting, shapes, dtypes, devices; at most ``max_audits``,
+    default 8) run under the full watch until their optimizer step has run; the other batches
+    run with no dispatch mode, and after each backward (``on_before_optimizer_step``) one fused
+    check that the gradients are finite. A failing check names the step and the parameters
+    holding nan/inf; with ``strict=True`` it raises ``opwatch.leave_on.GradientsNotFinite``
+    before the optimizer applies them, otherwise it warns and audits the next batch to name
+    the op that makes them. ``callback.runner`` counts steps, audits and failures (logged as
+    ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
+    watches every batch.
+
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
-    ``last``, ``max_records``, ``warn``, ``file``); ``log=False`` logs no counts.
+    ``last``, ``max_records``, ``warn``, ``file``); ``log=False`` logs no counts; ``mode``
+    (``"watch"`` or ``"guard"``); ``max_audits`` (guard mode).
     """
 
-    def __init__(self, *, strict: bool = False, file=None, log: bool = True, **watch_options):
+    def __init__(self, *, strict: bool = False, file=None, log: bool = True, mode: str = "watch", **watch_options):
         if not isinstance(log, bool):
             raise TypeError(f"log must be True or False, got {log!r}")
-        self._steps = StepWatch(strict=strict, file=file, **watch_options)
+        self.runner = leave_on_runner(mode, strict=strict, file=file, pre_hook=False, **watch_options)
+        self._steps = self.runner if self.runner is not None else StepWatch(strict=strict, file=file, **watch_options)
         self._log = log
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.runner is not None:
+            # With a GradScaler, Lightning runs the backward first and scaler.step() calls
+            # optimizer.step() only for finite gradients: torch's pre-hook is the check point.
+            self.runner.pre_hook = getattr(trainer.precision_plugin, "scaler", None) is not None
+            self.runner.know(pl_module)
+            self.runner.__enter__()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._steps.enter()
+        if self.runner is not None:
+            self.runner.audit_batch(batch)
+        else:
+            self._steps.enter()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.runner is not None and not self.runner.pre_hook:
+            self.runner.before_step(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._steps.exit()
-        if self._log:
+        if self.runner is not None:
+            self.runner.end_batch()  # a batch that accumulated gradients without a step
+            counts = {"opwatch/anomalies": float(len(self.runner.watch.anomalies)), "opwatch/failed": float(self.runner.failed)}
+        else:
+            self._steps.exit()
             counts = {"opwatch/anomalies": float(self._steps.anomaly_count), "opwatch/contained": float(self._steps.contained_count)}
+        if self._log:
             pl_module.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._steps.exit(exception)
+        if self.runner is not None:
+            self.runner.__exit__(type(exception), exception, exception.__traceback__)
+        else:
+            self._steps.exit(exception)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
+        if self.runner is not None:
+            self.runner.__exit__(None, None, None)
+            self.runner.print_summary(prefix, watch_summary=True)
+            return
+        self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
         self._steps.print_summary(prefix)
 
 

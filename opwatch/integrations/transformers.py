@@ -9,15 +9,22 @@
         trainer.train()
     callback.anomalies
 
+To leave it on for a long run, ``OpwatchCallback(mode="guard")`` audits the first step under
+the full watch and checks the gradients before each optimizer step; transformers shows
+callbacks no batch, so to audit new batch signatures and to replay a failing batch under the
+full watch, guard the trainer's own training step with :func:`guard_trainer`.
+
 transformers is imported when ``OpwatchCallback`` is first used, not when this module is
 imported.
 """
 
 from __future__ import annotations
 
-from . import StepWatch, WatchedSteps, lazy_callback
+import math
 
-__all__ = ["OpwatchCallback"]
+from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner
+
+__all__ = ["OpwatchCallback", "guard_trainer"]
 
 
 class _Hooks(WatchedSteps):
@@ -43,35 +50,63 @@ class _Hooks(WatchedSteps):
     ops and adds its note to the exception); otherwise it is closed by the next
     ``trainer.train()`` or by ``callback.close()``.
 
+    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.leave_on`): the first training
+    step runs under the full watch until its optimizer step has run; the others run with no
+    dispatch mode and one fused check that the gradients are finite before each optimizer step
+    (GradScaler's skipped steps never reach it). A failing check names the step and the
+    parameters holding nan/inf; with ``strict=True`` it raises
+    ``opwatch.leave_on.GradientsNotFinite`` before the optimizer applies them, otherwise it
+    warns and watches the next step fully to name the op that makes them. The callback sees no
+    batch: to audit each new batch signature and replay a failing batch from its start, use
+    :func:`guard_trainer` as well. ``callback.runner`` counts steps, audits and failures.
+
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
-    ``last``, ``max_records``, ``warn``, ``file``).
+    ``last``, ``max_records``, ``warn``, ``file``), and ``mode`` (``"watch"``, default, or
+    ``"guard"``).
     """
 
-    def __init__(self, *, strict: bool = False, file=None, **watch_options):
-        self._steps = StepWatch(strict=strict, file=file, **watch_options)
+    def __init__(self, *, strict: bool = False, file=None, mode: str = "watch", **watch_options):
+        self.runner = leave_on_runner(mode, strict=strict, file=file, **watch_options)
+        self._steps = self.runner if self.runner is not None else StepWatch(strict=strict, file=file, **watch_options)
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop watching now (a step left open when training raised)."""
-        self._steps.exit(error)
+        if self.runner is not None:
+            self.runner.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
+        else:
+            self._steps.exit(error)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
-        self._steps.exit(exc)
+        self.close(exc)
         return False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._steps.exit()  # a step of an earlier train() that raised
+        self.close()  # a step of an earlier train() that raised
+        if self.runner is not None:
+            if kwargs.get("model") is not None:
+                self.runner.know(kwargs["model"])
+            self.runner.__enter__()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._steps.enter()
+        if self.runner is not None:
+            self.runner.audit_batch(None)  # the first step: the callback sees no batch
+        else:
+            self._steps.enter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._steps.exit()
+        if self.runner is not None:
+            self.runner.end_batch()
+        else:
+            self._steps.exit()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        counts = {"opwatch/anomalies": self._steps.anomaly_count, "opwatch/contained": self._steps.contained_count}
+        if self.runner is not None:
+            counts = {"opwatch/anomalies": len(self.runner.watch.anomalies), "opwatch/failed": self.runner.failed}
+        else:
+            counts = {"opwatch/anomalies": self._steps.anomaly_count, "opwatch/contained": self._steps.contained_count}
         if logs is not None:
             logs.update(counts)
         # Trainer.log appended this log's copy to the history just before calling on_log.
@@ -79,9 +114,51 @@ class _Hooks(WatchedSteps):
             state.log_history[-1].update(counts)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._steps.exit()
         prefix = f"[rank {args.process_index}] " if args.world_size > 1 else ""
+        if self.runner is not None:
+            self.runner.__exit__(None, None, None)
+            self.runner.print_summary(prefix, watch_summary=True)
+            return
+        self._steps.exit()
         self._steps.print_summary(prefix)
+
+
+def guard_trainer(trainer, *, on_failure: str = "raise", **guard_options):
+    """Guard ``trainer.training_step`` (the forward and backward of each micro-batch) with
+    :func:`opwatch.guard`: healthy batches run at eager speed with one fused finiteness check;
+    a failing batch is replayed from its start (the trainer's own training step on the same
+    batch; RNG states, buffers and ``.grad`` restored) under the full watch, which names the op
+    and line that made the first nan/inf; then it raises :class:`opwatch.AnomalyError`, or
+    with ``on_failure="skip"`` the batch's gradients are undone and its loss counts as nan (the
+    Trainer's ``logging_nan_inf_filter`` leaves it out of the logged loss). Other options are
+    those of :func:`opwatch.guard`; pass ``scaler=`` with fp16 training. Returns the guarded
+    step (``.failures``, ``.steps``); ``trainer.training_step`` is replaced by it. ::
+
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       callbacks=[OpwatchCallback(mode="guard")])
+        guard_trainer(trainer)
+        trainer.train()
+    """
+    import opwatch
+
+    step = trainer.training_step
+
+    def training_step(model, inputs, *args, **kwargs):
+        return step(model, inputs, *args, **kwargs)
+
+    guarded = opwatch.guard(training_step, trainer.model, on_failure=on_failure, **guard_options)
+
+    def guarded_training_step(model, inputs, *args, **kwargs):
+        loss = guarded(model, inputs, *args, **kwargs)
+        if loss is None:  # skipped: counted as nan, as the Trainer counts a nan loss
+            import torch
+
+            return torch.tensor(math.nan, device=trainer.args.device)
+        return loss
+
+    guarded_training_step.guarded = guarded
+    trainer.training_step = guarded_training_step
+    return guarded
 
 
 def _load_base():

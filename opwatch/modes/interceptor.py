@@ -23,12 +23,12 @@ that creates an autograd node bumps the thread's sequence counter, so the counte
 forward op names its node; in backward, the node being run reports the same number. No
 ``grad_fn`` or node metadata is touched (both have crashed or raised in probes).
 
-Collectives (:mod:`opwatch.distributed`) take the same way. Their outputs are the tensors they
+Collectives (:mod:`opwatch.collective_ops`) take the same way. Their outputs are the tensors they
 write, also where they return ``([tensors], Work)`` or the ``Work`` alone (decided per op in
 the plan); the nan/inf tracker reads them once the collective has completed. The engine's
 final callbacks (the DDP reducer copying reduced buckets into ``.grad``) are backward ops, and
 in a distributed watch the engine's ops without a forward line get a named site
-(``DDP bucket [fc.weight, fc.bias]``) instead of none.
+(``DDP bucket [fc.weight, fc.bias]``, :mod:`opwatch.modes.reducer`) instead of none.
 
 A process forked while a watch is active (DataLoader workers started with ``fork``) inherits
 the thread's mode stack: there the watch is inert, as it is in spawned workers.
@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, no_python_dispatch, op_kernel, skip_dynamo_for_code
-from ..distributed import collective_outputs, describe_script_object
+from ..collective_ops import collective_outputs, describe_script_object
 from ..ops import facts_of
 from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
 from ..sites import user_frame
@@ -125,8 +125,8 @@ class OpInterceptor(TorchDispatchMode):
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
-        # opwatch.distributed.DistributedWatch where torch.distributed is available, else None;
-        # its ReducerSites name the engine's ops without a forward line once the rank is known.
+        # A RankState with .sites (opwatch.ranks.DistributedWatch) where torch.distributed is
+        # available, else None; its ReducerSites name the engine's ops without a forward line once the rank is known.
         self._distributed = distributed
         self._reducer_sites = distributed.sites if distributed is not None and distributed.rank is not None else None
         self._plans: dict = {}  # id(OpOverload) -> _OpPlan (OpOverload hashes in Python)
@@ -403,16 +403,12 @@ class OpInterceptor(TorchDispatchMode):
 
 
 def _with_provenance(finding, context):
-    """``finding`` with where each odd operand was made added to its problem (report time)."""
+    """``finding`` with where each odd operand was made (report time): ``Finding.made``, one
+    provenance fact tuple per odd operand, rendered after the problem."""
     from dataclasses import replace
 
-    from ..notation import format_meta
-
     missing = "device" if finding.kind == "device_mismatch" else "dtype"
-    told = "; ".join(f"{format_meta(meta)}: {context.where_made(meta, missing=missing)}" for meta in finding.odd)
-    problem = finding.facts["problem"]
-    problem = problem if problem.endswith(".") else problem + "."
-    return replace(finding, facts={**finding.facts, "problem": f"{problem} Where the odd one came from: {told}."}, odd=())
+    return replace(finding, made=tuple(context.where_made(meta, missing=missing) for meta in finding.odd))
 
 
 def keep_dynamo_out() -> None:

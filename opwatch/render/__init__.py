@@ -2,8 +2,8 @@
 
 - :mod:`.table`: the op table;
 - :mod:`.messages`: one anomaly's message, from a :class:`~opwatch.checks.finding.Finding`;
-- :mod:`.summary`: the summary, the dump after a failing block, the exception note, and every
-  rank's anomalies in one summary.
+- :mod:`.summary`: the summary, the dump after a failing block, the exception note;
+- :mod:`.ranks`: every rank's anomalies in one summary, the collective-mismatch findings.
 
 The one location format (``train.py:23``) is :func:`opwatch.sites.location`, below the records
 so that a record can say where it is without importing its renderer. Formatting happens only
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from ..sites import display_path, location
 from .messages import render_message
-from .summary import exception_note, format_ranks, render_combined_summary, render_failure, render_summary, tagged
+from .ranks import format_ranks, render_combined_summary
+from .summary import exception_note, render_failure, render_summary, tagged
 from .table import TABLE_HEADERS, render_table
 
 __all__ = [

@@ -3,7 +3,7 @@ here so that :func:`explainer` knows every rule."""
 
 from __future__ import annotations
 
-from . import pre_dispatch  # noqa: F401
+from . import broadcast, device, dtype, module_calls, nonfinite, pre_dispatch, ranks  # noqa: F401
 from . import text  # noqa: F401  TRANSITIONAL
 from .rules import EXPLAIN
 

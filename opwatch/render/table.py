@@ -4,7 +4,7 @@ imported here, on first use)."""
 from __future__ import annotations
 
 from ..notation import format_meta
-from ..records import OpRecord, entry_inputs, entry_outputs, short_op_name
+from ..records import BaseRecord, short_op_name
 from ..sites import location
 
 __all__ = ["TABLE_HEADERS", "render_table"]
@@ -17,8 +17,9 @@ _MAX_CODE = 40
 # -- the op table ---------------------------------------------------------------------------
 
 
-def render_table(records: list[OpRecord], *, mark: int | None = None, tablefmt: str = "simple") -> str:
-    """One row per record; the record whose index is ``mark`` is marked ``>>``."""
+def render_table(records: list[BaseRecord], *, mark: int | None = None, tablefmt: str = "simple") -> str:
+    """One row per record (live or saved: read through :class:`~opwatch.records.BaseRecord`);
+    the record whose index is ``mark`` is marked ``>>``."""
     from tabulate import tabulate
 
     rows = []
@@ -28,8 +29,8 @@ def render_table(records: list[OpRecord], *, mark: int | None = None, tablefmt: 
             (
                 index,
                 short_op_name(record.func),
-                _tensors(entry_inputs(record._entry)),
-                _outputs(entry_outputs(record._entry)),
+                _tensors(record.inputs),
+                _outputs(record.outputs),
                 location(record),
                 _code(record),
                 record.module or "",
@@ -51,7 +52,7 @@ def _outputs(metas) -> str:
     return "not run" if metas is None else _tensors(metas)
 
 
-def _code(record: OpRecord) -> str:
+def _code(record: BaseRecord) -> str:
     position = record.position
     text = position.expression() or position.line_text()
     if len(text) > _MAX_CODE:

@@ -1,0 +1,179 @@
+"""What the replay found, as facts: a nan/inf :class:`Origin` (how far its values spread,
+whether they reached a sink) and an :class:`OverflowRisk`. Their findings hold no prose:
+:mod:`opwatch.render.nonfinite` makes every sentence from the facts.
+
+Rules and their facts:
+
+- ``nonfinite.origin``: an op made nan/inf from finite inputs (or nan from deliberate infs);
+- ``nonfinite.received``: a collective's output held nan/inf while this rank's inputs to it
+  were finite: another rank sent it;
+- ``nonfinite.overflow_risk``: a float16 forward output within ``HEADROOM_FACTOR`` of its limit.
+
+Facts of the first two: ``op``, ``inputs``, ``outputs`` (the record's signature: op name and
+tensor metadata), ``op_name`` (short, ``div``), ``forward_op_name`` (for a backward op autograd
+ran, the forward op's short name, else ``None``), ``spread`` (later ops that carried it),
+``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
+``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
+``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, (min, max) or
+None)`` per floating input). Of the third: ``op``, ``inputs``, ``outputs``, ``largest``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import torch
+
+from ...ops import facts_of
+from ...records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ..finding import Finding, Place
+from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED
+
+__all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges"]
+
+
+def _place(record):
+    return None if record is None else Place.of(record)
+
+
+def _signature(record) -> dict:
+    """The record's signature parts, as facts."""
+    return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
+
+
+class Origin:
+    """A nan/inf origin found at a check point, with how far its values spread and whether they
+    reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
+
+    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters")
+
+    def __init__(self, record, kind, from_deliberate=False):
+        self.record = record  # the OpRecord of the op that made the value
+        self.kind = kind
+        # Made nan from inputs holding only deliberate infs (masking constants).
+        self.from_deliberate = from_deliberate
+        # (tensor meta, (min, max) or None when unknown) of each floating input
+        self.input_ranges: list = []
+        self.masked_by = None  # a forward where/masked_fill that dropped its values
+        self.back_in_backward = None  # then the first backward op its values reached
+        self.spread = 0  # later ops that carried its values on
+        self.last = record  # the last of them
+        self.became_nan = None  # for an inf origin: the first op that turned its inf into nan
+        self.read_on_host = False  # the program read one of its values (``.item()``, ``bool(t)``)
+        self.reached_gradient = False  # autograd accumulated its values into a ``.grad``
+        self.reached_parameter = False  # an op wrote its values into an ``nn.Parameter``
+        # Born in backward and found by GradScaler's overflow check, which skips the step.
+        self.skipped_by_grad_scaler = False
+        self.matters = True
+
+    def carried_by(self, record, kind=None) -> None:
+        self.spread += 1
+        self.last = record
+        if kind == "nan" and self.kind == "inf" and self.became_nan is None:
+            self.became_nan = record
+        if self.masked_by is not None and self.back_in_backward is None and record.phase == BACKWARD and not facts_of(record.func).preserves_values:
+            self.back_in_backward = record
+
+    def finding(self, *, contained: bool) -> Finding:
+        record = self.record
+        forward = record.forward_func
+        facts = _signature(record)
+        facts.update(
+            op_name=facts_of(record.func).name,
+            forward_op_name=facts_of(forward).name if forward is not None else None,
+            spread=self.spread,
+            last=_place(self.last) if self.spread else None,
+            became_nan=_place(self.became_nan),
+            masked_by=_place(self.masked_by),
+            masked_by_name=facts_of(self.masked_by.func).name if self.masked_by is not None else None,
+            back_in_backward=_place(self.back_in_backward),
+            reached_parameter=self.reached_parameter,
+            reached_gradient=self.reached_gradient,
+            contained=contained,
+            skipped_by_grad_scaler=self.skipped_by_grad_scaler,
+            from_deliberate=self.from_deliberate,
+            input_ranges=tuple((tuple(meta), value_range) for meta, value_range in self.input_ranges),
+        )
+        # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
+        rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
+        return Finding(self.kind, rule, facts)
+
+
+class OverflowRisk:
+    """A float16 forward output within ``HEADROOM_FACTOR`` of the float16 limit: reported as
+    kind ``overflow_risk`` before it overflows. Judged like an origin that matters."""
+
+    __slots__ = ("record", "largest", "matters")
+
+    def __init__(self, record, largest):
+        self.record = record
+        self.largest = largest
+        self.matters = True
+
+    def finding(self, *, contained: bool) -> Finding:
+        facts = _signature(self.record)
+        facts["largest"] = self.largest
+        return Finding(RISK_KIND, "nonfinite.overflow_risk", facts)
+
+
+def headroom_risks(window, half, ranges, log) -> list[OverflowRisk]:
+    """Float16 outputs of forward ops near the float16 limit (finite: an inf is an origin).
+    ``half``: the packed keys (op index << 32 | position) of queued float16 outputs."""
+    risks = []
+    by_index = None
+    for (index, position), (low, high) in ranges.items():
+        if index << 32 | position not in half:
+            continue
+        # A finfo.min/max mask value is deliberate; the other end tells the headroom.
+        ends = [abs(value) for value in (low, high) if value not in SENTINELS]
+        largest = max(ends) if ends else 0.0
+        if not (HEADROOM_LIMIT <= largest < math.inf):
+            continue
+        if by_index is None:
+            by_index = {entry[E_INDEX]: entry for entry in window}
+        entry = by_index.get(index)
+        if entry is None or entry[E_PHASE] == BACKWARD:
+            continue  # GradScaler's scaled gradients live near the limit on purpose
+        risks.append(OverflowRisk(log.view(entry), largest))
+    return risks
+
+
+def fill_unknown_ranges(origins, log) -> None:
+    """Ranges of an origin's inputs made before the watch (parameters, data) that are still
+    alive: found at report time, once per check point, by one walk over the garbage
+    collector's objects, then one reduction each. Never on a healthy step. An input some op
+    of the watch made is not looked for: it died, and its id may be another tensor's now."""
+    wanted = {}
+    for origin in origins:
+        for meta, value_range in origin.input_ranges:
+            if value_range is None and log.producer_of(meta[M_IDENT]) is None:
+                wanted[meta[M_IDENT]] = meta
+    if not wanted:
+        return
+    found = {}
+    for candidate in gc.get_objects():
+        if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
+            meta = wanted[id(candidate)]
+            if tuple(candidate.shape) == meta[M_SHAPE] and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
+                found[id(candidate)] = candidate
+    for ident, tensor in found.items():
+        found[ident] = _finite_range(tensor)
+    for origin in origins:
+        origin.input_ranges = [
+            (meta, value_range if value_range is not None else found.get(meta[M_IDENT])) for meta, value_range in origin.input_ranges
+        ]
+
+
+def _finite_range(tensor):
+    """``(min, max)`` of a live input, ``None`` when it cannot be read or is not finite (its
+    values were finite when the op ran: a non-finite range is another tensor's)."""
+    try:
+        if not (tensor.numel() and type(tensor) in PLAIN_TYPES and tensor.layout is STRIDED and not tensor.is_meta):
+            return None
+        checked = torch.view_as_real(tensor.detach().resolve_conj()) if tensor.dtype in COMPLEX else tensor.detach()
+        low, high = torch.aminmax(checked)
+        low, high = low.item(), high.item()
+        return (low, high) if math.isfinite(low) and math.isfinite(high) else None
+    except Exception:
+        return None

@@ -1,0 +1,346 @@
+"""The replay that judges origins: at a check point, the op log is followed over tensor
+identities to tell origins from propagation, one small step per kind of entry:
+
+- a **lift** (Python data entering torch) is new data, and a non-finite value in it is a
+  constant the program wrote on purpose (``m[mask] = float("-inf")``);
+- a **collective**'s output whose inputs on this rank were finite was *received*;
+- a **carrier** (a view or an op that only moves values) holds what its input held;
+- a **checked op** whose output is non-finite while every input was finite is an *origin*
+  (nan wins over inf); fed by non-finite inputs, it is that origin's *spread*;
+- **sinks**: a host read, an ``nn.Parameter`` written by an op, a ``.grad`` accumulation, and
+  GradScaler's overflow check (which contains what it finds in backward).
+
+:class:`Origins` keeps what outlives one window (non-finite tensors still alive, sentinel
+holders, origins waiting to be judged, origins by site for recomputed forward ops);
+:class:`_Window` is the state of one replay.
+"""
+
+from __future__ import annotations
+
+from torch.nn import Parameter
+
+from ...ops import facts_of
+from ...records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
+from .collectives import delivered
+from .origin import Origin
+from .rules import CHECKED_DTYPES, has_sentinel_constant
+
+__all__ = ["Flags", "Origins"]
+
+# A replay status, per tensor ident: (kind, origin or None when it came from a deliberate constant)
+ST_KIND = 0
+ST_ORIGIN = 1
+
+
+class Flags:
+    """What a check point read, by (op index, output position): the non-finite ``flagged``
+    outputs and their weak ``refs``, every ``checked`` key, the finite ``sentinels`` holders,
+    the ``ranges`` read (only when something was not finite); and, by (op index << 32 |
+    position), the weak ``carriers`` of unchecked outputs and the ``written_bases`` (id, ref)
+    of in-place writes into views."""
+
+    __slots__ = ("flagged", "refs", "checked", "sentinels", "ranges", "carriers", "written_bases")
+
+    def __init__(self, flagged, refs, checked, sentinels=None, ranges=None, carriers=None, written_bases=None):
+        self.flagged = flagged
+        self.refs = refs
+        self.checked = checked
+        self.sentinels = sentinels or {}
+        self.ranges = ranges or {}
+        self.carriers = carriers or {}
+        self.written_bases = written_bases or {}
+
+
+class _Window:
+    """The state of one replay: what each tensor holds, which are alive, and what was found."""
+
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "origins", "deliveries", "accumulates", "received")
+
+    def __init__(self, log, flags, carry, sentinels):
+        self.log = log
+        self.flags = flags
+        # ident -> (kind, origin). Carried tensors count even if they died since: ops in this
+        # window may have read them first, and an id reused by a newer tensor is overwritten by
+        # the op that made it.
+        self.status = {ident: (kind, origin) for ident, (kind, origin, _) in carry.items()}
+        self.live = {ident: ref for ident, (_, _, ref) in carry.items()}
+        self.holds_sentinel = set(sentinels)
+        self.sentinel_refs = dict(sentinels)
+        self.value_ranges: dict = {}  # ident -> (min, max) of tensors made in this window
+        self.origins: list[Origin] = []
+        self.deliveries: dict = {}  # outputs of collectives not used yet (see collectives.delivered)
+        # Of the entry being replayed: whether it accumulates into a ``.grad``, and the
+        # collective whose result it delivers (``None`` for most).
+        self.accumulates = False
+        self.received = None
+
+
+class Origins:
+    """The replay and the judgement, with what they keep from one check point to the next."""
+
+    _MAX_UNJUDGED = 1024  # origins kept alive by the program past this many are judged at once
+    _MAX_REMEMBERED_SITES = 4096
+
+    def __init__(self, log) -> None:
+        self._log = log
+        # Non-finite tensors still alive after the last check point: ident -> (kind, origin, ref)
+        self.carry: dict[int, tuple] = {}
+        # Finite tensors holding a sentinel (finfo.max/min) alive after the last check point.
+        self.sentinels: dict = {}
+        # Origins whose values were alive at a check point and reached no sink yet.
+        self.unjudged: list[Origin] = []
+        # (site, op id) -> Origin, for forward ops recomputed in backward (checkpointing).
+        self._by_site: dict = {}
+
+    def remember_sentinels(self, sentinels) -> None:
+        """Keep the finite sentinel-holding tensors that are still alive, for later windows."""
+        alive = {ident: ref for ident, ref in self.sentinels.items() if ref() is not None}
+        for ref in sentinels.values():
+            tensor = ref()
+            if tensor is not None:
+                alive[id(tensor)] = ref
+        self.sentinels = alive
+
+    def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
+        """Follow tensor identities through the window's ops to tell origins from spread."""
+        state = _Window(self._log, flags, self.carry, self.sentinels)
+        for entry in window:
+            outputs = entry_outputs(entry)
+            if outputs:
+                self._step(state, entry, outputs)
+        for ident in reading:  # a host read
+            found = state.status.get(ident)
+            if found is not None and found[ST_ORIGIN] is not None:
+                found[ST_ORIGIN].read_on_host = True
+        live = state.live
+        self.carry = {
+            ident: (kind, origin, live[ident])
+            for ident, (kind, origin) in state.status.items()
+            if ident in live and live[ident]() is not None
+        }
+        refs = state.sentinel_refs
+        self.sentinels = {ident: refs[ident] for ident in state.holds_sentinel if refs[ident]() is not None}
+        return state.origins
+
+    def _step(self, state, entry, outputs) -> None:
+        """One entry, by kind."""
+        facts = facts_of(state.log.funcs[entry[E_FUNC]])
+        status = state.status
+        state.received = delivered(entry, facts, state.deliveries, status, state.origins) if state.deliveries else None
+        if facts.is_lift:
+            _step_lift(state, entry, outputs)
+            return
+        fed = [meta[M_IDENT] for meta in entry_inputs(entry) if meta[M_IDENT] in status]
+        if facts.is_grad_scaler_check:
+            _step_grad_scaler(status, fed)
+        # Gradient accumulation: a backward op autograd runs with no forward op behind it.
+        # (No source line: site 0, or a named place such as the DDP reducer's "DDP gradient of fc.weight".)
+        code, _ = state.log.sites[entry[E_SITE]]
+        state.accumulates = entry[E_PHASE] == BACKWARD and code is None and entry[E_FORWARD_FUNC] < 0
+        if facts.keeps_values:
+            _keep_range(state, entry, outputs)
+        if facts.preserves_values:
+            _step_carrier(state, entry, facts, outputs, fed)
+            if state.accumulates and fed and status[fed[0]][ST_ORIGIN] is not None:
+                status[fed[0]][ST_ORIGIN].reached_gradient = True
+            return
+        self._step_checked(state, entry, facts, outputs, fed)
+        if facts.is_collective:
+            record = state.log.view(entry)
+            for meta in outputs:
+                state.deliveries[meta[M_IDENT]] = (record, status.get(meta[M_IDENT]))
+
+    def _step_checked(self, state, entry, facts, outputs, fed) -> None:
+        """An op whose outputs were checked: origin, spread, or a deliberate constant."""
+        index = entry[E_INDEX]
+        flags = state.flags
+        input_states = [state.status[ident] for ident in fed]
+        input_origin = next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
+        deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
+        record = None
+        for position, meta in enumerate(outputs):
+            ident = meta[M_IDENT]
+            key = (index, position)
+            _note_sentinel_and_range(state, ident, key)
+            kind = flags.flagged.get(key)
+            if kind is None:
+                record = _step_finite(state, entry, facts, meta, key, input_states, input_origin, record)
+                continue
+            state.live[ident] = flags.refs[key]
+            if input_origin is not None:
+                # Fed by non-finite inputs: spread, even where inf turns into nan (inf - inf).
+                origin = input_origin
+                if origin.last.index != index:
+                    record = record or state.log.view(entry)
+                    origin.carried_by(record, kind)
+            elif input_states and not (kind == "nan" and all(found[ST_KIND] != "nan" for found in input_states)):
+                origin = None  # carries deliberate constants on, and made nothing new
+            elif deliberate and not input_states:
+                origin = None  # a deliberate constant: masked_fill(mask, -inf), finfo.min
+            else:
+                record = record or state.log.view(entry)
+                origin = self._origin(state, entry, facts, record, kind, bool(input_states))
+            state.status[ident] = (kind, origin)
+            if origin is not None:
+                _mark_sinks(origin, flags.refs[key], state.accumulates)
+            base = flags.written_bases.get(index << 32 | position)
+            if base is not None:
+                # Written through a view: the values live in the base.
+                base_ident, base_ref = base
+                state.status[base_ident] = (kind, origin)
+                state.live[base_ident] = base_ref
+
+    def _origin(self, state, entry, facts, record, kind, from_deliberate) -> Origin:
+        """Non-finite from finite inputs, or nan from deliberate infs (a softmax over a fully
+        masked row): an origin, unless it is a forward op recomputed during backward (activation
+        checkpointing) that was one already. A collective's output was received from other
+        ranks, never recomputed."""
+        received = state.received
+        origin = None if facts.is_collective or received else self._recomputed(record, entry)
+        if origin is None:
+            origin = Origin(received or record, kind, from_deliberate=from_deliberate)
+            origin.input_ranges = [
+                (meta, state.value_ranges.get(meta[M_IDENT])) for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES
+            ]
+            state.origins.append(origin)
+            self._remember_site(origin, entry)
+        return origin
+
+    def _recomputed(self, record, entry):
+        """The earlier origin this op repeats, when it is a forward op run again in backward
+        (a checkpoint's recomputation: user code, not an autograd formula); else ``None``."""
+        if record.phase != BACKWARD or entry[E_FORWARD_FUNC] >= 0:
+            return None
+        return self._by_site.get((entry[E_SITE], entry[E_FUNC]))
+
+    def _remember_site(self, origin, entry) -> None:
+        if len(self._by_site) >= self._MAX_REMEMBERED_SITES:
+            self._by_site.clear()
+        self._by_site.setdefault((entry[E_SITE], entry[E_FUNC]), origin)
+
+    def judge(self, new, final) -> list[Origin]:
+        """Which origins mattered. An origin matters when its values reached a parameter or a
+        host read. One whose values are still alive waits, unless ``final``: the program may yet
+        drop them (autograd keeps a softmax output until backward), use them, or hand them to
+        GradScaler. Then, or once they died: GradScaler's skipped steps are contained; values
+        accumulated into a ``.grad`` or alive at the end matter; others were absorbed."""
+        alive = {id(origin) for _, origin, _ in self.carry.values() if origin is not None}
+        judged = []
+        waiting = []
+        for origin in self.unjudged + new:
+            is_alive = id(origin) in alive
+            if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
+                origin.matters = True
+            elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+                waiting.append(origin)
+                continue
+            else:
+                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or is_alive)
+            judged.append(origin)
+        self.unjudged = waiting
+        judged.sort(key=lambda origin: origin.record.index)
+        return judged
+
+
+def _step_lift(state, entry, outputs) -> None:
+    """Python data: new here (its input's id may be a dead tensor's, whose state it must not
+    inherit). A non-finite value in it is a constant the program wrote on purpose."""
+    index = entry[E_INDEX]
+    flags = state.flags
+    for position, meta in enumerate(outputs):
+        ident = meta[M_IDENT]
+        key = (index, position)
+        kind = flags.flagged.get(key)
+        if key in flags.ranges:
+            state.value_ranges[ident] = flags.ranges[key]
+        if kind is None:
+            state.status.pop(ident, None)
+        else:
+            state.status[ident] = (kind, None)
+            state.live[ident] = flags.refs[key]
+
+
+def _step_grad_scaler(status, fed) -> None:
+    """GradScaler's overflow check: what it finds in the scaled gradients makes it skip the
+    step. Gradients are born in backward; a forward overflow is no business of the scaler's
+    (the scale does not touch the forward pass)."""
+    for ident in fed:
+        origin = status[ident][ST_ORIGIN]
+        if origin is not None and origin.record.phase == BACKWARD:
+            origin.skipped_by_grad_scaler = True
+
+
+def _keep_range(state, entry, outputs) -> None:
+    """A view or copy that holds exactly its input's values keeps its range."""
+    inputs = entry_inputs(entry)
+    if inputs and inputs[0][M_IDENT] in state.value_ranges:
+        for meta in outputs:
+            state.value_ranges[meta[M_IDENT]] = state.value_ranges[inputs[0][M_IDENT]]
+
+
+def _step_carrier(state, entry, facts, outputs, fed) -> None:
+    """An op that only moves values: its outputs hold what its inputs held (non-finite state
+    only: ranges of views are not followed, a view may hold a part of them)."""
+    index = entry[E_INDEX]
+    status, live = state.status, state.live
+    source = next((ident for ident in fed if status[ident][ST_ORIGIN] is not None), None)
+    if source is None and fed:
+        source = fed[0]
+    carrier = status[source] if source is not None else None
+    if carrier is not None and carrier[ST_ORIGIN] is not None and carrier[ST_ORIGIN].last.index != index:
+        carrier[ST_ORIGIN].carried_by(state.log.view(entry))
+    for position, meta in enumerate(outputs):
+        # A view to an integer dtype still holds the bits (x.view(torch.int32)).
+        if carrier is not None and (meta[M_DTYPE] in CHECKED_DTYPES or facts.is_view):
+            status[meta[M_IDENT]] = carrier
+            # A view holds its base alive: the base's reference stands in for it.
+            ref = state.flags.carriers.get(index << 32 | position) or live.get(source)
+            if ref is not None:
+                live[meta[M_IDENT]] = ref
+        else:
+            status.pop(meta[M_IDENT], None)
+
+
+def _note_sentinel_and_range(state, ident, key) -> None:
+    """A checked output: whether it holds a sentinel, and its range when one was read."""
+    flags = state.flags
+    if key in flags.sentinels:
+        state.holds_sentinel.add(ident)
+        state.sentinel_refs[ident] = flags.sentinels[key]
+    else:
+        state.holds_sentinel.discard(ident)
+    if key in flags.ranges:
+        state.value_ranges[ident] = flags.ranges[key]
+    else:
+        state.value_ranges.pop(ident, None)
+
+
+def _step_finite(state, entry, facts, meta, key, input_states, input_origin, record):
+    """An output found finite (or not checked): a forward masking op may have dropped an
+    origin's values; an unchecked output holds what its inputs held. Returns the entry's
+    record, made when needed."""
+    flags = state.flags
+    ident = meta[M_IDENT]
+    if input_origin is not None and facts.is_masking and entry[E_PHASE] != BACKWARD and key in flags.checked:
+        for found in input_states:
+            if found[ST_ORIGIN] is not None and found[ST_ORIGIN].masked_by is None:
+                record = record or state.log.view(entry)
+                found[ST_ORIGIN].masked_by = record
+    if key not in flags.checked and meta[M_DTYPE] in CHECKED_DTYPES and input_states:
+        # Not checked (sparse, nested, subclasses): it holds what its inputs held.
+        state.status[ident] = input_states[0]
+        index, position = key
+        ref = flags.carriers.get(index << 32 | position)
+        if ref is not None:
+            state.live[ident] = ref
+    else:
+        state.status.pop(ident, None)
+    return record
+
+
+def _mark_sinks(origin, ref, accumulates) -> None:
+    """A parameter written by an op, or a ``.grad`` accumulation."""
+    if isinstance(ref(), Parameter):
+        origin.reached_parameter = True
+    if accumulates:
+        origin.reached_gradient = True

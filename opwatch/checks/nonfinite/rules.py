@@ -1,0 +1,66 @@
+"""What the nan/inf check checks, and which values are deliberate.
+
+Only dense strided tensors of float16/bfloat16/float32/float64/complex dtypes on a real device
+are checked: meta, fake, sparse, nested, quantized, zero tensors and subclasses are skipped.
+What an op *is* (a view, a lift, value-preserving, masking, ...) is asked of
+:func:`opwatch.ops.facts_of`; this module holds only what is particular to nan/inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...compat import is_zerotensor
+from ...records import E_ARGS
+
+__all__ = [
+    "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
+    "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
+]
+
+NAME = "nonfinite"
+RISK_KIND = "overflow_risk"
+KINDS = ("nan", "inf", RISK_KIND)
+
+_REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+COMPLEX = frozenset((torch.complex64, torch.complex128))
+CHECKED_DTYPES = frozenset(_REAL | COMPLEX)
+PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+STRIDED = torch.strided
+FLOAT16 = torch.float16
+
+# The largest finite values of each floating dtype: ``torch.finfo(dtype).min`` in a mask is a
+# deliberate "minus infinity", and overflowing it (to -inf in float16) is deliberate too.
+SENTINELS = frozenset(sign * torch.finfo(dtype).max for dtype in _REAL for sign in (1.0, -1.0))
+SENTINEL = "sentinel"  # the flag of a finite output holding one of them
+
+# fp16 headroom: a forward float16 output whose largest magnitude reaches 1/8 of the largest
+# float16 (65504 / 8 = 8188) is one step from overflowing: a residual sum of a few such values,
+# or a product with a weight above 8, is inf. Healthy fp16 activations stay far below (layer
+# norms keep them near 1; logits and attention scores in the tens or hundreds).
+HEADROOM_FACTOR = 8
+HEADROOM_LIMIT = torch.finfo(torch.float16).max / HEADROOM_FACTOR
+
+
+def checkable(tensor, dtype) -> bool:
+    """The tensors the tracker reduces: dense, floating, non-empty, a plain tensor on a device."""
+    return (
+        dtype in CHECKED_DTYPES
+        and type(tensor) in PLAIN_TYPES
+        and not tensor.is_meta
+        and tensor.layout is STRIDED
+        and not tensor.is_nested
+        and tensor.numel() > 0
+        and not is_zerotensor(tensor)
+    )
+
+
+def has_sentinel_constant(entry) -> bool:
+    """An explicit non-finite or ``finfo.max``/``finfo.min`` constant among an entry's
+    arguments (``full(-inf)``, ``masked_fill(mask, -inf)``, ``where(c, x, finfo.min)``)."""
+    for value in entry[E_ARGS][1::2]:
+        if type(value) is float and (not math.isfinite(value) or value in SENTINELS):
+            return True
+    return False

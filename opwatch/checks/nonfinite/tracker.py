@@ -1,0 +1,265 @@
+"""The flag tracker, on the hot path: one sync-free reduction per checked output, read back in
+one batch at a check point, then handed to the replay (:mod:`.replay`).
+
+Each floating output gets one reduction, ``torch.aminmax``, whose two 0-dim results stay on
+the tensor's device: nan shows as a nan min/max, inf as an infinite max or min. They are
+stacked per device (one ``torch.stack`` per ``_CHUNK`` pairs) and read back with one transfer
+per device at a check point. Observers are bound per op (:meth:`NonFiniteTracker.for_op`), so
+the interceptor calls the one that fits without asking what the op is.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from itertools import islice
+
+import torch
+
+from ...compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
+from ...ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
+from ...records import E_INDEX, M_DEVICE, M_DTYPE
+from .collectives import CollectiveReads
+from .origin import Origin, fill_unknown_ranges, headroom_risks
+from .replay import Flags, Origins
+from .rules import CHECKED_DTYPES, COMPLEX, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
+
+__all__ = ["NonFiniteTracker"]
+
+_aminmax = torch.aminmax  # the one reduction per output (bench.ablate times it here)
+
+
+class NonFiniteTracker:
+    """Keeps per-output finiteness flags on device and resolves them at check points."""
+
+    _CHUNK = 64  # 0-dim results stacked into one tensor at a time: fewer objects to keep
+
+    def __init__(self, log) -> None:
+        self._log = log
+        self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on _stats_device
+        self._stats_device = None
+        self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
+        # Per queued pair, in parallel lists (ints and one weakref: few objects for the
+        # garbage collector to count): the op index, the output's position, the output.
+        self._indices: list[int] = []
+        self._positions: list[int] = []
+        self._refs: list[weakref.ref] = []
+        self._devices: set = set()  # devices that flags wait on
+        self._carriers: dict = {}  # (op index << 32 | output position) -> weakref, for unchecked outputs
+        # In-place writes into a view: (op index << 32 | output position) -> (id of the base,
+        # weakref to the base). The values live in the base's storage.
+        self._written_bases: dict = {}
+        # Queued float16 outputs ((op index << 32) | position): their headroom is judged.
+        self._half: set = set()
+        self._origins = Origins(log)  # the replay and judgement, across check points
+        self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
+
+    def for_op(self, func):
+        """The observer for ``func``'s outputs, called after each kernel as
+        ``observe(entry, inputs, outputs, metas)``; ``None`` for ops whose outputs are new data."""
+        facts = facts_of(func)
+        collective = facts.collective
+        if collective is not None:
+            reads = self._reads
+            return {C10D: reads.observe_collective, FUNCTIONAL: reads.observe_collective, WAIT: reads.observe_wait, WRAP: reads.observe_wrap}[collective.kind]
+        if facts.makes_new_data:
+            return None
+        if facts.is_lift:
+            return self._observe_all  # an alias of Python data: its values are new here
+        if not facts.preserves_values:
+            if facts.mutated_args:
+                return self._observe_written
+            return self._observe_first if facts.checked_outputs == 1 else self._observe_all
+        if facts.needs_carrier:
+            return self._observe_carrier
+        # A view keeps its base alive, and the base is remembered; not so in inference mode.
+        return self._observe_view
+
+    @property
+    def pending(self) -> int:
+        return len(self._indices) + len(self._reads.pending)
+
+    @property
+    def carrying(self) -> bool:
+        return bool(self._origins.carry) or bool(self._origins.unjudged)
+
+    def pending_on(self, device) -> bool:
+        """Whether flags wait on ``device`` (a host read there already pays for a sync), or
+        origins wait to be judged (a host read may be what makes them matter)."""
+        return device in self._devices or bool(self._origins.unjudged)
+
+    # -- observers: the hot path, inside the mode's __torch_dispatch__ ------------------------
+
+    def _observe_all(self, entry, inputs, outputs, metas) -> None:
+        """Queue one reduction per checkable floating output. No host sync."""
+        if dispatch_modes_outside():
+            # Modes entered outside opwatch (another watch, the user's own) would see the
+            # reductions, which are not the program's ops. Ours is off while it dispatches.
+            with no_python_dispatch():
+                self._reduce(entry[E_INDEX], outputs, metas)
+        else:
+            self._reduce(entry[E_INDEX], outputs, metas)
+
+    def _observe_first(self, entry, inputs, outputs, metas) -> None:
+        """Like ``_observe_all`` for ops whose later outputs are statistics of the first."""
+        self._observe_all(entry, inputs, outputs[:1], metas)
+
+    def _observe_written(self, entry, inputs, outputs, metas) -> None:
+        """Like ``_observe_all`` for ops that write in place: a write into a view
+        (``h[:, 0].div_(d)``) puts its values into the base, which outlives the view."""
+        self._observe_all(entry, inputs, outputs, metas)
+        index = entry[E_INDEX]
+        for position, tensor in enumerate(outputs):
+            base = tensor_base(tensor)
+            if base is not None:
+                self._written_bases[index << 32 | position] = (id(base), weakref.ref(base))
+
+    def _observe_view(self, entry, inputs, outputs, metas) -> None:
+        if inference_mode_enabled():
+            self._observe_carrier(entry, inputs, outputs, metas)
+
+    def _observe_carrier(self, entry, inputs, outputs, metas) -> None:
+        """For ops whose outputs are not checked: remember them weakly, so that a non-finite
+        value they carry counts as alive at the check point. Not needed for views that keep a
+        link to their base (see ``OpFacts.needs_carrier``)."""
+        index = entry[E_INDEX]
+        for position, tensor in enumerate(outputs):
+            if metas[position][M_DTYPE] in CHECKED_DTYPES:
+                self._carriers[index << 32 | position] = weakref.ref(tensor)
+
+    def _reduce(self, index, outputs, metas) -> None:
+        for position, tensor in enumerate(outputs):
+            meta = metas[position]
+            dtype = meta[M_DTYPE]
+            if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
+                continue
+            if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
+                continue
+            checked = tensor
+            if dtype in COMPLEX:
+                checked = torch.view_as_real(checked.resolve_conj())
+            # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
+            # autograd keys are excluded for everything it calls.
+            low, high = _aminmax(checked)
+            stats = self._stats
+            device = meta[M_DEVICE]
+            if device != self._stats_device:
+                self._stack()  # one chunk per device
+                stats = self._stats
+                self._stats_device = device
+                self._devices.add(device)
+            stats += (low, high)
+            self._indices.append(index)
+            self._positions.append(position)
+            self._refs.append(weakref.ref(tensor))
+            if dtype is FLOAT16:
+                self._half.add(index << 32 | position)  # judged for headroom
+            if len(stats) >= self._CHUNK:
+                self._stack()
+
+    def _queue(self, low, high, index, position, ref) -> None:
+        """Queue a pair read elsewhere (a collective's output, once it completed)."""
+        if self._stats_device != low.device:
+            self._stack()
+            self._stats_device = low.device
+            self._devices.add(low.device)
+        self._stats += (low, high)
+        self._indices.append(index)
+        self._positions.append(position)
+        self._refs.append(ref)
+
+    def _stack(self) -> None:
+        if self._stats:
+            self._chunks.append(torch.stack(self._stats))
+            self._stats = []
+
+    # -- the check point ----------------------------------------------------------------------
+
+    def resolve(self, window, *, reading=(), final: bool = False) -> list[Origin]:
+        """Check point: read all queued flags at once and return the origins judged now, oldest
+        first, each with ``matters`` set.
+
+        ``window`` is every log entry since the previous check point, oldest first.
+        ``reading`` are the idents of tensors the program is about to read on the host.
+        ``final``: the program chose this point (the end of the block, ``Watch.check()``), so
+        what is still alive is the program's state: judge it now.
+        """
+        carriers, self._carriers = self._carriers, {}
+        written_bases, self._written_bases = self._written_bases, {}
+        if self._reads.pending:
+            window = self._reads.settle(window, final, self._queue)
+        half, self._half = self._half, set()
+        flags = self._take_flags(half)
+        flags.carriers, flags.written_bases = carriers, written_bases
+        origins = self._origins
+        risks = headroom_risks(window, half, flags.ranges, self._log) if half and flags.ranges else []
+        if not flags.flagged and not origins.carry and not origins.unjudged:
+            origins.remember_sentinels(flags.sentinels)
+            return risks
+        new = origins.replay(window, flags, reading)
+        fill_unknown_ranges(new, self._log)
+        judged = origins.judge(new, final) + risks
+        judged.sort(key=lambda found: found.record.index)
+        return judged
+
+    def _take_flags(self, half) -> Flags:
+        """Read the queued pairs (one host read per device) into :class:`Flags`, and empty the queue."""
+        kinds, values = self._read_flags(check_headroom=bool(half)) if self._indices else ([], None)
+        queued = list(zip(self._indices, self._positions, self._refs, kinds))
+        self._chunks, self._indices, self._positions, self._refs = [], [], [], []
+        self._devices = set()
+        self._stats_device = None
+        flags = Flags({}, {}, set())
+        # (op index, output position) -> (min, max): read only when something is not finite,
+        # to tell the inputs' health at an origin.
+        for number, (index, position, ref, kind) in enumerate(queued):
+            key = (index, position)
+            flags.checked.add(key)
+            if values is not None:
+                flags.ranges[key] = (values[2 * number], values[2 * number + 1])
+            if kind is None:
+                continue
+            if kind == SENTINEL:
+                flags.sentinels[key] = ref
+                continue
+            flags.flagged[key] = kind
+            flags.refs[key] = ref
+        return flags
+
+    def _read_flags(self, check_headroom: bool = False) -> tuple[list, list | None]:
+        """Per queued pair: None (finite), "nan", "inf", or SENTINEL (finite, but holding
+        ``finfo.max`` or ``finfo.min`` of a floating dtype: a deliberate mask value); and the
+        values read (min, max, min, max, ...), or ``None`` when all were finite."""
+        self._stack()
+        by_device: dict = {}
+        for chunk in self._chunks:
+            by_device.setdefault(chunk.device, []).append(chunk)
+        if len(by_device) == 1:
+            # The one host read of this check point.
+            chunks = self._chunks
+            values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
+            if math.isfinite(sum(values)) and (not check_headroom or HEADROOM_LIMIT > max(map(abs, values))):
+                # The usual case: all finite, no float16 near its limit. Masks holding
+                # finfo.min (every Hugging Face model) only mark their outputs.
+                kinds = [None] * (len(values) // 2)
+                if not SENTINELS.isdisjoint(values):
+                    for position, value in enumerate(values):
+                        if value in SENTINELS:
+                            kinds[position >> 1] = SENTINEL
+                return kinds, None
+        else:
+            # One host read per device; chunks are read back in their queued order.
+            read = {device: iter(torch.cat(chunks).tolist()) for device, chunks in by_device.items()}
+            values = [value for chunk in self._chunks for value in islice(read[chunk.device], len(chunk))]
+        return [_kind(values[i], values[i + 1]) for i in range(0, len(values), 2)], values
+
+
+def _kind(low, high):
+    """What a (min, max) pair says: "nan", "inf", SENTINEL or None (finite)."""
+    if math.isnan(low) or math.isnan(high):
+        return "nan"
+    if math.isinf(low) or math.isinf(high):
+        return "inf"
+    if low in SENTINELS or high in SENTINELS:
+        return SENTINEL
+    return None

@@ -1,0 +1,477 @@
+"""``opwatch.diff(a, b)``: which op first made two runs differ, on which line. (Named
+``divergence``, not ``diff``: a submodule ``opwatch.diff`` would shadow the function.)
+
+Both runs are recorded with ``watch(fingerprints=True)`` (or ``python -m opwatch
+--fingerprints``): every op output has a fingerprint, an exact hash of its bits and its sum,
+L2 norm, min and max (:mod:`opwatch.checks.fingerprints`).
+
+1. *Align.* Each op is keyed by (op, source file name and the text of its line, module path,
+   phase); the two key sequences are aligned by a shortest edit script (Myers), so an op
+   that exists in one run only is reported as such and the rest still lines up. The line's
+   text, not its number: a line inserted above moves every later number, not their text.
+   Stretches that do not line up (an edited line) are aligned again on (op, file name, module,
+   phase). File names, not paths: the runs may come from two machines or checkouts.
+2. *Compare.* Aligned ops in order: outputs bitwise (hash, shape, dtype) by default; with a
+   tolerance, each statistic within ``atol + rtol * scale`` (the scale of a sum is the larger
+   of its size and the L2 norm, of a min or max the largest magnitude: sums of values near zero
+   do not make every op differ). When the runs' dtypes differ (bf16 against fp32) and no
+   tolerance is given, the default follows the lower precision (:data:`DEFAULT_TOLERANCES`).
+3. *Explain.* For the first aligned op whose outputs differ, its inputs are followed to the ops
+   that produced them in each run (through views and clones, which hold their input's values),
+   and their fingerprints compared: the inputs agreed (this op made the difference), one
+   already differed, or one was made before the watch (which no fingerprint covers).
+
+What it cannot see: ops outside the watch, ops that left the bounded log (``max_records``),
+in-place writes through a view into a tensor read later under its other name, and values
+that differ only in ways the chosen tolerance hides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from difflib import SequenceMatcher
+
+from .export import SavedLog, load
+from .ops import facts_of
+from .render.diff import render_diff, render_diff_table
+from .session import Watch
+
+__all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
+
+# dtype name -> (rtol, atol): torch.testing.assert_close's defaults; float8 by its mantissa.
+DEFAULT_TOLERANCES = {
+    "float64": (1e-7, 1e-7),
+    "float32": (1.3e-6, 1e-5),
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float8_e4m3fn": (1.25e-1, 1e-5),
+    "float8_e5m2": (2.5e-1, 1e-5),
+}
+
+AGREED = "agreed"  # its producers' fingerprints agree (within the tolerance)
+DIFFERED = "differed"  # they differ
+BEFORE_WATCH = "before_watch"  # made before the watch (or outside torch ops): not fingerprinted
+NO_VALUES = "no_values"  # uninitialised memory (empty_like): there are no values to compare
+UNKNOWN = "unknown"  # made by an op whose outputs were not fingerprinted (an odd dtype, a collective)
+# A made-tensor marker: (step, output position); these two stand for the rest.
+_BEFORE = None
+_EMPTY = (-1, -1)
+
+
+class Tolerance:
+    """How outputs are compared: ``bitwise``, or ``rtol``/``atol`` on the statistics;
+    ``reason``: ``"bitwise"``, ``"given"`` or ``"dtypes"`` (the runs' dtypes differ:
+    ``dtypes`` holds the two dtype names, lower precision first)."""
+
+    __slots__ = ("rtol", "atol", "reason", "dtypes")
+
+    def __init__(self, rtol: float | None, atol: float | None, reason: str, dtypes: tuple = ()):
+        self.rtol, self.atol, self.reason, self.dtypes = rtol, atol, reason, dtypes
+
+    @property
+    def bitwise(self) -> bool:
+        return self.rtol is None
+
+    def close(self, a: tuple, b: tuple) -> bool:
+        """Whether fingerprints ``a`` and ``b`` agree."""
+        if self.rtol is None:
+            return a[0] == b[0]
+        return all(difference <= self.atol + self.rtol * scale for difference, scale in _gaps(a, b))
+
+
+def _gaps(a: tuple, b: tuple) -> list[tuple[float, float]]:
+    """``(|a - b|, scale)`` of sum, norm, min and max; 0 where both are the same (nan, inf)."""
+    norm = max(abs(a[2]), abs(b[2]))
+    magnitude = max(abs(a[3]), abs(a[4]), abs(b[3]), abs(b[4]))
+    scales = (max(abs(a[1]), abs(b[1]), norm), norm, magnitude, magnitude)
+    gaps = []
+    for x, y, scale in zip(a[1:], b[1:], scales):
+        same = x == y or (math.isnan(x) and math.isnan(y))
+        gaps.append((0.0 if same else (abs(x - y) if math.isfinite(x - y) else math.inf), scale if math.isfinite(scale) else 0.0))
+    return gaps
+
+
+class Divergence:
+    """The first aligned op whose outputs differ, as facts.
+
+    Attributes:
+        a / b: the op's record in each run (``OpRecord`` or ``SavedRecord``).
+        output: the position of the first output that differs.
+        reason: ``"shape"`` (shapes or the number of outputs differ), ``"dtype"``, or
+            ``"values"``.
+        print_a / print_b: that output's fingerprints ``(hash, sum, norm, min, max)`` (``None``
+            for ``"shape"``).
+        inputs: per tensor input, ``(position, state, producer in a, producer in b)`` with a
+            state of ``AGREED``, ``DIFFERED``, ``BEFORE_WATCH``, ``NO_VALUES``, ``UNKNOWN`` and
+            the producers' records (``None`` where there is none).
+        verdict: ``"made_here"`` (every input agreed, or it has none), ``"inputs_differ"``,
+            ``"before_watch"`` (inputs made in the watch agreed, others were made before it),
+            ``"unknown"``.
+    """
+
+    __slots__ = ("a", "b", "output", "reason", "print_a", "print_b", "inputs", "verdict")
+
+    def __init__(self, a, b, output, reason, print_a, print_b, inputs, verdict):
+        self.a, self.b, self.output, self.reason = a, b, output, reason
+        self.print_a, self.print_b, self.inputs, self.verdict = print_a, print_b, inputs, verdict
+
+    @property
+    def lines(self) -> tuple[str, str]:
+        """Where the op ran in each run: ``("train.py:23", "train.py:24")``."""
+        return self.a.where, self.b.where
+
+    def gaps(self) -> list[tuple[str, float, float, float]]:
+        """``(statistic, value in a, value in b, relative difference)`` of sum, norm, min, max."""
+        if self.print_a is None:
+            return []
+        found = []
+        for name, x, y, (gap, scale) in zip(("sum", "norm", "min", "max"), self.print_a[1:], self.print_b[1:], _gaps(self.print_a, self.print_b)):
+            found.append((name, x, y, gap / scale if scale else (0.0 if not gap else math.inf)))
+        return found
+
+    def __repr__(self) -> str:
+        return f"<Divergence {self.a.op} at {self.a.where} / {self.b.where} {self.a.phase}: {self.reason}, {self.verdict}>"
+
+
+class _Run:
+    """One side: its records, fingerprints, alignment keys and the producer of each input."""
+
+    def __init__(self, source, name: str):
+        self.label, self.torch, records, prints = _open(source, name)
+        self.records = records
+        self.prints = prints
+        self.keys = []
+        self.loose = []
+        texts: dict = {}  # (file, line) -> the line's text, read once
+        for record in records:
+            position = record.position
+            base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
+            place = (position.filename, position.lineno)
+            text = texts.get(place)
+            if text is None:
+                text = texts[place] = position.line_text().strip() if position.filename else ""
+            self.keys.append((record.op, base, text, record.module, record.phase))
+            self.loose.append((record.op, base, record.module, record.phase))
+        self.producers = _producers(records, prints)
+
+    def fingerprints(self, step: int):
+        return self.prints.get(self.records[step].index)
+
+    def fingerprint(self, made) -> tuple | None:
+        """The fingerprint of output ``made = (step, position)``."""
+        prints = self.fingerprints(made[0])
+        return prints[made[1]] if prints is not None and made[1] < len(prints) else None
+
+
+def _open(source, name: str):
+    """``(label, torch version, records, fingerprints)`` of a Watch, a SavedLog or a path."""
+    if isinstance(source, (str, os.PathLike)):
+        label, source = os.fspath(source), load(source)
+    elif isinstance(source, SavedLog):
+        label = "saved log"
+    elif isinstance(source, Watch):
+        if source._interceptor is not None:
+            raise ValueError(f"opwatch.diff: watch {name} is still running; diff it once its with-block has ended")
+        label = "watch"
+    else:
+        raise TypeError(
+            f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load or the path of a "
+            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl, got {type(source).__name__}"
+        )
+    prints = source.fingerprints
+    if prints is None:
+        raise ValueError(
+            f"opwatch.diff: {name} ({label}) was recorded without fingerprints; record both runs with "
+            "opwatch.watch(fingerprints=True) or python -m opwatch --fingerprints --jsonl PATH script.py"
+        )
+    if isinstance(source, SavedLog):
+        version = source.header.get("torch")
+    else:
+        import torch
+
+        version = torch.__version__
+    return label, version, source.records, prints
+
+
+def _producers(records, prints) -> list[tuple]:
+    """Per record, per tensor input: ``(step, output position)`` of the op that made it in
+    this run (through views and clones, to the op that made their values), ``_EMPTY`` for
+    uninitialised memory, ``_BEFORE`` when made before the watch."""
+    made: dict = {}  # tensor ident -> (step, position) | _EMPTY
+    found = []
+    for step, record in enumerate(records):
+        inputs = tuple(made.get(meta.ident, _BEFORE) for meta in record.inputs)
+        found.append(inputs)
+        outputs = record.outputs or ()
+        func = record.func
+        facts = facts_of(func) if hasattr(func, "_schema") else None  # None: an op this torch lacks
+        source = None  # None: each output holds its own values
+        if facts is not None and facts.makes_new_data:
+            source = _EMPTY
+        elif inputs and (facts.is_view or facts.keeps_values if facts is not None else record.index not in prints):
+            source = inputs[0]  # the values of its first input
+        for position, meta in enumerate(outputs):
+            made[meta.ident] = (step, position) if source is None else source
+    return found
+
+
+def align(a: _Run, b: _Run) -> list[tuple]:
+    """``(step in a or None, step in b or None)`` for every op of both runs, in stream order."""
+    return _align(a.keys, b.keys, a.loose, b.loose)
+
+
+def _align(keys_a: list, keys_b: list, loose_a: list | None, loose_b: list | None) -> list[tuple]:
+    pairs: list = []
+    i = j = 0
+    for match_i, match_j in [*_matches(keys_a, keys_b), (len(keys_a), len(keys_b))]:
+        if match_i > i and match_j > j and loose_a is not None:
+            # Ops in both runs between two matches (an edited line): align them without the line.
+            for x, y in _align(loose_a[i:match_i], loose_b[j:match_j], None, None):
+                pairs.append((None if x is None else i + x, None if y is None else j + y))
+        else:
+            pairs += [(x, None) for x in range(i, match_i)]
+            pairs += [(None, y) for y in range(j, match_j)]
+        if match_i < len(keys_a):
+            pairs.append((match_i, match_j))
+        i, j = match_i + 1, match_j + 1
+    return pairs
+
+
+def _matches(a: list, b: list) -> list[tuple[int, int]]:
+    """The aligned ``(i, j)`` of two key lists, increasing: the common start and end, and a
+    shortest edit script (Myers) between them. A training loop repeats its ops every step, and
+    longest-block matching (difflib) pairs a step with the wrong one after an insertion; a
+    shortest edit script does not, and takes O((n + m) d) for d edits."""
+    ids: dict = {}
+    a = [ids.setdefault(key, len(ids)) for key in a]
+    b = [ids.setdefault(key, len(ids)) for key in b]
+    start = 0
+    while start < len(a) and start < len(b) and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < len(a) - start and end < len(b) - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    middle_a, middle_b = a[start : len(a) - end], b[start : len(b) - end]
+    found = _shortest_edit(middle_a, middle_b, _MAX_EDITS) if middle_a and middle_b else []
+    if found is None:  # too different for a shortest edit script: difflib's longest blocks
+        blocks = SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_matching_blocks()
+        found = [(x + k, y + k) for x, y, size in blocks for k in range(size)]
+    middle = [(start + x, start + y) for x, y in found]
+    tail = [(len(a) - end + k, len(b) - end + k) for k in range(end)]
+    return [(k, k) for k in range(start)] + middle + tail
+
+
+_MAX_EDITS = 1000  # beyond this many insertions and deletions, fall back to difflib
+
+
+def _shortest_edit(a: list, b: list, max_edits: int) -> list[tuple[int, int]] | None:
+    """Myers' greedy shortest edit script: the matched ``(i, j)``, or ``None`` past ``max_edits``."""
+    n, m = len(a), len(b)
+    frontier = {1: 0}  # diagonal k = x - y -> furthest x reached
+    trace = []
+    for edits in range(min(max_edits, n + m) + 1):
+        trace.append(dict(frontier))
+        for k in range(-edits, edits + 1, 2):
+            down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
+            x = frontier[k + 1] if down else frontier[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            frontier[k] = x
+            if x >= n and y >= m:
+                return _walk_back(trace, n, m)
+    return None
+
+
+def _walk_back(trace: list, x: int, y: int) -> list[tuple[int, int]]:
+    matched = []
+    for edits in range(len(trace) - 1, 0, -1):
+        frontier, k = trace[edits], x - y
+        down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
+        before = k + 1 if down else k - 1
+        before_x = frontier[before]
+        before_y = before_x - before
+        while x > before_x and y > before_y:
+            x, y = x - 1, y - 1
+            matched.append((x, y))
+        x, y = before_x, before_y
+    while x > 0 and y > 0:
+        x, y = x - 1, y - 1
+        matched.append((x, y))
+    matched.reverse()
+    return matched
+
+
+def choose_tolerance(a: _Run, b: _Run, pairs, rtol, atol) -> Tolerance:
+    """The tolerance given, else bitwise, else (dtypes differ) the lower precision's default."""
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+            raise ValueError(f"opwatch.diff: {name} must be a number of 0 or more (or None), got {value!r}")
+    if rtol is not None or atol is not None:
+        return Tolerance(float(rtol or 0.0), float(atol or 0.0), "given")
+    lowest = None
+    for i, j in pairs:
+        if i is None or j is None:
+            continue
+        for x, y in zip(a.records[i].outputs or (), b.records[j].outputs or ()):
+            names = (_dtype_name(x.dtype), _dtype_name(y.dtype))
+            if names[0] != names[1] and all(name in DEFAULT_TOLERANCES for name in names):
+                pair = tuple(sorted(names, key=lambda name: -DEFAULT_TOLERANCES[name][0]))
+                if lowest is None or DEFAULT_TOLERANCES[pair[0]][0] > DEFAULT_TOLERANCES[lowest[0]][0]:
+                    lowest = pair
+    if lowest is None:
+        return Tolerance(None, None, "bitwise")
+    return Tolerance(*DEFAULT_TOLERANCES[lowest[0]], "dtypes", lowest)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compare(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance):
+    """``None`` when op ``i`` of ``a`` and op ``j`` of ``b`` agree (or cannot be compared),
+    else ``(output position, reason, print in a, print in b)``."""
+    outputs_a, outputs_b = a.records[i].outputs or (), b.records[j].outputs or ()
+    if len(outputs_a) != len(outputs_b):
+        return (0, "shape", None, None)
+    prints_a, prints_b = a.fingerprints(i), b.fingerprints(j)
+    for position, (x, y) in enumerate(zip(outputs_a, outputs_b)):
+        if tuple(x.shape or ()) != tuple(y.shape or ()):
+            return (position, "shape", None, None)
+        if prints_a is None or prints_b is None or position >= len(prints_a) or position >= len(prints_b):
+            continue
+        print_a, print_b = prints_a[position], prints_b[position]
+        if print_a is None or print_b is None:
+            continue
+        if tolerance.bitwise and x.dtype != y.dtype:
+            return (position, "dtype", print_a, print_b)
+        if not tolerance.close(print_a, print_b):
+            return (position, "values", print_a, print_b)
+    return None
+
+
+def explain_inputs(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance) -> tuple[list, str]:
+    """The inputs of the divergent pair, each with its state, and the verdict."""
+    inputs = []
+    for position, (made_a, made_b) in enumerate(zip(a.producers[i], b.producers[j])):
+        record_a = a.records[made_a[0]] if made_a not in (_BEFORE, _EMPTY) else None
+        record_b = b.records[made_b[0]] if made_b not in (_BEFORE, _EMPTY) else None
+        if made_a is _BEFORE or made_b is _BEFORE:
+            state = BEFORE_WATCH
+        elif made_a == _EMPTY and made_b == _EMPTY:
+            state = NO_VALUES
+        else:
+            print_a = None if record_a is None else a.fingerprint(made_a)
+            print_b = None if record_b is None else b.fingerprint(made_b)
+            if print_a is None or print_b is None:
+                state = UNKNOWN
+            else:
+                state = AGREED if tolerance.close(print_a, print_b) else DIFFERED
+        inputs.append((position, state, record_a, record_b))
+    states = {state for _, state, _, _ in inputs}
+    if DIFFERED in states:
+        verdict = "inputs_differ"
+    elif BEFORE_WATCH in states:
+        verdict = "before_watch"
+    elif UNKNOWN in states:
+        verdict = "unknown"
+    else:
+        verdict = "made_here"
+    return inputs, verdict
+
+
+class Diff:
+    """What :func:`diff` found.
+
+    Attributes:
+        first: the first :class:`Divergence` (``None`` when every aligned op agrees); its
+            ``a``/``b`` are both runs' records, ``lines`` their places.
+        only_in_a / only_in_b: records of the ops that exist in one run only.
+        agree: no aligned op differs and no op is in one run only.
+        tolerance: the :class:`Tolerance` the outputs were compared with.
+        pairs: the alignment, ``(record in a or None, record in b or None)`` in stream order.
+        labels / torch: each run's source (a path, ``"watch"``, ``"saved log"``) and torch version.
+        compared: how many aligned ops had fingerprints on both sides.
+    """
+
+    def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int):
+        self.pairs = [(None if i is None else a.records[i], None if j is None else b.records[j]) for i, j in steps]
+        self.only_in_a = [record for record, other in self.pairs if other is None]
+        self.only_in_b = [other for record, other in self.pairs if record is None]
+        self.first = first
+        self.tolerance = tolerance
+        self.labels = (a.label, b.label)
+        self.torch = (a.torch, b.torch)
+        self.compared = compared
+        self._first_pair = first_pair
+        self._statuses = None
+
+    @property
+    def agree(self) -> bool:
+        return self.first is None and not self.only_in_a and not self.only_in_b
+
+    def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
+        """The aligned neighbourhood of the first divergence (``context`` ops either side; the
+        start of both runs when they agree), both runs side by side."""
+        if isinstance(context, bool) or not isinstance(context, int):
+            raise TypeError(f"context must be an int, got {type(context).__name__}")
+        if context < 0:
+            raise ValueError(f"context must be 0 or more, got {context}")
+        centre = self._first_pair if self._first_pair is not None else 0
+        start = max(0, centre - context)
+        rows = [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
+        return render_diff_table(rows, tablefmt=tablefmt)
+
+    def _status(self, number: int) -> str:
+        record_a, record_b = self.pairs[number]
+        if record_a is None:
+            return "only_b"
+        if record_b is None:
+            return "only_a"
+        if number == self._first_pair:
+            return "first"
+        return "after" if self._first_pair is not None and number > self._first_pair else "agreed"
+
+    def __str__(self) -> str:
+        return render_diff(self)
+
+    def __repr__(self) -> str:
+        first = "" if self.first is None else f", first at {self.first.a.op} {self.first.a.where}"
+        return f"<Diff {len(self.pairs)} ops, {len(self.only_in_a)} only in a, {len(self.only_in_b)} only in b{first}>"
+
+
+def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
+    """Which op first made two runs differ, on which line. ::
+
+        with opwatch.watch(fingerprints=True) as run_a:
+            train_step(model_a, batch)
+        with opwatch.watch(fingerprints=True) as run_b:
+            train_step(model_b, batch)
+        result = opwatch.diff(run_a, run_b)
+        print(result)                 # the first op that differs, its line in each run, why
+        print(result.table(context=5))
+
+    ``a`` and ``b``: :class:`~opwatch.Watch` objects (their blocks ended), logs read by
+    :func:`opwatch.load`, or paths of ``.jsonl`` logs, recorded with fingerprints. Outputs are
+    compared bitwise, or within ``rtol``/``atol`` (on each output's sum, L2 norm, min and max)
+    when either is given; when the runs' dtypes differ (a bf16 run against an fp32 one) the
+    default tolerance is the lower precision's (:data:`DEFAULT_TOLERANCES`), and the report
+    says so. Returns a :class:`Diff`: ``.first``, ``.only_in_a``, ``.only_in_b``, ``.agree``,
+    ``.table(context=N)``, and ``str()``.
+    """
+    run_a, run_b = _Run(a, "a"), _Run(b, "b")
+    steps = align(run_a, run_b)
+    tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+    first, first_pair, compared = None, None, 0
+    for number, (i, j) in enumerate(steps):
+        if i is None or j is None:
+            continue
+        if run_a.fingerprints(i) is not None and run_b.fingerprints(j) is not None:
+            compared += 1
+        found = compare(run_a, run_b, i, j, tolerance) if first is None else None
+        if found is not None:
+            inputs, verdict = explain_inputs(run_a, run_b, i, j, tolerance)
+            first = Divergence(run_a.records[i], run_b.records[j], *found, inputs, verdict)
+            first_pair = number
+    return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared)

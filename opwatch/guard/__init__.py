@@ -1,0 +1,468 @@
+"""``opwatch.guard``: eager speed on healthy steps, a full watch on the calls worth auditing,
+and a failing step replayed under a full watch, its origin named, with a one-op repro.
+
+The way of one guarded call:
+
+1. what the step starts from is kept (:mod:`.snapshot`): the RNG states, a copy of the
+   model's buffers and of the parameters' ``.grad``, the version counters of the parameters
+   and of the tensor arguments;
+2. ``train_step`` runs as it is, with no dispatch mode; or, when the call is audited
+   (:mod:`.audit`: the first call, each new signature of the arguments, every N-th call),
+   under a full watch with every check, whose findings are kept and warned (or raised);
+3. one fused finiteness check of what it returned and of the gradients (:mod:`.check`);
+4. a step that raised or failed the check is replayed under a full watch (:mod:`.replay`,
+   with :mod:`.repro`'s one-op repro), or judged from its audit's watch when it had one;
+5. the buffers are left as one run of the step left them, the ``.grad`` as the step found
+   them (the optimizer never sees the bad gradients), and :class:`~opwatch.AnomalyError`
+   names the origin; or, with ``on_failure="skip"``, the step is undone and skipped.
+
+Every sentence it says is made in :mod:`opwatch.render.guard`.
+
+Importing ``opwatch.guard`` the package binds it as ``opwatch``'s attribute ``guard`` (Python
+does so for every submodule); ``opwatch.guard`` and ``from opwatch import guard`` give the
+function as long as the package is first imported through them (``opwatch/__init__.py`` loads
+it lazily and then binds the function).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections import deque
+
+import torch
+
+from ..anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ..render import guard as words
+from ..session import Watch, _disabled_by_environment
+from . import replay as replays
+from .audit import Audits
+from .check import FiniteCheck, not_finite
+from .replay import NONFINITE, Replayed, allow_option, first_line, judge, record_at
+from .snapshot import Snapshots, changed_arguments, put_buffers
+
+__all__ = ["guard", "Guarded"]
+
+_ON_FAILURE = ("raise", "skip")
+# Exceptions a replay cannot explain: raised as they are.
+_NOT_REPLAYED = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()
+_Tensor = torch.Tensor
+_MAX_KEPT = 100  # failures and audit findings kept on a Guarded
+
+
+def guard(
+    train_step,
+    model,
+    *,
+    audit="new",
+    max_audits: int = 8,
+    strict: bool = False,
+    checks=None,
+    allow=(),
+    on_failure: str = "raise",
+    repro: bool = True,
+    repro_dir=None,
+    repro_max_bytes: int = 128 * 2**20,
+    last: int = 10,
+    max_records: int = 10_000,
+    scaler=None,
+) -> Guarded:
+    """Run ``train_step`` at eager speed; when a step goes wrong, replay it under a full watch.
+
+    Example::
+
+        step = opwatch.guard(train_step, model)   # model: an nn.Module, or its parameters
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = step(batch)                    # train_step(batch): forward and backward
+            optimizer.step()
+
+    A healthy step runs ``train_step`` with no dispatch mode, then one fused check that the
+    tensors (and floats) it returned and the parameters' gradients are finite: the check
+    GradScaler runs, one host read. A step that raised, or whose check found nan/inf, is run
+    again from where it started (RNG states of the CPU and every CUDA device, the model's
+    buffers, the parameters' ``.grad`` restored) on the same arguments, under a watch that
+    checks every op's outputs as it goes. :class:`~opwatch.AnomalyError` then names the op that
+    made the first nan/inf, or the anomaly at (or before) the op that raised, with everything a
+    strict watch reports; the step's own exception is chained. ``error.anomaly.repro`` is a
+    folder with that op's inputs and a ``repro.py`` that runs the op alone.
+
+    Audits: shape, dtype and device bugs (a ``(B, 1)`` prediction minus a ``(B,)`` target, a
+    float64 numpy weight upcasting the loss, a tensor left on another device) raise nothing and
+    make no nan: the fused check cannot see them. They belong to the code path and to the
+    arguments' signature (nesting structure, shapes, dtypes, devices), not to their values, so
+    the first call and every call whose signature is new run under a full watch with every
+    check (``checks=``): an *audit*. Its findings land in ``.anomalies`` and are warned once per
+    (kind, file, line) as ``watch()`` does, or raise :class:`~opwatch.AnomalyError` after the
+    step with ``strict=True`` (the ``.grad`` put back as the step found them). A nan/inf that
+    fails an audited step is reported from that audit's watch (no replay, no repro). An audited
+    step gives bitwise the results of an eager one; it costs what ``watch()`` costs, once per
+    signature, for at most ``max_audits`` signatures.
+
+    Afterwards the model's buffers are as one run of the step left them (updated once) and
+    the ``.grad`` as the step found them, so the optimizer never sees the bad gradients.
+
+    ``train_step`` must leave the parameters alone (``optimizer.step()`` goes after the guarded
+    call): a step that changes them is refused with a ``ValueError`` at its first call, since
+    it could not be replayed. A failing step that changed one of its tensor arguments in place
+    is refused as well.
+
+    When a replay may not reproduce the failure: nondeterministic kernels (CUDA atomics in
+    ``index_add``/``scatter_add``/some convolution backward algorithms), steps that read data
+    or state that changes (data loading inside ``train_step``, a counter, a random source other
+    than torch's generators), other devices' RNGs, side effects (logging, a global step count,
+    which then happen twice). When the replay finds nothing, the error says so plainly.
+    Out-of-memory errors are raised as they are, never replayed. In data-parallel training a
+    replay runs the backward's collectives again: every rank must fail the same step (nan
+    gradients are all-reduced, so they do), or the replaying rank waits for the others. With
+    ``torch.amp.GradScaler``, scaled gradients overflow now and then by design: pass the
+    scaler (``scaler=``) and the gradients are left to it (it skips such steps and lowers its
+    scale); only what the step returned is checked then. Without it, each overflow step would
+    be replayed (slowly) and raise, or be skipped with ``on_failure="skip"``.
+
+    Options (keyword-only):
+
+    audit
+        Which calls run under a full watch: ``"new"`` (default): the first call and each call
+        whose arguments' signature is new; ``N`` (an int >= 1): those and every N-th call;
+        ``"never"``: none (healthy steps are only checked for nan/inf).
+        ``guard(step, model, audit=100)``.
+    max_audits
+        The most distinct signatures audited (default 8), so that variable-length batches do
+        not audit for ever; calls due under ``audit=N`` are audited still.
+        ``guard(step, model, max_audits=32)``.
+    strict
+        Raise :class:`~opwatch.AnomalyError` for an audit's first finding instead of warning.
+        ``guard(step, model, strict=True)``.
+
+    checks
+        The checks audits and the replay run (``opwatch.watch``'s names); without ``"nonfinite"`` a
+        healthy step is not checked at all and only steps that raise are replayed.
+        ``guard(step, model, checks=["device_mismatch", "dtype_mismatch"])``.
+    allow
+        Anomalies the replay accepts (``opwatch.Allow`` entries, as ``watch(allow=...)``).
+        ``guard(step, model, allow=[opwatch.Allow(kind="broadcast")])``.
+    on_failure
+        ``"raise"`` (default), or ``"skip"``: a step that made nan/inf is undone (buffers and
+        ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave the
+        parameters alone, as a step GradScaler skips), warned once per origin line, kept in
+        ``.failures``, and the call returns ``None``. Steps that raise always raise.
+        ``guard(step, model, on_failure="skip")``.
+    repro
+        Write a one-op repro of the origin. ``guard(step, model, repro=False)``.
+    repro_dir
+        Where repro folders go (a new folder each); the system's temporary folder when
+        ``None``. ``guard(step, model, repro_dir="repros")``.
+    repro_max_bytes
+        The most tensor data a repro saves; inputs beyond it are left out (the repro fills
+        them with zeros and says so). ``guard(step, model, repro_max_bytes=2**30)``.
+    last
+        How many of the replay's ops, up to the origin, the error's note shows.
+        ``guard(step, model, last=30)``.
+    max_records
+        Size of the replay's op log (``opwatch.watch``'s option). ``guard(step, model, max_records=50_000)``.
+    scaler
+        The ``torch.amp.GradScaler`` of an fp16 loop: its overflow steps are its business, not
+        failures; a loss that is not finite still is. ``guard(step, model, scaler=scaler)``.
+
+    ``OPWATCH_DISABLE=1`` makes the guarded step call ``train_step`` and nothing else.
+    """
+    return Guarded(
+        train_step, model, audit=audit, max_audits=max_audits, strict=strict, checks=checks, allow=allow,
+        on_failure=on_failure, repro=repro, repro_dir=repro_dir, repro_max_bytes=repro_max_bytes,
+        last=last, max_records=max_records, scaler=scaler,
+    )
+
+
+class Guarded:
+    """The result of :func:`guard`: call it as you would ``train_step``.
+
+    Attributes:
+        calls: how many times it was called.
+        audits: how many calls were audited (run under a full watch).
+        anomalies: what audits found (at most 100, oldest dropped): device, dtype, broadcast
+            findings and the like, each an :class:`~opwatch.Anomaly`.
+        failures: the anomalies of failed steps (at most 100, oldest dropped), each with
+            ``.repro``: the repro folder, or ``None``.
+        skipped: steps skipped with ``on_failure="skip"``.
+        last_replay: the :class:`~opwatch.Watch` of the latest replay, or of the audit a
+            failure was reported from (``table()``, ``records``, ``anomalies``), or ``None``.
+        last_audit: the :class:`~opwatch.Watch` of the latest audit, or ``None``.
+    """
+
+    def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
+                 scaler=None, audit="new", max_audits=8, strict=False):
+        _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict)
+        self._audits = Audits(audit, max_audits)
+        self._strict = strict
+        self._scaler = scaler
+        self._step = train_step
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._given_params = None if self._model is not None else _parameters(model)
+        self._checks = checks
+        self._allow = allow
+        self._check_results = checks is None or "nonfinite" in checks
+        self._on_failure = on_failure
+        self._repro = repro
+        self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
+        self._repro_max_bytes = repro_max_bytes
+        self._last = last
+        self._max_records = max_records
+        self._enabled = not _disabled_by_environment()
+        self._snapshots: Snapshots | None = None  # made on the first call
+        self._finite = FiniteCheck(scaler)
+        self._warned: set = set()  # (kind, file, line) of skipped steps already warned
+        self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
+        self._told_internal_error = False
+        self.calls = 0
+        self.skipped = 0
+        self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
+        self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
+        self.last_replay: Watch | None = None
+        self.last_audit: Watch | None = None
+        functools.update_wrapper(self, train_step, updated=())
+
+    @property
+    def audits(self) -> int:
+        return self._audits.count
+
+    # -- a call ----------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        if not self._enabled:
+            return self._step(*args, **kwargs)
+        self.calls += 1
+        if self._snapshots is None:
+            self._snapshots = self._collect()
+        audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
+        start = self._snapshots.take(args, kwargs)
+        try:
+            if audit is None:
+                result = self._step(*args, **kwargs)
+            else:
+                self.last_audit = audit
+                with audit:
+                    result = self._step(*args, **kwargs)
+        except _NOT_REPLAYED:
+            raise  # out of memory: a replay under a watch would only run out again, slower
+        except Exception as error:
+            if self._snapshots.changed_parameters(start):
+                self._refuse_changed_parameters(start, error=error)
+            return self._failed(start, args, kwargs, ("raised", type(error).__name__, first_line(error)), error=error)
+        if self._snapshots.changed_parameters(start):
+            self._refuse_changed_parameters(start)
+        if self._check_results and not self._checked(result):
+            failure = not_finite(result, self._snapshots.params, self._parameter_names())
+            del result  # not kept alive through the replay
+            if audit is not None:
+                self._audited(audit, start, may_raise=False)  # the failure is what raises
+            return self._failed(start, args, kwargs, failure, audit=audit)
+        if audit is not None:
+            self._audited(audit, start)
+        return result
+
+    def _collect(self) -> Snapshots:
+        """The parameters and where the buffers live (read once)."""
+        if self._model is None:
+            return Snapshots(self._given_params)
+        return Snapshots(list(self._model.parameters()), self._model)
+
+    def _audit_watch(self) -> Watch:
+        return Watch(strict=False, max_records=self._max_records, checks=self._checks, dump_on_error=False,
+                     last=0, file=None, warn=False, **allow_option(self._allow))
+
+    def _audited(self, audit, start, may_raise=True) -> None:
+        """Keep and warn an audit's findings (nan/inf count only through the fused check: with
+        a GradScaler, overflow is its business); with ``strict``, raise the first."""
+        found = [anomaly for anomaly in audit.anomalies if anomaly.kind not in NONFINITE]
+        if not found:
+            return
+        self.anomalies.extend(found)
+        if self._strict and may_raise:
+            self._snapshots.put_grads(start)  # the optimizer never sees this step's gradients
+            raise AnomalyError(found[0])
+        for anomaly in found:
+            key = (anomaly.kind, anomaly.filename, anomaly.lineno)
+            if key not in self._warned_audit:
+                self._warned_audit.add(key)
+                _warn_at(OpwatchWarning(anomaly.message), anomaly)
+
+    # -- the check of a healthy step -----------------------------------------------------------
+
+    def _checked(self, result) -> bool:
+        """Whether the step's results are finite; an error of the check itself (a tensor kind
+        it does not know) is opwatch's problem: one warning, and the step counts as healthy."""
+        try:
+            return self._finite.all_finite(result, self._snapshots.params)
+        except Exception as error:
+            if not self._told_internal_error:
+                self._told_internal_error = True
+                warnings.warn(OpwatchWarning(words.check_failed(type(error).__name__, str(error))), stacklevel=3)
+            self._check_results = False
+            return True
+
+    # -- a failing step ------------------------------------------------------------------------
+
+    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None):
+        """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
+        (or skip). ``failure``: what went wrong (facts); ``error``: the step's exception."""
+        snapshots = self._snapshots
+        name = self._name()
+        found = audit is not None and error is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
+        after = None
+        if found:
+            replay = None
+            self.last_replay = audit
+            anomaly = replays.explaining(audit.anomalies, None, None, None)
+            repro, note, context = None, ("audit",), (name, failure, None, True)
+        else:
+            self._refuse_changed_arguments(start, failure, error)
+            after = snapshots.buffers_now()  # the buffers as this run of the step left them
+            snapshots.restore(start)
+            replay = replays.run(self._step, args, kwargs, checks=self._checks, allow=self._allow, max_records=self._max_records,
+                                 repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
+            self.last_replay = replay.watch
+            anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
+            context = (name, failure, len(start.buffers), False)
+        skip = error is None and self._on_failure == "skip"
+        # The optimizer never sees this step's gradients; the buffers are as one run left them,
+        # or as they were before it when the step is skipped.
+        snapshots.put_grads(start)
+        if skip:
+            snapshots.put_start_buffers(start)
+        elif after is not None:
+            put_buffers(*after)
+        if anomaly is None:
+            problem = self._not_found(replay, error, failure, len(start.buffers), repro)
+            if skip and replay.error is None:
+                self.skipped += 1
+                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem))), stacklevel=3)
+                return None
+            raise problem
+        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), skip, error,
+                            audit.records if found else None)
+
+    def _report(self, replayed, skip, error, records):
+        self.failures.append(replayed)
+        if skip:
+            self.skipped += 1
+            key = (replayed.kind, replayed.filename, replayed.lineno)
+            if key not in self._warned:
+                self._warned.add(key)
+                _warn_at(OpwatchWarning(words.skipped_step(replayed.message)), replayed)
+            return None
+        raised = AnomalyError(replayed)
+        audited = records is not None
+        note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
+        if note:
+            raised.add_note(note)
+        if error is not None:
+            raise raised from error
+        raise raised
+
+    def _not_found(self, replay, error, failure, buffers, repro) -> BaseException:
+        """What to raise when the replay found no anomaly that explains the failure."""
+        allowed = list(getattr(replay.watch, "allowed", ()))
+        if error is not None:
+            failed = record_at(replay.watch, replay.raised_at) if replay.error is not None else None
+            error.add_note(words.replay_raised_note(
+                self.calls, self._name(), buffers, again=type(replay.error) is type(error), original=type(error).__name__,
+                replay_raised=None if replay.error is None else type(replay.error).__name__, allowed=len(allowed),
+                failed_record=failed, repro=repro,
+            ))
+            return error
+        if replay.error is not None:
+            mismatch = RuntimeError(words.replay_raised_instead(self.calls, self._name(), failure, type(replay.error).__name__))
+            mismatch.__cause__ = replay.error
+            return mismatch
+        allowed_nonfinite = [anomaly for anomaly in allowed if anomaly.kind in NONFINITE]
+        if allowed_nonfinite:
+            return RuntimeError(words.only_allowed(self.calls, self._name(), failure, buffers, len(allowed_nonfinite), allowed_nonfinite[0].message))
+        return RuntimeError(words.nothing_found(self.calls, self._name(), failure, buffers, len(allowed)))
+
+    # -- refusals and notes ----------------------------------------------------------------------
+
+    def _name(self) -> str:
+        return getattr(self._step, "__qualname__", None) or repr(self._step)
+
+    def _parameter_names(self) -> dict:
+        if self._model is None:
+            return {}
+        return {id(param): name for name, param in self._model.named_parameters()}
+
+    def _refuse_changed_parameters(self, start, error=None):
+        names = self._parameter_names()
+        params = self._snapshots.params
+        changed = [names.get(id(params[position])) or f"parameter {position}" for position in self._snapshots.changed_parameters(start)]
+        refusal = ValueError(words.changed_parameters(getattr(self._step, "__qualname__", "train_step"), changed))
+        if error is not None:
+            raise refusal from error
+        raise refusal
+
+    def _refuse_changed_arguments(self, start, failure, error) -> None:
+        changed = changed_arguments(start)
+        if not changed:
+            return
+        refusal = ValueError(words.changed_arguments(self.calls, getattr(self._step, "__qualname__", "train_step"), failure, changed))
+        if error is not None:
+            raise refusal from error
+        raise refusal
+
+    def _ops_note(self, records, record, audited) -> str | None:
+        if not self._last:
+            return None
+        records = [older for older in records if older.index <= record.index][-self._last :]
+        return words.ops_note(records, record.index, audited=audited) if records else None
+
+    def __repr__(self) -> str:
+        return words.guarded_repr(getattr(self._step, "__qualname__", self._step), self.calls, len(self.failures), self.audits)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _warn_at(warning, anomaly) -> None:
+    """Warn, attributed to the anomaly's line (the way Python shows its own warnings)."""
+    warnings.warn_explicit(warning, OpwatchWarning, filename=anomaly.filename or "<unknown>", lineno=anomaly.lineno or 0, module="opwatch")
+
+
+def _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict) -> None:
+    if not callable(train_step):
+        raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
+    # Validates checks, allow and max_records as a watch does (never entered).
+    Watch(strict=False, max_records=max_records, checks=checks, dump_on_error=False, last=0, file=None, warn=False, **allow_option(allow))
+    if on_failure not in _ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(map(repr, _ON_FAILURE))}, got {on_failure!r}")
+    if not isinstance(repro, bool):
+        raise TypeError(f"repro must be True or False, got {repro!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
+    if repro_dir is not None and not isinstance(repro_dir, (str, os.PathLike)):
+        raise TypeError(f"repro_dir must be a folder path (str or os.PathLike) or None, got {type(repro_dir).__name__}")
+    _check_int("repro_max_bytes", repro_max_bytes, 0)
+    _check_int("last", last, 0)
+    if scaler is not None and not (callable(getattr(scaler, "is_enabled", None)) and callable(getattr(scaler, "unscale_", None))):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+
+
+def _parameters(model) -> list:
+    if isinstance(model, _Tensor):
+        raise TypeError("model must be an nn.Module or an iterable of parameters; for one tensor, pass [tensor]")
+    try:
+        params = list(model)
+    except TypeError:
+        raise TypeError(f"model must be an nn.Module or an iterable of parameters, got {type(model).__name__}") from None
+    unique = {}
+    for param in params:
+        if not isinstance(param, _Tensor):
+            raise TypeError(f"model must be an nn.Module or an iterable of parameters; it holds a {type(param).__name__}")
+        unique.setdefault(id(param), param)
+    return list(unique.values())
+
+
+def _check_int(name, value, least) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")

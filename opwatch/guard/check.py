@@ -1,0 +1,136 @@
+"""The fused finiteness check of a healthy step: the tensors (and floats) it returned and the
+parameters' gradients, one host read.
+
+The check GradScaler runs (``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1,
+which writes every gradient back unchanged), given also the largest magnitude of each returned
+tensor (``linalg_vector_norm(t, inf)``). Where that kernel cannot take the tensors (several
+devices; sparse, complex or meta gradients; a torch without it) the check runs one group per
+device (one host read per device) from then on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compat import amp_non_finite_check, foreach_norm
+from .snapshot import leaves
+
+_Tensor = torch.Tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+
+
+class FiniteCheck:
+    """Checks steps' results and gradients; keeps GradScaler's flag tensors from call to call.
+    ``scaler``: a GradScaler whose overflow steps are its business (gradients left unchecked)."""
+
+    def __init__(self, scaler=None):
+        self._scaler = scaler
+        self._flag_tensors: dict = {}  # device -> (found-inf flag, inverse scale)
+        self._by_device = False  # the fused check could not take these tensors: one group per device
+
+    def all_finite(self, result, params) -> bool:
+        """One fused check of the returned tensors and floats and of the gradients."""
+        returned = []
+        for _, value in leaves(result):
+            if isinstance(value, _Tensor):
+                if value.dtype in CHECKED_DTYPES:
+                    returned.append(value)
+            elif isinstance(value, float) and not math.isfinite(value):
+                return False
+        grads = []
+        # With GradScaler, scaled gradients overflow now and then by design: the scaler finds
+        # it, skips the step and lowers its scale. Only what the step returned is checked.
+        scaled = self._scaler is not None and self._scaler.is_enabled()
+        for param in () if scaled else params:
+            grad = param.grad
+            if grad is not None:
+                # GradScaler's kernel writes the values back: not into gradients that are part
+                # of a graph (create_graph=True). Sparse and complex ones make it raise: see below.
+                (returned if grad.requires_grad else grads).append(grad)
+        if not returned and not grads:
+            return True
+        if self._by_device:
+            return _all_finite_by_device(returned + grads)
+        try:
+            return self._fused(grads, returned)
+        except (RuntimeError, NotImplementedError, TypeError):
+            # Several devices; sparse, complex, meta or overlapping gradients; a torch without
+            # the CPU kernel (values written before it raised were written back unchanged).
+            with torch.no_grad():
+                for found, _ in self._flag_tensors.values():
+                    found.zero_()  # it may have been set before the kernel gave up
+            self._by_device = True  # from now on: the model's tensors will not change kind
+            return _all_finite_by_device(returned + grads)
+
+    def _fused(self, grads, returned) -> bool:
+        with torch.no_grad():
+            # The returned tensors' largest magnitudes (nan and inf carry through): new
+            # tensors, safe for the kernel to write.
+            checked = grads + [torch.linalg.vector_norm(tensor, math.inf) for tensor in returned]
+            found, one = self._flags(checked[0].device)
+            amp_non_finite_check(checked, found, one)
+            if found.item() == 0:
+                return True
+            found.zero_()
+            return False
+
+    def _flags(self, device) -> tuple:
+        """GradScaler's found-inf flag (kept at 0 between failures) and inverse scale (1) on
+        ``device``, made on the first call."""
+        flags = self._flag_tensors.get(device)
+        if flags is None:
+            flags = self._flag_tensors[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        return flags
+
+
+def _all_finite_by_device(tensors) -> bool:
+    """The same check, one group per device: one host read per device."""
+    by_device: dict = {}
+    for tensor in tensors:
+        if type(tensor) not in _PLAIN_TYPES or tensor.device.type == "meta":
+            continue
+        if tensor.layout != torch.strided:
+            tensor = tensor._values() if tensor.is_sparse else tensor.values()  # COO; CSR, CSC, BSR
+        if tensor.dtype in CHECKED_DTYPES:
+            by_device.setdefault(tensor.device, []).append(tensor)
+    founds = []
+    with torch.no_grad():
+        for device, group in by_device.items():
+            norms = [norm.float().reshape(1) for norm in foreach_norm(group, math.inf)]
+            founds.append(torch.cat(norms).amax())  # nan and inf carry through amax
+    return all(math.isfinite(found.item()) for found in founds)
+
+
+def not_finite(result, params, names) -> tuple:
+    """The failure's facts: ``("not_finite", ((kind, path), ...), ((kind, (name, ...)), ...))``;
+    ``names``: ``{id(param): name}`` (an unnamed parameter is ``(position, meta)``)."""
+    returned = []
+    by_kind: dict = {}
+    with torch.no_grad():
+        for path, value in leaves(result):
+            kind = kind_of(value)
+            if kind is not None:
+                returned.append((kind, path))
+        for position, param in enumerate(params):
+            kind = kind_of(param.grad) if param.grad is not None else None
+            if kind is not None:
+                meta = (tuple(param.shape), param.dtype, param.device, 0)
+                by_kind.setdefault(kind, []).append(names.get(id(param)) or (position, meta))
+    return ("not_finite", tuple(returned), tuple((kind, tuple(found)) for kind, found in by_kind.items()))
+
+
+def kind_of(value) -> str | None:
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ("nan" if math.isnan(value) else "inf")
+    if not isinstance(value, _Tensor) or value.dtype not in CHECKED_DTYPES or value.device.type == "meta":
+        return None
+    if value.is_sparse:
+        value = value._values()
+    if bool(torch.isnan(value).any()):
+        return "nan"
+    if bool(torch.isinf(value).any()):
+        return "inf"
+    return None

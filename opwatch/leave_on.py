@@ -1,0 +1,342 @@
+"""Leave opwatch on for a whole training run: ``python -m opwatch --guard`` and the trainers'
+``mode="guard"``.
+
+Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
+optimizer step (the audit) sees them. After it the program runs with no dispatch mode, and
+each optimizer step is preceded by one fused finiteness check of the gradients it is about to
+apply (one host read per device). Steps are found through torch's global optimizer step hooks,
+so any ``torch.optim`` optimizer is seen, however the loop is written.
+
+A failing check names the step and the parameters that hold nan/inf. In strict mode it raises
+:class:`GradientsNotFinite` before the optimizer applies them (the weights stay as they were);
+otherwise it warns and watches the next step fully, so that a failure that recurs is reported
+with the op and line that made it, and says plainly when it did not recur.
+
+GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite: the steps it
+skips never reach the hooks, so they are not failures (and not counted as steps).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+import weakref
+
+import torch
+
+from .anomaly import OpwatchWarning
+from .compat import amp_non_finite_check, foreach_norm, no_python_dispatch
+from .session import Watch, strict, watch
+
+__all__ = ["LeaveOn", "GradientsNotFinite", "signature", "all_finite", "nonfinite_names", "nonfinite_parameters"]
+
+_NONFINITE_KINDS = ("nan", "inf")
+_TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
+
+
+class GradientsNotFinite(RuntimeError):
+    """Raised in strict mode before an optimizer applies gradients that hold nan/inf.
+
+    Attributes: ``step`` (1-based count of optimizer steps), ``parameters`` (``(name, kind)``
+    pairs, kind ``"nan"`` or ``"inf"``)."""
+
+    def __init__(self, message: str, *, step: int, parameters: list):
+        super().__init__(message)
+        self.step = step
+        self.parameters = parameters
+
+
+class LeaveOn:
+    """A context manager: the audit, then the fused gradient check at every optimizer step.
+
+    ``audit="first"`` (the CLI's): a full watch from the start until the first optimizer step
+    has run. ``audit="manual"`` (the trainers'): no watch until :meth:`start_audit` (or
+    :meth:`audit_batch`: the first batch and each new signature), and each audit ends after the
+    next optimizer step (or at :meth:`end_audit`). ``pre_hook=False``: the caller calls
+    :meth:`before_step` itself after the backward (Lightning runs the forward and backward
+    inside ``optimizer.step(closure)``, after torch's pre-hook). ``max_audits``: the most
+    distinct batch signatures audited. ``strict``, ``allow``, ``last``, ``file``, ``warn``,
+    ``checks``, ``max_records`` go to the watch (:func:`opwatch.watch`); the same watch is
+    re-entered for every audit, so its anomalies accumulate and warn once per line.
+    """
+
+    def __init__(self, *, strict_mode: bool = False, audit: str = "first", pre_hook: bool = True, max_audits: int = 8, file=None, **watch_options):
+        if audit not in ("first", "manual"):
+            raise ValueError(f"audit must be 'first' or 'manual', got {audit!r}")
+        if isinstance(max_audits, bool) or not isinstance(max_audits, int) or max_audits < 1:
+            raise ValueError(f"max_audits must be an int of at least 1, got {max_audits!r}")
+        self.pre_hook = pre_hook  # read when the run starts
+        self._max_audits = max_audits
+        self._signatures: set = set()
+        self.strict = strict_mode
+        self.watch: Watch = (strict if strict_mode else watch)(file=file, **watch_options)
+        self._audit_first = audit == "first"
+        self._file = file
+        self.steps = 0  # optimizer steps that ran (GradScaler's skipped ones never call it)
+        self.audited = 0  # of them, run under the full watch
+        self.failed = 0  # of them, with nan/inf in the gradients about to be applied
+        self.failures: list[tuple[int, list]] = []  # (step, [(parameter, kind), ...])
+        self._auditing = False
+        self._recheck_of: int | None = None  # the failed step the running audit re-checks
+        self._before_audit: set = set()
+        self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
+        self._flags: dict = {}  # device -> the fused check's (found-inf flag, 1)
+        self._handles: list = []  # the optimizer hooks
+        self._module_hook = None  # names the parameters; only during audits
+        self._poisoned: list = []  # parameters that hold nan/inf themselves: told once
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def __enter__(self) -> LeaveOn:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        for handle in self._handles:  # entered again (a second trainer.train())
+            handle.remove()
+        self._handles = []
+        if not self.watch.enabled:  # OPWATCH_DISABLE: the run goes on untouched
+            return self
+        self._handles = [register_optimizer_step_post_hook(self._after_step)]
+        if self.pre_hook:
+            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+        if self._audit_first:
+            self.start_audit()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback_) -> bool:
+        """End the run (again: nothing happens)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.end_audit(exc)
+        return False
+
+    @property
+    def auditing(self) -> bool:
+        return self._auditing
+
+    def audit_batch(self, batch) -> bool:
+        """Audit this batch if its signature (nesting, shapes, dtypes, devices) is new and
+        fewer than ``max_audits`` were audited; returns whether it is audited."""
+        key = signature(batch)
+        if key in self._signatures or len(self._signatures) >= self._max_audits:
+            return False
+        self._signatures.add(key)
+        self.start_audit()
+        return True
+
+    def start_audit(self) -> None:
+        """Run under the full watch until the next optimizer step has run."""
+        if self._auditing or not self.watch.enabled:
+            return
+        self._before_audit = {id(anomaly) for anomaly in self.watch.anomalies}
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_seen)
+        self._auditing = True
+        self.watch.__enter__()
+
+    def end_audit(self, error: BaseException | None = None) -> list:
+        """Leave the full watch (``error``: the exception that ended it); returns the anomalies
+        it found."""
+        if not self._auditing:
+            return []
+        self._auditing = False
+        self._module_hook.remove()
+        if error is None:
+            self.watch.__exit__(None, None, None)
+        else:
+            self.watch.__exit__(type(error), error, error.__traceback__)
+        return [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit]
+
+    def know(self, module) -> None:
+        """Name the parameters after ``module`` (the trainer's model) before any other."""
+        self._modules.setdefault(module, None)
+
+    def end_batch(self) -> None:
+        """A trainer's batch ended: end an audit that saw no optimizer step (gradient
+        accumulation); a re-check armed after a failed step goes on to the next step."""
+        if self._recheck_of is None:
+            self.end_audit()
+
+    def _module_seen(self, module, args) -> None:
+        self._modules.setdefault(module, None)
+
+    # -- the optimizer hooks ------------------------------------------------------------------
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self.before_step(optimizer)
+
+    def before_step(self, optimizer) -> None:
+        """The check before ``optimizer`` applies its gradients (torch's step pre-hook, or the
+        trainer's hook after the backward)."""
+        if not self.watch.enabled:
+            return
+        self.steps += 1
+        if self._auditing and self._recheck_of is None:
+            self.watch.check()  # the watch's own check point: names the origin, raises in strict
+            return
+        if all_finite(gradients(optimizer), self._flags):
+            return
+        names = self._names()
+        bad = nonfinite_names(optimizer, names)
+        self.failed += 1
+        self.failures.append((self.steps, bad))
+        if self.strict:
+            raise GradientsNotFinite(_failure_text(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
+        if self._recheck_of is not None:
+            # Weights that hold nan/inf make every later step fail: no op of this one is the origin.
+            self._poisoned = nonfinite_parameters(optimizer, names)
+        elif self._told():
+            _warn(_failure_text(self.steps, bad, strict_mode=False, last=len(self.failures) == _TOLD_FAILURES))
+
+    def _told(self) -> bool:
+        """Whether the newest failure is one of those warned and re-checked one by one."""
+        return len(self.failures) <= _TOLD_FAILURES
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._auditing:
+            self.audited += 1
+            found = self.end_audit()
+            recheck, self._recheck_of = self._recheck_of, None
+            if recheck is not None and self._poisoned:
+                _warn(_poisoned_text(recheck, self._poisoned))
+            elif recheck is not None:
+                _warn(_recheck_text(recheck, self.steps, found, self.failures))
+            elif any(anomaly.kind in _NONFINITE_KINDS for anomaly in found):
+                self.failed += 1
+        elif self.failures and self.failures[-1][0] == self.steps and not self.strict and self._told() and not self._poisoned:
+            self._recheck_of = self.steps
+            self.start_audit()
+
+    # -- names --------------------------------------------------------------------------------
+
+    def _names(self) -> dict:
+        names = {}
+        for module in list(self._modules):  # outermost first: a module's hook runs before its children's
+            for name, parameter in module.named_parameters():
+                names.setdefault(id(parameter), name)
+        return names
+
+    def summary(self) -> str:
+        return _summary_text(self.steps, self.audited, self.failed, self.watch.enabled)
+
+    def print_summary(self, prefix: str = "", *, watch_summary: bool = False) -> None:
+        """Print the counts (after the audits' summary with ``watch_summary``)."""
+        text = prefix + self.summary()
+        if watch_summary:
+            text = prefix + self.watch.summary() + "\n" + text
+        print(text, file=self._file if self._file is not None else sys.stderr)
+
+
+def signature(value, depth: int = 0):
+    """What an audit depends on: the nesting of ``value`` and its tensors' shapes, dtypes and
+    devices (other leaves by type)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    if depth < 8 and isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(signature(item, depth + 1) for item in value))
+    if depth < 8 and isinstance(value, dict):
+        return ("dict", tuple((key, signature(item, depth + 1)) for key, item in value.items()))
+    return type(value).__name__
+
+
+def gradients(optimizer) -> list:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def all_finite(tensors, flags: dict | None = None) -> bool:
+    """Whether every value of ``tensors`` is finite: per device one fused kernel and one host
+    read. GradScaler's check (``compat.amp_non_finite_check``, which multiplies the values by
+    1 in place: unchanged) where it takes the tensors, with its found-inf flag kept in
+    ``flags`` per device; else their largest magnitudes (nan and inf carry through). Sparse,
+    meta and integer tensors are left out."""
+    by_device: dict = {}
+    for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        by_device.setdefault(tensor.device, []).append(tensor)
+    with torch.no_grad(), no_python_dispatch():
+        return all(_finite_on_device(device, group, flags) for device, group in by_device.items())
+
+
+def _finite_on_device(device, group: list, flags: dict | None) -> bool:
+    if flags is not None and amp_non_finite_check is not None and not any(t.requires_grad or t.is_complex() for t in group):
+        found, one = flags.get(device) or flags.setdefault(device, (torch.zeros(1, device=device), torch.ones(1, device=device)))
+        try:
+            amp_non_finite_check(group, found, one)
+        except (RuntimeError, NotImplementedError, TypeError):
+            found.zero_()  # overlapping or mixed tensors: the kernel gave up; the norms below
+        else:
+            if found.item() == 0:
+                return True
+            found.zero_()
+            return False
+    largest = torch.stack([norm.float() for norm in foreach_norm(group, math.inf)]).amax()
+    return math.isfinite(largest.item())
+
+
+def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.grad) -> list:
+    """``(name, "nan" | "inf")`` of each parameter whose gradient (or ``of(parameter)``) is
+    not finite (read after a failed check, so one host read per parameter is fine); a parameter
+    the audit did not see in a module is named by its place in ``optimizer.param_groups``."""
+    bad = []
+    with torch.no_grad(), no_python_dispatch():
+        for number, group in enumerate(optimizer.param_groups):
+            for position, parameter in enumerate(group["params"]):
+                grad = of(parameter)
+                if grad is None or grad.layout != torch.strided or grad.device.type == "meta" or all_finite([grad]):
+                    continue
+                kind = "nan" if bool(torch.isnan(grad).any()) else "inf"
+                bad.append((names.get(id(parameter), f"param_groups[{number}]['params'][{position}]"), kind))
+    return bad
+
+
+def nonfinite_parameters(optimizer, names: dict) -> list:
+    """``(name, kind)`` of each parameter of ``optimizer`` that holds nan/inf itself."""
+    return nonfinite_names(optimizer, names, of=lambda parameter: parameter.detach())
+
+
+def _warn(text: str) -> None:
+    warnings.warn(OpwatchWarning(text), stacklevel=4)
+
+
+# -- words (kept beside the runner: the CLI's and the callbacks' own lines) ------------------
+
+
+def _parameters_text(bad: list) -> str:
+    shown = ", ".join(f"{name} ({kind})" for name, kind in bad[:8])
+    return shown + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+
+
+def _failure_text(step: int, bad: list, *, strict_mode: bool, last: bool = False) -> str:
+    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {_parameters_text(bad)}."
+    if strict_mode:
+        return head + " The optimizer did not run: the weights are as they were before this step."
+    tail = " Later failures are only counted in the summary." if last else ""
+    return head + " The optimizer applies them as usual; the next step runs under a full watch to find the op that makes them." + tail
+
+
+def _poisoned_text(step: int, bad: list) -> str:
+    return (
+        f"opwatch: optimizer step {step} wrote nan/inf into the weights: {_parameters_text(bad)}. Every later step carries them, "
+        "so no later op can be named as their origin; run with --strict to stop before the optimizer applies them. "
+        "Later failures are only counted in the summary."
+    )
+
+
+def _recheck_text(failed_step: int, step: int, found: list, failures: list) -> str:
+    origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
+    if origins:
+        first = origins[0]
+        return f"opwatch: the failure of step {failed_step} recurred at step {step}: {first.kind} first made by {first.op} at {first.where} ({first.phase})."
+    if failures and failures[-1][0] == step:
+        return (
+            f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
+            "they came in with the weights, the batch or the optimizer's state."
+        )
+    return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
+
+
+def _summary_text(steps: int, audited: int, failed: int, enabled: bool) -> str:
+    if not enabled:
+        return "opwatch guard: off (OPWATCH_DISABLE)."
+    return f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, {failed} failed (nan/inf in the gradients)."

@@ -1,0 +1,340 @@
+"""The exchange of anomalies between the ranks of a distributed job, when a watch ends: above
+the core (it reads finished anomalies and renders the combined summary); the session's
+``Watch.all_anomalies`` is a thin call into :func:`all_anomalies`.
+
+When a distributed watch ends, the rank publishes its anomalies (each distinct one once, with
+its count and message) under ``opwatch/<run>/<restart>/<block>/<rank>`` in the process group's
+store (its innermost ``TCPStore``, or the ``torchrun`` agent's store when the script has already
+destroyed its group), or as files under ``$OPWATCH_EXCHANGE_DIR`` when that is set: one ``set``
+per rank. :meth:`Exchange.collect` waits for the other ranks' entries with a timeout and names
+those that did not report. No collective ever runs on the program's process groups: a rank that
+crashed or hangs cannot make another one hang here. ``<block>`` counts the distributed watches
+this process has ended, so every rank must run the same watched blocks.
+
+The other ranks' anomalies arrive as :class:`RankAnomaly` objects: the attributes of an
+:class:`~opwatch.Anomaly`, their message as that rank rendered it, and ``rank``, ``count``,
+``time_ns``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+import warnings
+from datetime import timedelta
+
+from .anomaly import OpwatchWarning
+from .collective_ops import RankState, store_prefix
+from .modes.reducer import ReducerSites
+from .render.ranks import collect_failed, publish_failed, render_combined_summary
+
+__all__ = [
+    "DistributedWatch",
+    "all_anomalies",
+    "publish",
+    "Exchange",
+    "RankAnomaly",
+    "AllAnomalies",
+    "encode",
+    "decode",
+    "EXCHANGE_DIR_VARIABLE",
+    "DEFAULT_TIMEOUT",
+]
+
+EXCHANGE_DIR_VARIABLE = "OPWATCH_EXCHANGE_DIR"
+DEFAULT_TIMEOUT = 30.0  # seconds to wait for the other ranks' anomalies
+_MAX_PUBLISHED = 32  # distinct anomalies a rank publishes (the rest are counted in "total")
+
+# Distributed watches this process has ended: the exchange's key. Process-wide on purpose: the
+# ranks meet under the same key only if each counts its own watched blocks alike.
+_blocks = itertools.count()
+
+
+# -- one watch's view of the job -----------------------------------------------------------
+
+
+class DistributedWatch(RankState):
+    """A watch in a distributed job: its :class:`~opwatch.collective_ops.RankState`, the DDP
+    reducer's site labels (``sites``, read by the interceptor once the rank is known), once it
+    ended its :class:`Exchange`, and the every-rank anomalies once all ranks reported."""
+
+    def __init__(self, log, modules):
+        self.sites = ReducerSites(log, modules)
+        self.exchange: Exchange | None = None
+        self.collected: AllAnomalies | None = None  # kept once every rank reported
+        super().__init__(log)
+
+    @classmethod
+    def start(cls, log, modules) -> DistributedWatch | None:
+        """The state of a watch entered now; ``None`` where ``torch.distributed`` is not
+        available. Its ``rank`` stays ``None`` until there is a job (a process group, or a
+        launcher's ``RANK``)."""
+        return cls(log, modules) if RankState.available() else None
+
+    def publish(self, anomalies, contained: int) -> None:
+        """Publish this rank's anomalies for the other ranks (one ``set``)."""
+        self.refresh()
+        if self.rank is None or not self.world or self.world < 2:
+            return
+        self.exchange = Exchange.open(self.store or _agent_store(), self.rank, self.world, next(_blocks))
+        self.exchange.publish(encode(anomalies, self.rank, self.world, contained))
+
+
+def publish(state: DistributedWatch | None, anomalies, contained: int) -> None:
+    """In a distributed job, publish this rank's anomalies when its watch ends (one store
+    ``set``); a failure is one warning, never an exception on the program's line."""
+    if state is None:
+        return
+    try:
+        state.publish(anomalies, contained)
+    except Exception as error:
+        state.exchange = None
+        warnings.warn(OpwatchWarning(publish_failed(error)), stacklevel=4)  # the user's ``with``
+
+
+def all_anomalies(state: DistributedWatch | None, local, *, timeout: float, ended: bool) -> AllAnomalies:
+    """Every rank's anomalies (what :meth:`opwatch.Watch.all_anomalies` returns): this rank's
+    ``local`` ones and the other ranks' published ones, waiting at most ``timeout`` seconds;
+    ``ended``: whether the watched block has ended (every rank publishes then)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be 0 or more seconds, got {timeout}")
+    local = list(local)
+    if state is None or state.rank is None:
+        return AllAnomalies(local, world=None)
+    if not ended:
+        raise RuntimeError("all_anomalies() is available once the watched block has ended: every rank publishes its anomalies then")
+    if state.collected is not None:
+        return state.collected
+    others = [rank for rank in range(state.world or 0) if rank != state.rank]
+    if state.exchange is None:  # a job of one rank, or publishing failed (warned)
+        return AllAnomalies(local, world=state.world, missing=others, timeout=timeout)
+    try:
+        found, missing = state.exchange.collect(timeout)
+    except Exception as error:
+        warnings.warn(OpwatchWarning(collect_failed(error)), stacklevel=3)  # the user's call
+        found, missing = {}, others
+    anomalies = []
+    for rank in range(state.world):
+        if rank == state.rank:
+            anomalies += local
+        elif rank in found:
+            anomalies += decode(found[rank])
+    result = AllAnomalies(anomalies, world=state.world, missing=missing, timeout=timeout)
+    if not missing:
+        state.collected = result
+    return result
+
+
+def _agent_store():
+    """A client of the ``torchrun`` agent's store (``MASTER_ADDR:MASTER_PORT`` when
+    ``TORCHELASTIC_USE_AGENT_STORE`` is set): it outlives the script's process group."""
+    if not RankState.available() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=DEFAULT_TIMEOUT)
+        )
+    except Exception:
+        return None
+
+
+# -- the exchange ---------------------------------------------------------------------------
+
+
+class Exchange:
+    """One watched block's entries, one per rank, in a store or a folder."""
+
+    def __init__(self, rank: int, world: int, block: int):
+        self.rank = rank
+        self.world = world
+        self.block = block
+        self.published_bytes = 0
+
+    @staticmethod
+    def open(store, rank: int, world: int, block: int) -> Exchange:
+        folder = os.environ.get(EXCHANGE_DIR_VARIABLE)
+        if folder:
+            return _FileExchange(folder, rank, world, block)
+        if store is None:
+            raise RuntimeError(
+                f"no store to exchange anomalies through: the process group was never seen; set {EXCHANGE_DIR_VARIABLE} to a shared folder"
+            )
+        return _StoreExchange(store, rank, world, block)
+
+    def publish(self, payload: bytes) -> None:
+        self.published_bytes = len(payload)
+        self._put(payload)
+
+    def collect(self, timeout: float) -> tuple[dict[int, bytes], list[int]]:
+        """The other ranks' entries, waiting at most ``timeout`` seconds in all, and the ranks
+        that did not report by then."""
+        others = [rank for rank in range(self.world) if rank != self.rank]
+        return self._get(others, timeout)
+
+
+class _StoreExchange(Exchange):
+    def __init__(self, store, rank, world, block):
+        super().__init__(rank, world, block)
+        self._store = store
+        self.round_trips = 0
+
+    def _key(self, rank: int) -> str:
+        return f"{store_prefix()}/{self.block}/{rank}"
+
+    def _put(self, payload: bytes) -> None:
+        self._store.set(self._key(self.rank), payload)
+        self.round_trips += 1
+
+    def _get(self, ranks, timeout):
+        if not ranks:
+            return {}, []
+        keys = [self._key(rank) for rank in ranks]
+        store = self._store
+        missing = []
+        try:
+            self.round_trips += 1
+            store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
+            present = list(ranks)
+        except Exception:  # some rank did not report in time (DistStoreError), or the store failed
+            present = []
+            for rank, key in zip(ranks, keys):
+                self.round_trips += 1
+                (present if store.check([key]) else missing).append(rank)
+        if not present:
+            return {}, missing
+        self.round_trips += 1
+        values = store.multi_get([self._key(rank) for rank in present]) if hasattr(store, "multi_get") else [store.get(self._key(rank)) for rank in present]
+        return dict(zip(present, values)), missing
+
+
+class _FileExchange(Exchange):
+    def __init__(self, folder, rank, world, block):
+        super().__init__(rank, world, block)
+        self._folder = os.path.join(folder, store_prefix().replace("/", "-"), str(block))
+
+    def _path(self, rank: int) -> str:
+        return os.path.join(self._folder, f"rank{rank}.json")
+
+    def _put(self, payload: bytes) -> None:
+        os.makedirs(self._folder, exist_ok=True)
+        path = self._path(self.rank)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as stream:
+            stream.write(payload)
+        os.replace(temporary, path)  # readers never see half a file
+
+    def _get(self, ranks, timeout):
+        deadline = time.monotonic() + timeout
+        found: dict[int, bytes] = {}
+        waiting = list(ranks)
+        while True:
+            for rank in list(waiting):
+                try:
+                    with open(self._path(rank), "rb") as stream:
+                        found[rank] = stream.read()
+                    waiting.remove(rank)
+                except FileNotFoundError:
+                    pass
+            if not waiting or time.monotonic() >= deadline:
+                return found, waiting
+            time.sleep(0.05)
+
+
+# -- what is exchanged ------------------------------------------------------------------------
+
+
+def encode(anomalies, rank: int, world: int, contained: int = 0) -> bytes:
+    """This rank's anomalies as the exchange carries them: each distinct one (kind, line, op,
+    phase) once, with its count, its message and the wall-clock time of its op."""
+    offset = time.time_ns() - time.perf_counter_ns()  # perf_counter -> wall clock
+    groups: dict = {}
+    for anomaly in anomalies:
+        key = (anomaly.kind, anomaly.filename, anomaly.lineno, anomaly.op, anomaly.phase)
+        if key in groups:
+            groups[key].count += 1
+        elif len(groups) < _MAX_PUBLISHED:
+            groups[key] = RankAnomaly.of(anomaly, rank, offset)
+    payload = {"rank": rank, "world": world, "total": len(anomalies), "contained": contained, "anomalies": [row.fields() for row in groups.values()]}
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode(data: bytes) -> list[RankAnomaly]:
+    payload = json.loads(data.decode("utf-8"))
+    rank = payload["rank"]
+    return [RankAnomaly(rank=rank, **fields) for fields in payload["anomalies"]]
+
+
+class RankAnomaly:
+    """An anomaly another rank reported, as the exchange carried it: the attributes of
+    :class:`~opwatch.Anomaly` (``kind``, ``op``, ``filename``, ``lineno``, ``where``, ``module``,
+    ``phase``, ``index``, ``message``, ``received``) plus ``rank``, ``count`` (how often it fired
+    there) and ``time_ns`` (wall clock of its op). ``record`` is ``None``: records stay on
+    their rank."""
+
+    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "phase", "index", "received", "count", "time_ns", "message")
+    record = None
+
+    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message):
+        self.rank = rank
+        self.kind = kind
+        self.op = op
+        self.filename = filename
+        self.lineno = lineno
+        self.where = where
+        self.module = module
+        self.phase = phase
+        self.index = index
+        self.received = received
+        self.count = count
+        self.time_ns = time_ns
+        self.message = message
+
+    @classmethod
+    def of(cls, anomaly, rank: int, offset: int) -> RankAnomaly:
+        """This rank's own ``anomaly`` in the same form (``offset``: wall clock - perf counter)."""
+        return cls(
+            rank=rank, kind=anomaly.kind, op=anomaly.op, filename=anomaly.filename, lineno=anomaly.lineno,
+            where=anomaly.record.where, module=anomaly.module, phase=anomaly.phase, index=anomaly.index,
+            received=anomaly.received, count=1, time_ns=anomaly.record.start_ns + offset, message=anomaly.message,
+        )
+
+    def fields(self) -> dict:
+        """The attributes the exchange carries (all but ``rank``, which the payload holds once)."""
+        return {name: getattr(self, name) for name in self.__slots__[1:]}
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"<RankAnomaly rank {self.rank} {self.kind} {self.op} at {self.where} #{self.index}>"
+
+
+class AllAnomalies(list):
+    """Every rank's anomalies (:meth:`opwatch.Watch.all_anomalies`): this rank's
+    :class:`~opwatch.Anomaly` objects and the other ranks' :class:`RankAnomaly` objects, in
+    rank order, each with ``.rank``.
+
+    Attributes:
+        world: the number of ranks (``None`` outside a distributed job).
+        missing: ranks that had not reported when the timeout ran out.
+        timeout: the seconds waited for them.
+    """
+
+    def __init__(self, anomalies, *, world, missing=(), timeout=DEFAULT_TIMEOUT):
+        super().__init__(anomalies)
+        self.world = world
+        self.missing = tuple(missing)
+        self.timeout = timeout
+
+    def summary(self) -> str:
+        """The combined summary: which rank made the first nan/inf, at which op and line, where
+        it was received, each rank's distinct anomalies, and the ranks that did not report."""
+        offset = time.time_ns() - time.perf_counter_ns()
+        rows = [anomaly if isinstance(anomaly, RankAnomaly) else RankAnomaly.of(anomaly, anomaly.rank, offset) for anomaly in self]
+        return render_combined_summary(rows, world=self.world, missing=self.missing, timeout=self.timeout)

@@ -1,0 +1,60 @@
+"""The sentences of the device_mismatch rules (:mod:`opwatch.checks.device`).
+
+Facts of each rule:
+
+- ``device.mix``: ``devices`` (the non-scalar operands' devices as strings, in order of
+  appearance), ``names`` (the tensor arguments' names), ``target`` (the device the odd one out
+  should move to); ``operands``: every tensor argument.
+- ``device.index``: ``op`` (``index``, ``index_put_``), ``position`` (1 for the first index),
+  ``indexed`` and ``index`` (the two tensors' metadata).
+"""
+
+from __future__ import annotations
+
+from ..notation import format_meta
+from ..records import M_DEVICE
+from .messages import named
+from .rules import explains
+
+__all__ = ["meta_note"]
+
+
+def meta_note(devices) -> str:
+    """What a ``meta`` device among ``devices`` (strings) means, appended to a problem."""
+    if "meta" not in devices:
+        return ""
+    return (
+        " A 'meta' tensor has no data: a module or tensor was left on the meta device"
+        " (e.g. built under torch.device('meta') and never materialised with to_empty())."
+    )
+
+
+@explains("device.mix")
+def explain_mix(finding) -> tuple[str, str, str]:
+    facts = finding.facts
+    devices = facts["devices"]
+    return (
+        f"tensor arguments on different devices ({', '.join(devices)}): {named(facts['names'], finding.operands)}.{meta_note(devices)}",
+        "every non-scalar tensor argument on one device",
+        f"create or move the odd one out with device=... / .to({facts['target']!r}) where it is made",
+    )
+
+
+@explains("device.index")
+def explain_index(finding) -> tuple[str, str, str]:
+    facts = finding.facts
+    indexed, index = facts["indexed"], facts["index"]
+    devices = [str(indexed[M_DEVICE]), str(index[M_DEVICE])]
+    problem = (
+        f"index tensor {format_meta(index)} (index #{facts['position']}) of {facts['op']} is on "
+        f"{devices[1]}, the indexed tensor {format_meta(indexed)} on {devices[0]}.{meta_note(devices)}"
+    )
+    if devices[0] == "cpu":
+        expected = "index tensors on the CPU, like the indexed tensor"
+    else:
+        expected = f"index tensors on the indexed tensor's device ({devices[0]}) or on the CPU"
+    fix = (
+        f"make the index on {devices[0]!r} (device=... where it is made, or .to(x.device)); a buffer left on "
+        f"the meta device is materialised with module.to_empty() or by creating it again"
+    )
+    return problem, expected, fix

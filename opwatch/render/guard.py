@@ -1,0 +1,201 @@
+"""Every sentence :func:`opwatch.guard` says, built from the facts its rooms gather.
+
+Facts used here:
+
+- a *failure*: ``("raised", type name, first line)``, or ``("not_finite", returned, grads)``
+  with ``returned`` = ``((kind, path), ...)`` and ``grads`` = ``((kind, (name, ...)), ...)``,
+  a name being a parameter's name or ``(position, meta)`` for an unnamed one;
+- a *repro note*: ``("alone",)``, ``("raised_op", op, where)``, ``("capture_broken", why)``,
+  ``("not_captured",)``, ``("write_failed", type name, text)``, ``("audit",)`` or ``None``;
+- ``buffers``: how many buffers a replay restored.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..notation import format_meta
+from ..sites import display_path, location
+from .summary import exception_note
+from .table import render_table
+
+_MAX_NAMES = 4  # names listed in a message; the rest are counted
+
+WHY = (
+    ". A replay runs the step again from the same RNG states, buffers and .grad; it can differ when kernels are "
+    "nondeterministic (CUDA atomics: index_add, scatter_add, some convolution backward algorithms), when the step "
+    "reads data or state that changed since (data loading inside the step, a counter, Python's random), or when "
+    "the failure depends on other processes. See help(opwatch.guard)."
+)
+
+
+def names(found) -> str:
+    """``a, b, c, d, +2 more``; an unnamed parameter ``(position, meta)`` is described."""
+    shown = ", ".join(_name(name) for name in found[:_MAX_NAMES])
+    return shown + (f", +{len(found) - _MAX_NAMES} more" if len(found) > _MAX_NAMES else "")
+
+
+def _name(name) -> str:
+    if isinstance(name, str):
+        return name
+    position, meta = name
+    return f"parameter {position} ({format_meta(meta)})"
+
+
+def restored(buffers: int) -> str:
+    return "RNG states, " + (f"{buffers} buffer(s), " if buffers else "") + ".grad"
+
+
+def failure_text(failure) -> str:
+    """``it raised ValueError: ...`` or ``the check after it found nan in the returned tensor``."""
+    if failure[0] == "raised":
+        return f"it raised {failure[1]}: {failure[2]}"
+    _, returned, grads = failure
+    parts = [f"{kind} in {path}" for kind, path in returned]
+    parts += [f"{kind} in the .grad of {len(found)} parameter(s): {names(found)}" for kind, found in grads]
+    if not parts:
+        found = "nan/inf (no longer there when described)"
+    else:
+        found = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"the check after it found {found}"
+
+
+def context(call: int, name: str, failure, buffers: int | None, *, audited: bool = False) -> str:
+    """The ``step:`` line of a replayed (or audited) anomaly."""
+    if audited:
+        return f"call {call} of {name} failed: {failure_text(failure)}; found by the audit of that call (it ran under a full watch)"
+    return f"call {call} of {name} failed: {failure_text(failure)}; replayed from the same start ({restored(buffers)} restored) under a full watch"
+
+
+def repro_note(note) -> str | None:
+    if note is None:
+        return None
+    kind = note[0]
+    if kind == "alone":
+        return "this op alone, on its saved inputs"
+    if kind == "raised_op":
+        return f"{note[1]} at {note[2]}, the op that raised, alone on its saved inputs"
+    if kind == "capture_broken":
+        return f"none (capturing the replay's inputs failed: {note[1]})"
+    if kind == "not_captured":
+        return "none (the op's inputs were not captured in the replay)"
+    if kind == "write_failed":
+        return f"none (it could not be written: {note[1]}: {note[2]})"
+    if kind == "audit":
+        return "none (found by an audit, which keeps no inputs; audit=\"never\" replays failing steps with a repro)"
+    raise ValueError(f"unknown repro note {note!r}")
+
+
+def replayed_message(message: str, step_context: str, repro, note) -> str:
+    """An anomaly's message with the step it failed and its repro."""
+    text = message + f"\n  step:     {step_context}"
+    said = repro_note(note)
+    if repro is not None:
+        text += f"\n  repro:    python {display_path(os.path.join(repro, 'repro.py'))} ({said})"
+    elif said:
+        text += f"\n  repro:    {said}"
+    return text
+
+
+def repro_about(anomaly, raised, record) -> list:
+    """The repro script's docstring lines: what was found, what raised, the op, its code.
+    ``raised``: ``(type name, first line)`` or ``None``."""
+    about = []
+    if anomaly is not None:
+        about.append("found:    " + anomaly.message.split("\n", 1)[0])
+    if raised is not None:
+        about.append(f"raised:   {raised[0]}: {raised[1]}")
+    if record is not None:
+        about.append(f"op:       {record.signature()}")
+        code = record.position.expression() or record.position.line_text()
+        if code:
+            about.append(f"code:     {location(record)}: {code.strip()}")
+    return about
+
+
+def replay_raised_note(call, name, buffers, *, again, original, replay_raised, allowed, failed_record, repro) -> str:
+    """The note added to a step's own exception when its replay found no anomaly before it.
+    ``replay_raised``: the replay's exception type name, or ``None`` when it did not raise."""
+    also = f" ({allowed} finding(s) matched an allow entry)" if allowed else ""
+    if replay_raised is None:
+        what = "it did not raise again: the failure did not reproduce" + WHY
+    else:
+        what = f"it raised {replay_raised} {'again' if again else f'(not {original})'}, with no anomaly before it{also}"
+        if failed_record is not None:
+            what += "\n" + exception_note(failed_record)
+    if repro is not None:
+        what += f"\none-op repro of the op that raised: python {display_path(os.path.join(repro, 'repro.py'))}"
+    return f"opwatch.guard: call {call} of {name} was replayed from the same start ({restored(buffers)} restored) under a full watch: {what}"
+
+
+def replay_raised_instead(call, name, failure, replay_raised) -> str:
+    return (
+        f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}); its replay under a full watch "
+        f"raised {replay_raised} instead: the replay did not run as the step did" + WHY
+    )
+
+
+def only_allowed(call, name, failure, buffers, count, first_message) -> str:
+    first = first_message.split("\n", 1)[0]
+    return (
+        f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}); its replay from the same start "
+        f"({restored(buffers)} restored) under a full watch found only nan/inf origins that match an allow entry "
+        f"({count}, the first: {first}). Allowed or not, they reached the step's results, "
+        "and the optimizer must not see them; Guarded.last_replay.allowed holds them."
+    )
+
+
+def nothing_found(call, name, failure, buffers, allowed) -> str:
+    also = f" ({allowed} finding(s) matched an allow entry)" if allowed else ""
+    return (
+        f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}), but its replay from the same start "
+        f"({restored(buffers)} restored) under a full watch found no nan/inf origin{also}: the failure did not reproduce" + WHY
+    )
+
+
+def skipped_unexplained(problem: str) -> str:
+    return f"{problem}\nThe step was skipped."
+
+
+def skipped_step(message: str) -> str:
+    return f"opwatch.guard skipped a step:\n{message}"
+
+
+def check_failed(type_name: str, text: str) -> str:
+    return (
+        f"opwatch.guard could not check a step's results ({type_name}: {text}); "
+        "steps that do not raise are not checked. Please report this to the opwatch issue tracker."
+    )
+
+
+def changed_parameters(name: str, changed) -> str:
+    return (
+        f"opwatch.guard: {name} changed {len(changed)} parameter(s) "
+        f"while it ran ({names(changed)}): an optimizer.step() inside it? A guarded step must leave the "
+        "parameters alone, so that a failing step can be replayed from where it started and the optimizer "
+        "never sees its gradients. Call optimizer.step() after the guarded call:\n"
+        "    step = opwatch.guard(train_step, model)\n"
+        "    loss = step(batch)\n"
+        "    optimizer.step()\n"
+        "If it updates other parameters on purpose (an EMA copy), guard only the trained ones: "
+        "opwatch.guard(train_step, model.net.parameters())."
+    )
+
+
+def changed_arguments(call: int, name: str, failure, changed) -> str:
+    """``changed``: ``((path, meta), ...)`` of the arguments the step wrote in place."""
+    described = [f"{path} ({format_meta(meta)})" for path, meta in changed]
+    return (
+        f"opwatch.guard cannot replay call {call} of {name} "
+        f"({failure_text(failure)}): it changed its argument {names(described)} in place, so a replay would not start from "
+        "the same data. Let the step work on a copy (x = x / 255 rather than x.div_(255)), or run it under "
+        "opwatch.strict() to find the failure."
+    )
+
+
+def ops_note(records, index: int, *, audited: bool = False) -> str:
+    return f"opwatch.guard: the {'audit' if audited else 'replay'}'s last {len(records)} ops up to op #{index}:\n" + render_table(records, mark=index)
+
+
+def guarded_repr(step, calls: int, failures: int, audits: int) -> str:
+    return f"<opwatch.guard of {step!r}: {calls} call(s), {audits} audit(s), {failures} failure(s)>"

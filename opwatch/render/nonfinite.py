@@ -1,0 +1,235 @@
+"""The sentences of the nan/inf check, made from the facts of its findings (see
+:mod:`opwatch.checks.nonfinite.origin` for what each rule's facts hold): the origin's story
+(spread, masking, sinks), its inputs' health (``log(0) = -inf``), the per-op fixes, received
+values and fp16 headroom."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..checks.finding import Place
+from ..checks.nonfinite.rules import HEADROOM_FACTOR
+from ..notation import format_dtype, format_meta
+from ..records import BACKWARD, M_DTYPE
+from ..sites import display_path
+from .rules import explains
+
+__all__ = ["explain_origin", "explain_received", "explain_overflow_risk"]
+
+_DEFAULT_FIX = "guard the inputs of this op (clamp, add an epsilon, or mask before rather than after), or lower the learning rate if values grew over steps"
+_FIXES = {
+    "log": "log(0) = -inf: clamp the input (x.clamp_min(eps).log()) or use log_softmax/logsigmoid",
+    "log2": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
+    "log10": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
+    "div": "division by zero: add an epsilon to the denominator or mask zero entries before dividing",
+    "sqrt": "sqrt of a negative number is nan, and its gradient at 0 is inf: clamp the input (x.clamp_min(eps).sqrt())",
+    "rsqrt": "rsqrt(0) = inf: add an epsilon (x + eps).rsqrt()",
+    "pow": "pow overflowed or took a fractional power of a negative number: clamp the base",
+    "exp": "exp overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp",
+}
+_FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
+_FROM_DELIBERATE_FIXES = {
+    "_softmax": "every entry of a row was masked with -inf, and softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
+    "_log_softmax": "every entry of a row was masked with -inf, and log_softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
+}
+# Keyed by the forward op, for origins in backward.
+_BACKWARD_FIXES = {
+    "sqrt": "the gradient of sqrt at 0 is inf: clamp the input (x.clamp_min(eps).sqrt()) or add eps inside",
+    "log": "the gradient of log at 0 is inf: clamp the input (x.clamp_min(eps).log())",
+    "pow": "the gradient of x ** p with p < 1 is inf at 0: clamp the base away from 0",
+    "norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
+    "linalg_vector_norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
+    "div": "the gradient of a / b is inf where b is 0: add an epsilon to the denominator",
+    "acos": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
+    "asin": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
+}
+_GRAD_SCALER_FIX = "nothing to fix when it happens now and then: GradScaler lowers its scale; if every step is skipped, the gradients overflow even at a small scale: look at this op"
+_RECEIVED_FIX = (
+    "find the rank that made it: w.all_anomalies() (or the combined summary of python -m opwatch under torchrun) "
+    "names its op and line; if no rank made it, the collective's reduction overflowed: reduce in float32 or scale the values down first"
+)
+_RISK_FIX = (
+    "run this op in bfloat16 or float32 (torch.autocast(dtype=torch.bfloat16), or keep the module in float32), "
+    "normalise before it (LayerNorm/RMSNorm), or scale its inputs down (attention scores by 1/sqrt(d))"
+)
+
+
+def _signature(facts) -> str:
+    """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
+    inputs = ", ".join(format_meta(meta) for meta in facts["inputs"])
+    text = f"{facts['op'].removesuffix('.default')}({inputs})"
+    if facts["outputs"]:
+        text += " -> " + ", ".join(format_meta(meta) for meta in facts["outputs"])
+    return text
+
+
+def _place(where):
+    """A :class:`Place` fact, also when a JSON round trip made it a list; ``None`` stays."""
+    return where if where is None or isinstance(where, Place) else Place(*where)
+
+
+def _at(where) -> str:
+    """``aten.neg.default at train.py:23``: a Place with its full op name, in the one location
+    format (``autograd`` / ``?`` / a label where it has no source line)."""
+    if where.filename is None:
+        at = where.label or ("autograd" if where.phase == BACKWARD else "?")
+    else:
+        at = f"{display_path(where.filename)}:{where.lineno}"
+    return f"{where.op} at {at}"
+
+
+def _story(finding) -> str:
+    """How far the values went and where they ended: spread, masking, sinks, containment."""
+    facts = finding.facts
+    what = finding.kind
+    story = ""
+    if facts["spread"]:
+        last = _place(facts["last"])
+        story = f"; by the check point it had spread to {facts['spread']} later op(s), the last {_at(last)} ({last.phase})"
+    turned = _place(facts["became_nan"])
+    if turned is not None:
+        story += f"; it turned into nan at {_at(turned)} ({turned.phase})"
+    masked, back = _place(facts["masked_by"]), _place(facts["back_in_backward"])
+    if masked is not None and back is not None:
+        name = facts["masked_by_name"]
+        story += (
+            f"; it was masked in forward by {_at(masked)}, yet came back in backward at "
+            f"{back.op}: the gradient of the entries {name} did not select is 0 * {what} = nan, "
+            f"and {name} passes it on (the torch.where gradient trap)"
+        )
+    if facts["reached_parameter"]:
+        story += "; it reached a parameter"
+    elif facts["reached_gradient"]:
+        story += "; it reached a .grad"
+    if facts["contained"] and facts["skipped_by_grad_scaler"]:
+        story += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
+    elif facts["contained"]:
+        story += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
+    return story
+
+
+def _inputs(finding) -> str:
+    """``finite inputs (input f32[6] cpu: min 0, max 0.67 -> log(0) = -inf)``."""
+    facts = finding.facts
+    if facts["from_deliberate"]:
+        inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
+    else:
+        inputs = "finite inputs" if facts["inputs"] else "no tensor inputs"
+    health = _input_health(finding)
+    return f"{inputs} ({health})" if health else inputs
+
+
+def _input_health(finding) -> str:
+    """``input f32[6, 4] cpu: min 0, max 0.9 -> log(0) = -inf``: each floating input's range,
+    and what in it explains the result."""
+    input_ranges = finding.facts["input_ranges"]
+    if not input_ranges:
+        return ""
+    parts = []
+    for meta, value_range in input_ranges:
+        if value_range is None:
+            parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+        else:
+            low, high = value_range
+            parts.append(f"input {format_meta(meta)}: min {low:.4g}, max {high:.4g}")
+    text = "; ".join(parts)
+    reason = _reason(finding)
+    return f"{text} -> {reason}" if reason else text
+
+
+def _reason(finding) -> str | None:
+    """What in the inputs' ranges explains a non-finite result, for the common ops."""
+    facts = finding.facts
+    name = facts["op_name"]
+    ranges = [value_range for _, value_range in facts["input_ranges"]]
+    first, divisor = (ranges + [None, None])[:2]
+    if first is None:
+        return None
+    low, high = first
+    if name in ("log", "log2", "log10"):
+        if low < 0:
+            return f"{name} of a negative number is nan"
+        if low == 0:
+            return f"{name}(0) = -inf"
+    if name == "log1p" and low <= -1:
+        return "log1p(-1) = -inf, and below -1 it is nan"
+    if name == "sqrt" and low < 0:
+        return "sqrt of a negative number is nan"
+    if name == "rsqrt" and low <= 0:
+        return "rsqrt(0) = inf, and of a negative number nan"
+    if name == "div" and _holds_zero(divisor):
+        if finding.kind == "nan" and _holds_zero(first):
+            return "the divisor holds 0, and so does the dividend: 0 / 0 = nan"
+        return "the divisor holds 0: x / 0 = inf"
+    return _overflow_reason(name, facts["outputs"], ranges, high)
+
+
+def _holds_zero(value_range) -> bool:
+    if value_range is None:
+        return False
+    low, high = value_range
+    return low <= 0 <= high
+
+
+def _overflow_reason(name, outputs, ranges, high) -> str | None:
+    """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
+    dtype = next((meta[M_DTYPE] for meta in outputs), None)
+    if dtype is not None and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        if name == "exp" and high > math.log(limit):
+            return f"exp overflows {format_dtype(dtype)} above {math.log(limit):.4g}"
+        largest = max(max(abs(low), abs(top)) for low, top in filter(None, ranges))
+        if largest > limit:
+            return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
+    return None
+
+
+def _fix(finding) -> str:
+    facts = finding.facts
+    name = facts["op_name"]
+    if facts["masked_by"] is not None and facts["back_in_backward"] is not None and not facts["contained"]:
+        return (
+            f"make the unselected entries safe before {name}, not only after it: "
+            f"torch.where(cond, torch.{name}(torch.where(cond, x, 1.0)), 0.0) (the double-where trick), "
+            f"so that neither branch, nor its gradient, is ever {finding.kind}"
+        )
+    if facts["contained"] and facts["skipped_by_grad_scaler"]:
+        return _GRAD_SCALER_FIX
+    if facts["from_deliberate"]:
+        return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX)
+    forward = facts["forward_op_name"]
+    if forward is not None:
+        fix = _BACKWARD_FIXES.get(forward)
+        if fix is not None:
+            return fix
+        return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
+    return _FIXES.get(name, _DEFAULT_FIX)
+
+
+@explains("nonfinite.origin")
+def explain_origin(finding) -> tuple[str, str, str]:
+    what = finding.kind
+    problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
+    return problem, "finite outputs from finite inputs", _fix(finding)
+
+
+@explains("nonfinite.received")
+def explain_received(finding) -> tuple[str, str, str]:
+    what = finding.kind
+    problem = f"{what} received through {_signature(finding.facts)}: this rank's own inputs to the collective held no {what}, so another rank sent it{_story(finding)}"
+    return problem, "finite values from every rank", _RECEIVED_FIX
+
+
+@explains("nonfinite.overflow_risk")
+def explain_overflow_risk(finding) -> tuple[str, str, str]:
+    facts = finding.facts
+    largest = facts["largest"]
+    limit = torch.finfo(torch.float16).max
+    problem = (
+        f"{_signature(facts)} holds values up to {largest:.6g} in magnitude, "
+        f"{limit / largest:.3g}x below the largest float16 ({limit:.0f}): one more sum or product and they overflow to inf"
+    )
+    expected = f"float16 activations well inside the float16 range (below {limit / HEADROOM_FACTOR:.0f})"
+    return problem, expected, _RISK_FIX
