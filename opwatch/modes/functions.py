@@ -97,8 +97,7 @@ class FunctionWatch(TorchFunctionMode):
         return log.view(entry)
 
     def _with_provenance(self, finding):
-        """``finding`` with where its odd tensor was made (``CheckContext.where_made``) in
-        ``made``; ``odd`` emptied so that no later step tells it a second time."""
+        """``finding`` with where each odd operand was made (``CheckContext.where_made``, one
+        provenance fact tuple each) in ``made``, rendered after the problem."""
         missing = "device" if finding.rule == pre_dispatch.DEVICE_RULE else "dtype"
-        made = tuple(self._context.where_made(meta, missing=missing) for meta in finding.odd)
-        return replace(finding, made=made, odd=())
+        return replace(finding, made=tuple(self._context.where_made(meta, missing=missing) for meta in finding.odd))

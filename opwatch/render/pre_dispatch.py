@@ -55,7 +55,7 @@ def explain_pre_dispatch(finding) -> tuple[str, str, str]:
     else:
         problem = f"{name}'s {argument} {format_meta(odd)} is not in the dtype of its {other} {format_meta(base)}"
         expected = f"{argument} and {other} in one dtype ({format_dtype(base[1])})"
-    problem = f"{problem}; {_INSIDE if requires == 'cpu' else _BEFORE}.{_made(finding)}"
+    problem = f"{problem}; {_INSIDE if requires == 'cpu' else _BEFORE}."
     return problem, expected, _fix(name, requires, argument, odd, base)
 
 
@@ -74,11 +74,3 @@ def _fix(name, requires, argument, odd, base) -> str:
 def _is_floating(dtype) -> bool:
     return format_dtype(dtype).startswith(("f", "bf"))
 
-
-def _made(finding) -> str:
-    """TRANSITIONAL: where the odd tensor was made, while ``CheckContext.where_made`` returns a
-    sentence; once it returns fact tuples, the message renders ``finding.made`` itself."""
-    told = [made for made in finding.made if isinstance(made, str)]
-    if not told:
-        return ""
-    return f" Where the odd one came from: {told[0]}."
