@@ -26,6 +26,7 @@ from hypothesis.extra import numpy as hnp
 
 import opwatch
 from opwatch.checks import broadcast
+from opwatch.render.messages import explain
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equivalence as eq  # noqa: E402
@@ -101,10 +102,10 @@ def test_broadcast_check_agrees_with_the_documented_rule(case):
     func = torch.ops.aten.add.Tensor if len(shapes) == 2 else torch.ops.aten.addcmul.default
     finding = broadcast.check(func, tuple(metas), context)
     expected = oracle_flags(shapes, deliberate)
-    assert (finding is not None) == expected, (shapes, deliberate, finding and finding.problem)
+    assert (finding is not None) == expected, (shapes, deliberate, finding and explain(finding)[0])
     if finding is not None:
         assert finding.kind == "broadcast"
-        assert "x more elements" in finding.problem
+        assert "x more elements" in explain(finding)[0]
 
 
 @settings(max_examples=300, **SETTINGS)
