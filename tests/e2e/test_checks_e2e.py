@@ -12,6 +12,7 @@ import torch
 import opwatch
 from opwatch.render.messages import explain
 from support import SCENARIOS, CountingMode, assert_golden, needs_columns
+from support.helpers import watch_story
 
 import stories  # noqa: E402
 
@@ -25,18 +26,7 @@ def line_of(text: str) -> int:
     return matches[0]
 
 
-def run(story, *args, expect_error=None, **options):
-    options.setdefault("warn", False)
-    options.setdefault("dump_on_error", False)
-    w = opwatch.watch(**options)
-    if expect_error is None:
-        with w:
-            story(*args)
-    else:
-        with pytest.raises(expect_error):
-            with w:
-                story(*args)
-    return w
+run = watch_story
 
 
 def kinds(w):

@@ -16,7 +16,7 @@ from torch import nn
 
 import opwatch
 from support import SCENARIOS
-from support.helpers import StubContext
+from support.helpers import StubContext, watch_story
 from support.helpers import line_of as _line_of
 from opwatch.checks import device, dtype
 from opwatch.notation import TensorMeta, format_dtype
@@ -43,15 +43,7 @@ def found(w):
 def watched(story, *args, expect_error=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's own (uint8 indexing, index_reduce beta)
-        w = opwatch.watch(warn=False, dump_on_error=False)
-        if expect_error is None:
-            with w:
-                story(*args)
-        else:
-            with pytest.raises(expect_error):
-                with w:
-                    story(*args)
-    return w
+        return watch_story(story, *args, expect_error=expect_error)
 
 
 def strictly(story, *args):

@@ -58,3 +58,22 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def watch_story(story, *args, expect_error=None, **options):
+    """Run ``story(*args)`` under ``opwatch.watch(**options)`` (quiet by default) and return the
+    watch; with ``expect_error``, the story must raise it."""
+    import opwatch
+    import pytest
+
+    options.setdefault("warn", False)
+    options.setdefault("dump_on_error", False)
+    w = opwatch.watch(**options)
+    if expect_error is None:
+        with w:
+            story(*args)
+    else:
+        with pytest.raises(expect_error):
+            with w:
+                story(*args)
+    return w
