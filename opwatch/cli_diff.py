@@ -16,6 +16,7 @@ __all__ = ["run_diff"]
 def run_diff(argv: list[str], out=None) -> int:
     """Compare two logs written with ``python -m opwatch --fingerprints --jsonl PATH``."""
     from .divergence import diff
+    from .render import diff as words
 
     out = out if out is not None else sys.stdout
     parser = argparse.ArgumentParser(
@@ -34,7 +35,7 @@ def run_diff(argv: list[str], out=None) -> int:
     try:
         result = diff(options.a, options.b, rtol=options.rtol, atol=options.atol)
     except (OSError, ValueError, TypeError) as error:
-        print(f"python -m opwatch diff: {error}", file=sys.stderr)
+        print(words.cannot_compare(error), file=sys.stderr)
         return 2
     print(result, file=out)
     if result.pairs and options.context:

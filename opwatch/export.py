@@ -410,10 +410,11 @@ def _check_version(path, version) -> None:
         return
     accepted = " and ".join(map(str, READS))
     if isinstance(version, int) and version > VERSION:
-        advice = "upgrade opwatch to read it"
-    else:
-        advice = "export the run again with this opwatch (older versions stored the messages' text, not their facts)"
-    raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: {advice}")
+        raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: upgrade opwatch to read it")
+    raise ValueError(
+        f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: "
+        "export the run again with this opwatch (older versions stored the messages' text, not their facts)"
+    )
 
 
 def _parse(path, number: int, text: str):

@@ -27,6 +27,7 @@ import torch
 
 from .anomaly import OpwatchWarning
 from .compat import amp_non_finite_check, foreach_norm, no_python_dispatch
+from .render import leave_on as words
 from .session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "signature", "all_finite", "nonfinite_names", "nonfinite_parameters"]
@@ -181,12 +182,12 @@ class LeaveOn:
         self.failed += 1
         self.failures.append((self.steps, bad))
         if self.strict:
-            raise GradientsNotFinite(_failure_text(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
+            raise GradientsNotFinite(words.failure(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
         if self._recheck_of is not None:
             # Weights that hold nan/inf make every later step fail: no op of this one is the origin.
             self._poisoned = nonfinite_parameters(optimizer, names)
         elif self._told():
-            _warn(_failure_text(self.steps, bad, strict_mode=False, last=len(self.failures) == _TOLD_FAILURES))
+            _warn(words.failure(self.steps, bad, strict_mode=False, last=len(self.failures) == _TOLD_FAILURES))
 
     def _told(self) -> bool:
         """Whether the newest failure is one of those warned and re-checked one by one."""
@@ -198,9 +199,12 @@ class LeaveOn:
             found = self.end_audit()
             recheck, self._recheck_of = self._recheck_of, None
             if recheck is not None and self._poisoned:
-                _warn(_poisoned_text(recheck, self._poisoned))
+                _warn(words.poisoned(recheck, self._poisoned))
             elif recheck is not None:
-                _warn(_recheck_text(recheck, self.steps, found, self.failures))
+                origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
+                origin = None if not origins else (origins[0].kind, origins[0].op, origins[0].where, origins[0].phase)
+                failed_again = bool(self.failures) and self.failures[-1][0] == self.steps
+                _warn(words.recheck(recheck, self.steps, origin, failed_again=failed_again))
             elif any(anomaly.kind in _NONFINITE_KINDS for anomaly in found):
                 self.failed += 1
         elif self.failures and self.failures[-1][0] == self.steps and not self.strict and self._told() and not self._poisoned:
@@ -217,7 +221,7 @@ class LeaveOn:
         return names
 
     def summary(self) -> str:
-        return _summary_text(self.steps, self.audited, self.failed, self.watch.enabled)
+        return words.summary(self.steps, self.audited, self.failed, self.watch.enabled)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""
@@ -297,46 +301,3 @@ def nonfinite_parameters(optimizer, names: dict) -> list:
 
 def _warn(text: str) -> None:
     warnings.warn(OpwatchWarning(text), stacklevel=4)
-
-
-# -- words (kept beside the runner: the CLI's and the callbacks' own lines) ------------------
-
-
-def _parameters_text(bad: list) -> str:
-    shown = ", ".join(f"{name} ({kind})" for name, kind in bad[:8])
-    return shown + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-
-
-def _failure_text(step: int, bad: list, *, strict_mode: bool, last: bool = False) -> str:
-    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {_parameters_text(bad)}."
-    if strict_mode:
-        return head + " The optimizer did not run: the weights are as they were before this step."
-    tail = " Later failures are only counted in the summary." if last else ""
-    return head + " The optimizer applies them as usual; the next step runs under a full watch to find the op that makes them." + tail
-
-
-def _poisoned_text(step: int, bad: list) -> str:
-    return (
-        f"opwatch: optimizer step {step} wrote nan/inf into the weights: {_parameters_text(bad)}. Every later step carries them, "
-        "so no later op can be named as their origin; run with --strict to stop before the optimizer applies them. "
-        "Later failures are only counted in the summary."
-    )
-
-
-def _recheck_text(failed_step: int, step: int, found: list, failures: list) -> str:
-    origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
-    if origins:
-        first = origins[0]
-        return f"opwatch: the failure of step {failed_step} recurred at step {step}: {first.kind} first made by {first.op} at {first.where} ({first.phase})."
-    if failures and failures[-1][0] == step:
-        return (
-            f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
-            "they came in with the weights, the batch or the optimizer's state."
-        )
-    return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
-
-
-def _summary_text(steps: int, audited: int, failed: int, enabled: bool) -> str:
-    if not enabled:
-        return "opwatch guard: off (OPWATCH_DISABLE)."
-    return f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, {failed} failed (nan/inf in the gradients)."

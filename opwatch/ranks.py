@@ -25,7 +25,7 @@ import time
 import warnings
 from datetime import timedelta
 
-from .anomaly import OpwatchWarning
+from .anomaly import BaseAnomaly, OpwatchWarning
 from .collective_ops import RankState, store_prefix
 from .modes.reducer import ReducerSites
 from .render.ranks import collect_failed, publish_failed, render_combined_summary
@@ -270,15 +270,17 @@ def decode(data: bytes) -> list[RankAnomaly]:
     return [RankAnomaly(rank=rank, **fields) for fields in payload["anomalies"]]
 
 
-class RankAnomaly:
+class RankAnomaly(BaseAnomaly):
     """An anomaly another rank reported, as the exchange carried it: the attributes of
     :class:`~opwatch.Anomaly` (``kind``, ``op``, ``filename``, ``lineno``, ``where``, ``module``,
     ``phase``, ``index``, ``message``, ``received``) plus ``rank``, ``count`` (how often it fired
-    there) and ``time_ns`` (wall clock of its op). ``record`` is ``None``: records stay on
-    their rank."""
+    there) and ``time_ns`` (wall clock of its op). ``record`` and ``finding`` are ``None``:
+    records stay on their rank, which rendered the message (both ranks run one opwatch), so the
+    attributes :class:`~opwatch.anomaly.BaseAnomaly` derives from them are given here."""
 
     __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "phase", "index", "received", "count", "time_ns", "message")
     record = None
+    finding = None
 
     def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message):
         self.rank = rank

@@ -87,7 +87,7 @@ class CheckContext:
 
     def where_made(self, tensor: tuple, *, missing: str) -> tuple:
         """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
-        rendered by :func:`opwatch.render.messages.where_made`):
+        rendered by :func:`opwatch.render.phrases.where_made`):
 
         - ``("attribute", module class name, attribute name, module path)``: a plain tensor
           attribute of a running module;

@@ -55,17 +55,6 @@ class Finding:
     odd: tuple = ()
     made: tuple = ()
 
-    # TRANSITIONAL, for tests written against sentences: remove with text_finding.
-    problem = property(lambda self: _explain(self)[0])
-    expected = property(lambda self: _explain(self)[1])
-    fix = property(lambda self: _explain(self)[2])
-
-
-def _explain(finding):
-    from ..render.messages import explain
-
-    return explain(finding)
-
 
 def takes_several_tensors(func) -> bool:
     """Whether an op can receive two or more tensors: the mismatch checks need a pair."""
@@ -91,9 +80,3 @@ def tensor_names(func, count: int) -> list[str]:
             return names
     return [f"#{i + 1}" for i in range(count)]
 
-
-def text_finding(kind: str, problem: str, expected: str, fix: str, odd: tuple = ()) -> Finding:
-    """TRANSITIONAL: a finding whose sentences were written by the check (rule ``"text"``).
-    Every check is being moved to facts rendered in :mod:`opwatch.render`; remove this once
-    none calls it (``tests/test_rules.py`` fails while one does)."""
-    return Finding(kind, "text", {"problem": problem, "expected": expected, "fix": fix}, odd=odd)

@@ -105,7 +105,8 @@ def _all_finite_by_device(tensors) -> bool:
 
 
 def not_finite(result, params, names) -> tuple:
-    """The failure's facts: ``("not_finite", ((kind, path), ...), ((kind, (name, ...)), ...))``;
+    """The failure's facts: ``("not_finite", ((kind, path, type), ...), ((kind, (name, ...)), ...))``
+    (``path`` is ``"returned"`` for the returned value itself, ``type`` ``"tensor"`` or ``"float"``);
     ``names``: ``{id(param): name}`` (an unnamed parameter is ``(position, meta)``)."""
     returned = []
     by_kind: dict = {}
@@ -113,7 +114,7 @@ def not_finite(result, params, names) -> tuple:
         for path, value in leaves(result):
             kind = kind_of(value)
             if kind is not None:
-                returned.append((kind, path))
+                returned.append((kind, path, "float" if isinstance(value, float) else "tensor"))
         for position, param in enumerate(params):
             kind = kind_of(param.grad) if param.grad is not None else None
             if kind is not None:

@@ -143,7 +143,7 @@ def leaves(value, depth: int = 2, paths=None):
             yield from _leaves_at(part, name, depth - 1)
         return
     if isinstance(value, (_Tensor, float)):
-        yield ("the returned tensor" if isinstance(value, _Tensor) else "the returned float"), value
+        yield "returned", value
         return
     yield from _leaves_at(value, "returned", depth)
 

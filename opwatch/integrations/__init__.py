@@ -110,7 +110,9 @@ class StepWatch:
         stream = self._file if self._file is not None else sys.stderr
         text = self.watch.summary()
         if self.anomaly_count > len(self.watch.anomalies):
-            text += f"\n(the summary shows the last {len(self.watch.anomalies)} of {self.anomaly_count} anomalies)"
+            from ..render.summary import shown_of
+
+            text += shown_of(len(self.watch.anomalies), self.anomaly_count)
         print(prefix + text, file=stream)
 
 

@@ -107,6 +107,11 @@ class OpInterceptor(TorchDispatchMode):
     """Records every op into ``log``, runs the ``checks`` and hands their findings to
     ``reporter``. Errors of opwatch itself go to ``on_internal_error(error, traceback_text)``."""
 
+    # Longer than the ~250 lines a class should be, on purpose: this is the hot path, and every
+    # helper it calls per op is one more Python call on every op of the user's program. The
+    # per-op work is __torch_dispatch__ with its cached _OpPlan; what is not per op (check
+    # points, the log's head, exceptions) is split into the methods below.
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable, a Python

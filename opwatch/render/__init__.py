@@ -2,8 +2,16 @@
 
 - :mod:`.table`: the op table;
 - :mod:`.messages`: one anomaly's message, from a :class:`~opwatch.checks.finding.Finding`;
+- :mod:`.phrases`: the pieces the check renderers share (another op's place, named tensors,
+  where an odd operand was made);
+- :mod:`.rules` and :mod:`.explanations`: the registry rule -> ``explain(finding)``, and the
+  import of every module that registers one;
+- one module per check's rules: :mod:`.device`, :mod:`.dtype`, :mod:`.broadcast`,
+  :mod:`.module_calls`, :mod:`.nonfinite`, :mod:`.ranks` (also every rank's anomalies in one
+  summary);
 - :mod:`.summary`: the summary, the dump after a failing block, the exception note;
-- :mod:`.ranks`: every rank's anomalies in one summary, the collective-mismatch findings.
+- the runners' lines: :mod:`.notices` (CLI, pytest, self-reports), :mod:`.guard`,
+  :mod:`.leave_on`, :mod:`.diff`.
 
 The one location format (``train.py:23``) is :func:`opwatch.sites.location`, below the records
 so that a record can say where it is without importing its renderer. Formatting happens only

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..notation import format_meta, format_shape
 from ..records import M_SHAPE
-from .messages import place
+from .phrases import place
 from .rules import explains
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..notation import format_meta
 from ..records import M_DEVICE
-from .messages import named
+from .phrases import named
 from .rules import explains
 
 __all__ = ["meta_note"]

@@ -184,3 +184,8 @@ def render_diff_table(rows, *, tablefmt: str = "simple") -> str:
             _STATUS[status],
         ))
     return tabulate(table, headers=DIFF_TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
+
+
+def cannot_compare(error) -> str:
+    """``python -m opwatch diff``'s line when a log cannot be read or compared."""
+    return f"python -m opwatch diff: {error}"

@@ -21,7 +21,7 @@ import torch
 
 from ..notation import format_dtype as _name
 from ..notation import format_meta
-from .messages import named
+from .phrases import named
 from .rules import explains
 
 # What a target of another floating dtype does in each elementwise loss (torch 2.13, CPU).

@@ -4,7 +4,6 @@ here so that :func:`explainer` knows every rule."""
 from __future__ import annotations
 
 from . import broadcast, device, dtype, module_calls, nonfinite, pre_dispatch, ranks  # noqa: F401
-from . import text  # noqa: F401  TRANSITIONAL
 from .rules import EXPLAIN
 
 __all__ = ["explainer"]

@@ -51,7 +51,7 @@ def failure_text(failure) -> str:
     if failure[0] == "raised":
         return f"it raised {failure[1]}: {failure[2]}"
     _, returned, grads = failure
-    parts = [f"{kind} in {path}" for kind, path in returned]
+    parts = [f"{kind} in " + (f"the returned {type_}" if path == "returned" else path) for kind, path, type_ in returned]
     parts += [f"{kind} in the .grad of {len(found)} parameter(s): {names(found)}" for kind, found in grads]
     if not parts:
         found = "nan/inf (no longer there when described)"

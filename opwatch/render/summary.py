@@ -91,3 +91,8 @@ def group_messages(groups) -> list[str]:
             text = f"{first} [x{count}]\n{rest}" if rest else f"{first} [x{count}]"
         lines.append(text)
     return lines
+
+
+def shown_of(shown: int, total: int) -> str:
+    """The note under a summary that holds only the newest ``shown`` of ``total`` anomalies."""
+    return f"\n(the summary shows the last {shown} of {total} anomalies)"

@@ -1,4 +1,4 @@
-"""Distributed scenarios for tests/test_distributed.py, run on gloo by torch.multiprocessing.
+"""Distributed scenarios for tests/runners/test_distributed.py, run on gloo by torch.multiprocessing.
 
 ``worker(rank, world, port, out_dir, cases)`` joins a process group on 127.0.0.1, runs each named
 case and writes what it saw to ``out_dir/rank<r>.json``: ``{case: result}``. Every wait is

@@ -1,0 +1,371 @@
+"""Functions that reject a device or a dtype before any op reaches the dispatch mode
+(opwatch.checks.pre_dispatch, judged by the function mode of opwatch.modes.functions).
+
+``meta`` stands in for a GPU. Every function of the table has a case that must flag (at the
+user's line, saying where the odd tensor was made) and a healthy one that must not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import opwatch
+from opwatch.checks import pre_dispatch
+from opwatch.render.messages import explain
+from support.helpers import line_of
+
+HERE = os.path.abspath(__file__)
+
+
+def _unwatched_error(call):
+    with pytest.raises(Exception) as caught:
+        call()
+    return caught.value
+
+
+def _watched(call, *, checks=None):
+    """Run ``call`` under watch(); return (watch, the exception it raised or None)."""
+    error = None
+    try:
+        with opwatch.watch(warn=False, dump_on_error=False, checks=checks) as w:
+            call()
+    except Exception as raised:
+        error = raised
+    return w, error
+
+
+def _only(w, rule):
+    found = [a for a in w.anomalies if a.finding.rule.startswith("pre_dispatch")]
+    assert len(found) == 1, [str(a) for a in w.anomalies]
+    assert found[0].finding.rule == rule
+    return found[0]
+
+
+# -- the front end of an audio model: torch.stft's window -------------------------------------------
+
+
+class SpectrogramFrontEnd(nn.Module):
+    def __init__(self, n_fft=64, as_buffer=True):
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("window", torch.hann_window(n_fft))
+        else:
+            self.window = torch.hann_window(n_fft)  # a plain attribute: .to() does not move it
+        self.n_fft = n_fft
+
+    def forward(self, wave):
+        spec = torch.stft(wave, self.n_fft, hop_length=16, window=self.window, return_complex=True)  # stft call
+        return spec.abs().pow(2).log1p()
+
+
+def test_stft_window_left_on_the_cpu_flags_at_the_users_line_with_where_it_came_from():
+    front = SpectrogramFrontEnd(as_buffer=False).to("meta")
+    wave = torch.randn(2, 400, device="meta")
+    expected = _unwatched_error(lambda: front(wave))
+    w, error = _watched(lambda: front(wave))
+    assert type(error) is type(expected) and str(error) == str(expected)  # torch's error, unchanged
+    anomaly = _only(w, "pre_dispatch.device")
+    assert anomaly.kind == "device_mismatch"
+    assert anomaly.record.lineno == line_of("# stft call", HERE)
+    facts = anomaly.finding.facts
+    assert (facts["function"], facts["argument"], facts["other"], facts["requires"]) == ("torch.stft", "window", "input", "same_device")
+    problem, expected_text, fix = explain(anomaly.finding)
+    assert "torch.stft's window f32[64] cpu is not on the device of its input f32[2, 400] meta" in problem
+    assert "SpectrogramFrontEnd.window is a plain tensor attribute" in problem
+    assert "register_buffer" in fix and "device=x.device" in fix
+
+
+def test_stft_window_as_a_buffer_moves_with_the_model_and_does_not_flag():
+    front = SpectrogramFrontEnd(as_buffer=True)
+    wave = torch.randn(2, 400)
+    with opwatch.strict():
+        front(wave).mean()
+
+
+def test_stft_window_made_on_another_device_names_the_factory_line():
+    wave = torch.randn(400)
+
+    def run():
+        window = torch.hann_window(64, device="meta")  # window made
+        torch.istft(torch.stft(wave, 64, window=torch.hann_window(64), return_complex=True), 64, window=window)  # istft call
+
+    w, error = _watched(run)
+    assert isinstance(error, RuntimeError)
+    anomaly = _only(w, "pre_dispatch.device")
+    assert anomaly.finding.facts["function"] == "torch.istft"
+    assert anomaly.record.lineno == line_of("# istft call", HERE)
+    assert f"test_pre_dispatch.py:{line_of('# window made', HERE)}" in anomaly.message
+
+
+# -- convolutions: an integer image against a floating bias ------------------------------------------
+
+
+class SmallConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, images):
+        return self.head(self.conv(images).relu().mean((2, 3)))  # conv net call
+
+
+def test_uint8_images_into_a_conv_net_flag_at_the_call():
+    model = SmallConvNet()
+
+    def run():
+        images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+        model(images)
+
+    expected = _unwatched_error(run)
+    w, error = _watched(run)
+    assert type(error) is type(expected) and str(error) == str(expected)
+    anomaly = _only(w, "pre_dispatch.dtype")
+    assert anomaly.record.lineno == line_of("# conv net call", HERE)
+    assert anomaly.finding.facts["argument"] == "input" and anomaly.finding.facts["other"] == "bias"
+    problem, _, fix = explain(anomaly.finding)
+    assert "F.conv2d's input u8[2, 3, 8, 8] cpu is not in the dtype of its bias f32[8] cpu" in problem
+    assert "made by aten.randint" in problem
+    assert "floating point" in fix
+
+
+def test_float64_images_into_nn_conv_are_reported_once_by_the_module_call_check():
+    model = SmallConvNet()
+    w, error = _watched(lambda: model(torch.randn(2, 3, 8, 8, dtype=torch.float64)))
+    assert isinstance(error, RuntimeError)
+    assert len(w.anomalies) == 1 and w.anomalies[0].finding.rule != "pre_dispatch.dtype"
+
+
+def test_functional_conv_with_a_float64_input_flags_and_a_float32_one_does_not():
+    weight, bias = torch.randn(4, 3, 3), torch.randn(4)
+    w, error = _watched(lambda: F.conv1d(torch.randn(2, 3, 16, dtype=torch.float64), weight, bias))  # conv1d call
+    assert isinstance(error, RuntimeError)
+    assert _only(w, "pre_dispatch.dtype").record.lineno == line_of("# conv1d call", HERE)
+    with opwatch.strict():
+        F.conv1d(torch.randn(2, 3, 16), weight, bias)
+        F.conv3d(torch.randn(1, 3, 4, 4, 4), torch.randn(2, 3, 3, 3, 3), torch.randn(2))
+
+
+def test_conv_under_autocast_mixing_is_legal():
+    model = SmallConvNet()
+    with opwatch.strict(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 3, 8, 8)).float().sum()
+
+
+# -- packed sequences: the lengths stay on the CPU ---------------------------------------------------
+
+
+class PackedEncoder(nn.Module):
+    def __init__(self, enforce_sorted=False):
+        super().__init__()
+        self.enforce_sorted = enforce_sorted
+        self.embed = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, tokens, lengths):
+        packed = pack_padded_sequence(self.embed(tokens), lengths, batch_first=True, enforce_sorted=self.enforce_sorted)  # pack call
+        output, (h, _) = self.lstm(packed)
+        pad_packed_sequence(output, batch_first=True)
+        return self.out(h[-1])
+
+
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_lengths_on_the_gpu_flag_at_the_pack_call(enforce_sorted):
+    model = PackedEncoder(enforce_sorted).to("meta")
+
+    def run():
+        tokens = torch.randint(0, 20, (3, 6), device="meta")
+        lengths = (tokens != 0).sum(1)  # lengths made
+        model(tokens, lengths)
+
+    expected = _unwatched_error(run)
+    w, error = _watched(run)
+    assert type(error) is type(expected) and str(error) == str(expected)
+    anomaly = _only(w, "pre_dispatch.device")
+    assert anomaly.record.lineno == line_of("# pack call", HERE)
+    assert anomaly.finding.facts["requires"] == "cpu"
+    problem, _, fix = explain(anomaly.finding)
+    assert "pack_padded_sequence gets lengths i64[3] meta" in problem
+    # Unsorted lengths reach torch's packing op as the sorted copy pack_padded_sequence makes.
+    made = line_of("# lengths made", HERE) if enforce_sorted else line_of("# pack call", HERE)
+    assert f"made by {'aten.sum' if enforce_sorted else 'aten.sort'}" in problem and f"at {HERE}:{made}." in problem
+    assert "lengths.cpu()" in fix
+
+
+def test_cpu_lengths_with_data_on_the_gpu_do_not_flag():
+    model = PackedEncoder().to("meta")
+    tokens = torch.randint(0, 20, (3, 6), device="meta")
+    lengths = torch.tensor([6, 4, 2])
+    with opwatch.watch() as w:
+        try:
+            model(tokens, lengths)
+        except NotImplementedError:
+            pass  # the LSTM has no meta kernel: the pack call itself was judged first
+    # Neither the call nor the packing op (CPU lengths with data on the GPU is how it is used).
+    assert not w.anomalies, [str(a) for a in w.anomalies]
+
+
+def test_padding_a_packed_sequence_back_on_the_gpu_does_not_flag():
+    data = torch.randn(3, 6, 8, device="meta")
+    with opwatch.strict():
+        packed = pack_padded_sequence(data, torch.tensor([6, 4, 2]), batch_first=True)
+        padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    assert padded.device.type == "meta" and lengths.device.type == "cpu"
+
+
+def test_packed_lstm_training_loop_is_healthy():
+    torch.manual_seed(0)
+    model = PackedEncoder()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with opwatch.strict() as w:
+        for _ in range(3):
+            tokens = torch.randint(1, 20, (4, 7))
+            lengths = torch.tensor([7, 5, 3, 2])
+            loss = F.cross_entropy(model(tokens, lengths), torch.tensor([0, 1, 1, 0]))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert not w.anomalies
+
+
+def test_conv_and_stft_training_loops_are_healthy():
+    torch.manual_seed(0)
+    conv, front = SmallConvNet(), SpectrogramFrontEnd()
+    head = nn.Linear(33, 2)
+    optimizer = torch.optim.SGD([*conv.parameters(), *head.parameters()], lr=0.1)
+    with opwatch.strict() as w:
+        for _ in range(3):
+            images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8).float() / 255
+            features = front(torch.randn(2, 400)).mean(-1)
+            loss = conv(images).logsumexp(-1).mean() + head(features).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert not w.anomalies
+
+
+# -- the rest of the table: labels, comparisons, quantiles, grids ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, rule, function",
+    [
+        (lambda: F.one_hot(torch.tensor([0, 2, 1], dtype=torch.int32), 3), "pre_dispatch.dtype", "F.one_hot"),
+        (lambda: torch.isclose(torch.randn(4), torch.randn(4, dtype=torch.float64)), "pre_dispatch.dtype", "torch.isclose"),
+        (lambda: torch.randn(4).isclose(torch.randn(4, dtype=torch.float64)), "pre_dispatch.dtype", "Tensor.isclose"),
+        (lambda: torch.quantile(torch.randn(8), torch.tensor([0.1, 0.9], dtype=torch.float64)), "pre_dispatch.dtype", "torch.quantile"),
+        (lambda: torch.randn(8).nanquantile(torch.tensor([0.5], device="meta")), "pre_dispatch.device", "Tensor.nanquantile"),
+        (lambda: torch.meshgrid(torch.arange(3.0), torch.arange(2.0, dtype=torch.float64), indexing="ij"), "pre_dispatch.dtype", "torch.meshgrid"),
+        (lambda: torch.cartesian_prod(torch.arange(3.0), torch.arange(2.0, device="meta")), "pre_dispatch.device", "torch.cartesian_prod"),
+    ],
+    ids=["one_hot", "isclose", "Tensor.isclose", "quantile", "nanquantile", "meshgrid", "cartesian_prod"],
+)
+def test_each_other_function_of_the_table_flags(call, rule, function):
+    expected = _unwatched_error(call)
+    w, error = _watched(call)
+    assert type(error) is type(expected) and str(error) == str(expected)
+    anomaly = _only(w, rule)
+    assert anomaly.finding.facts["function"] == function
+    assert anomaly.record.filename == HERE
+    with pytest.raises(opwatch.AnomalyError):
+        with opwatch.strict(dump_on_error=False):
+            call()
+
+
+def test_healthy_uses_of_the_table_do_not_flag():
+    x = torch.randn(8)
+    with opwatch.strict() as w:
+        F.one_hot(torch.tensor([0, 2, 1]), 3)
+        torch.isclose(x, x.clone())
+        torch.quantile(x, torch.tensor([0.1, 0.9]))
+        x.nanquantile(0.5)
+        torch.meshgrid(torch.arange(3.0), torch.arange(2.0), indexing="xy")
+        torch.cartesian_prod(torch.arange(3), torch.arange(2))
+        torch.stft(x.repeat(50), 64, window=torch.hann_window(64), return_complex=True)
+    assert not w.anomalies
+
+
+# -- strict, watch, cost ------------------------------------------------------------------------------
+
+
+def test_strict_raises_before_torch_runs_the_function():
+    wave, window = torch.randn(400), torch.hann_window(64, device="meta")
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        with opwatch.strict(dump_on_error=False) as w:
+            torch.stft(wave, 64, window=window, return_complex=True)
+    assert caught.value.anomaly.record.op == "torch.stft"
+    assert [record.op for record in w.records] == ["torch.stft"]  # no op of stft ran
+
+
+def test_a_healthy_call_adds_no_entry_and_no_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    wave, window = torch.randn(400), torch.hann_window(64)
+    with Count() as plain:
+        torch.stft(wave, 64, window=window, return_complex=True)
+    with opwatch.watch() as w:
+        torch.stft(wave, 64, window=window, return_complex=True)
+    assert [record.op for record in w.records] == plain.ops
+
+
+def test_the_function_mode_runs_only_with_the_device_or_dtype_check_and_leaves_on_exit():
+    window = torch.hann_window(64, device="meta")
+    w, error = _watched(lambda: torch.stft(torch.randn(400), 64, window=window, return_complex=True), checks=["broadcast"])
+    assert isinstance(error, RuntimeError) and not w.anomalies
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError):
+        with opwatch.watch(warn=False, dump_on_error=False):
+            assert torch._C._len_torch_function_stack() == depth + 1
+            torch.stft(torch.randn(400), 64, window=window, return_complex=True)
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_inert_in_a_forked_child():
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    window = torch.hann_window(64, device="meta")
+    with opwatch.strict(dump_on_error=False):
+        pid = os.fork()
+        if pid == 0:  # the child: the watch is inert, torch's own error comes through
+            # One thread: stft pads the signal in an OpenMP region, and libgomp's pool does not
+            # survive a fork once an earlier test used it (the child would wait on it forever).
+            torch.set_num_threads(1)
+            try:
+                torch.stft(torch.randn(400), 64, window=window, return_complex=True)
+            except opwatch.AnomalyError:
+                os._exit(3)
+            except RuntimeError:
+                os._exit(0)
+            os._exit(4)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_judges_are_plain_functions_of_the_arguments():
+    table = pre_dispatch.table()
+    wave = torch.randn(400)
+    assert pre_dispatch.judge(table[torch.stft], (wave, 64), {"window": torch.hann_window(64)}) is None
+    finding = pre_dispatch.judge(table[torch.stft], (wave, 64, 16, 64, torch.hann_window(64, device="meta")), {})
+    assert finding.rule == "pre_dispatch.device" and finding.facts["metas"][0][2] == torch.device("meta")
+    conv = table[torch.conv2d]
+    images = torch.zeros(1, 3, 4, 4)
+    assert pre_dispatch.judge(conv, (images.double(), torch.randn(2, 3, 3, 3), torch.randn(2)), {}, "_conv_forward") is None
+    assert pre_dispatch.judge(conv, (images.long(), torch.randn(2, 3, 3, 3), torch.randn(2)), {}, "_conv_forward") is not None
+    bias_alone = pre_dispatch.judge(conv, (images, torch.randn(2, 3, 3, 3), torch.randn(2).double()), {})
+    assert bias_alone.facts["argument"] == "bias" and "rather than the bias alone" in explain(bias_alone)[2]

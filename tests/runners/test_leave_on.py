@@ -1,0 +1,477 @@
+"""Leave it on (issue 18): the optimizer step as a check point of a watch, ``python -m opwatch
+--guard``, and the trainers' guard mode; real training loops, real GradScaler."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import opwatch
+from support.helpers import line_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Regressor(nn.Module):
+    """A small MLP; ``bug="backward nan"`` makes a nan only in backward,
+    ``bug="broadcast"`` returns ``(B, 1)`` predictions."""
+
+    def __init__(self, bug=None):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.bug = bug
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.bug == "device":
+            h = h + torch.zeros(16, device="meta")  # BUG device: meta stands in for the GPU
+        if self.bug == "backward nan":
+            h = h + (h * 0).sqrt()  # BUG backward: sqrt'(0) * 0 = nan; forward adds 0
+        out = self.fc2(h)
+        return out if self.bug == "broadcast" else out.squeeze(-1)  # BUG broadcast: keeps (B, 1)
+
+
+def batches(count, size=8):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        x = torch.randn(size, 4, generator=generator)
+        yield x, x.sum(-1)
+
+
+# -- item 2: the optimizer step is a check point of a watch ---------------------------------
+
+
+def test_strict_raises_before_the_optimizer_writes_a_backward_nan_into_the_weights():
+    torch.manual_seed(0)
+    model = Regressor("backward nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(batches(1))
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        with opwatch.strict():
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()  # no host read: only the optimizer step is a check point before
+            optimizer.step()
+    anomaly = caught.value.anomaly
+    assert anomaly.kind in ("nan", "inf")
+    assert (anomaly.filename, anomaly.lineno) == (__file__, line_of("BUG backward", __file__))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_watch_reports_at_the_optimizer_step_and_the_step_runs():
+    torch.manual_seed(0)
+    model = Regressor("backward nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(batches(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with opwatch.watch() as w:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            found_at_step = [a.kind for a in w.anomalies]
+    assert found_at_step and found_at_step[0] in ("nan", "inf")  # found before the block ended: at the optimizer step
+    assert not torch.isfinite(model.fc1.weight).all()  # watch() only reports
+
+
+def test_a_healthy_step_under_strict_is_bitwise_eager_and_raises_nothing():
+    results = []
+    for watched in (False, True):
+        torch.manual_seed(0)
+        model = Regressor()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        for x, y in batches(3):
+            optimizer.zero_grad()
+            with opwatch.strict() if watched else _nothing():
+                ((model(x) - y) ** 2).mean().backward()
+                optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_the_hook_is_registered_once_for_nested_watches_and_removed_by_the_last():
+    from opwatch.session import _steps_checked
+
+    calls = []
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not _steps_checked.registered
+    with opwatch.watch() as outer:
+        outer._before_optimizer_step = lambda: calls.append("outer")
+        with opwatch.watch() as inner:
+            inner._before_optimizer_step = lambda: calls.append("inner")
+            assert _steps_checked.registered
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        assert _steps_checked.registered
+        optimizer.step()
+    assert not _steps_checked.registered
+    optimizer.step()
+    assert calls == ["inner", "outer", "outer"]
+
+
+def scaled_fp16_loop(steps, wrap, init_scale=2.0**40):
+    """A CPU autocast fp16 loop with a real GradScaler; the huge first scale overflows the
+    first steps' gradients, which the scaler skips (and lowers its scale)."""
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scales = []
+    for x, y in batches(steps):
+        optimizer.zero_grad()
+        with wrap():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x) - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        scales.append(scaler.get_scale())
+    return model, scales
+
+
+def test_gradscaler_skipped_steps_do_not_raise_under_strict():
+    model, scales = scaled_fp16_loop(8, opwatch.strict)
+    assert scales[0] < 2.0**40  # the scaler found inf and skipped at least one step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    eager, eager_scales = scaled_fp16_loop(8, _nothing)
+    assert scales == eager_scales
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters()))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- item 3: python -m opwatch --guard ------------------------------------------------------
+
+TRAIN = """\
+import io
+import os
+import re
+import numpy as np
+import torch
+from torch import nn
+
+BUG = os.environ.get("BUG", "")
+STEPS = int(os.environ.get("STEPS", "6"))
+NAN_AT = int(os.environ.get("NAN_AT", "0"))
+NAN_FROM = int(os.environ.get("NAN_FROM", "0"))
+REPAIR = os.environ.get("REPAIR") == "1"  # a loop that puts non-finite weights back to 0
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.shift = torch.zeros(16, device="meta" if BUG == "device" else "cpu")
+
+    def forward(self, x, poison=False):
+        h = torch.relu(self.fc1(x)) + self.shift  # SHIFT: the device mix
+        if poison:
+            h = torch.where(h > 0, h, h.log())  # POISON: the nan, made in backward
+        return self.fc2(h).float()
+
+
+model = Net()
+weights = torch.from_numpy(np.ones(8)) if BUG == "float64" else torch.ones(8)  # numpy's float64
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(1, STEPS + 1):
+    x = torch.randn(8, 4)
+    y = x.sum(-1) if BUG == "broadcast" else x.sum(-1, keepdim=True)
+    optimizer.zero_grad()
+    error = (model(x, poison=step == NAN_AT or 0 < NAN_FROM <= step) - y) ** 2  # LOSS: the broadcast
+    loss = (error.mean(-1) * weights).mean()  # WEIGHTS: upcast to float64
+    loss.backward()
+    optimizer.step()
+    if REPAIR:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.nan_to_num_(0.0)
+print("weights finite:", bool(torch.isfinite(model.fc1.weight).all()))
+"""
+
+
+def run_guard(tmp_path, *options, **env):
+    (tmp_path / "train.py").write_text(TRAIN)
+    environment = dict(os.environ, PYTHONPATH=ROOT, **{key: str(value) for key, value in env.items()})
+    return subprocess.run(
+        [sys.executable, "-m", "opwatch", "--guard", *options, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300
+    )
+
+
+def train_line(marker):
+    return next(number for number, line in enumerate(TRAIN.splitlines(), 1) if marker in line)
+
+
+@pytest.mark.parametrize("bug, kind, marker", [("broadcast", "broadcast", "LOSS"), ("float64", "dtype", "WEIGHTS"), ("device", "device", "SHIFT")])
+def test_guard_cli_audit_reports_the_silent_bugs(tmp_path, bug, kind, marker):
+    result = run_guard(tmp_path, BUG=bug)
+    line = train_line(marker)
+    assert f"train.py:{line}" in result.stderr, result.stderr
+    assert kind in result.stderr.lower()
+    if bug != "device":  # the device mix raises in eager too; the others train silently
+        assert result.returncode == 0, result.stderr
+        assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
+
+
+def test_guard_cli_healthy_run_reports_nothing(tmp_path):
+    result = run_guard(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
+    assert "nan/inf" not in result.stderr.replace("0 failed (nan/inf", "")
+
+
+def test_guard_cli_names_the_step_the_parameters_and_the_origin_of_a_nan_first_made_at_step_k(tmp_path):
+    result = run_guard(tmp_path, NAN_FROM=4, REPAIR=1)
+    assert result.returncode == 0, result.stderr
+    assert "optimizer step 4: the gradients about to be applied hold nan/inf: fc1.weight (nan), fc1.bias (nan)" in result.stderr, result.stderr
+    assert f"the failure of step 4 recurred at step 5: " in result.stderr
+    assert f"first made by aten.log.default at train.py:{train_line('POISON')}" in result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+
+
+def test_guard_cli_says_when_the_optimizer_wrote_the_nan_into_the_weights(tmp_path):
+    result = run_guard(tmp_path, NAN_AT=4)
+    assert result.returncode == 0, result.stderr
+    assert "optimizer step 4 wrote nan/inf into the weights: fc1.weight (nan)" in result.stderr, result.stderr
+    assert "recurred" not in result.stderr and "weights finite: False" in result.stdout
+    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+
+
+def test_guard_cli_says_plainly_when_a_failure_did_not_recur(tmp_path):
+    result = run_guard(tmp_path, NAN_AT=3, REPAIR=1)
+    assert "optimizer step 3: the gradients about to be applied hold nan/inf" in result.stderr, result.stderr
+    assert "the failure of step 3 did not recur: step 4 ran under a full watch" in result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 1 failed" in result.stderr
+
+
+def test_guard_cli_strict_raises_before_the_optimizer_and_leaves_the_weights_finite(tmp_path):
+    script = TRAIN.replace("    optimizer.step()\n", "    try:\n        optimizer.step()\n    except RuntimeError as error:\n        print('stopped:', type(error).__name__); break\n")
+    (tmp_path / "train.py").write_text(script)
+    environment = dict(os.environ, PYTHONPATH=ROOT, NAN_AT="4")
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+    assert "stopped: GradientsNotFinite" in result.stdout, result.stdout + result.stderr
+    assert "weights finite: True" in result.stdout
+    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr
+
+
+# -- item 4: the trainers' guard mode --------------------------------------------------------
+
+
+def steady_data(count=12, width=4):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(count, width, generator=generator)
+    return x, x.sum(-1)
+
+
+def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=None):
+    lightning = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Regressor()
+            self.weights = torch.from_numpy(np.ones(1)) if bug == "float64" else torch.ones(1)
+
+        def training_step(self, batch, batch_idx):
+            x, target = batch
+            self.net.bug = "backward nan" if self.global_step + 1 == nan_at else bug
+            pred = self.net(x)
+            return (((pred - target) ** 2) * self.weights).mean()  # LIGHTNING LOSS
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = lightning.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[callback],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Regression()
+    trainer.fit(module, DataLoader(TensorDataset(*(data or steady_data(4 * steps))), batch_size=4))
+    return module
+
+
+@pytest.mark.parametrize("bug, kind", [("broadcast", "broadcast"), ("float64", "dtype_mismatch")])
+def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    lightning_guard(tmp_path, callback, bug=bug)
+    assert [anomaly.kind for anomaly in callback.anomalies] == [kind]
+    assert callback.anomalies[0].filename == __file__
+    assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
+
+
+def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.raises(RuntimeError):  # the mix fails in eager too: the audit names it first
+        lightning_guard(tmp_path, callback, bug="device")
+    assert [anomaly.kind for anomaly in callback.anomalies] == ["device_mismatch"]
+    assert (callback.anomalies[0].filename, callback.anomalies[0].lineno) == (__file__, line_of("BUG device", __file__))
+
+
+def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    lightning_guard(tmp_path, callback, steps=4, data=steady_data(14))  # batches of 4, 4, 4, 2
+    assert (callback.runner.steps, callback.runner.audited) == (4, 2)
+    assert not callback.anomalies
+
+
+def test_lightning_guard_names_a_nan_first_made_at_step_k_and_strict_keeps_the_weights(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.leave_on import GradientsNotFinite
+
+    callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
+    with pytest.raises(GradientsNotFinite) as raised:
+        module = lightning_guard(tmp_path, callback, nan_at=2)
+    assert raised.value.step == 2 and ("net.fc1.weight", "nan") in raised.value.parameters
+    assert "optimizer step 2" in str(raised.value)
+
+
+def test_lightning_guard_without_strict_names_the_origin_at_the_next_step(tmp_path):
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: the gradients about to be applied hold nan/inf"):
+        lightning_guard(tmp_path, callback, nan_at=2, steps=4)
+    assert callback.runner.failed >= 1 and callback.runner.audited == 2
+
+
+def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
+    """A Hugging Face train; ``nan_at``: the forward call that makes a backward nan;
+    ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Regressor()
+            self.calls = 0
+
+        def forward(self, x, labels=None):
+            self.calls += 1
+            poisoned = self.calls == nan_at or bool((x.abs() > 100).any())
+            self.net.bug = "backward nan" if poisoned else bug
+            pred = self.net(x)
+            return {"loss": ((pred - labels) ** 2).mean(), "logits": pred}  # HF LOSS
+
+    x, y = steady_data(4 * steps)
+    if bad_sample is not None:
+        x[bad_sample] = 1000.0
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=0.01, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = Regression()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)], callbacks=[callback])
+    if guard is not None:
+        guard(trainer)
+    with callback:
+        trainer.train()
+    return model
+
+
+def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback
+
+    out = io.StringIO()
+    callback = OpwatchCallback(mode="guard", warn=False, file=out)
+    hf_guard(tmp_path, callback, bug="broadcast")
+    assert [anomaly.kind for anomaly in callback.anomalies] == ["broadcast"]
+    assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
+    assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in out.getvalue()
+
+
+def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.leave_on import GradientsNotFinite
+
+    callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
+    with pytest.raises(GradientsNotFinite) as raised:
+        model = hf_guard(tmp_path, callback, nan_at=2)
+    assert raised.value.step == 2
+
+
+def test_guard_trainer_replays_the_failing_batch_and_names_the_origin(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        hf_guard(tmp_path, callback, bad_sample=5, guard=guard_trainer)
+    anomaly = raised.value.anomaly
+    assert anomaly.kind in ("nan", "inf") and (anomaly.filename, anomaly.lineno) == (__file__, line_of("BUG backward", __file__))
+
+
+def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
+    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+
+    guarded = []
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning):
+        model = hf_guard(tmp_path, callback, bad_sample=5, guard=lambda t: guarded.append(guard_trainer(t, on_failure="skip")))
+    assert len(guarded[0].failures) == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert callback.runner.failed == 0  # the skipped batch's gradients never reached the optimizer
+
+
+def test_a_bad_mode_is_a_value_error_naming_the_modes():
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    with pytest.raises(ValueError, match="'watch', 'guard'"):
+        OpwatchCallback(mode="fast")
+
+
+
+
+SCALED = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows at first: skipped steps
+for step in range(8):
+    x = torch.randn(8, 4)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = ((model(x).squeeze(-1) - x.sum(-1)) ** 2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+@pytest.mark.parametrize("strict_option", [(), ("--strict",)])
+def test_guard_cli_gradscaler_skipped_steps_are_not_failures(tmp_path, strict_option):
+    (tmp_path / "train.py").write_text(SCALED)
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", *strict_option, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr
+    skipped = 8 - int(re.search(r"opwatch guard: (\d+) optimizer steps ran", result.stderr).group(1))
+    assert skipped >= 1 and float(result.stdout.split()[-1]) < 2.0**40  # the scaler skipped steps
+    assert ", 0 failed" in result.stderr and "hold nan/inf" not in result.stderr

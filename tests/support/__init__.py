@@ -1,0 +1,54 @@
+"""What the tests share, in one package: golden files, a counting dispatch mode, small models
+and helpers (``helpers``), the watched-vs-unwatched machinery (``equivalence``), tiny Hugging
+Face models (``hf_models``).
+
+Goldens: ``OPWATCH_UPDATE_GOLDENS=1 pytest`` rewrites every golden file from the current output
+instead of comparing; review the diff before committing it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .helpers import MLP, PRODUCER, StubContext, line_of
+
+TESTS = Path(__file__).resolve().parent.parent
+GOLDENS = TESTS / "goldens"
+SCENARIOS = TESTS / "scenarios"
+UPDATE_GOLDENS = os.environ.get("OPWATCH_UPDATE_GOLDENS") == "1"
+
+# Column carets come from co_positions (3.11+); goldens are written on 3.11+.
+needs_columns = pytest.mark.skipif(sys.version_info < (3, 11), reason="goldens show 3.11+ column positions")
+
+
+def assert_golden(name: str, text: str) -> None:
+    path = GOLDENS / name
+    if UPDATE_GOLDENS:
+        path.write_text(text)
+        return
+    assert path.exists(), f"missing golden {path}; run OPWATCH_UPDATE_GOLDENS=1 pytest to create it"
+    expected = path.read_text()
+    assert text == expected, f"output differs from golden {name}; rerun with OPWATCH_UPDATE_GOLDENS=1 to update after review"
+
+
+class CountingMode(TorchDispatchMode):
+    """Counts every op it sees; entered *outside* a watch it sees the ops opwatch issues too."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(1 for op in self.ops if op == name)
+
+

@@ -1,0 +1,79 @@
+"""Small helpers shared by test modules: ``from support.helpers import line_of, StubContext, MLP``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opwatch.checks.finding import Place
+
+# What StubContext says made every tensor with a nonzero ident (rendered "aten.addmm at model.py:3").
+PRODUCER = Place("aten.addmm.default", "model.py", 3, "forward")
+
+
+def line_of(marker: str, path: str) -> int:
+    """The line of the file ``path`` that holds ``marker`` (exactly one; the ``line_of(...)``
+    calls that look it up do not count)."""
+    with open(path) as source:
+        lines = source.read().splitlines()
+    found = [number for number, line in enumerate(lines, 1) if marker in line and "line_of(" not in line]
+    assert len(found) == 1, (marker, found)
+    return found[0]
+
+
+class StubContext:
+    """A check's context (see ``opwatch.checks.CheckContext``) answered from a table, so that a
+    check runs on plain metadata with no mode and no op log.
+
+    ``deliberate`` maps a tensor's ident to its size-1 dims made on purpose (negative, counted
+    from the right); other tensors have none. A tensor with ident 0 has no producer; any other
+    was made by :data:`PRODUCER`.
+    """
+
+    site = 0  # no source site: the same-call rules never apply
+    phase = "forward"
+    args = ()
+
+    def __init__(self, deliberate: dict | None = None):
+        self.deliberate = deliberate or {}
+
+    def previous_expand(self):
+        return None
+
+    def deliberate_dims(self, meta) -> frozenset[int]:
+        return frozenset(self.deliberate.get(meta[3], ()))
+
+    def producer(self, meta) -> Place | None:
+        return PRODUCER if meta[3] else None
+
+
+class MLP(nn.Module):
+    """Two linear layers (``fc1``, ``fc2``) with a tanh between: 4 features in, 2 out. Its ops
+    are attributed to this file, the line of ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def watch_story(story, *args, expect_error=None, **options):
+    """Run ``story(*args)`` under ``opwatch.watch(**options)`` (quiet by default) and return the
+    watch; with ``expect_error``, the story must raise it."""
+    import opwatch
+    import pytest
+
+    options.setdefault("warn", False)
+    options.setdefault("dump_on_error", False)
+    w = opwatch.watch(**options)
+    if expect_error is None:
+        with w:
+            story(*args)
+    else:
+        with pytest.raises(expect_error):
+            with w:
+                story(*args)
+    return w

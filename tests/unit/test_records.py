@@ -1,0 +1,311 @@
+"""The op log: record fields, module paths, backward attribution, the ring buffer, lifetimes."""
+
+from __future__ import annotations
+
+import gc
+import io
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+import opwatch
+from support import SCENARIOS, needs_columns
+from support.helpers import line_of as _line_of
+
+import stories  # noqa: E402
+import training  # noqa: E402
+
+TRAINING = str(SCENARIOS / "training.py")
+STORIES = str(SCENARIOS / "stories.py")
+
+
+def line_of(text: str, path=TRAINING) -> int:
+    return _line_of(text, str(path))
+
+
+def watched_step():
+    model, x, y = training.make()
+    with opwatch.watch() as w:
+        training.step(model, x, y)
+    return w
+
+
+def test_forward_record_fields():
+    w = watched_step()
+    addmm = [r for r in w.records if r.op == "aten.addmm.default" and r.phase == "forward"]
+    assert [r.module for r in addmm] == ["blocks.0.proj", "blocks.1.proj", "head"]
+    first = addmm[0]
+    assert first.filename == TRAINING
+    assert first.lineno == line_of("torch.relu(self.proj(x)) + x")
+    assert [(m.shape, m.dtype, m.device.type) for m in first.inputs] == [
+        ((4,), torch.float32, "cpu"),
+        ((3, 4), torch.float32, "cpu"),
+        ((4, 4), torch.float32, "cpu"),
+    ]
+    assert [(m.shape, m.dtype) for m in first.outputs] == [((3, 4), torch.float32)]
+    assert first.flags == ()
+
+
+def test_indices_are_consecutive_from_zero():
+    w = watched_step()
+    assert [r.index for r in w.records] == list(range(len(w.records)))
+
+
+def test_module_paths_are_relative_to_the_outermost_module():
+    w = watched_step()
+    modules = {r.module for r in w.records if r.phase == "forward"}
+    # The outermost module is named by its class; modules are dotted state_dict paths.
+    assert {"Net", "blocks.0.proj", "blocks.0.norm", "blocks.0", "blocks.1.norm", "head"} <= modules
+    squeeze = next(r for r in w.records if r.op == "aten.squeeze.dim")
+    assert squeeze.module == "Net"
+    loss_sub = next(r for r in w.records if r.op == "aten.sub.Tensor" and r.phase == "forward")
+    assert loss_sub.module is None
+    assert loss_sub.lineno == line_of("loss = ((pred - y) ** 2).mean()")
+
+
+def test_submodule_called_directly_is_the_root():
+    model, x, _ = training.make()
+    with opwatch.watch() as w:
+        model.blocks[1](x)
+    assert {r.module for r in w.records} == {"Block", "proj", "norm"}
+
+
+def test_backward_ops_point_at_the_forward_line_and_module():
+    w = watched_step()
+    backward = [r for r in w.records if r.phase == "backward"]
+    assert backward, "no backward op recorded"
+    proj_grads = [r for r in backward if r.module == "blocks.0.proj"]
+    assert {r.op for r in proj_grads} >= {"aten.mm.default"}
+    assert {r.lineno for r in proj_grads} == {line_of("torch.relu(self.proj(x)) + x")}
+    pow_grads = [r for r in backward if r.lineno == line_of("loss = ((pred - y) ** 2).mean()")]
+    assert any(r.op == "aten.pow.Tensor_Scalar" for r in pow_grads)
+    # No backward op points at loss.backward(): that is not where gradient bugs live.
+    assert line_of("loss.backward()") not in {r.lineno for r in backward}
+
+
+def test_backward_of_sqrt_points_at_sqrt_line():
+    with opwatch.watch(warn=False) as w:
+        stories.sqrt_grad_at_zero()
+    sqrt_line = line_of("distance = x.sqrt()", path=STORIES)
+    backward = [r for r in w.records if r.phase == "backward" and r.op.startswith("aten.div")]
+    assert backward and all(r.lineno == sqrt_line for r in backward)
+
+
+def test_args_are_named_from_the_schema():
+    w = watched_step()
+    mean = next(r for r in w.records if r.op.startswith("aten.native_layer_norm"))
+    assert dict(mean.args)["normalized_shape"] == (4,)
+
+
+@needs_columns
+def test_sub_expression_of_each_op():
+    w = watched_step()
+    sub = next(r for r in w.records if r.op == "aten.sub.Tensor" and r.phase == "forward")
+    assert sub.position.expression() == "pred - y"
+    power = next(r for r in w.records if r.op == "aten.pow.Tensor_Scalar" and r.phase == "forward")
+    assert power.position.expression() == "(pred - y) ** 2"
+
+
+def test_ring_buffer_is_bounded_and_index_keeps_counting():
+    model, x, y = training.make()
+    with opwatch.watch(max_records=50) as w:
+        for _ in range(5):
+            training.step(model, x, y)
+    records = w.records
+    assert len(records) == 50
+    with opwatch.watch() as reference:
+        training.step(model, x, y)
+    total = 5 * len(reference.records)
+    assert records[-1].index == total - 1
+    assert records[0].index == total - 50
+
+
+def test_records_hold_no_tensors_and_keep_nothing_alive():
+    model, x, y = training.make()
+    with opwatch.watch() as w:
+        pred = model(x)
+        activation = weakref.ref(pred)
+        loss = ((pred - y) ** 2).mean()
+        loss.backward()
+        del pred, loss
+    gc.collect()
+    assert activation() is None, "the watch kept an activation alive"
+    for record in w.records:
+        assert not _contains_tensor(record._entry), record
+
+
+def test_log_entries_are_invisible_to_the_garbage_collector():
+    # A full log must not slow down Python's collections: its entries hold only untracked
+    # values (ints, strings, dtypes, devices, tuples of those), so the collector drops them.
+    model, x, y = training.make()
+    with opwatch.watch() as w:
+        training.step(model, x, y)
+        gc.collect()  # the log's own tables are long-lived from here on, as in a training loop
+        first_new = w.records[-1].index + 1
+        for _ in range(3):
+            training.step(model, x, y)
+        # An entry holds tuples: the collector untracks the inner ones on its first look and
+        # the entry on its second (young collections in a running program).
+        gc.collect()
+        gc.collect()
+    tracked = [record for record in w.records if record.index >= first_new and gc.is_tracked(record._entry)]
+    assert tracked == []
+
+
+def _contains_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_contains_tensor(item) for item in value)
+    return False
+
+
+def test_nested_watches_keep_their_own_records():
+    a = torch.ones(3)
+    with opwatch.watch() as outer:
+        a.sin()
+        with opwatch.watch() as inner:
+            a.cos()
+        a.tan()
+    assert [r.op for r in inner.records] == ["aten.cos.default"]
+    # The outer watch sees the user's ops, not the inner watch's own checking work.
+    assert [r.op for r in outer.records] == ["aten.sin.default", "aten.cos.default", "aten.tan.default"]
+
+
+def test_a_watch_can_be_entered_again_and_keeps_counting():
+    w = opwatch.watch()
+    with w:
+        torch.ones(2).sin()
+    with w:
+        torch.ones(2).cos()
+    assert [(r.index, r.op) for r in w.records] == [
+        (0, "aten.ones.default"), (1, "aten.sin.default"), (2, "aten.ones.default"), (3, "aten.cos.default")
+    ]
+    with pytest.raises(RuntimeError, match="already active"):
+        with w:
+            with w:
+                pass
+
+
+def test_exception_passes_through_unchanged_with_a_note():
+    stream = io.StringIO()
+    x = torch.ones(5, 3)
+    weights = torch.ones(3, 2)
+    with pytest.raises(RuntimeError) as caught:
+        with opwatch.watch(file=stream, warn=False):
+            x.double() @ weights  # the failing line
+    error = caught.value
+    assert type(error) is RuntimeError
+    assert "expected" in str(error) or "dtype" in str(error)  # torch's own message, untouched
+    (note,) = error.__notes__
+    assert "aten.mm.default" in note
+    assert "f64[5, 3] cpu" in note and "f32[3, 2] cpu" in note
+    assert f"test_records.py:{line_of('# the failing' + ' line', __file__)}" in note
+    dump = stream.getvalue()
+    assert ">> " in dump and "aten.mm" in dump
+
+
+def test_the_same_exception_object_propagates():
+    sentinel = ValueError("mine")
+    with pytest.raises(ValueError) as caught:
+        with opwatch.watch(file=io.StringIO()):
+            torch.ones(2).sin()
+            raise sentinel
+    assert caught.value is sentinel
+    assert not getattr(sentinel, "__notes__", None)  # not raised by an op: no note
+
+
+def test_no_dump_when_disabled():
+    stream = io.StringIO()
+    with pytest.raises(ZeroDivisionError):
+        with opwatch.watch(file=stream, dump_on_error=False):
+            torch.ones(2).sin()
+            1 / 0
+    assert stream.getvalue() == ""
+
+
+def test_dump_shows_last_n_ops():
+    stream = io.StringIO()
+    with pytest.raises(ZeroDivisionError):
+        with opwatch.watch(file=stream, last=3):
+            for _ in range(10):
+                torch.ones(2).sin()
+            1 / 0
+    table_rows = [line for line in stream.getvalue().splitlines() if "aten." in line]
+    assert len(table_rows) == 3
+
+
+def test_importing_opwatch_does_not_import_tabulate():
+    code = "import sys, opwatch; print('tabulate' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# -- bounded caches ---------------------------------------------------------------------------
+
+
+def test_bounded_cache_starts_afresh_when_full():
+    from opwatch.bounded import BoundedCache
+
+    cache = BoundedCache(3)
+    for key in "abc":
+        assert cache.put(key, key.upper()) == key.upper()
+    assert cache.keep("a", "other") == "A" and len(cache) == 3  # known: kept, nothing stored
+    assert cache.keep("d", "D") == "D" and dict(cache) == {"d": "D"}  # a fourth key: cleared first
+    made = []
+    assert cache.lookup("e", lambda key: made.append(key) or key * 2) == "ee"
+    assert cache.lookup("e", lambda key: made.append(key) or "again") == "ee" and made == ["e"]
+    with pytest.raises(TypeError):
+        cache.keep([1], 1)
+    with pytest.raises(ValueError, match="limit must be 1 or more"):
+        BoundedCache(0)
+
+
+def test_the_log_s_tables_stay_bounded_when_every_step_brings_new_values():
+    from opwatch.records import OpLog
+
+    log = OpLog(10)
+    for length in range(5000):  # a new sequence length every step
+        assert log.shapes[torch.Size([2, length])] == (2, length)
+        assert log.intern((length, 0.5)) == (length, 0.5)
+    assert len(log.shapes) <= 4096 and len(log._interned) <= 4096
+    # Interned: the same shape or argument tuple is one object while it stays in the table.
+    assert log.shapes[torch.Size([2, 4999])] is log.shapes[torch.Size([2, 4999])]
+    assert log.intern((4999, 0.5)) is log.intern((4999, 0.5))
+    assert log.intern((1, -1)) is not log.intern((1, -1.0))  # equal, but different arguments
+
+
+# -- one record interface ----------------------------------------------------------------------
+
+
+def test_a_record_of_another_kind_gets_the_derived_fields_from_the_interface():
+    from opwatch.notation import TensorMeta
+    from opwatch.records import BaseRecord
+    from opwatch.render import render_table
+    from opwatch.sites import Position
+
+    class Plain(BaseRecord):  # only the primitive accessors, as another record kind has them
+        index, func, module, phase, forward_func, args, flags, rank, label = 3, "aten.mm.default", None, "forward", None, (), (), None, None
+        inputs = (TensorMeta((5, 3), torch.float64, torch.device("cpu")), TensorMeta((3, 2), torch.float32, torch.device("cpu")))
+        outputs = None
+        position = Position(TRAINING, 1)
+
+    record = Plain()
+    assert record.op == "aten.mm.default" and record.filename == TRAINING and record.lineno == 1
+    assert record.where == "training.py:1" and record.signature() == "aten.mm(f64[5, 3] cpu, f32[3, 2] cpu)"
+    assert repr(record) == "<Plain #3 aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) at training.py:1 forward>"
+    assert "f64[5, 3] cpu, f32[3, 2] cpu  not run" in render_table([record])
+
+
+def test_live_records_share_the_interface():
+    from opwatch.records import BaseRecord, short_op_name
+
+    w = watched_step()
+    record = w.records[0]
+    assert isinstance(record, BaseRecord) and record.where == f"training.py:{record.lineno}"
+    assert record.signature().startswith(short_op_name(record.func) + "(")
+    assert short_op_name("aten.mm.default") == short_op_name(torch.ops.aten.mm.default) == "aten.mm"
+    assert short_op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"

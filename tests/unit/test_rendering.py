@@ -1,0 +1,126 @@
+"""What users read: the tensor notation, the table, the failure dump, the summary, the CLI."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import opwatch
+from support import SCENARIOS, assert_golden, needs_columns
+from opwatch.notation import format_dtype, format_meta
+
+import stories  # noqa: E402
+import training  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.mark.parametrize(
+    "meta, text",
+    [
+        (((4, 1), torch.float32, torch.device("cpu")), "f32[4, 1] cpu"),
+        (((), torch.float64, torch.device("meta")), "f64[] meta"),
+        (((2, 0, 3), torch.bfloat16, torch.device("cpu")), "bf16[2, 0, 3] cpu"),
+        (((6,), torch.bool, torch.device("cpu")), "b8[6] cpu"),
+        (((1,), torch.complex64, torch.device("cpu")), "c64[1] cpu"),
+        ((None, torch.float32, torch.device("cpu")), "f32[?] cpu"),
+    ],
+)
+def test_notation(meta, text):
+    assert format_meta(meta) == text
+    assert str(opwatch.TensorMeta(*meta)) == text
+
+
+def test_notation_of_rare_dtypes_keeps_torch_name():
+    assert format_dtype(torch.quint8) == "quint8"
+    assert format_dtype(torch.float8_e4m3fn) == "float8_e4m3fn"
+
+
+@needs_columns
+def test_table_golden():
+    model, x, y = training.make()
+    with opwatch.watch() as w:
+        training.step(model, x, y)
+    assert_golden("table_training_step.txt", w.table() + "\n")
+
+
+def test_table_last_and_flags():
+    with opwatch.watch(warn=False) as w:
+        stories.broadcast_loss()
+    table = w.table(last=5)
+    rows = table.splitlines()[2:]
+    assert len(rows) == 5
+    full = w.table()
+    flagged = [line for line in full.splitlines() if "broadcast" in line.split()[-1]]
+    assert len(flagged) == 1 and "aten.sub.Tensor" in flagged[0] and "y - pred" in flagged[0]
+    assert w.table(last=0).splitlines()[0].split()[:2] == ["#", "op"]
+
+
+@needs_columns
+def test_failure_dump_golden():
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError):
+        with opwatch.watch(file=stream, warn=False, last=6):
+            stories.double_matmul()
+    assert_golden("dump_double_matmul.txt", stream.getvalue())
+
+
+@needs_columns
+def test_summary_golden():
+    with opwatch.watch(warn=False) as w:
+        stories.broadcast_loss(steps=3)
+        stories.t5_buckets()
+        stories.numpy_upcast()
+    assert_golden("summary.txt", w.summary() + "\n")
+
+
+def _cli(*args, cwd=SCENARIOS):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "opwatch", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_cli_on_a_failing_script():
+    result = _cli("--last", "4", "fails.py")
+    assert result.returncode == 1
+    err = result.stderr
+    # The table of the last ops, the failing one marked, its line, then the traceback with the note.
+    assert ">> 4" in err and "aten.mm" in err and "f64[5, 3] cpu, f32[3, 2] cpu" in err
+    assert "fails.py:8" in err and "h.double() @ w" in err
+    assert "Traceback" in err and "opwatch: raised in aten.mm.default" in err
+    assert "dtype_mismatch in aten.mm.default at fails.py:8" in err
+    # The traceback shows the user's frames, not opwatch's or runpy's.
+    assert "interceptor.py" not in err and "runpy" not in err
+
+
+def test_cli_strict_passes_arguments_and_exit_code():
+    result = _cli("--strict", "fails.py", "extra-arg")
+    assert result.returncode == 1
+    assert "AnomalyError" in result.stderr
+
+
+def test_cli_rejects_a_missing_script():
+    result = _cli("no_such_script.py")
+    assert result.returncode == 2
+    assert "no such script" in result.stderr
+
+
+def test_cli_demo_shows_the_diagnoses():
+    result = _cli("demo", cwd=REPO)
+    readme = (REPO / "README.md").read_text()
+    pasted = readme.split("## The demo, as it prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    missing = [line for line in pasted.splitlines() if line not in result.stdout.splitlines()]
+    assert missing == [], "the README's pasted demo output no longer matches a real run"
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "device_mismatch in aten.masked_scatter_.default at opwatch/examples/device_mix.py:12" in out
+    assert "dtype_mismatch in aten.masked_scatter_.default at opwatch/examples/device_mix.py:18" in out
+    assert "broadcast in aten.sub.Tensor at opwatch/examples/broadcast_loss.py:26 (forward) [x100]" in out
+    assert "inf in aten.log.default at opwatch/examples/log_zero.py:21 (forward)" in out
+    assert "inf in aten.div.Tensor at opwatch/examples/log_zero.py:21 (backward)" in out
+    assert "it turned into nan at aten.mul.Tensor at opwatch/examples/log_zero.py:12 (backward)" in out

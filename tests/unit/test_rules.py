@@ -1,0 +1,274 @@
+"""The written rules of CONTRIBUTING, kept true by parsing the package (no import, no torch):
+
+- arrows one way: a module imports only modules of its own layer or below (``LAYERS``), and no
+  import cycle, counting imports inside functions;
+- private torch APIs only in ``opwatch/compat.py``;
+- every sentence a user reads is built in ``opwatch/render/``: no prose literal elsewhere,
+  except where the rule says why (errors for bad arguments, raised where they are validated;
+  command-line help).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
+
+# Bottom to top. A module may import its own layer or lower ones; packages by prefix.
+LAYERS = [
+    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded"},
+    {"opwatch.sites", "opwatch.records", "opwatch.collective_ops"},
+    {"opwatch.checks", "opwatch.modes"},
+    {"opwatch.render"},
+    {"opwatch.anomaly", "opwatch.report", "opwatch.allow"},
+    {"opwatch.ranks", "opwatch.distributed", "opwatch.export"},
+    {"opwatch.session"},
+    {"opwatch.guard", "opwatch.divergence", "opwatch.leave_on", "opwatch.__main__", "opwatch.cli_diff",
+     "opwatch.pytest_plugin", "opwatch.integrations", "opwatch.examples"},
+    {"opwatch"},  # the package's face re-exports the public names
+]
+
+# Private torch modules that are the documented way to extend torch.
+PUBLIC_PRIVATE_MODULES = {"torch.utils._python_dispatch"}
+# Private attributes every torch op tool reads (torch's own flop_counter and DebugMode do).
+TOLERATED_ATTRIBUTES = {"_schema", "_overloadname", "_get_current_dispatch_mode_stack"}
+PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _resolve(name: str, path: pathlib.Path, node: ast.ImportFrom) -> list[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if node.level:
+        base = package.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    targets = [target]
+    # ``from . import x`` / ``from .checks import nonfinite``: the submodule itself
+    targets += [f"{target}.{alias.name}" for alias in node.names]
+    return targets
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> the opwatch modules it imports (at the top or inside functions)."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for target in _resolve(name, path, node):
+                    if target in known and target != name:
+                        found.add(target)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known and alias.name != name:
+                        found.add(alias.name)
+        graph[name] = found
+    return graph
+
+
+def layer_of(name: str) -> int:
+    best, best_length = None, -1
+    for number, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = number, len(prefix)
+    if best is None:
+        raise AssertionError(f"{name} is in no layer of tests/unit/test_rules.py: add it where it belongs")
+    return best
+
+
+def test_every_import_points_down_or_sideways():
+    wrong = []
+    for name, targets in imports().items():
+        for target in targets:
+            if layer_of(target) > layer_of(name) and not name.startswith(target + "."):
+                wrong.append(f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle():
+    graph = imports()
+
+    def parent_packages(name):  # importing a module imports its packages: not an arrow of its own
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+    edges = {name: {t for t in targets if t not in parent_packages(name)} for name, targets in graph.items()}
+    # A package's __init__ importing its own children is how packages re-export: not a cycle.
+    edges = {name: {t for t in targets if not t.startswith(name + ".")} for name, targets in edges.items()}
+    cycles = []
+    state: dict = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def _dotted(node) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def private_torch_uses(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if isinstance(node, ast.ImportFrom):
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if name.startswith("torch") and any(part.startswith("_") for part in name.split(".")):
+                    if not any(name == m or name.startswith(m + ".") for m in PUBLIC_PRIVATE_MODULES):
+                        found.append(f"{path.name}:{node.lineno} imports {name}")
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted and dotted.startswith("torch.") and any(
+                part.startswith("_") and not part.startswith("__") and part not in TOLERATED_ATTRIBUTES
+                for part in dotted.split(".")[1:]
+            ):
+                found.append(f"{path.name}:{node.lineno} {dotted}")
+            elif node.attr in PRIVATE_OBJECT_ATTRIBUTES:
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_private_torch_apis_only_in_compat():
+    found = []
+    for name, path in modules().items():
+        if name != "opwatch.compat":
+            found += private_torch_uses(path)
+    assert not found, "\n".join(found)
+
+
+# -- prose --------------------------------------------------------------------------------
+
+
+_HELP_KEYWORDS = {"help", "description", "epilog", "usage", "metavar", "prog"}
+# Calls whose text is command-line or ini help, or a usage error (like ``raise``).
+_HELP_CALLS = {"addinivalue_line", "addini", "addoption", "getgroup", "add_argument", "add_parser", "error", "fail", "UsageError"}
+
+
+def prose_literals(path: pathlib.Path) -> list[tuple[int, str]]:
+    """String literals and f-strings of three words or more that are not docstrings, not in a
+    ``raise``, ``parser.error`` or ``pytest.fail`` (errors for bad arguments are written where
+    the argument is validated), not command-line or ini help, not a ``__repr__``."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                skip.add(id(body[0].value))
+        if isinstance(node, ast.Raise) or (isinstance(node, ast.FunctionDef) and node.name == "__repr__"):
+            skip.update(id(inner) for inner in ast.walk(node))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in _HELP_CALLS:
+            skip.update(id(inner) for inner in ast.walk(node))
+        if isinstance(node, ast.keyword) and node.arg in _HELP_KEYWORDS:
+            skip.update(id(inner) for inner in ast.walk(node.value))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            skip.update(id(v) for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        words = [w for w in text.replace("{}", " ").split() if any(c.isalpha() for c in w)]
+        if len(words) >= 3 and not text.lstrip().startswith(("import ", "from ", "def ", "#!")):
+            found.append((node.lineno, text))
+    return found
+
+
+def prose_outside_render() -> dict[str, list]:
+    return {
+        name: found
+        for name, path in modules().items()
+        if not name.startswith(("opwatch.render", "opwatch.examples")) and (found := prose_literals(path))
+    }
+
+
+# Modules that write text a user reads for a reason the render package cannot serve.
+PROSE_ALLOWED = {
+    # The one-op repro script opwatch writes is Python source, not a message.
+    "opwatch.repro": "writes a Python script",
+    "opwatch.guard.repro": "writes a Python script",
+}
+
+
+# Single literals allowed outside render, with why.
+LITERALS_ALLOWED = {
+    # Where a pytest setting came from, named in its usage error: the plugin must not import
+    # the render package (and torch with it) while a test run does not use opwatch.
+    ("opwatch.pytest_plugin", "the ini file"),
+    ("opwatch.pytest_plugin", "the command line"),
+    # What the Chrome trace's timestamps are, in its metadata for the trace viewers.
+    ("opwatch.export", "perf_counter_ns around each kernel"),
+    ("opwatch.export", "synthetic: op index, 1 us per op"),
+    # The label of a site with no line (a name, stored in the log like a file name).
+    ("opwatch.modes.reducer", "{}end of backward"),
+}
+
+
+def test_user_facing_prose_only_in_render():
+    found = {
+        name: [(lineno, text) for lineno, text in items if (name, text) not in LITERALS_ALLOWED]
+        for name, items in prose_outside_render().items()
+        if name not in PROSE_ALLOWED
+    }
+    found = {name: items for name, items in found.items() if items}
+    lines = [f"{name}:{lineno}: {text[:70]!r}" for name, items in sorted(found.items()) for lineno, text in items]
+    assert not lines, f"{len(lines)} prose literal(s) outside opwatch/render:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "source, count",
+    [
+        ('def f():\n    """A docstring of many words."""\n    return 1\n', 0),
+        ('def f(x):\n    raise ValueError(f"x must be one of a, b, got {x!r}")\n', 0),
+        ('p.add_argument("--x", help="what this option does")\n', 0),
+        ('message = f"first nan here: {op} made it"\n', 1),
+        ('fix = "clamp the input first"\n', 1),
+        ('name = "aten::add"\n', 0),
+    ],
+)
+def test_the_prose_detector_itself(tmp_path, source, count):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert len(prose_literals(path)) == count
