@@ -59,12 +59,13 @@ class FunctionWatch(TorchFunctionMode):
         return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        # Every torch call and tensor attribute read of the thread comes here: one dict lookup.
         entry = self._table.get(func)
         if entry is not None and not (self.inert or self._interceptor.inert):
-            self._judge(func, entry, args, kwargs, sys._getframe(1))  # strict: raises here
-        return func(*args, **kwargs)
+            self._judge(func, entry, args, kwargs or {}, sys._getframe(1))  # strict: raises here
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
 
     def _judge(self, func, entry, args, kwargs, caller) -> None:
         try:

@@ -369,3 +369,29 @@ def test_judges_are_plain_functions_of_the_arguments():
     assert pre_dispatch.judge(conv, (images.long(), torch.randn(2, 3, 3, 3), torch.randn(2)), {}, "_conv_forward") is not None
     bias_alone = pre_dispatch.judge(conv, (images, torch.randn(2, 3, 3, 3), torch.randn(2).double()), {})
     assert bias_alone.facts["argument"] == "bias" and "rather than the bias alone" in explain(bias_alone)[2]
+
+
+def test_saved_findings_render_again_as_the_live_ones(tmp_path):
+    front = SpectrogramFrontEnd(as_buffer=False).to("meta")
+    model = PackedEncoder().to("meta")
+
+    def run():
+        for call in (
+            lambda: front(torch.randn(2, 400, device="meta")),
+            lambda: SmallConvNet()(torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)),
+            lambda: model(torch.randint(0, 20, (3, 6), device="meta"), torch.tensor([6, 4, 2], device="meta")),
+        ):
+            try:
+                call()
+            except RuntimeError:
+                pass  # torch's own error, as without the watch
+
+    w, error = _watched(run)
+    assert error is None
+    rules = [a.finding.rule for a in w.anomalies]
+    assert rules == ["pre_dispatch.device", "pre_dispatch.dtype", "pre_dispatch.device"], rules
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    saved = opwatch.load(path)
+    assert [str(s) for s in saved.anomalies] == [str(a) for a in w.anomalies]
+    assert "made by aten.randint" in str(saved.anomalies[1])
