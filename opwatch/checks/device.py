@@ -70,7 +70,7 @@ def for_op(func):
 
 def _check_packed(func, tensors, context=None) -> Finding | None:
     """A packed-sequence op: its CPU ``lengths``/``batch_sizes`` (the second tensor) left out."""
-    if len(tensors) > 1 and tensors[1][2].type == "cpu":
+    if len(tensors) > 1 and tensors[1][M_DEVICE].type == "cpu":
         tensors = tensors[:1] + tensors[2:]
     return _check(func, tensors)
 
