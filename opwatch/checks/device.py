@@ -1,6 +1,10 @@
 """device_mismatch: tensor arguments of one op on different devices, caught before the kernel.
 
-0-dim CPU tensors mix legally with any device (they are scalars) and are not flagged. CPU mixed
+0-dim CPU tensors mix legally with any device as *inputs* (they are scalars) and are not flagged,
+except where torch does not take them as scalars: ``torch.cat``/``stack`` need every tensor on
+one device (rule ``device.joined``), and a 0-dim CPU tensor written in place (``total += x.sum()``
+with ``total`` on the CPU, or an ``out=`` on the CPU) cannot take a result computed on another
+device (rule ``device.scalar_written``; CUDA raises, ``meta`` lets it pass silently). CPU mixed
 with ``meta`` is flagged even where torch lets it pass: it means a model was only half
 materialised from meta init. Ops whose job is to move data between devices (copies) are exempt.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..records import M_DEVICE, M_SHAPE
+from ..ops import facts_of
 from .finding import Finding, takes_several_tensors, tensor_names
 
 __all__ = ["KIND", "for_op"]
@@ -45,6 +50,11 @@ _PACKED_SEQUENCE_OPS = {
     "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence",
     "aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu",
 }
+# Ops that join their tensors into one: every tensor on one device, 0-dim CPU ones included.
+_JOINING_OPS = {"aten::cat", "aten::stack", "aten::_stack", "aten::concat", "aten::concatenate", "aten::hstack", "aten::vstack", "aten::dstack", "aten::column_stack"}
+# In-place ops that read a 0-dim written tensor's new value from a host number (``Tensor.item()``):
+# a device operand is legal there.
+_SCALAR_VALUE_WRITES = {"aten::fill_"}
 # Advanced indexing accepts CPU index tensors whatever the device of ``self``.
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::_unsafe_index", "aten::_unsafe_index_put"}
 
@@ -65,7 +75,52 @@ def for_op(func):
     if name in _INDEX_OPS:
         # Only the indexed tensor and the values written must agree; indices may live on CPU.
         return partial(_check_indexing, func, "put" in name)
+    if name in _JOINING_OPS:
+        return partial(_check_joined, func)
+    written = _written_position(func)
+    if written is not None and name not in _SCALAR_VALUE_WRITES:
+        return partial(_check_written, func, written)
     return partial(_check, func)
+
+
+def _written_position(func) -> int | None:
+    """Where the tensor ``func`` writes sits among its tensor arguments as the checks get them
+    (positional ones first, then keyword ones): 0 for an in-place op on ``self``, -1 for a
+    single ``out=``; ``None`` for an op that writes none (or several)."""
+    written = facts_of(func).mutated_args
+    if len(written) != 1:
+        return None
+    position, name = written[0]
+    if position == 0:
+        return 0
+    argument = func._schema.arguments[position]
+    return -1 if argument.kwarg_only else None
+
+
+def _check_joined(func, tensors, context=None) -> Finding | None:
+    """cat/stack: every tensor on one device, 0-dim CPU tensors counted."""
+    if not tensors:
+        return None
+    device = tensors[0][M_DEVICE]
+    for meta in tensors:
+        if meta[M_DEVICE] != device:
+            return _finding(func, tensors, rule="device.joined", scalars_count=True)
+    return None
+
+
+def _check_written(func, written, tensors, context=None) -> Finding | None:
+    """An op writing one tensor: the plain check, and a 0-dim CPU tensor written with an
+    operand on another device (legal as an input, not as the output)."""
+    if len(tensors) < 2:
+        return None
+    target = tensors[written]
+    if not target[M_SHAPE] and target[M_DEVICE].type == "cpu":
+        for meta in tensors:
+            if meta[M_DEVICE].type != "cpu":
+                names = tensor_names(func, len(tensors))
+                facts = {"written": names[written], "device": str(meta[M_DEVICE]), "names": names}
+                return Finding(KIND, "device.scalar_written", facts, operands=tuple(tensors), odd=(target,))
+    return _check(func, tensors)
 
 
 def _check_packed(func, tensors, context=None) -> Finding | None:
@@ -115,11 +170,12 @@ def _check(func, tensors, context=None) -> Finding | None:
     return None
 
 
-def _finding(func, tensors) -> Finding:
+def _finding(func, tensors, rule: str = "device.mix", scalars_count: bool = False) -> Finding:
+    """The mix of ``tensors``' devices; 0-dim CPU tensors left out unless ``scalars_count``."""
     devices = []
     counts: dict = {}
     for meta in tensors:
-        if meta[M_SHAPE] or meta[M_DEVICE].type != "cpu":
+        if scalars_count or meta[M_SHAPE] or meta[M_DEVICE].type != "cpu":
             if str(meta[M_DEVICE]) not in devices:
                 devices.append(str(meta[M_DEVICE]))
             counts[meta[M_DEVICE]] = counts.get(meta[M_DEVICE], 0) + 1
@@ -129,10 +185,10 @@ def _finding(func, tensors) -> Finding:
     odd = tuple(
         meta
         for meta in tensors
-        if (meta[M_SHAPE] or meta[M_DEVICE].type != "cpu") and (len(majority) > 1 or meta[M_DEVICE] != majority[0])
+        if (scalars_count or meta[M_SHAPE] or meta[M_DEVICE].type != "cpu") and (len(majority) > 1 or meta[M_DEVICE] != majority[0])
     )
     facts = {"devices": devices, "names": tensor_names(func, len(tensors)), "target": _target(devices, majority)}
-    return Finding(KIND, "device.mix", facts, operands=tuple(tensors), odd=odd)
+    return Finding(KIND, rule, facts, operands=tuple(tensors), odd=odd)
 
 
 def _target(devices, majority) -> str:

@@ -7,6 +7,9 @@ Facts of each rule:
   should move to); ``operands``: every tensor argument.
 - ``device.index``: ``op`` (``index``, ``index_put_``), ``position`` (1 for the first index),
   ``indexed`` and ``index`` (the two tensors' metadata).
+- ``device.joined`` (cat/stack): the facts of ``device.mix``, 0-dim CPU tensors counted.
+- ``device.scalar_written``: ``written`` (the name of the 0-dim CPU tensor written in place),
+  ``device`` (another operand's device, a string), ``names``; ``operands``: every tensor argument.
 """
 
 from __future__ import annotations
@@ -58,3 +61,37 @@ def explain_index(finding) -> tuple[str, str, str]:
         f"the meta device is materialised with module.to_empty() or by creating it again"
     )
     return problem, expected, fix
+
+
+@explains("device.joined")
+def explain_joined(finding) -> tuple[str, str, str]:
+    facts = finding.facts
+    devices = facts["devices"]
+    return (
+        f"tensors joined from different devices ({', '.join(devices)}): {named(facts['names'], finding.operands)}; "
+        f"cat and stack take no CPU scalars, every tensor (0-dim ones too) must be on one device.{meta_note(devices)}",
+        "every tensor joined on one device",
+        f"move the odd one out with .to({facts['target']!r}) (a 0-dim CPU tensor from torch.tensor(x): give it device=)",
+    )
+
+
+@explains("device.scalar_written")
+def explain_scalar_written(finding) -> tuple[str, str, str]:
+    facts = finding.facts
+    device = facts["device"]
+    return (
+        f"a 0-dim CPU tensor ({facts['written']}) is written in place from an operand on {device}: "
+        f"{named(facts['names'], finding.operands)}. A CPU scalar may be read by an op on {device}, not written by one "
+        f"(on CUDA torch raises; on meta it passes silently).{meta_note([device])}",
+        f"the tensor written on {device}, like the operands",
+        _written_fix(facts["written"], device),
+    )
+
+
+def _written_fix(written: str, device: str) -> str:
+    if written == "out":
+        return f"make the out= tensor on {device} (torch.empty((), device=x.device)), or drop out= and keep the result"
+    return (
+        f"make the accumulator on {device} (torch.zeros((), device=x.device)) and read it once at the end, "
+        f"or add a Python number (total += loss.item(), a host sync per step)"
+    )
