@@ -72,11 +72,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store",
         default=None,
         metavar="NAMES",
-        help="comma-separated checks to run: device_mismatch, dtype_mismatch, broadcast, nonfinite (default: all)",
+        help="comma-separated checks to run: device_mismatch, dtype_mismatch, broadcast, nonfinite, collective_mismatch, pre_dispatch (default: the first four)",
     )
     group.addoption("--opwatch-last", action="store", default=None, metavar="N", help="ops shown when a watched test raises (default 20)")
     parser.addini("opwatch", "watch each test: off (default), on or strict", default="")
-    parser.addini("opwatch_checks", "checks opwatch runs (default: all)", type="args", default=[])
+    parser.addini("opwatch_checks", "checks opwatch runs (default: the four default checks)", type="args", default=[])
     parser.addini("opwatch_last", "ops shown when a watched test raises (default 20)", default="")
 
 

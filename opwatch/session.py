@@ -65,8 +65,11 @@ def watch(
         Which checks run: any of ``"device_mismatch"``, ``"dtype_mismatch"``, ``"broadcast"``,
         ``"nonfinite"`` (nan/inf origins), ``"collective_mismatch"`` (shapes and dtypes of each
         ``torch.distributed`` collective compared across ranks before it runs, through the
-        process group's store: off by default, turn it on on every rank). ``None`` (default)
-        runs all but ``"collective_mismatch"``; ``()`` only records.
+        process group's store: off by default, turn it on on every rank), ``"pre_dispatch"``
+        (torch functions that reject a device or dtype before dispatching, such as the window of
+        ``torch.stft``, judged from their arguments by a function mode every torch call goes
+        through: off by default). ``None`` (default) runs all but ``"collective_mismatch"`` and
+        ``"pre_dispatch"``; ``()`` only records.
         ``watch(checks=["broadcast", "nonfinite"])``.
     allow
         Anomalies you know about and accept, as :class:`Allow` entries (each field a glob
@@ -302,11 +305,12 @@ class Watch:
         return self
 
     def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, context) -> FunctionWatch | None:
-        """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when the
-        device or dtype check runs."""
-        kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND}
-        if not kinds:
+        """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when they
+        were asked for (``checks=[..., "pre_dispatch"]``: opt-in, for its cost on every torch
+        call); it judges the device and dtype rules that are asked for too, or both."""
+        if _checks.pre_dispatch.NAME not in self._checks:
             return None
+        kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}
         return FunctionWatch(
             log=self._log,
             reporter=self._reporter,

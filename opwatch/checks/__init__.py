@@ -32,7 +32,7 @@ import torch
 
 from ..ops import facts_of
 from ..records import M_IDENT, M_SHAPE
-from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite
+from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
 from .finding import Finding, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
@@ -41,11 +41,12 @@ __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHEC
 PRE_KERNEL_CHECKS = (device, dtype, broadcast, collectives)
 
 # Names accepted by ``watch(checks=...)``.
-CHECK_NAMES = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + (nonfinite.NAME,)
+CHECK_NAMES = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + (nonfinite.NAME, pre_dispatch.NAME)
 
 # The checks ``watch(checks=None)`` runs: all but those that cost something on every call of
-# their ops (collective_mismatch: a store round trip per collective).
-DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name != collectives.KIND)
+# their ops (collective_mismatch: a store round trip per collective; pre_dispatch: a function
+# mode that every torch function call goes through).
+DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name not in (collectives.KIND, pre_dispatch.NAME))
 
 # Anomaly kinds, as ``Anomaly.kind`` reports them.
 KINDS = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + nonfinite.KINDS

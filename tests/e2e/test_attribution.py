@@ -100,7 +100,7 @@ def test_a_torch_function_behind_a_deprecation_wrapper_points_at_the_call():
 
 def test_hugging_face_modeling_code_stays_attributed_to_its_file():
     pytest.importorskip("transformers")
-    import test_real_models as hf
+    from support import hf_models as hf
 
     model, inputs = hf.build("gpt2", "eager")
     with warnings.catch_warnings():

@@ -29,7 +29,11 @@ def _unwatched_error(call):
     return caught.value
 
 
-def _watched(call, *, checks=None):
+# The pre-dispatch check is opt-in (its function mode costs on every torch call).
+WITH_PRE_DISPATCH = ["device_mismatch", "dtype_mismatch", "broadcast", "nonfinite", "pre_dispatch"]
+
+
+def _watched(call, *, checks=WITH_PRE_DISPATCH):
     """Run ``call`` under watch(); return (watch, the exception it raised or None)."""
     error = None
     try:
@@ -84,7 +88,7 @@ def test_stft_window_left_on_the_cpu_flags_at_the_users_line_with_where_it_came_
 def test_stft_window_as_a_buffer_moves_with_the_model_and_does_not_flag():
     front = SpectrogramFrontEnd(as_buffer=True)
     wave = torch.randn(2, 400)
-    with opwatch.strict():
+    with opwatch.strict(checks=WITH_PRE_DISPATCH):
         front(wave).mean()
 
 
@@ -147,14 +151,14 @@ def test_functional_conv_with_a_float64_input_flags_and_a_float32_one_does_not()
     w, error = _watched(lambda: F.conv1d(torch.randn(2, 3, 16, dtype=torch.float64), weight, bias))  # conv1d call
     assert isinstance(error, RuntimeError)
     assert _only(w, "pre_dispatch.dtype").record.lineno == line_of("# conv1d call", HERE)
-    with opwatch.strict():
+    with opwatch.strict(checks=WITH_PRE_DISPATCH):
         F.conv1d(torch.randn(2, 3, 16), weight, bias)
         F.conv3d(torch.randn(1, 3, 4, 4, 4), torch.randn(2, 3, 3, 3, 3), torch.randn(2))
 
 
 def test_conv_under_autocast_mixing_is_legal():
     model = SmallConvNet()
-    with opwatch.strict(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with opwatch.strict(checks=WITH_PRE_DISPATCH), torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randn(2, 3, 8, 8)).float().sum()
 
 
@@ -203,7 +207,7 @@ def test_cpu_lengths_with_data_on_the_gpu_do_not_flag():
     model = PackedEncoder().to("meta")
     tokens = torch.randint(0, 20, (3, 6), device="meta")
     lengths = torch.tensor([6, 4, 2])
-    with opwatch.watch() as w:
+    with opwatch.watch(checks=WITH_PRE_DISPATCH) as w:
         try:
             model(tokens, lengths)
         except NotImplementedError:
@@ -214,7 +218,7 @@ def test_cpu_lengths_with_data_on_the_gpu_do_not_flag():
 
 def test_padding_a_packed_sequence_back_on_the_gpu_does_not_flag():
     data = torch.randn(3, 6, 8, device="meta")
-    with opwatch.strict():
+    with opwatch.strict(checks=WITH_PRE_DISPATCH):
         packed = pack_padded_sequence(data, torch.tensor([6, 4, 2]), batch_first=True)
         padded, lengths = pad_packed_sequence(packed, batch_first=True)
     assert padded.device.type == "meta" and lengths.device.type == "cpu"
@@ -224,7 +228,7 @@ def test_packed_lstm_training_loop_is_healthy():
     torch.manual_seed(0)
     model = PackedEncoder()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with opwatch.strict() as w:
+    with opwatch.strict(checks=WITH_PRE_DISPATCH) as w:
         for _ in range(3):
             tokens = torch.randint(1, 20, (4, 7))
             lengths = torch.tensor([7, 5, 3, 2])
@@ -240,7 +244,7 @@ def test_conv_and_stft_training_loops_are_healthy():
     conv, front = SmallConvNet(), SpectrogramFrontEnd()
     head = nn.Linear(33, 2)
     optimizer = torch.optim.SGD([*conv.parameters(), *head.parameters()], lr=0.1)
-    with opwatch.strict() as w:
+    with opwatch.strict(checks=WITH_PRE_DISPATCH) as w:
         for _ in range(3):
             images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8).float() / 255
             features = front(torch.randn(2, 400)).mean(-1)
@@ -275,13 +279,13 @@ def test_each_other_function_of_the_table_flags(call, rule, function):
     assert anomaly.finding.facts["function"] == function
     assert anomaly.record.filename == HERE
     with pytest.raises(opwatch.AnomalyError):
-        with opwatch.strict(dump_on_error=False):
+        with opwatch.strict(checks=WITH_PRE_DISPATCH, dump_on_error=False):
             call()
 
 
 def test_healthy_uses_of_the_table_do_not_flag():
     x = torch.randn(8)
-    with opwatch.strict() as w:
+    with opwatch.strict(checks=WITH_PRE_DISPATCH) as w:
         F.one_hot(torch.tensor([0, 2, 1]), 3)
         torch.isclose(x, x.clone())
         torch.quantile(x, torch.tensor([0.1, 0.9]))
@@ -298,7 +302,7 @@ def test_healthy_uses_of_the_table_do_not_flag():
 def test_strict_raises_before_torch_runs_the_function():
     wave, window = torch.randn(400), torch.hann_window(64, device="meta")
     with pytest.raises(opwatch.AnomalyError) as caught:
-        with opwatch.strict(dump_on_error=False) as w:
+        with opwatch.strict(checks=WITH_PRE_DISPATCH, dump_on_error=False) as w:
             torch.stft(wave, 64, window=window, return_complex=True)
     assert caught.value.anomaly.record.op == "torch.stft"
     assert [record.op for record in w.records] == ["torch.stft"]  # no op of stft ran
@@ -319,18 +323,19 @@ def test_a_healthy_call_adds_no_entry_and_no_op():
     wave, window = torch.randn(400), torch.hann_window(64)
     with Count() as plain:
         torch.stft(wave, 64, window=window, return_complex=True)
-    with opwatch.watch() as w:
+    with opwatch.watch(checks=WITH_PRE_DISPATCH) as w:
         torch.stft(wave, 64, window=window, return_complex=True)
     assert [record.op for record in w.records] == plain.ops
 
 
-def test_the_function_mode_runs_only_with_the_device_or_dtype_check_and_leaves_on_exit():
+def test_the_function_mode_runs_only_when_asked_for_and_leaves_on_exit():
     window = torch.hann_window(64, device="meta")
-    w, error = _watched(lambda: torch.stft(torch.randn(400), 64, window=window, return_complex=True), checks=["broadcast"])
-    assert isinstance(error, RuntimeError) and not w.anomalies
+    for without in (["broadcast"], None):  # not asked for, or the default checks
+        w, error = _watched(lambda: torch.stft(torch.randn(400), 64, window=window, return_complex=True), checks=without)
+        assert isinstance(error, RuntimeError) and not w.anomalies
     depth = torch._C._len_torch_function_stack()
     with pytest.raises(RuntimeError):
-        with opwatch.watch(warn=False, dump_on_error=False):
+        with opwatch.watch(warn=False, dump_on_error=False, checks=WITH_PRE_DISPATCH):
             assert torch._C._len_torch_function_stack() == depth + 1
             torch.stft(torch.randn(400), 64, window=window, return_complex=True)
     assert torch._C._len_torch_function_stack() == depth
@@ -340,7 +345,7 @@ def test_inert_in_a_forked_child():
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
     window = torch.hann_window(64, device="meta")
-    with opwatch.strict(dump_on_error=False):
+    with opwatch.strict(checks=WITH_PRE_DISPATCH, dump_on_error=False):
         pid = os.fork()
         if pid == 0:  # the child: the watch is inert, torch's own error comes through
             # One thread: stft pads the signal in an OpenMP region, and libgomp's pool does not
