@@ -484,20 +484,20 @@ def _allow_entries(allow) -> tuple[Allow, ...]:
     return entries
 
 
-def _positive_int(name, value) -> int:
+def _int_at_least(name, value, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+    if value < least:
+        raise ValueError(f"{name} must be {'at least 1' if least == 1 else '0 or more'}, got {value}")
     return value
+
+
+def _positive_int(name, value) -> int:
+    return _int_at_least(name, value, 1)
 
 
 def _non_negative_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be 0 or more, got {value}")
-    return value
+    return _int_at_least(name, value, 0)
 
 
 def _flag(name, value) -> bool:
