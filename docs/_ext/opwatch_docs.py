@@ -105,7 +105,7 @@ def _check_api_coverage(app, env) -> None:
     missing = [name for name in public_names() if name not in documented]
     for name in missing:
         logging.getLogger(__name__).warning(
-            "public name %s is not in the API reference (docs/api/): add an auto* directive for it", name
+            "public name %s is not in the API reference (docs/api.rst): add an auto* directive for it", name
         )
 
 
