@@ -35,6 +35,7 @@ myst_enable_extensions = ["colon_fence"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"  # the options are documented in prose
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # "Attributes:" as fields: the properties are documented as members
