@@ -240,8 +240,8 @@ class BaseRecord:
 
     @property
     def where(self) -> str:
-        """``train.py:23``, in the one location format of every message (see
-        :func:`opwatch.sites.location`): ``autograd`` for backward ops autograd ran without a
+        """``train.py:23``, in the one location format of every message (made by
+        ``opwatch.sites.location``): ``autograd`` for backward ops autograd ran without a
         forward line (gradient accumulation), ``?`` when no user frame was found."""
         return location(self)
 
