@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..fact_tuples import fact_tuple
+
 __all__ = ["Finding", "Place", "takes_several_tensors", "tensor_names"]
 
 
+@fact_tuple("place")
 class Place(NamedTuple):
     """Another op a finding speaks of (where an odd tensor was made, how far a nan spread), as
     facts: its name and where it ran. Rendered ``aten.addmm at train.py:23`` by the render

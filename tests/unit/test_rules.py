@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
 
 # Bottom to top. A module may import its own layer or lower ones; packages by prefix.
 LAYERS = [
-    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded"},
+    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded", "opwatch.fact_tuples"},
     {"opwatch.sites", "opwatch.records", "opwatch.collective_ops"},
     {"opwatch.checks", "opwatch.modes"},
     {"opwatch.render"},
