@@ -34,7 +34,7 @@ naming its kind: ``{"list": [...]}``, ``{"dict": {...}}`` (string keys) or ``{"p
 a named tuple of facts as ``{tag: [items]}`` (its tag registered by
 :func:`~opwatch.fact_tuples.fact_tuple`: ``{"meta": [shape, dtype, device, ident]}`` for a
 :class:`~opwatch.notation.TensorMeta`, ``{"place": [op, filename, lineno, phase, label]}`` for
-a :class:`~opwatch.checks.finding.Place`),
+a :class:`~opwatch.checks.finding.Place`, ``{"made_by": [...]}`` for where an operand was made),
 ``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for anything else (read
 back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these;
 other tuple and list types (a named tuple not registered) are written as their items and read
