@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +35,20 @@ from ..records import E_INDEX, M_DTYPE, M_DEVICE
 
 __all__ = ["FingerprintTracker", "Fingerprint", "encode", "decode", "FIELDS"]
 
-# A fingerprint, as stored: (hash, sum, norm, min, max); None where an output was not taken.
-Fingerprint = tuple
-FIELDS = ("hash", "sum", "norm", "min", "max")
+
+
+class Fingerprint(NamedTuple):
+    """One output's fingerprint, as stored (``None`` where an output was not taken): an exact
+    hash of its values' bits and four statistics of its values."""
+
+    hash: int
+    sum: float
+    norm: float  # L2
+    min: float
+    max: float
+
+
+FIELDS = Fingerprint._fields
 
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _STRIDED = torch.strided
@@ -169,7 +181,8 @@ class FingerprintTracker:
                 prints = store.get(index)
                 if prints is None:
                     prints = store[index] = [None] * count
-                prints[position] = (row[0], *_floats(row[1:]))
+                hashed, *bits = row
+                prints[position] = Fingerprint(hashed, *_floats(bits))
         entries = self._log.entries
         if entries and len(self.store) > entries.maxlen:
             oldest = entries[0][E_INDEX]
@@ -200,12 +213,16 @@ def _floats(bits) -> tuple:
 
 def encode(prints) -> list:
     """A record's fingerprints for a JSON line: ``[[hash, sum, norm, min, max] | null, ...]``."""
-    return [None if found is None else [found[0], *map(_encode_float, found[1:])] for found in prints]
+    return [None if found is None else [found.hash, *map(_encode_float, found[1:])] for found in prints]
 
 
 def decode(fields) -> tuple:
     """The inverse of :func:`encode`."""
-    return tuple(None if found is None else (int(found[0]), *map(_decode_float, found[1:])) for found in fields)
+    return tuple(None if found is None else _decode_one(*found) for found in fields)
+
+
+def _decode_one(hashed, *stats) -> Fingerprint:
+    return Fingerprint(int(hashed), *map(_decode_float, stats))
 
 
 def _encode_float(value: float):
