@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,9 @@ class Fingerprint(NamedTuple):
 
 
 FIELDS = Fingerprint._fields
+# A row as read (the hash and the statistics' float64 bits, int64 each) -> its Fingerprint.
+_ROW, _NUMBERS = struct.Struct("<5q"), struct.Struct("<q4d")
+_as_fingerprint = partial(tuple.__new__, Fingerprint)  # Fingerprint(*numbers), without the Python-level call
 
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _STRIDED = torch.strided
@@ -181,8 +185,7 @@ class FingerprintTracker:
                 prints = store.get(index)
                 if prints is None:
                     prints = store[index] = [None] * count
-                hashed, *bits = row
-                prints[position] = Fingerprint(hashed, *_floats(bits))
+                prints[position] = _as_fingerprint(_NUMBERS.unpack(_ROW.pack(*row)))
         entries = self._log.entries
         if entries and len(self.store) > entries.maxlen:
             oldest = entries[0][E_INDEX]
@@ -202,10 +205,6 @@ class FingerprintTracker:
                 rows[number] = values[start : start + len(chunk)]
                 start += len(chunk)
         return [row for chunk_rows in rows for row in chunk_rows]
-
-
-def _floats(bits) -> tuple:
-    return struct.unpack("<4d", struct.pack("<4q", *bits))
 
 
 # -- in a saved log: JSON numbers, non-finite statistics as strings ------------------------------
