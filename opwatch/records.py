@@ -341,7 +341,7 @@ class OpRecord(BaseRecord):
     @property
     def filename(self) -> str | None:
         # Without building the position: the file is the code object's.
-        code = self._log.sites[self._entry[E_SITE]][0]
+        code, _ = self._log.sites[self._entry[E_SITE]]
         return code.co_filename if code is not None else None
 
     @property
