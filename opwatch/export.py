@@ -5,9 +5,9 @@
 - :func:`write_chrome_trace`: Chrome trace-event JSON, as ``torch.profiler`` writes it, for
   Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``.
 
-The JSON Lines file (format version 2)::
+The JSON Lines file (format version 3)::
 
-    {"format": "opwatch.jsonl", "version": 2, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
+    {"format": "opwatch.jsonl", "version": 3, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
     {"type": "site", "site": 1, "filename": "/abs/train.py", "lineno": 26, "end_lineno": 26, "col": 20, "end_col": 28,
      "text": "squared_diff = (y - pred) ** 2", "expression": "y - pred", "carets": ["squared_diff = (y - pred) ** 2", "    ^^^^^^^^"]}
     {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "label": null, "filename": "/abs/train.py", "lineno": 26,
@@ -76,8 +76,8 @@ __all__ = [
 ]
 
 FORMAT = "opwatch.jsonl"
-VERSION = 2
-READS = (2,)  # the format versions load() reads
+VERSION = 3  # 3: provenance and other fact tuples are written tagged ({"made_by": [...]})
+READS = (3,)  # the format versions load() reads
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
