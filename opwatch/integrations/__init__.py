@@ -148,9 +148,10 @@ def metrics(source) -> dict[str, int]:
     since the run began, read from the watch (:attr:`opwatch.Watch.counts`), never from text.
 
     - ``opwatch/anomalies``: every anomaly reported so far;
-    - ``opwatch/anomalies/<kind>``: those of each kind of :data:`opwatch.KINDS`
+    - ``opwatch/anomalies/<kind>``: those of one kind of :data:`opwatch.KINDS`
       (``device_mismatch``, ``dtype_mismatch``, ``broadcast``, ``collective_mismatch``,
-      ``nan``, ``inf``, ``overflow_risk``), 0 for none;
+      ``nan``, ``inf``, ``overflow_risk``), for each kind found so far (a healthy run's logs
+      carry the total alone, 0);
     - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
     - guard mode (a :class:`opwatch.leave_on.LeaveOn`): ``opwatch/steps`` (optimizer steps
       seen), ``opwatch/audited`` (of them, run under the full watch) and ``opwatch/failed``
@@ -172,7 +173,7 @@ def metrics(source) -> dict[str, int]:
         raise TypeError(f"metrics() takes an opwatch.Watch, a LeaveOn or an OpwatchCallback, got {type(source).__name__}")
     contained = counts.pop("contained")
     values = {"opwatch/anomalies": sum(counts.values())}
-    values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items())
+    values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
     values["opwatch/contained"] = contained
     if isinstance(source, LeaveOn):
         values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed})

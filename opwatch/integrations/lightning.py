@@ -29,9 +29,10 @@ class _Hooks(WatchedSteps):
       ``max_records`` ops of the latest batches; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of fit the summary is printed (to ``file``, stderr by default).
     - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
-      ``opwatch/anomalies/<kind>`` per kind, ``opwatch/contained``) are logged each batch with
+      ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are logged each batch with
       ``LightningModule.log``, so they reach every logger of the trainer (TensorBoard, CSV,
-      W&B; every ``log_every_n_steps``, like any metric logged on step).
+      W&B; every ``log_every_n_steps``, like any metric logged on step), and once more at the
+      end of fit, at the trainer's ``global_step`` (the final counts, whatever the interval).
     - ``strict=True``: fit stops at the first anomaly with :class:`opwatch.AnomalyError`
       (device, dtype and broadcast anomalies before the op runs; nan/inf at the next check
       point: the batch's end, or a value read on the host such as ``loss.item()``).
@@ -97,10 +98,23 @@ class _Hooks(WatchedSteps):
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         if self.runner is not None:
             self.runner.__exit__(None, None, None)
+        else:
+            self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
+        if self._log:
+            _log_final_counts(trainer, metrics(self))
+        if self.runner is not None:
             self.runner.print_summary(prefix, watch_summary=True)
-            return
-        self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
-        self._steps.print_summary(prefix)
+        else:
+            self._steps.print_summary(prefix)
+
+
+def _log_final_counts(trainer, counts: dict) -> None:
+    """The counts at the end of fit, to every logger, at the trainer's global step: the batches
+    after the last ``log_every_n_steps`` reach no logger otherwise (and Lightning does not say
+    which batch it sent last)."""
+    counts = {name: float(value) for name, value in counts.items()}  # as LightningModule.log sends them
+    for logger in trainer.loggers:
+        logger.log_metrics(counts, step=trainer.global_step)
 
 
 def _load_base():

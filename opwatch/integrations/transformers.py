@@ -38,7 +38,7 @@ class _Hooks(WatchedSteps):
       ``max_records`` ops of the latest steps; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of training the summary is printed (to ``file``, stderr by default).
     - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
-      ``opwatch/anomalies/<kind>`` per kind, ``opwatch/contained``) are added to each log
+      ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are added to each log
       (``logging_steps``), so they reach every ``report_to`` integration (TensorBoard, W&B,
       ...), ``trainer.state.log_history`` and the progress printer. The Trainer registers
       the integrations before the user's callbacks and calls them in that order: when

@@ -53,8 +53,9 @@ def test_lightning_fit(tmp_path):
     assert out.getvalue().startswith("opwatch: 3 anomalies at 1 place:")
     with open(f"{trainer.logger.log_dir}/metrics.csv") as metrics:
         rows = list(csv.DictReader(metrics))
-    assert [float(row["opwatch/anomalies"]) for row in rows] == [1.0, 2.0, 3.0]
-    assert [float(row["opwatch/contained"]) for row in rows] == [0.0, 0.0, 0.0]
+    # each batch's, then the end of fit's
+    assert [float(row["opwatch/anomalies"]) for row in rows] == [1.0, 2.0, 3.0, 3.0]
+    assert [float(row["opwatch/contained"]) for row in rows] == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):

@@ -20,9 +20,6 @@ from support.trainers import STEPS, broadcast_loss, lightning_fit, matched_loss,
 
 pytest.importorskip("tensorboard")
 
-KIND_TAGS = [f"opwatch/anomalies/{kind}" for kind in opwatch.KINDS]
-
-
 def read_scalars(root) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value), ...] of the one TensorBoard log (a folder of event files) under
     ``root``."""
@@ -40,11 +37,15 @@ def values(scalars, tag) -> list[float]:
 
 
 def assert_counts_are(scalars, counts, prefix="opwatch/"):
-    """The last value of each of opwatch's tags is the watch's count."""
+    """The last value of each of opwatch's tags is the watch's count; a kind never found has no
+    tag."""
     kinds = {kind: count for kind, count in counts.items() if kind != "contained"}
     assert values(scalars, prefix + "anomalies")[-1] == sum(kinds.values())
     for kind, count in kinds.items():
-        assert values(scalars, f"{prefix}anomalies/{kind}")[-1] == count
+        if count:
+            assert values(scalars, f"{prefix}anomalies/{kind}")[-1] == count
+        else:
+            assert f"{prefix}anomalies/{kind}" not in scalars
     assert values(scalars, prefix + "contained")[-1] == counts["contained"]
 
 
@@ -61,11 +62,11 @@ def test_metrics_are_the_watch_counts_by_kind():
             broadcast_loss(model(x), target).backward()
         torch.log(torch.zeros(1)).sum().item()  # -inf, read on the host: an anomaly
     assert w.counts["broadcast"] == 2 and w.counts["inf"] == 1
-    found = metrics(w)
-    assert list(found) == ["opwatch/anomalies", *KIND_TAGS, "opwatch/contained"]
-    assert found["opwatch/anomalies"] == len(w.anomalies) == 3
-    assert found["opwatch/anomalies/broadcast"] == 2 and found["opwatch/anomalies/inf"] == 1
-    assert found["opwatch/anomalies/device_mismatch"] == 0 and found["opwatch/contained"] == 0
+    assert w.counts["device_mismatch"] == 0 and set(w.counts) == {*opwatch.KINDS, "contained"}
+    # The total, a tag for each kind found (in the order of opwatch.KINDS), the contained origins.
+    assert metrics(w) == {"opwatch/anomalies": 3, "opwatch/anomalies/broadcast": 2, "opwatch/anomalies/inf": 1, "opwatch/contained": 0}
+    assert list(metrics(w)) == ["opwatch/anomalies", "opwatch/anomalies/broadcast", "opwatch/anomalies/inf", "opwatch/contained"]
+    assert len(w.anomalies) == 3
     with pytest.raises(TypeError, match="takes an opwatch.Watch, a LeaveOn or an OpwatchCallback, got str"):
         metrics("run.jsonl")
 
@@ -99,7 +100,9 @@ def test_log_counts_into_a_summary_writer(tmp_path):
             log_counts(writer, w, step)
     writer.close()
     scalars = read_scalars(tmp_path)
-    assert scalars["opwatch/anomalies/broadcast"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    # A kind's tag begins with its first anomaly; the total is there from the start.
+    assert scalars["opwatch/anomalies"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert scalars["opwatch/anomalies/broadcast"] == [(1, 1.0), (2, 2.0)]
     assert_counts_are(scalars, w.counts)
     with pytest.raises(TypeError, match="writer must be a SummaryWriter"):
         log_counts(str(tmp_path), w, 0)
@@ -146,9 +149,27 @@ def test_lightning_counts_reach_the_tensorboard_logger(tmp_path, loss):
     scalars = read_scalars(tmp_path)
     broadcasts = callback.watch.counts["broadcast"]
     assert broadcasts == (STEPS if loss is broadcast_loss else 0)
-    # One value per batch, the running count after it.
-    expected = [float(n) for n in range(1, STEPS + 1)] if broadcasts else [0.0] * STEPS
-    assert values(scalars, "opwatch/anomalies/broadcast") == values(scalars, "opwatch/anomalies") == expected
+    # The running count after each batch (at Lightning's steps 0, 1, 2), and the final count at
+    # the end of fit (at the global step).
+    expected = [(step, float(step + 1 if broadcasts else 0)) for step in range(STEPS)]
+    expected.append((STEPS, float(broadcasts)))
+    assert scalars["opwatch/anomalies"] == expected
+    assert scalars.get("opwatch/anomalies/broadcast", []) == (expected if broadcasts else [])
+    assert_counts_are(scalars, callback.watch.counts)
+
+
+def test_lightning_logs_the_final_counts_when_the_last_batches_were_not_logged(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from opwatch.integrations.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(file=io.StringIO(), warn=False)
+    lightning_fit(tmp_path, callback, logger=TensorBoardLogger(tmp_path), log_every_n_steps=2)
+    scalars = read_scalars(tmp_path)
+    # Lightning sends the second batch's log (at its step 1: 2 anomalies then) and not the
+    # third's; the final count arrives with the end of fit, at the global step.
+    assert scalars["opwatch/anomalies/broadcast"] == [(1, 2.0), (STEPS, 3.0)]
     assert_counts_are(scalars, callback.watch.counts)
 
 
@@ -162,10 +183,11 @@ def test_lightning_guard_mode_logs_steps_audits_and_failures(tmp_path):
     lightning_fit(tmp_path, callback, logger=TensorBoardLogger(tmp_path))
     scalars = read_scalars(tmp_path)
     # The first batch is audited (its broadcast found once); the others run unwatched.
-    assert values(scalars, "opwatch/steps") == [1.0, 2.0, 3.0] and callback.runner.steps == STEPS
-    assert values(scalars, "opwatch/audited") == [1.0, 1.0, 1.0] and callback.runner.audited == 1
-    assert values(scalars, "opwatch/failed") == [0.0, 0.0, 0.0]
-    assert values(scalars, "opwatch/anomalies/broadcast") == [1.0, 1.0, 1.0]
+    # (each batch's, then the end of fit's)
+    assert values(scalars, "opwatch/steps") == [1.0, 2.0, 3.0, 3.0] and callback.runner.steps == STEPS
+    assert values(scalars, "opwatch/audited") == [1.0, 1.0, 1.0, 1.0] and callback.runner.audited == 1
+    assert values(scalars, "opwatch/failed") == [0.0, 0.0, 0.0, 0.0]
+    assert values(scalars, "opwatch/anomalies/broadcast") == [1.0, 1.0, 1.0, 1.0]
     assert_counts_are(scalars, callback.watch.counts)
 
 
@@ -245,9 +267,12 @@ def test_cli_writes_the_counts_at_each_optimizer_step(tmp_path, fix, capsys):
     # The real command once; main() in this process for the healthy run.
     scalars, stderr = run_cli(tmp_path, script, capsys=capsys if fix else None)
     expected = [(step, 0.0 if fix else float(step)) for step in range(1, STEPS + 1)]
-    assert scalars["opwatch/anomalies/broadcast"] == expected
     assert scalars["opwatch/anomalies"] == expected
-    assert set(scalars) == {"opwatch/anomalies", *KIND_TAGS, "opwatch/contained"}
+    if fix:
+        assert set(scalars) == {"opwatch/anomalies", "opwatch/contained"}
+    else:
+        assert set(scalars) == {"opwatch/anomalies", "opwatch/anomalies/broadcast", "opwatch/contained"}
+        assert scalars["opwatch/anomalies/broadcast"] == expected
     # The same count the summary gives.
     assert stderr.startswith("opwatch: no anomalies" if fix else f"opwatch: {STEPS} anomalies at 1 place:")
 

@@ -24,9 +24,9 @@ def matched_loss(pred, target):
     return ((target - pred.squeeze(-1)) ** 2).mean()  # (4,) - (4,): the fix
 
 
-def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logger=None):
-    """``lightning.Trainer.fit`` for ``steps`` batches of 4, logging every step to ``logger``
-    (a ``CSVLogger`` in ``tmp_path`` by default)."""
+def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logger=None, log_every_n_steps=1):
+    """``lightning.Trainer.fit`` for ``steps`` batches of 4, logging every ``log_every_n_steps``
+    to ``logger`` (a ``CSVLogger`` in ``tmp_path`` by default)."""
     lightning = pytest.importorskip("lightning")
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
@@ -48,7 +48,7 @@ def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logge
         accelerator="cpu",
         logger=logger if logger is not None else CSVLogger(tmp_path),
         default_root_dir=tmp_path,
-        log_every_n_steps=1,
+        log_every_n_steps=log_every_n_steps,
         callbacks=[callback],
         enable_checkpointing=False,
         enable_progress_bar=False,
