@@ -289,3 +289,19 @@ def test_cli_writes_the_final_counts_of_a_script_without_an_optimizer(tmp_path, 
     script = "import torch\nprint(float(torch.log(torch.zeros(2)).sum()))\n"
     scalars, _ = run_cli(tmp_path, script, capsys=capsys)
     assert scalars["opwatch/anomalies/inf"] == [(0, 1.0)] and scalars["opwatch/anomalies"] == [(0, 1.0)]
+
+
+def test_cli_without_tensorboard_installed_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from opwatch.__main__ import main
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "tensorboard" else real(name, *args))
+    with pytest.raises(SystemExit) as exited:
+        main(["--tensorboard", str(tmp_path / "tb"), str(script)])
+    assert exited.value.code == 2
+    assert "--tensorboard needs the tensorboard package: pip install tensorboard" in capsys.readouterr().err
+    assert not (tmp_path / "tb").exists()
