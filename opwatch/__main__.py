@@ -1,6 +1,6 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--guard] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
+    python -m opwatch [--strict] [--guard] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
     python -m opwatch show run.jsonl [--last N]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/cli_diff.py)
     python -m opwatch demo
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import importlib.util
 import os
 import runpy
 import sys
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
     parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
     parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard)"
+    )
+    parser.add_argument(
         "--allow",
         action="append",
         default=[],
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--last must be 0 or more")
     if options.guard and options.fingerprints:
         parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
+    if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        parser.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:
         allow = [parse_allow(text) for text in options.allow]
     except (ValueError, TypeError) as error:
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             post_mortem=options.pdb,
             guard=options.guard,
             fingerprints=options.fingerprints,
+            tensorboard=options.tensorboard,
         )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
@@ -107,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
-    fingerprints: bool = False,
+    fingerprints: bool = False, tensorboard=None,
 ) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
     :class:`opwatch.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
-    log to ``jsonl`` / ``trace`` when given. Returns the exit status; an uncaught
+    log to ``jsonl`` / ``trace`` and the counts to a TensorBoard log in ``tensorboard`` (after
+    each optimizer step and at the end) when given. Returns the exit status; an uncaught
     ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
     runner = None
@@ -120,11 +128,12 @@ def run_script(
 
         runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow)
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints)
+    counts = _tensorboard_counts(tensorboard, runner if guard else w)
     status, interrupt = 0, None
     with _running_as_main(path, args) as module:
         try:
             program = _compile(module.__file__)
-            with runner if guard else w:
+            with runner if guard else w, counts or contextlib.nullcontext():
                 if program is None:  # a zip application or a .pyc: runpy knows those
                     runpy.run_path(path, run_name="__main__")
                 else:
@@ -142,6 +151,8 @@ def run_script(
         w.export_jsonl(jsonl)
     if trace:
         w.export_chrome_trace(trace)
+    if counts is not None:
+        counts.close()
     print(w.summary(), file=out)
     if guard:
         runner.print_summary()
@@ -149,6 +160,16 @@ def run_script(
     if interrupt is not None:
         raise interrupt
     return status
+
+
+def _tensorboard_counts(log_dir, source):
+    """The counts written into a TensorBoard log in ``log_dir`` at each optimizer step
+    (:class:`opwatch.integrations.tensorboard.OptimizerStepCounts`); ``None`` without one."""
+    if not log_dir:
+        return None
+    from .integrations.tensorboard import OptimizerStepCounts, summary_writer
+
+    return OptimizerStepCounts(summary_writer(log_dir), source)
 
 
 def _print_every_rank(w, out) -> None:

@@ -10,7 +10,7 @@ bug (one warning, the watch switches off) rather than an exception on the user's
 from __future__ import annotations
 
 import warnings
-from collections import deque
+from collections import Counter, deque
 
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .checks.finding import Finding
@@ -32,6 +32,8 @@ class Reporter:
         self.contained: deque[Anomaly] = deque(maxlen=limit)
         self.allowed: deque[Anomaly] = deque(maxlen=limit)
         self.count = 0  # anomalies ever reported (the deque drops old ones)
+        self.kinds: Counter = Counter()  # anomalies ever reported, by kind
+        self.contained_count = 0  # contained origins ever reported
         self._warned: set = set()  # (kind, file, line) already warned
 
     def report(self, finding: Finding, record: OpRecord, *, contained: bool = False, may_raise: bool = True) -> AnomalyError | None:
@@ -41,6 +43,7 @@ class Reporter:
         anomaly = Anomaly(finding, record)
         if contained:
             self.contained.append(anomaly)
+            self.contained_count += 1
             return None
         if self._allow and any(entry.matches(anomaly) for entry in self._allow):
             self.allowed.append(anomaly)
@@ -48,6 +51,7 @@ class Reporter:
         self._log.add_flag(record.index, finding.kind)
         self.anomalies.append(anomaly)
         self.count += 1
+        self.kinds[finding.kind] += 1
         if self.strict and may_raise:
             return AnomalyError(anomaly)
         if self._warn:

@@ -133,6 +133,7 @@ class Watch:
         anomalies: the :class:`Anomaly` s found (at most ``max_records``, oldest dropped).
         contained: nan/inf origins that were absorbed before they mattered; not anomalies.
         allowed: findings that matched an ``allow`` entry; not anomalies.
+        counts: anomalies reported per kind over the watch's life, and contained origins.
         rank: this process's rank in a ``torch.distributed`` job, else ``None``; every rank's
             anomalies: :meth:`all_anomalies`.
         strict: whether anomalies raise.
@@ -197,6 +198,16 @@ class Watch:
     @property
     def allowed(self) -> list[Anomaly]:
         return list(self._reporter.allowed)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many anomalies of each kind this watch reported over its life (every block it
+        was entered for, those dropped past ``max_records`` included): one entry per kind of
+        :data:`opwatch.KINDS` (0 for none), and ``"contained"``, the nan/inf origins that were
+        absorbed. ``w.counts["broadcast"]``; the metrics logged to TensorBoard are made from
+        these (:func:`opwatch.integrations.metrics`)."""
+        kinds = self._reporter.kinds
+        return {**{kind: kinds[kind] for kind in _checks.KINDS}, "contained": self._reporter.contained_count}
 
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op log as a table (the last ``last`` ops, or all): index, op, inputs, outputs,

@@ -22,6 +22,7 @@ PUBLIC_MODULES = (
     "opwatch",
     "opwatch.integrations.lightning",
     "opwatch.integrations.transformers",
+    "opwatch.integrations.tensorboard",
 )
 # What those names return or raise, documented where it is defined.
 RETURNED = (
@@ -34,6 +35,7 @@ RETURNED = (
     "opwatch.export.SavedRecord",
     "opwatch.export.SavedAnomaly",
     "opwatch.ranks.AllAnomalies",
+    "opwatch.integrations.metrics",
 )
 # The ``--help`` pages of the command line: file stem -> argv.
 CLI_PAGES = {

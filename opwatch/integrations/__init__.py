@@ -2,17 +2,20 @@
 
 - :mod:`opwatch.integrations.lightning`: ``OpwatchCallback`` for ``lightning.Trainer``.
 - :mod:`opwatch.integrations.transformers`: ``OpwatchCallback`` for ``transformers.Trainer``.
+- :mod:`opwatch.integrations.tensorboard`: the counts into a ``SummaryWriter`` (a plain
+  script, ``python -m opwatch --tensorboard DIR``).
 
-Each module imports its framework only when its ``OpwatchCallback`` is first used, and this
-package imports neither. Both callbacks keep one :class:`StepWatch` (``mode="watch"``) or one
-:class:`opwatch.leave_on.LeaveOn` (``mode="guard"``).
+Each module imports its framework only when first used, and this package imports none. Both
+callbacks keep one :class:`StepWatch` (``mode="watch"``) or one
+:class:`opwatch.leave_on.LeaveOn` (``mode="guard"``), and log :func:`metrics` (the same
+names in every runner) to the trainer's loggers.
 """
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner"]
+__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner", "metrics"]
 
 MODES = ("watch", "guard")
 
@@ -138,3 +141,40 @@ def _after(anomalies: list, seen) -> list:
         if anomalies[position] is seen:
             return anomalies[position + 1 :]
     return anomalies
+
+
+def metrics(source) -> dict[str, int]:
+    """opwatch's counts as metrics for TensorBoard and the trainers' loggers: running totals
+    since the run began, read from the watch (:attr:`opwatch.Watch.counts`), never from text.
+
+    - ``opwatch/anomalies``: every anomaly reported so far;
+    - ``opwatch/anomalies/<kind>``: those of one kind of :data:`opwatch.KINDS`
+      (``device_mismatch``, ``dtype_mismatch``, ``broadcast``, ``collective_mismatch``,
+      ``nan``, ``inf``, ``overflow_risk``), for each kind found so far (a healthy run's logs
+      carry the total alone, 0);
+    - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
+    - guard mode (the leave-on runner, ``opwatch.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
+      seen), ``opwatch/audited`` (of them, run under the full watch) and ``opwatch/failed``
+      (steps whose gradients held nan/inf).
+
+    ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
+    ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
+    """
+    from ..leave_on import LeaveOn
+    from ..session import Watch
+
+    if isinstance(source, WatchedSteps):
+        source = source._steps
+    if isinstance(source, (StepWatch, LeaveOn)):
+        counts = source.watch.counts
+    elif isinstance(source, Watch):
+        counts = source.counts
+    else:
+        raise TypeError(f"metrics() takes an opwatch.Watch, a LeaveOn or an OpwatchCallback, got {type(source).__name__}")
+    contained = counts.pop("contained")
+    values = {"opwatch/anomalies": sum(counts.values())}
+    values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
+    values["opwatch/contained"] = contained
+    if isinstance(source, LeaveOn):
+        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed})
+    return values

@@ -14,7 +14,7 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
-from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner
+from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
 
 __all__ = ["OpwatchCallback"]
 
@@ -28,9 +28,11 @@ class _Hooks(WatchedSteps):
       found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
       ``max_records`` ops of the latest batches; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of fit the summary is printed (to ``file``, stderr by default).
-    - The running counts ``opwatch/anomalies`` and ``opwatch/contained`` are logged each batch
-      with ``LightningModule.log``, so they reach the trainer's loggers (every
-      ``log_every_n_steps``, like any metric logged on step).
+    - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
+      ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are logged each batch with
+      ``LightningModule.log``, so they reach every logger of the trainer (TensorBoard, CSV,
+      W&B; every ``log_every_n_steps``, like any metric logged on step), and once more at the
+      end of fit, at the trainer's ``global_step`` (the final counts, whatever the interval).
     - ``strict=True``: fit stops at the first anomaly with :class:`opwatch.AnomalyError`
       (device, dtype and broadcast anomalies before the op runs; nan/inf at the next check
       point: the batch's end, or a value read on the host such as ``loss.item()``).
@@ -45,7 +47,7 @@ class _Hooks(WatchedSteps):
     holding nan/inf; with ``strict=True`` it raises ``opwatch.leave_on.GradientsNotFinite``
     before the optimizer applies them, otherwise it warns and audits the next batch to name
     the op that makes them. ``callback.runner`` counts steps, audits and failures (logged as
-    ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
+    ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
     watches every batch.
 
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
@@ -81,12 +83,10 @@ class _Hooks(WatchedSteps):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:
             self.runner.end_batch()  # a batch that accumulated gradients without a step
-            counts = {"opwatch/anomalies": float(len(self.runner.watch.anomalies)), "opwatch/failed": float(self.runner.failed)}
         else:
             self._steps.exit()
-            counts = {"opwatch/anomalies": float(self._steps.anomaly_count), "opwatch/contained": float(self._steps.contained_count)}
         if self._log:
-            pl_module.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log_dict(metrics(self), on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.runner is not None:
@@ -98,10 +98,23 @@ class _Hooks(WatchedSteps):
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         if self.runner is not None:
             self.runner.__exit__(None, None, None)
+        else:
+            self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
+        if self._log:
+            _log_final_counts(trainer, metrics(self))
+        if self.runner is not None:
             self.runner.print_summary(prefix, watch_summary=True)
-            return
-        self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
-        self._steps.print_summary(prefix)
+        else:
+            self._steps.print_summary(prefix)
+
+
+def _log_final_counts(trainer, counts: dict) -> None:
+    """The counts at the end of fit, to every logger, at the trainer's global step: the batches
+    after the last ``log_every_n_steps`` reach no logger otherwise (and Lightning does not say
+    which batch it sent last)."""
+    counts = {name: float(value) for name, value in counts.items()}  # as LightningModule.log sends them
+    for logger in trainer.loggers:
+        logger.log_metrics(counts, step=trainer.global_step)
 
 
 def _load_base():

@@ -21,8 +21,9 @@ imported.
 from __future__ import annotations
 
 import math
+import sys
 
-from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner
+from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
 
 __all__ = ["OpwatchCallback", "guard_trainer"]
 
@@ -36,10 +37,13 @@ class _Hooks(WatchedSteps):
       found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
       ``max_records`` ops of the latest steps; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of training the summary is printed (to ``file``, stderr by default).
-    - The running counts ``opwatch/anomalies`` and ``opwatch/contained`` are added to each log
-      (``logging_steps``): they reach ``trainer.state.log_history`` and the callbacks after
-      this one (the progress printer). Integrations that ``report_to`` registered before it
-      have logged by then.
+    - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
+      ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are added to each log
+      (``logging_steps``), so they reach every ``report_to`` integration (TensorBoard, W&B,
+      ...), ``trainer.state.log_history`` and the progress printer. The Trainer registers
+      the integrations before the user's callbacks and calls them in that order: when
+      training begins, this callback moves itself to the front of the trainer's callback
+      list (``trainer.callback_handler.callbacks``), so that its ``on_log`` runs first.
     - ``strict=True``: training stops at the first anomaly with :class:`opwatch.AnomalyError`
       (device, dtype and broadcast anomalies before the op runs; nan/inf at the next check
       point: the Trainer's own ``isnan(loss)`` test after each micro-batch, or the step's end).
@@ -58,7 +62,8 @@ class _Hooks(WatchedSteps):
     ``opwatch.leave_on.GradientsNotFinite`` before the optimizer applies them, otherwise it
     warns and watches the next step fully to name the op that makes them. The callback sees no
     batch: to audit each new batch signature and replay a failing batch from its start, use
-    :func:`guard_trainer` as well. ``callback.runner`` counts steps, audits and failures.
+    :func:`guard_trainer` as well. ``callback.runner`` counts steps, audits and failures
+    (logged as ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``).
 
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
     ``last``, ``max_records``, ``warn``, ``file``), and ``mode`` (``"watch"``, default, or
@@ -85,6 +90,7 @@ class _Hooks(WatchedSteps):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.close()  # a step of an earlier train() that raised
+        _move_to_front(self)
         if self.runner is not None:
             if kwargs.get("model") is not None:
                 self.runner.know(kwargs["model"])
@@ -103,10 +109,7 @@ class _Hooks(WatchedSteps):
             self._steps.exit()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.runner is not None:
-            counts = {"opwatch/anomalies": len(self.runner.watch.anomalies), "opwatch/failed": self.runner.failed}
-        else:
-            counts = {"opwatch/anomalies": self._steps.anomaly_count, "opwatch/contained": self._steps.contained_count}
+        counts = metrics(self)
         if logs is not None:
             logs.update(counts)
         # Trainer.log appended this log's copy to the history just before calling on_log.
@@ -159,6 +162,30 @@ def guard_trainer(trainer, *, on_failure: str = "raise", **guard_options):
     guarded_training_step.guarded = guarded
     trainer.training_step = guarded_training_step
     return guarded
+
+
+def _move_to_front(callback) -> None:
+    """Put ``callback`` first in the list of the trainer's ``CallbackHandler``, found as the
+    ``self`` of the ``call_event`` that calls the hook now running (callbacks get no reference
+    to the trainer). Taking it out of its place and putting it first leaves every callback
+    after it where it was, so the handler's loop over the list goes on unchanged."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    try:
+        for _ in range(4):  # _move_to_front <- on_train_begin <- call_event, and a margin
+            frame = frame.f_back
+            if frame is None:
+                return
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler):
+                callbacks = handler.callbacks
+                for position, item in enumerate(callbacks):
+                    if item is callback:
+                        callbacks.insert(0, callbacks.pop(position))
+                        return
+    finally:
+        del frame
 
 
 def _load_base():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed"]
+__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written"]
 
 # The built-in demo: each example script of opwatch/examples with what it shows.
 DEMO_STORIES = (
@@ -40,3 +40,8 @@ def exchange_failed(publishing: bool, error: BaseException) -> str:
     if publishing:
         return f"opwatch could not publish this rank's anomalies for the other ranks: {type(error).__name__}: {error}"
     return f"opwatch could not read the other ranks' anomalies: {type(error).__name__}: {error}"
+
+
+def counts_not_written(error: BaseException) -> str:
+    """The warning when opwatch's counts could not be written to TensorBoard (it stops trying)."""
+    return f"opwatch could not write its counts to TensorBoard and stops writing them: {type(error).__name__}: {error}"

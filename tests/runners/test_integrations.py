@@ -1,5 +1,6 @@
 """The trainer callbacks, end to end with the real frameworks: a Lightning fit and a Hugging Face
-``Trainer.train()`` whose loss broadcasts a ``(4,)`` target against a ``(4, 1)`` prediction."""
+``Trainer.train()`` whose loss broadcasts a ``(4,)`` target against a ``(4, 1)`` prediction
+(``support.trainers``)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,8 @@ import pytest
 import torch
 
 import opwatch
-
-STEPS = 3
-
-
-def regression_data(count=4 * STEPS):
-    torch.manual_seed(0)
-    x = torch.randn(count, 2)
-    return x, x @ torch.tensor([1.0, 2.0]) + 3.0
-
-
-def broadcast_loss(pred, target):
-    return ((target - pred) ** 2).mean()  # (4,) - (4, 1): a (4, 4) loss
+from support import trainers
+from support.trainers import STEPS, lightning_fit, transformers_train
 
 
 def assert_closed(watch):
@@ -36,44 +27,12 @@ def assert_closed(watch):
 def assert_one_broadcast_per_step(callback, phases=("forward", "backward")):
     assert len(callback.anomalies) == STEPS
     for anomaly in callback.anomalies:
-        assert (anomaly.kind, anomaly.op, anomaly.filename, anomaly.phase) == ("broadcast", "aten.sub.Tensor", __file__, "forward")
+        assert (anomaly.kind, anomaly.op, anomaly.filename, anomaly.phase) == ("broadcast", "aten.sub.Tensor", trainers.__file__, "forward")
         assert "(target - pred)" in anomaly.message
     assert {record.phase for record in callback.watch.records} == set(phases)
 
 
 # -- Lightning --------------------------------------------------------------------------------
-
-
-def lightning_fit(tmp_path, callback, steps=STEPS):
-    lightning = pytest.importorskip("lightning")
-    from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Regression(lightning.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, target = batch
-            return broadcast_loss(self.layer(x), target)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    trainer = lightning.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=CSVLogger(tmp_path),
-        default_root_dir=tmp_path,
-        log_every_n_steps=1,
-        callbacks=[callback],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Regression(), DataLoader(TensorDataset(*regression_data()), batch_size=4))
-    return trainer
 
 
 def test_lightning_fit(tmp_path):
@@ -94,8 +53,9 @@ def test_lightning_fit(tmp_path):
     assert out.getvalue().startswith("opwatch: 3 anomalies at 1 place:")
     with open(f"{trainer.logger.log_dir}/metrics.csv") as metrics:
         rows = list(csv.DictReader(metrics))
-    assert [float(row["opwatch/anomalies"]) for row in rows] == [1.0, 2.0, 3.0]
-    assert [float(row["opwatch/contained"]) for row in rows] == [0.0, 0.0, 0.0]
+    # each batch's, then the end of fit's
+    assert [float(row["opwatch/anomalies"]) for row in rows] == [1.0, 2.0, 3.0, 3.0]
+    assert [float(row["opwatch/contained"]) for row in rows] == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):
@@ -113,41 +73,6 @@ def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):
 
 
 # -- Hugging Face transformers ------------------------------------------------------------------
-
-
-def transformers_train(tmp_path, callback, steps=STEPS):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-
-    class Regression(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def forward(self, x, labels=None):
-            pred = self.layer(x)
-            return {"loss": broadcast_loss(pred, labels), "logits": pred}
-
-    x, y = regression_data()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=steps,
-        per_device_train_batch_size=4,
-        learning_rate=0.01,
-        optim="adamw_torch_fused",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    trainer = transformers.Trainer(
-        model=Regression(), args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)], callbacks=[callback]
-    )
-    with callback:
-        trainer.train()
-    return trainer
 
 
 def test_transformers_train(tmp_path):
@@ -185,8 +110,9 @@ def test_transformers_strict_stops_at_the_first_anomaly(tmp_path):
 def test_frameworks_are_imported_only_when_used():
     code = (
         "import sys\n"
-        "import opwatch.integrations.lightning, opwatch.integrations.transformers\n"
-        "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules, 'transformers' in sys.modules)\n"
+        "import opwatch.integrations.lightning, opwatch.integrations.transformers, opwatch.integrations.tensorboard\n"
+        "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules, 'transformers' in sys.modules,\n"
+        "      'tensorboard' in sys.modules, 'torch.utils.tensorboard' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["False", "False", "False"], result.stderr
+    assert result.stdout.split() == ["False"] * 5, result.stderr
