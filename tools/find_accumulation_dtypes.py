@@ -21,15 +21,21 @@ runs :func:`classify` again on every call and fails when torch disagrees with it
 
 Result on torch 2.13.0 (CPU build):
 
-- raise on every dtype mismatch of the source: ``index_add_``, ``index_copy_``,
-  ``index_reduce_``, ``scatter_`` and ``scatter_add_`` and ``scatter_reduce_`` (a tensor
-  ``src``), ``masked_scatter_``, ``put_`` (with and without accumulate), ``index_put_`` with
-  ``accumulate=True`` (full or 0-dim values), and their out-of-place forms;
-- silently cast the source into ``self``'s dtype: ``index_put_`` with ``accumulate=False``
-  (``buf[idx] = v``, ``buf[mask] = v``), ``copy_`` (``buf[:n] = v``, ``buf.copy_(v)``),
-  ``masked_fill_`` and ``index_fill_`` with a 0-dim tensor value, ``fill_`` with a 0-dim tensor;
-- ``masked_fill_``/``index_fill_`` with a tensor value of more than 0 dims raise (a shape rule,
-  not a dtype rule).
+- raise on every dtype mismatch between ``self`` and the source (all 42 mismatched pairs):
+  ``index_add_``, ``index_copy_``, ``index_reduce_``, ``scatter_``/``scatter_add_``/
+  ``scatter_reduce_`` with a tensor ``src`` (and ``reduce=``), ``masked_scatter_``, ``put_``
+  (with and without accumulate), ``index_put_`` with and without accumulate, full or 0-dim
+  values (``buf[idx] = v``, ``buf[mask] = v``), ``lerp_`` (``end`` and ``weight``), and the
+  functional forms;
+- the one exception in that family: ``index_put_`` without accumulate of a one-element CPU
+  value under a single bool mask (``buf[mask] = torch.tensor(x)``) runs as ``masked_fill_`` and
+  casts;
+- silently cast the source into ``self``'s dtype: ``copy_`` (and ``buf[:n] = v``),
+  ``slice_scatter``/``select_scatter``, ``masked_fill_``/``index_fill_``/``fill_`` with a 0-dim
+  tensor value (a value of more dims raises, a shape rule);
+- in-place pointwise ops (``add_``, ``sub_``, ``addcmul_``, ``mul_``, ``add(out=)``) compute in the
+  promoted dtype and round into ``self`` silently, raising only where a float result meets an
+  integer or bool ``self``.
 """
 
 from __future__ import annotations
