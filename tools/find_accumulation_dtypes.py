@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                     messages.add(message)
             rows.append(f"  {target_name:>5} " + " ".join(f"{c:>4}" for c in cells))
         print(f"{name}  (reaches {', '.join(sorted(reached)) or '-'})")
-        print("  self\\src " + " ".join(f"{n:>4}" for n in names)[3:])
+        print("  self\\src" + "".join(f"{n:>5}" for n in names))
         print("\n".join(rows))
         if options.messages:
             for message in sorted(messages)[:3]:
