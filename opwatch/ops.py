@@ -74,6 +74,25 @@ PRIMARY_OUTPUT_ONLY = {
 MASKING = {"aten::where", "aten::masked_fill", "aten::masked_fill_", "aten::nan_to_num", "aten::nan_to_num_"}
 # GradScaler's overflow check of the scaled gradients (torch.amp.grad_scaler).
 GRAD_SCALER_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
+# Ops that write a source tensor's values into ``self`` (in place, or into a copy in ``self``'s
+# dtype) at indices or under a mask, whose kernels raise unless the source has ``self``'s dtype
+# (torch 2.13, found by tools/find_accumulation_dtypes.py; ``index_put`` takes a one-element
+# value of another dtype under a single bool mask, where it runs as ``masked_fill_``). The
+# source is the argument named in SOURCE_NAMES; in-place, functional and out= forms share a name.
+SOURCE_WRITES = {
+    "aten::index_add", "aten::index_add_", "aten::index_copy", "aten::index_copy_", "aten::index_reduce",
+    "aten::index_reduce_", "aten::scatter", "aten::scatter_", "aten::scatter_add", "aten::scatter_add_",
+    "aten::scatter_reduce", "aten::scatter_reduce_", "aten::masked_scatter", "aten::masked_scatter_",
+    "aten::put", "aten::put_", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
+    "aten::_unsafe_index_put", "aten::lerp", "aten::lerp_",
+}
+SOURCE_NAMES = ("source", "src", "values", "end")
+# Pointwise ops that add into the tensor they write (in place or as out=): torch computes in the
+# promoted dtype and rounds the result into the written tensor's dtype silently.
+ACCUMULATING = {
+    "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::addcmul", "aten::addcmul_",
+    "aten::addcdiv", "aten::addcdiv_",
+}
 
 
 class OpFacts:
@@ -98,12 +117,20 @@ class OpFacts:
         collective: its :class:`Collective`, or ``None``.
         is_collective: moves data between ranks (a c10d op or a functional collective).
         mutated_args: arguments written in place, as ``(position, name)``.
+        written: where the one tensor the op writes sits among its tensor arguments as the
+            checks get them (positional ones first, then keyword ones): 0 for an in-place op on
+            ``self``, -1 for a single ``out=``; ``None`` for an op that writes none or several.
+        source: for the ops of ``SOURCE_WRITES``, where the source whose values are written
+            into ``self`` sits among the tensor arguments (counted from the end, negative,
+            after a list of indices: ``index_put_``'s ``values`` is -1); ``None`` otherwise.
+        accumulates: a pointwise op of ``ACCUMULATING`` writing in place or into ``out=``.
     """
 
     __slots__ = (
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "needs_carrier", "checked_outputs",
         "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
+        "written", "source", "accumulates",
     )
 
     def __init__(self, func):
@@ -132,6 +159,9 @@ class OpFacts:
             for position, arg in enumerate(schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
+        self.written = _written_position(schema, self.mutated_args)
+        self.source = _source_position(schema) if name in SOURCE_WRITES else None
+        self.accumulates = name in ACCUMULATING and self.written is not None
 
     def __repr__(self) -> str:
         return f"<OpFacts {self.schema_name}>"
@@ -149,6 +179,40 @@ def facts_of(func) -> OpFacts:
             _FACTS.clear()
         known = _FACTS[func] = OpFacts(func)
     return known
+
+
+def _written_position(schema, mutated_args) -> int | None:
+    if len(mutated_args) != 1:
+        return None
+    ((position, _name),) = mutated_args
+    if position == 0:
+        return 0
+    return -1 if schema.arguments[position].kwarg_only else None
+
+
+def _source_position(schema) -> int | None:
+    """Where the argument named in ``SOURCE_NAMES`` sits among the tensor arguments as the
+    checks get them (lists flattened, ``None`` optionals left out): from the start when only
+    single tensors precede it, from the end when a list does and only single tensors follow."""
+    before, after, source, listed = 0, 0, None, False
+    for arg in schema.arguments:
+        type_name = str(arg.type)
+        if "Tensor" not in type_name:
+            continue
+        if source is None and arg.name in SOURCE_NAMES and type_name == "Tensor":
+            source = arg
+            continue
+        if source is None:
+            if type_name != "Tensor":
+                listed = True  # a list or an optional: the positions after it move
+            before += 1
+        elif type_name == "Tensor":
+            after += 1
+        else:
+            return None
+    if source is None:
+        return None
+    return -(after + 1) if listed else before
 
 
 def op_name(func) -> str:

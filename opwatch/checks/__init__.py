@@ -32,16 +32,17 @@ import torch
 
 from ..ops import facts_of
 from ..records import M_IDENT, M_SHAPE
-from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
+from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, MadeBy, Owned, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
-# Run in this order before each kernel; the first finding wins.
-PRE_KERNEL_CHECKS = (device, dtype, broadcast, collectives)
+# Run in this order before each kernel; the first finding wins. ``accumulation`` is part of the
+# dtype_mismatch check (its kind), in a module of its own.
+PRE_KERNEL_CHECKS = (device, dtype, accumulation, broadcast, collectives)
 
 # Names accepted by ``watch(checks=...)``.
-CHECK_NAMES = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + (nonfinite.NAME, pre_dispatch.NAME)
+CHECK_NAMES = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + (nonfinite.NAME, pre_dispatch.NAME)
 
 # The checks ``watch(checks=None)`` runs: all but those that cost something on every call of
 # their ops (collective_mismatch: a store round trip per collective; pre_dispatch: a function
@@ -49,7 +50,7 @@ CHECK_NAMES = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + (nonfinite.NAME
 DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name not in (collectives.KIND, pre_dispatch.NAME))
 
 # Anomaly kinds, as ``Anomaly.kind`` reports them.
-KINDS = tuple(check.KIND for check in PRE_KERNEL_CHECKS) + nonfinite.KINDS
+KINDS = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + nonfinite.KINDS
 
 
 class CheckContext:

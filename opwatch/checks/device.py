@@ -77,24 +77,10 @@ def for_op(func):
         return partial(_check_indexing, func, "put" in name)
     if name in _JOINING_OPS:
         return partial(_check_joined, func)
-    written = _written_position(func)
+    written = facts_of(func).written
     if written is not None and name not in _SCALAR_VALUE_WRITES:
         return partial(_check_written, func, written)
     return partial(_check, func)
-
-
-def _written_position(func) -> int | None:
-    """Where the tensor ``func`` writes sits among its tensor arguments as the checks get them
-    (positional ones first, then keyword ones): 0 for an in-place op on ``self``, -1 for a
-    single ``out=``; ``None`` for an op that writes none (or several)."""
-    written = facts_of(func).mutated_args
-    if len(written) != 1:
-        return None
-    position, name = written[0]
-    if position == 0:
-        return 0
-    argument = func._schema.arguments[position]
-    return -1 if argument.kwarg_only else None
 
 
 def _check_joined(func, tensors, context=None) -> Finding | None:

@@ -3,7 +3,7 @@ here so that :func:`explainer` knows every rule."""
 
 from __future__ import annotations
 
-from . import broadcast, device, dtype, module_calls, nonfinite, pre_dispatch, ranks  # noqa: F401
+from . import accumulation, broadcast, device, dtype, module_calls, nonfinite, pre_dispatch, ranks  # noqa: F401
 from .rules import EXPLAIN
 
 __all__ = ["explainer"]

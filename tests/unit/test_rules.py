@@ -309,7 +309,8 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.modes.interceptor": 8,
     "opwatch.modes.modules": 6,
     "opwatch.modes.reducer": 1,
-    "opwatch.ops": 2,
+    "opwatch.ops": 3,
+    "opwatch.checks.accumulation": 8,  # self is an op's first tensor; the first odd operand
     "opwatch.pytest_plugin": 3,
     "opwatch.records": 1,
     "opwatch.render.broadcast": 2,
