@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import facts_of
-from ..records import M_IDENT, M_SHAPE
+from ..records import E_INDEX, M_IDENT, M_SHAPE
 from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
 from .finding import Finding, Place
 
@@ -77,9 +77,14 @@ class CheckContext:
         return self._shapes.deliberate_dims(tensor, self.site)
 
     def previous_expand(self) -> tuple | None:
-        """``(site, operand, result shape)`` of the last ``expand`` op, for the broadcast check
-        of ``broadcast_tensors`` pairs."""
-        return self._shapes.previous_expand if self._shapes is not None else None
+        """``(site, operand, result shape, op index)`` of the ``expand`` op logged just before
+        this op, for the broadcast check of ``broadcast_tensors`` pairs; ``None`` when the op
+        before was another one (the last expand of the same line one step earlier is no pair)."""
+        previous = self._shapes.previous_expand if self._shapes is not None else None
+        entries = self._log.entries
+        if previous is None or not entries or entries[-1][E_INDEX] != previous[-1]:
+            return None
+        return previous
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""

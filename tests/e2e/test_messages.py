@@ -1,0 +1,173 @@
+"""Messages that are right on realistic training code (issue 20, items 8-11): where an odd
+tensor came from in the user's words, the inputs' ranges at a nan/inf origin, a fix that fits
+each cause, and a loss function's broadcast counted once per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opwatch
+from opwatch.render.messages import explain
+
+
+def watched(program, **options):
+    options.setdefault("warn", False)
+    options.setdefault("dump_on_error", False)
+    with opwatch.watch(**options) as w:
+        program()
+    return w
+
+
+# -- a loss function's broadcast: once per step ----------------------------------------------
+
+
+def train_regressor(loss_fn, steps=8, flat_target=False, **loss_options):
+    """A small regressor whose (B, 1) prediction meets a (B,) target in ``loss_fn`` (the bug),
+    or a target of the same shape (``flat_target``: the fix, ``pred.squeeze(-1)``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x, y = torch.randn(16, 4), torch.randn(16)
+        pred = model(x)
+        if flat_target:
+            pred = pred.squeeze(-1)
+        loss = loss_fn(pred, y, **loss_options)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+LOSSES = [F.smooth_l1_loss, F.mse_loss, F.l1_loss, F.huber_loss]
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda fn: fn.__name__)
+def test_a_broadcast_inside_a_loss_function_is_one_anomaly_per_step(loss_fn):
+    w = watched(lambda: train_regressor(loss_fn, steps=8))
+    found = [a for a in w.anomalies if a.kind == "broadcast"]
+    assert len(found) == 8, [(a.index, a.op) for a in found]
+    assert {a.finding.rule for a in found} == {"broadcast.tensors"}
+    # one place, at the loss call, each the second expand of one broadcast_tensors call
+    assert len({(a.filename, a.lineno) for a in found}) == 1
+    assert all(a.finding.facts["result"] == (16, 16) for a in found)
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_loss_broadcast_once_per_step_also_with_reduction_sum_and_under_bf16_autocast():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = watched(lambda: train_regressor(F.mse_loss, steps=5, reduction="sum"))
+    assert len([a for a in w.anomalies if a.kind == "broadcast"]) == 5
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda fn: fn.__name__)
+def test_a_loss_on_shapes_that_agree_is_quiet_over_steps(loss_fn):
+    with opwatch.strict(dump_on_error=False) as w:
+        train_regressor(loss_fn, steps=8, flat_target=True)
+    assert w.anomalies == []
+
+
+def test_two_losses_on_one_line_with_agreeing_shapes_pair_no_expands_across_calls():
+    """Two broadcast_tensors calls on one line, one step after another, with every expand a
+    no-op on its own: no expand of one call pairs with an expand of the next."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with opwatch.strict(dump_on_error=False) as w:
+        for _ in range(4):
+            out = model(torch.randn(8, 4))
+            loss = F.mse_loss(out[:, 0], torch.zeros(8)) + F.l1_loss(out[:, 1], torch.ones(8))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert w.anomalies == []
+
+
+# -- each nan/inf explanation's fix fits its cause ---------------------------------------------
+
+
+class Scorer(nn.Module):
+    """A small MLP head whose raw output feeds a numerically fragile loss term."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _log_of_a_linear_output(safe):
+    out = SCORER_OUT[0]
+    return (F.softplus(out) + 1e-6).log() if safe else out.log()  # a "rate" that can go negative
+
+
+def _sqrt_of_a_variance(safe):
+    out = SCORER_OUT[0]
+    variance = (out**2).mean(-1) - out.mean(-1) ** 2 - 0.5  # an estimate that can dip below 0
+    return variance.clamp_min(0).add(1e-6).sqrt() if safe else variance.sqrt()
+
+
+def _acos_of_a_cosine(safe):
+    out = SCORER_OUT[0]
+    cosine = F.normalize(out, dim=-1) @ F.normalize(out, dim=-1).T * 1.001  # rounds past 1
+    return cosine.clamp(-1 + 1e-6, 1 - 1e-6).acos() if safe else cosine.acos()
+
+
+def _exp_of_large_logits(safe):
+    logits = SCORER_OUT[0] * 200.0
+    return logits.softmax(-1) if safe else logits.exp() / logits.exp().sum(-1, keepdim=True)
+
+
+def _log_of_a_masked_probability(safe):
+    probability = torch.sigmoid(SCORER_OUT[0]) * (SCORER_OUT[0] > 0)
+    return probability.clamp_min(1e-6).log() if safe else probability.log()
+
+
+SCORER_OUT: list = [None]
+
+
+def train_scorer(term, safe=False, steps=3):
+    torch.manual_seed(0)
+    model = Scorer()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        SCORER_OUT[0] = model(torch.randn(8, 4))
+        loss = term(safe).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    SCORER_OUT[0] = None
+    return losses
+
+
+# term, kind, op, words of the reason, words of the fix, words that belong to another cause
+TERMS = [
+    (_log_of_a_linear_output, "nan", "aten.log.default", "log of a negative number is nan", "must be positive", "log(0)"),
+    (_log_of_a_masked_probability, "inf", "aten.log.default", "log(0) = -inf", "clamp_min(eps).log()", "negative"),
+    (_sqrt_of_a_variance, "nan", "aten.sqrt.default", "sqrt of a negative number is nan", "clamp_min(0).sqrt()", "log"),
+    (_acos_of_a_cosine, "nan", "aten.acos.default", "acos of a value outside [-1, 1] is nan", "x.clamp(-1, 1)", "overflow"),
+    (_exp_of_large_logits, "inf", "aten.exp.default", "exp overflows f32 above 88.72", "subtract the max", "negative"),
+]
+
+
+@pytest.mark.parametrize("term, kind, op, reason, fix_words, wrong", TERMS, ids=[t[0].__name__ for t in TERMS])
+def test_a_nan_or_inf_in_a_training_loss_is_explained_by_its_own_cause(term, kind, op, reason, fix_words, wrong):
+    w = watched(lambda: train_scorer(term))
+    anomaly = next(a for a in w.anomalies if a.kind in ("nan", "inf"))
+    assert (anomaly.kind, anomaly.op, anomaly.phase) == (kind, op, "forward")
+    problem, _, fix = explain(anomaly.finding)
+    assert f"-> {reason}" in problem, problem
+    assert fix_words in fix and wrong not in fix, fix
+
+
+@pytest.mark.parametrize("term", [t[0] for t in TERMS], ids=[t[0].__name__ for t in TERMS])
+def test_the_fixed_training_loss_is_quiet(term):
+    with opwatch.strict(dump_on_error=False) as w:
+        losses = train_scorer(term, safe=True)
+    assert w.anomalies == [] and all(map(lambda value: value == value and abs(value) != float("inf"), losses))
