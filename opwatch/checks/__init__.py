@@ -97,22 +97,37 @@ class CheckContext:
 
         - ``("attribute", module class name, attribute name, module path)``: a plain tensor
           attribute of a running module;
-        - ``("parameter" | "buffer", module path, name)``;
-        - ``("made_by", Place)``: the op that made it; for a factory op called without the
-          ``missing`` argument (``"device"``, ``"dtype"``) a third item says what torch filled
-          in: ``("default_device", device)`` or ``("dtype", the dtype given or None, the
-          default dtype)``;
+        - ``("parameter" | "buffer", module path, name, module class name)``: of a running
+          module, or of any model the watch saw called;
+        - ``("made_by", Place)``: the op that made it; a third item tells more:
+
+          - for a factory op called without the ``missing`` argument (``"device"``,
+            ``"dtype"``), what torch filled in: ``("default_device", device)`` or
+            ``("dtype", the dtype given or None, the default dtype)``;
+          - ``("python_data", expression or None, Place or None)``: Python or NumPy data
+            entering torch (``torch.from_numpy(a)``, ``torch.tensor(a)``): the call's source
+            text when known, and, when the odd tensor was then only indexed, viewed or copied
+            (``Place`` is the op that made it), where the data entered;
+          - ``("from_module", "parameter" | "buffer", module class name, name, module path)``:
+            the op only indexed, viewed or copied that parameter or buffer
+            (``self.class_w[target]``);
         - ``("before_watch",)``: made before the watch (or outside torch ops).
         """
         ident = tensor[M_IDENT]
-        found = self._in_running_modules(ident)
+        found = self._in_running_modules(ident) or self._held_by_module(ident)
         if found is not None:
             return found
         record = self._log.producer_of(ident)
         if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
             return ("before_watch",)
         made = ("made_by", Place.of(record))
-        if not (hasattr(record.func, "_schema") and facts_of(record.func).is_factory):
+        if not hasattr(record.func, "_schema"):
+            return made
+        facts = facts_of(record.func)
+        if facts.is_lift or facts.preserves_values or facts.keeps_values or facts.is_copy:
+            source = self._source(record)
+            return made if source is None else (*made, source)
+        if not facts.is_factory:
             return made
         args = dict(record.args)
         if missing == "device" and args.get("device") == torch.get_default_device():
@@ -121,6 +136,55 @@ class CheckContext:
         if missing == "dtype":
             return (*made, ("dtype", args.get("dtype"), torch.get_default_dtype()))
         return made
+
+    # A lift, then ops that only move values (or a copy of the lift: torch.tensor(ndarray)):
+    # followed back this many ops at most.
+    _SOURCE_DEPTH = 8
+
+    def _source(self, record) -> tuple | None:
+        """Where the values of ``record``'s output came from when the op (and those before it)
+        only moved them: Python data (``("python_data", ...)``) or a module's parameter or
+        buffer (``("from_module", ...)``); ``None`` otherwise."""
+        moved = False  # through ops that only moved the values (not the copy of torch.tensor(a))
+        for _ in range(self._SOURCE_DEPTH):
+            facts = facts_of(record.func)
+            if facts.is_lift:
+                return ("python_data", record.position.expression(), Place.of(record) if moved else None)
+            inputs = record.inputs
+            if not inputs or not (facts.preserves_values or facts.keeps_values or facts.is_copy):
+                return None
+            source = inputs[0]
+            if facts.is_copy and not self._is_lift_copy(record, source):
+                return None  # a cast or a move made it: that op is where it was made
+            moved = moved or not facts.is_copy
+            held = self._held_by_module(source.ident)
+            if held is not None:
+                kind, path, name, cls = held[0], held[1], held[2], held[3]
+                return ("from_module", kind, cls, name, path)
+            record = self._log.producer_of(source.ident)
+            if record is None or not hasattr(record.func, "_schema"):
+                return None
+        return None
+
+    def _is_lift_copy(self, record, source) -> bool:
+        """Whether the copy ``record`` copies a lift's output on the same line
+        (``torch.tensor(ndarray)`` lifts the array, then copies it)."""
+        producer = self._log.producer_of(source.ident)
+        if producer is None or not hasattr(producer.func, "_schema") or not facts_of(producer.func).is_lift:
+            return False
+        lifted, copied = producer.position, record.position
+        return (lifted.filename, lifted.lineno, lifted.col, lifted.end_col) == (copied.filename, copied.lineno, copied.col, copied.end_col)
+
+    def _held_by_module(self, ident: int) -> tuple | None:
+        """``("parameter" | "buffer", module path, name, class name)`` of the tensor ``ident``
+        when a module the watch saw called holds it."""
+        if self._modules is None:
+            return None
+        owner = self._modules.owner_of(ident)
+        if owner is None:
+            return None
+        kind, cls, name, path = owner
+        return (kind, path, name, cls)
 
     def _in_running_modules(self, ident: int) -> tuple | None:
         """The provenance of the tensor ``ident`` when a running module holds it."""
@@ -131,7 +195,7 @@ class CheckContext:
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return (kind, path, name)
+                        return (kind, path, name, type(module).__name__)
         return None
 
 

@@ -25,17 +25,47 @@ def where_made(made) -> str:
             f"make it a buffer (self.register_buffer({name!r}, ...))"
         )
     if how in ("parameter", "buffer"):
-        return f"it is {how} {made[1]}.{made[2]}"
+        if len(made) < 4:  # a log saved before the module's class was told
+            return f"it is {how} {made[1]}.{made[2]}"
+        _, path, name, cls = made
+        return f"it is {_held(how, cls, name, path)}"
     if how == "before_watch":
         return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
-    text = f"made by {place(made[1])}"
-    factory = made[2] if len(made) > 2 else None
-    if factory is None:
-        return text
-    if factory[0] == "default_device":
-        return text + f" on the default device ({factory[1]}): give it device= (or make it with *_like / new_*)"
-    given, default = factory[1], factory[2]
+    made_by = made[1]
+    more = made[2] if len(made) > 2 else None
+    if more is None:
+        return f"made by {place(made_by)}"
+    if more[0] == "python_data":
+        _, expression, lifted = more
+        data = f"made by {_call(expression)} at {_location(made_by if lifted is None else lifted)} (Python or NumPy data entering torch)"
+        return data if lifted is None else f"{data}, then taken by {place(made_by)}"
+    if more[0] == "from_module":
+        _, kind, cls, name, path = more
+        return f"taken from {_held(kind, cls, name, path)} by {place(made_by)}"
+    text = f"made by {place(made_by)}"
+    if more[0] == "default_device":
+        return text + f" on the default device ({more[1]}): give it device= (or make it with *_like / new_*)"
+    given, default = more[1], more[2]
     return text + (f" with dtype={given}" if given is not None else f" in the default dtype ({default})")
+
+
+_LONGEST_CALL = 60  # characters of the user's call quoted; longer ones are cut
+
+
+def _call(expression) -> str:
+    """The user's call that brought Python data into torch (``torch.from_numpy(a)``), or what
+    it may have been where the source text is unknown (Python 3.10: no columns)."""
+    if not expression:
+        return "torch.tensor / torch.from_numpy / torch.as_tensor"
+    if len(expression) > _LONGEST_CALL:
+        expression = expression[: _LONGEST_CALL - 3] + "..."
+    return expression
+
+
+def _held(kind, cls, name, path) -> str:
+    """``the buffer class_w of SeqClassifier (model.head)``; the path is left out where the
+    module is the outermost one (named by its class)."""
+    return f"the {kind} {name} of {cls}" + (f" ({path})" if path != cls else "")
 
 
 def place(where) -> str:
@@ -43,12 +73,17 @@ def place(where) -> str:
     a JSON round trip makes of one)."""
     if not isinstance(where, Place):
         where = Place(*where)
-    op = short_op_name(where.op)
+    return f"{short_op_name(where.op)} at {_location(where)}"
+
+
+def _location(where) -> str:
+    """``train.py:23`` of a :class:`Place` (or the list a JSON round trip makes of one), in
+    the one location format."""
+    if not isinstance(where, Place):
+        where = Place(*where)
     if where.filename is None:
-        at = where.label or ("autograd" if where.phase == BACKWARD else "?")
-    else:
-        at = f"{display_path(where.filename)}:{where.lineno}"
-    return f"{op} at {at}"
+        return where.label or ("autograd" if where.phase == BACKWARD else "?")
+    return f"{display_path(where.filename)}:{where.lineno}"
 
 
 def named(names, metas) -> str:

@@ -171,3 +171,125 @@ def test_the_fixed_training_loss_is_quiet(term):
     with opwatch.strict(dump_on_error=False) as w:
         losses = train_scorer(term, safe=True)
     assert w.anomalies == [] and all(map(lambda value: value == value and abs(value) != float("inf"), losses))
+
+
+# -- where the odd tensor came from, in the user's words ---------------------------------------
+
+
+class Head(nn.Module):
+    def __init__(self, class_weights):
+        super().__init__()
+        self.proj = nn.Linear(16, 3)
+        self.register_buffer("class_w", class_weights)
+
+    def forward(self, h):
+        return self.proj(h)
+
+
+class SeqClassifier(nn.Module):
+    """Token embeddings, mean-pooled, and a head that holds per-class loss weights."""
+
+    def __init__(self, class_weights):
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.head = Head(class_weights)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+    def weighted_loss(self, logits, labels):
+        per_example = F.cross_entropy(logits, labels, reduction="none")
+        return (per_example * self.head.class_w[labels]).mean()  # weighted inside the model
+
+
+def train_classifier(class_weights, steps=3, inside=False):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = SeqClassifier(class_weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        tokens, labels = torch.randint(0, 20, (8, 5)), torch.randint(0, 3, (8,))
+        logits = model(tokens)
+        if inside:
+            loss = model.weighted_loss(logits, labels)
+        else:
+            per_example = F.cross_entropy(logits, labels, reduction="none")
+            loss = (per_example * model.head.class_w[labels]).mean()  # the weighted loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    del np
+
+
+def _float64_weights():
+    import numpy as np
+
+    return torch.from_numpy(np.array([1.0, 2.0, 0.5]))  # float64, as numpy makes it
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["training_loop", "model_method"])
+def test_an_indexed_float64_buffer_is_named_as_the_module_buffer(inside):
+    w = watched(lambda: train_classifier(_float64_weights(), inside=inside))
+    found = [a for a in w.anomalies if a.kind == "dtype_mismatch"]
+    assert len(found) == 3  # once per step
+    made = found[0].finding.made
+    assert made[0][0] == "made_by" and made[0][1].op == "aten.index.Tensor"
+    assert made[0][2] == ("from_module", "buffer", "Head", "class_w", "head")
+    assert "Where the odd one came from: f64[8] cpu: taken from the buffer class_w of Head (head) by aten.index.Tensor at " in found[0].message
+    assert "lift_fresh" not in found[0].message
+
+
+def test_float32_class_weights_are_quiet():
+    with opwatch.strict(dump_on_error=False) as w:
+        train_classifier(_float64_weights().float())
+    assert w.anomalies == []
+
+
+def _numpy_targets(make):
+    """A regression loop whose targets come from numpy through ``make`` (float64)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    table = np.linspace(0.0, 1.0, 16).reshape(2, 8)
+    for _ in range(2):
+        target = make(np, table)
+        loss = ((model(torch.randn(8, 4)).squeeze(-1) - target) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda np, table: torch.from_numpy(table[0]), "made by torch.from_numpy(table[0]) at "),
+    (lambda np, table: torch.tensor(table[0]), "made by torch.tensor(table[0]) at "),
+    (lambda np, table: torch.as_tensor(table)[1], "made by torch.as_tensor(table) at "),
+], ids=["from_numpy", "tensor", "as_tensor_then_indexed"])
+def test_numpy_data_is_named_by_the_users_call(make, words):
+    w = watched(lambda: _numpy_targets(make))
+    found = [a for a in w.anomalies if a.kind == "dtype_mismatch"]
+    assert found, w.anomalies
+    message = found[0].message
+    assert words in message and "(Python or NumPy data entering torch)" in message, message
+    assert "aten.lift_fresh" not in message
+    if "as_tensor" in words:
+        assert ", then taken by aten.select.int at " in message
+
+
+def test_a_cast_of_numpy_data_is_where_the_odd_tensor_was_made():
+    """``torch.from_numpy(a).double()``: the cast made the float64 tensor, not the numpy data."""
+    w = watched(lambda: _numpy_targets(lambda np, table: torch.from_numpy(table[0].astype(np.float32)).double()))
+    message = next(a for a in w.anomalies if a.kind == "dtype_mismatch").message
+    assert "made by aten._to_copy at " in message and "Python or NumPy data" not in message
+
+
+def test_the_new_provenance_facts_survive_the_jsonl_round_trip(tmp_path):
+    """An export of the runs above reads back (``opwatch.load``) to the same messages."""
+    w = watched(lambda: (train_classifier(_float64_weights(), steps=1), _numpy_targets(lambda np, table: torch.as_tensor(table)[1])))
+    assert {made[0][2][0] for made in (a.finding.made for a in w.anomalies if a.finding.made)} >= {"from_module", "python_data"}
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    saved = opwatch.load(path)
+    assert [str(a) for a in saved.anomalies] == [str(a) for a in w.anomalies]
