@@ -202,11 +202,13 @@ class CheckContext:
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None, every_op_checked: bool = False):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
-        self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
+        # every_op_checked: each op is a check point (check_every=1, guard's replay): the nan/inf
+        # tracker keeps every range it reads, for the inputs of an origin.
+        self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes, modules)
         if collectives.KIND in enabled:
             self.context.handshakes = collectives.Handshakes()
@@ -244,7 +246,10 @@ class ActiveChecks:
         this point: the end of the block, ``Watch.check()``). Fingerprints are read here too."""
         if self.prints is not None:
             self.prints.resolve()
-        if self.values is None or not (self.values.pending or self.values.carrying):
+        if self.values is None:
+            return []
+        if not (self.values.pending or self.values.carrying or self.values.keep_ranges):
+            self.values.forget_ranges()  # its ops were not followed
             return []
         return self.values.resolve(log.since(since), reading=reading, final=final)
 

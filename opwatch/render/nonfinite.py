@@ -156,6 +156,9 @@ def _input_health(finding) -> str:
     for meta, value_range in input_ranges:
         if value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+        elif len(value_range) > 2:  # carried through an op that kept some of its source's values
+            low, high = value_range[0], value_range[1]
+            parts.append(f"input {format_meta(meta)}: values taken from a range of min {low:.4g}, max {high:.4g}")
         else:
             low, high = value_range
             parts.append(f"input {format_meta(meta)}: min {low:.4g}, max {high:.4g}")
@@ -177,7 +180,8 @@ def _cause(finding) -> tuple[str, str] | None:
     log(0) is -inf."""
     facts = finding.facts
     name, kind = facts["op_name"], finding.kind
-    ranges = [tuple(value_range) if value_range is not None else None for _, value_range in facts["input_ranges"]]
+    # (min, max); a range carried through indexing or cat bounds the values (third item)
+    ranges = [tuple(value_range[:2]) if value_range is not None else None for _, value_range in facts["input_ranges"]]
     first, second = (ranges + [None, None])[:2]
     if name == "div" and _holds_zero(second):
         if kind == "nan" and _holds_zero(first):
@@ -218,7 +222,7 @@ def _cause(finding) -> tuple[str, str] | None:
 def _holds_zero(value_range) -> bool:
     if value_range is None:
         return False
-    low, high = value_range
+    low, high = value_range[:2]
     return low <= 0 <= high
 
 

@@ -238,7 +238,7 @@ def test_a_factory_without_dtype_is_named_with_the_dtype_it_was_given():
 def test_a_parameter_a_buffer_less_attribute_and_an_outsider_are_named_as_facts():
     model = torch.nn.Linear(3, 2)
     model.bias.data = model.bias.data.double()
-    assert only_anomaly(lambda: model(torch.randn(4, 3))).made == (("parameter", "Linear", "bias"),)
+    assert only_anomaly(lambda: model(torch.randn(4, 3))).made == (("parameter", "Linear", "bias", "Linear"),)  # path, name, class
 
     class Scaled(torch.nn.Module):
         def __init__(self):

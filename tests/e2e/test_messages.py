@@ -293,3 +293,110 @@ def test_the_new_provenance_facts_survive_the_jsonl_round_trip(tmp_path):
     w.export_jsonl(path)
     saved = opwatch.load(path)
     assert [str(a) for a in saved.anomalies] == [str(a) for a in w.anomalies]
+
+
+# -- the inputs' ranges at a nan/inf origin ----------------------------------------------------
+
+
+class PriorMixer(nn.Module):
+    """Class probabilities mixed with a learned prior that is only moved (repeat, cat, a
+    slice) before its log: one prior entry is 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.prior = nn.Parameter(torch.tensor([0.5, 0.0, 0.25]))
+
+    def forward(self, x):
+        p = torch.softmax(self.fc(x), -1)
+        prior = self.prior.repeat(x.shape[0], 1)  # a copy of the prior per row
+        mixed = torch.cat([p, prior], -1)[:, 3:]  # moved, not computed
+        return -(mixed.log() + p.log()).mean()  # log of the mixed prior
+
+
+def _prior_model():
+    torch.manual_seed(0)
+    model = PriorMixer()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _health(message):
+    return message.split("made inf from finite inputs (", 1)[1].split("); by the check point", 1)[0]
+
+
+def test_the_range_of_an_input_only_moved_from_a_parameter_is_known():
+    model, optimizer = _prior_model()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = model(torch.randn(8, 4))
+            loss.backward()
+            optimizer.step()
+    forward = next(a for a in w.anomalies if a.phase == "forward")
+    assert forward.op == "aten.log.default"
+    health = _health(forward.message)
+    assert "range unknown" not in health
+    assert "values taken from a range of min 0, max " in health and health.endswith("-> log(0) = -inf")
+    (_, value_range), = forward.finding.facts["input_ranges"]
+    assert value_range[0] == 0.0 and value_range[2] == "within"  # a bound, said as such
+
+
+def test_guard_replay_knows_every_range():
+    model, optimizer = _prior_model()
+
+    def train_step(x):
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    step = opwatch.guard(train_step, model, audit="never", repro=False)
+    optimizer.zero_grad()
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        step(torch.randn(8, 4))
+    replayed = [a for a in step.last_replay.anomalies if a.kind in ("nan", "inf")]
+    assert replayed and all("range unknown" not in a.message for a in replayed), [a.message for a in replayed]
+    assert "-> log(0) = -inf" in str(caught.value)
+
+
+def test_an_input_made_before_the_last_check_point_keeps_its_range():
+    """log(0) in forward, read by .item(), then the inf of its gradient in backward: the
+    divisor was made a check point earlier (the demo's story 3)."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(2):
+            likelihood = torch.sigmoid(model(torch.randn(6, 6))) * torch.tensor([0.0, 1.0, 1.0, 1.0])
+            target = -likelihood.log().mean()
+            target.item()  # a check point between forward and backward
+            optimizer.zero_grad()
+            target.backward()
+            optimizer.step()
+    backward = next(a for a in w.anomalies if a.phase == "backward")
+    assert backward.op == "aten.div.Tensor"
+    health = _health(backward.message)
+    assert "range unknown" not in health and "-> the divisor holds 0: x / 0 = inf" in health
+
+
+def test_an_input_made_before_the_watch_and_dead_by_the_check_point_is_unknown():
+    """The one case left: nothing can tell its range, and none is made up."""
+    x = torch.tensor([0.0, 2.0])
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        y = x.log()
+        del x
+        y.sum().item()
+    (anomaly,) = w.anomalies
+    assert "range unknown (made before the watch" in anomaly.message
+    assert [value for _, value in anomaly.finding.facts["input_ranges"]] == [None]
+
+
+def test_healthy_training_with_moved_tensors_stays_quiet():
+    model, optimizer = _prior_model()
+    with torch.no_grad():
+        model.prior.fill_(0.3)
+    with opwatch.strict(dump_on_error=False) as w:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).backward()
+            optimizer.step()
+    assert w.anomalies == []
