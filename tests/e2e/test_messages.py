@@ -56,6 +56,30 @@ def test_a_broadcast_inside_a_loss_function_is_one_anomaly_per_step(loss_fn):
     assert all(a.finding.facts["result"] == (16, 16) for a in found)
 
 
+def _kl_div(pred, target):
+    return F.kl_div(pred, target, reduction="batchmean")
+
+
+def _gaussian_nll(pred, target):
+    return F.gaussian_nll_loss(pred, target, torch.ones(target.shape[0]))
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("loss_fn", [_kl_div, F.poisson_nll_loss, _gaussian_nll], ids=lambda fn: fn.__name__)
+def test_losses_that_broadcast_in_a_pointwise_op_are_also_one_anomaly_per_step(loss_fn):
+    w = watched(lambda: train_regressor(loss_fn, steps=4))
+    found = [a for a in w.anomalies if a.kind == "broadcast"]
+    assert len(found) == 4 and {a.finding.rule for a in found} == {"broadcast.implicit"}
+
+
+@pytest.mark.parametrize("loss_fn", [F.binary_cross_entropy_with_logits, F.soft_margin_loss], ids=lambda fn: fn.__name__)
+def test_losses_that_refuse_other_shapes_raise_torchs_own_error_and_report_no_broadcast(loss_fn):
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        with pytest.raises((ValueError, RuntimeError)):
+            train_regressor(loss_fn, steps=1)
+    assert [a for a in w.anomalies if a.kind == "broadcast"] == []
+
+
 @pytest.mark.filterwarnings("ignore:Using a target size")
 def test_a_loss_broadcast_once_per_step_also_with_reduction_sum_and_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -400,3 +424,39 @@ def test_healthy_training_with_moved_tensors_stays_quiet():
             model(torch.randn(8, 4)).backward()
             optimizer.step()
     assert w.anomalies == []
+
+
+def test_ranges_and_bounds_survive_the_jsonl_round_trip(tmp_path):
+    model, optimizer = _prior_model()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).backward()
+    assert any(len(value) == 3 for a in w.anomalies for _, value in a.finding.facts.get("input_ranges", ()) if value)
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    assert [str(a) for a in opwatch.load(path).anomalies] == [str(a) for a in w.anomalies]
+
+
+def test_a_buffer_replaced_between_steps_is_still_named_and_a_computed_tensor_is_not():
+    torch.manual_seed(0)
+    model = SeqClassifier(_float64_weights())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for step in range(3):
+            if step == 1:
+                model.head.class_w = _float64_weights() * 2.0  # a new buffer object, made in the watch
+            tokens, labels = torch.randint(0, 20, (8, 5)), torch.randint(0, 3, (8,))
+            logits = model(tokens)
+            per_example = F.cross_entropy(logits, labels, reduction="none")
+            if step == 2:
+                weights = model.head.class_w[labels] * 0.5  # computed from the buffer: made by the mul
+            else:
+                weights = model.head.class_w[labels]
+            loss = (per_example * weights).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    made = [a.finding.made[0] for a in w.anomalies if a.kind == "dtype_mismatch"]
+    assert len(made) == 3
+    assert made[0][2] == made[1][2] == ("from_module", "buffer", "Head", "class_w", "head")
+    assert made[2][1].op == "aten.mul.Tensor" and len(made[2]) == 2
