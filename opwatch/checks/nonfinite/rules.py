@@ -18,7 +18,7 @@ from ...records import E_ARGS
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
-    "WITHIN", "EXACT_MOVES", "moved_range",
+    "WITHIN", "moved_range",
 ]
 
 NAME = "nonfinite"
@@ -70,22 +70,20 @@ def has_sentinel_constant(entry) -> bool:
 # A range carried through a value-moving op that keeps only some of its input's values: the
 # output's values lie within it (third item of the range).
 WITHIN = "within"
-# Value-moving ops whose output's range is exactly the (mapped) range of their one input.
-EXACT_MOVES = {"aten::neg", "aten::abs"}
 
 
 def moved_range(facts, ranges):
-    """The range of the output of a value-moving op (its ``OpFacts``) whose floating inputs
-    had ``ranges`` (``(min, max)``, or with ``WITHIN`` a third item): its source's, mapped
-    (``neg``), for a view or copy of all of one input; else the hull of theirs, with
-    ``WITHIN`` (``cat``, ``index``, ``repeat``, a slice hold some of their values)."""
-    name = facts.schema_name
+    """The range of the output of a value-moving op (its ``OpFacts``, see ``range_map``) whose
+    floating inputs had ``ranges`` (``(min, max)``, or with ``WITHIN`` a third item): exact
+    for a view or copy of all of one input's values (mapped: ``neg``, ``abs``); else the hull
+    of theirs, with ``WITHIN`` (``cat``, ``index``, ``repeat``, a slice hold some of them)."""
+    how = facts.range_map
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
-    if name == "aten::neg":
+    if how == "neg":
         low, high = -high, -low
-    elif name == "aten::abs":
+    elif how == "abs":
         low, high = (low, high) if low >= 0 else (-high, -low) if high <= 0 else (0.0, max(-low, high))
-    elif name in ("aten::select_backward", "aten::slice_backward"):
-        low, high = min(low, 0.0), max(high, 0.0)  # the rest of the gradient is zeros
-    exact = (facts.keeps_values or name in EXACT_MOVES) and len(ranges) == 1 and len(ranges[0]) == 2
+    elif how == "with_zero":
+        low, high = min(low, 0.0), max(high, 0.0)
+    exact = how in ("same", "neg", "abs") and len(ranges) == 1 and len(ranges[0]) == 2
     return (low, high) if exact else (low, high, WITHIN)
