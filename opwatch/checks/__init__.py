@@ -159,7 +159,7 @@ class CheckContext:
             moved = moved or not facts.is_copy
             held = self._held_by_module(source.ident)
             if held is not None:
-                kind, path, name, cls = held[0], held[1], held[2], held[3]
+                kind, path, name, cls = held
                 return ("from_module", kind, cls, name, path)
             record = self._log.producer_of(source.ident)
             if record is None or not hasattr(record.func, "_schema"):
