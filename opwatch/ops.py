@@ -57,6 +57,10 @@ VALUE_PRESERVING = {
     # A functional collective's output, waited for or wrapped as an AsyncCollectiveTensor.
     "_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd",
 }
+# How a value-moving op maps its input's range (other value-preserving ops keep a part of their
+# inputs' values: the output's range lies within theirs): neg flips it, abs folds it, a gradient
+# scattered into zeros (select_backward, slice_backward) spans 0 too.
+RANGE_MAPS = {"aten::neg": "neg", "aten::abs": "abs", "aten::select_backward": "with_zero", "aten::slice_backward": "with_zero"}
 # Views whose output has no ``_base`` link, so it does not keep its input alive (found by
 # probing the common view ops).
 UNLINKED_VIEWS = {("aten::detach", "default"), ("aten::view", "dtype")}
@@ -110,6 +114,9 @@ class OpFacts:
         is_factory: makes a tensor from nothing (``zeros``, ``arange``, ...).
         keeps_values: its output holds exactly its input's values (so it keeps its range).
         preserves_values: a view or an op that only moves or selects values.
+        range_map: for those, how the output's range follows from the inputs' ranges:
+            ``"same"`` (it holds all of one input's values), ``"neg"``, ``"abs"``,
+            ``"with_zero"`` (and zeros), ``"within"`` (some of the inputs' values); else ``None``.
         needs_carrier: its unchecked outputs must be remembered weakly (see the nan/inf check).
         checked_outputs: how many leading outputs need the nan/inf reduction (``None``: all).
         is_masking: drops the values it does not select (``where``, ``masked_fill``).
@@ -128,7 +135,7 @@ class OpFacts:
 
     __slots__ = (
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
-        "is_factory", "keeps_values", "preserves_values", "needs_carrier", "checked_outputs",
+        "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
         "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
         "written", "source", "accumulates",
     )
@@ -146,6 +153,9 @@ class OpFacts:
         self.is_factory = name in FACTORIES
         self.keeps_values = name in SAME_VALUES
         self.preserves_values = (self.is_view or name in VALUE_PRESERVING) and not self.makes_new_data
+        self.range_map = None
+        if self.preserves_values:
+            self.range_map = "same" if self.keeps_values else RANGE_MAPS.get(name, "within")
         self.needs_carrier = self.preserves_values and (
             not self.is_view or (name, getattr(func, "_overloadname", "")) in UNLINKED_VIEWS
         )

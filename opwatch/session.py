@@ -277,7 +277,10 @@ class Watch:
             keep_dynamo_out()
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
-            active = _checks.ActiveChecks(self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules, fingerprints=self._fingerprints)
+            active = _checks.ActiveChecks(
+                self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules,
+                fingerprints=self._fingerprints, every_op_checked=self._check_every == 1,
+            )
             interceptor = OpInterceptor(
                 log=self._log,
                 checks=active,

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..ops import facts_of
-from ..records import M_IDENT, M_SHAPE
+from ..records import E_INDEX, M_IDENT, M_SHAPE
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
-from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, MadeBy, Owned, Place
+from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
@@ -78,9 +78,14 @@ class CheckContext:
         return self._shapes.deliberate_dims(tensor, self.site)
 
     def previous_expand(self) -> tuple | None:
-        """``(site, operand, result shape)`` of the last ``expand`` op, for the broadcast check
-        of ``broadcast_tensors`` pairs."""
-        return self._shapes.previous_expand if self._shapes is not None else None
+        """``(site, operand, result shape, op index)`` of the ``expand`` op logged just before
+        this op, for the broadcast check of ``broadcast_tensors`` pairs; ``None`` when the op
+        before was another one (the last expand of the same line one step earlier is no pair)."""
+        previous = self._shapes.previous_expand if self._shapes is not None else None
+        entries = self._log.entries
+        if previous is None or not entries or entries[-1][E_INDEX] != previous[-1]:
+            return None
+        return previous
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
@@ -93,30 +98,94 @@ class CheckContext:
 
         - ``Attribute("attribute", module class name, attribute name, module path)``: a plain
           tensor attribute of a running module;
-        - ``Owned("parameter" | "buffer", module path, name)``;
-        - ``MadeBy("made_by", Place, factory)``: the op that made it; for a factory op called
-          without the ``missing`` argument (``"device"``, ``"dtype"``) ``factory`` says what
-          torch filled in: ``DefaultDevice("default_device", device)`` or
-          ``DefaultDtype("dtype", the dtype given or None, the default dtype)``; else ``None``;
+        - ``Owned("parameter" | "buffer", module path, name, module class name)``: of a running
+          module, or of any model the watch saw called;
+        - ``MadeBy("made_by", Place, detail)``: the op that made it; ``detail`` tells more:
+
+          - for a factory op called without the ``missing`` argument (``"device"``,
+            ``"dtype"``), what torch filled in: ``DefaultDevice("default_device", device)`` or
+            ``DefaultDtype("dtype", the dtype given or None, the default dtype)``;
+          - ``PythonData("python_data", expression or None, Place or None)``: Python or NumPy
+            data entering torch (``torch.from_numpy(a)``, ``torch.tensor(a)``): the call's
+            source text when known, and, when the odd tensor was then only indexed, viewed or
+            copied (``Place`` is the op that made it), where the data entered;
+          - ``FromModule("from_module", "parameter" | "buffer", module class name, name, module
+            path)``: the op only indexed, viewed or copied that parameter or buffer
+            (``self.class_w[target]``);
+          - else ``None``;
         - ``BeforeWatch("before_watch")``: made before the watch (or outside torch ops).
         """
         ident = tensor[M_IDENT]
-        found = self._in_running_modules(ident)
+        found = self._in_running_modules(ident) or self._held_by_module(ident)
         if found is not None:
             return found
         record = self._log.producer_of(ident)
         if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
             return BeforeWatch()
         made = MadeBy("made_by", Place.of(record))
-        if not (hasattr(record.func, "_schema") and facts_of(record.func).is_factory):
+        if not hasattr(record.func, "_schema"):
+            return made
+        facts = facts_of(record.func)
+        if facts.is_lift or facts.preserves_values or facts.keeps_values or facts.is_copy:
+            source = self._source(record)
+            return made if source is None else made._replace(detail=source)
+        if not facts.is_factory:
             return made
         args = dict(record.args)
         if missing == "device" and args.get("device") == torch.get_default_device():
             # torch fills the default in: whether the program named it cannot be told.
-            return made._replace(factory=DefaultDevice("default_device", args["device"]))
+            return made._replace(detail=DefaultDevice("default_device", args["device"]))
         if missing == "dtype":
-            return made._replace(factory=DefaultDtype("dtype", args.get("dtype"), torch.get_default_dtype()))
+            return made._replace(detail=DefaultDtype("dtype", args.get("dtype"), torch.get_default_dtype()))
         return made
+
+    # A lift, then ops that only move values (or a copy of the lift: torch.tensor(ndarray)):
+    # followed back this many ops at most.
+    _SOURCE_DEPTH = 8
+
+    def _source(self, record) -> PythonData | FromModule | None:
+        """Where the values of ``record``'s output came from when the op (and those before it)
+        only moved them: Python data (``PythonData``) or a module's parameter or buffer
+        (``FromModule``); ``None`` otherwise."""
+        moved = False  # through ops that only moved the values (not the copy of torch.tensor(a))
+        for _ in range(self._SOURCE_DEPTH):
+            facts = facts_of(record.func)
+            if facts.is_lift:
+                return PythonData("python_data", record.position.expression(), Place.of(record) if moved else None)
+            inputs = record.inputs
+            if not inputs or not (facts.preserves_values or facts.keeps_values or facts.is_copy):
+                return None
+            source = inputs[0]
+            if facts.is_copy and not self._is_lift_copy(record, source):
+                return None  # a cast or a move made it: that op is where it was made
+            moved = moved or not facts.is_copy
+            held = self._held_by_module(source.ident)
+            if held is not None:
+                return FromModule("from_module", held.how, held.cls, held.name, held.path)
+            record = self._log.producer_of(source.ident)
+            if record is None or not hasattr(record.func, "_schema"):
+                return None
+        return None
+
+    def _is_lift_copy(self, record, source) -> bool:
+        """Whether the copy ``record`` copies a lift's output on the same line
+        (``torch.tensor(ndarray)`` lifts the array, then copies it)."""
+        producer = self._log.producer_of(source.ident)
+        if producer is None or not hasattr(producer.func, "_schema") or not facts_of(producer.func).is_lift:
+            return False
+        lifted, copied = producer.position, record.position
+        return (lifted.filename, lifted.lineno, lifted.col, lifted.end_col) == (copied.filename, copied.lineno, copied.col, copied.end_col)
+
+    def _held_by_module(self, ident: int) -> Owned | None:
+        """Whose parameter or buffer the tensor ``ident`` is, when a module the watch saw
+        called holds it."""
+        if self._modules is None:
+            return None
+        owner = self._modules.owner_of(ident)
+        if owner is None:
+            return None
+        kind, cls, name, path = owner
+        return Owned(kind, path, name, cls)
 
     def _in_running_modules(self, ident: int) -> tuple | None:
         """The provenance of the tensor ``ident`` when a running module holds it."""
@@ -127,18 +196,20 @@ class CheckContext:
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return Owned(kind, path, name)
+                        return Owned(kind, path, name, type(module).__name__)
         return None
 
 
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None, every_op_checked: bool = False):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
-        self.values = nonfinite.NonFiniteTracker(log) if nonfinite.NAME in enabled else None
+        # every_op_checked: each op is a check point (check_every=1, guard's replay): the nan/inf
+        # tracker keeps every range it reads, for the inputs of an origin.
+        self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes, modules)
         if collectives.KIND in enabled:
             self.context.handshakes = collectives.Handshakes()
@@ -176,7 +247,10 @@ class ActiveChecks:
         this point: the end of the block, ``Watch.check()``). Fingerprints are read here too."""
         if self.prints is not None:
             self.prints.resolve()
-        if self.values is None or not (self.values.pending or self.values.carrying):
+        if self.values is None:
+            return []
+        if not (self.values.pending or self.values.carrying or self.values.keep_ranges):
+            self.values.forget_ranges()  # its ops were not followed
             return []
         return self.values.resolve(log.since(since), reading=reading, final=final)
 

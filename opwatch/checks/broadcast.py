@@ -35,7 +35,7 @@ from itertools import islice
 
 import torch
 
-from ..records import E_ARGS, E_SITE, M_IDENT, M_SHAPE
+from ..records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
 from .finding import Finding, takes_several_tensors
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
@@ -45,9 +45,9 @@ KIND = "broadcast"
 _UNSQUEEZE = "aten::unsqueeze"
 _EXPAND = "aten::expand"
 # ShapeProvenance's entries: (shape, deliberate dims, site id); its previous_expand: (site id,
-# operand meta, result shape).
+# operand meta, result shape, op index).
 _K_SHAPE, _K_DELIBERATE, _K_SITE = 0, 1, 2
-_X_SITE = 0
+_X_SITE, _X_OPERAND, _X_TARGET, _X_INDEX = 0, 1, 2, 3
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
@@ -153,7 +153,7 @@ def _check_expand(func, tensors, context) -> Finding | None:
     previous = context.previous_expand()
     if previous is None or previous[_X_SITE] != context.site:
         return None  # not the second expand of one call
-    _, first, target = previous
+    first, target = previous[_X_OPERAND], previous[_X_TARGET]
     second = tensors[0]
     if first[M_IDENT] == second[M_IDENT] or first[M_SHAPE] is None or second[M_SHAPE] is None:
         return None
@@ -211,7 +211,7 @@ class ShapeProvenance:
         # read with _K_SHAPE, _K_DELIBERATE, _K_SITE
         self._known: dict = {}
         self._limit = limit
-        # (site id, operand meta, result shape) of the last expand op (_X_SITE, ...)
+        # (site id, operand meta, result shape, op index) of the last expand op (_X_SITE, ...)
         self.previous_expand = None
 
     def for_op(self, func):
@@ -285,7 +285,7 @@ class ShapeProvenance:
     def _after_expand(self, entry, inputs, outputs, metas) -> None:
         self._after_view(entry, inputs, outputs, metas)
         if inputs and metas:
-            self.previous_expand = (entry[E_SITE], inputs[0], metas[0][M_SHAPE])
+            self.previous_expand = (entry[E_SITE], inputs[0], metas[0][M_SHAPE], entry[E_INDEX])
 
     def _after_other(self, entry, inputs, outputs, metas) -> None:
         known = self._known

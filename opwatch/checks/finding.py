@@ -58,6 +58,7 @@ class Owned(NamedTuple):
     how: str  # "parameter" or "buffer"
     path: str  # the module's path
     name: str
+    cls: str | None = None  # the module's class name
 
 
 @fact_tuple("default_device")
@@ -77,13 +78,36 @@ class DefaultDtype(NamedTuple):
     default: Any  # torch's default dtype then
 
 
+@fact_tuple("python_data")
+class PythonData(NamedTuple):
+    """Python or NumPy data entering torch (``torch.from_numpy(a)``, ``torch.tensor(a)``)."""
+
+    how: str  # "python_data"
+    expression: str | None  # the call's source text, when known
+    lifted: Place | None  # where the data entered, when the odd tensor was then only moved
+
+
+@fact_tuple("from_module")
+class FromModule(NamedTuple):
+    """An op only indexed, viewed or copied a module's parameter or buffer
+    (``self.class_w[target]``)."""
+
+    how: str  # "from_module"
+    kind: str  # "parameter" or "buffer"
+    cls: str  # the module's class name
+    name: str
+    path: str  # the module's path
+
+
 @fact_tuple("made_by")
 class MadeBy(NamedTuple):
     """Made by an op of the watch; ``factory`` says what torch filled in for a factory op."""
 
     how: str  # "made_by"
     place: Place
-    factory: DefaultDevice | DefaultDtype | None = None
+    # what more is known: the default torch filled in for a factory op, the Python data the
+    # values came from, or the module's tensor they were taken from
+    detail: DefaultDevice | DefaultDtype | PythonData | FromModule | None = None
 
 
 @fact_tuple("before_watch")

@@ -67,6 +67,9 @@ class ModuleStack:
         self._root = None  # weakref to the outermost module of the current (or last) forward
         self._strangers: weakref.WeakSet = weakref.WeakSet()  # called inside it, but not its descendants
         self._handles: list = []
+        self._forwards = 0  # outermost module calls so far: the owners table is rebuilt once per call at most
+        # root module -> (forwards when built, {id of a parameter or buffer -> (weakref, owner facts)})
+        self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def install(self) -> None:
         enter = register_module_forward_pre_hook(self._enter)
@@ -99,6 +102,7 @@ class ModuleStack:
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
+            self._forwards += 1
             if self._stale and sys.exc_info()[0] is None:
                 self._remove_stale()  # a new forward, outside any exception handling
             if current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
@@ -140,6 +144,21 @@ class ModuleStack:
             if isinstance(module, nn.Module):
                 found.append((path, module))
         return found
+
+    def owner_of(self, ident: int) -> tuple | None:
+        """``("parameter" | "buffer", class name of the module that holds it, its name there,
+        module path)`` of the live tensor ``ident`` when a module this stack has seen called
+        holds it as a parameter or buffer; ``None`` otherwise. For reports only: the table of a
+        model's parameters and buffers is built on first use and rebuilt at most once per call
+        of the model (a buffer replaced since is found then)."""
+        for root in list(self._names.keys()):
+            built = self._owners.get(root)
+            if built is None or (built[0] != self._forwards and ident not in built[1]):
+                built = self._owners[root] = (self._forwards, _owners_table(root))
+            found = built[1].get(ident)
+            if found is not None and id(found[0]()) == ident:
+                return found[1]
+        return None
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if threading.get_ident() != self._thread or not self._stack:
@@ -218,6 +237,19 @@ class ModuleStack:
                     names[child] = name
             self._names[root] = names
         return names
+
+
+def _owners_table(root: nn.Module) -> dict:
+    """``{id of a parameter or buffer of root's modules -> (weakref, owner facts)}`` (see
+    :meth:`ModuleStack.owner_of`); paths as :class:`ModuleStack` names modules."""
+    table = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        path = name or type(root).__name__
+        for kind, held in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
+            for attribute, tensor in held:
+                if id(tensor) not in table:
+                    table[id(tensor)] = (weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
+    return table
 
 
 def _hooks_dict(handle):

@@ -19,15 +19,38 @@ from .rules import explains
 __all__ = ["explain_origin", "explain_received", "explain_overflow_risk"]
 
 _DEFAULT_FIX = "guard the inputs of this op (clamp, add an epsilon, or mask before rather than after), or lower the learning rate if values grew over steps"
-_FIXES = {
-    "log": "log(0) = -inf: clamp the input (x.clamp_min(eps).log()) or use log_softmax/logsigmoid",
-    "log2": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
-    "log10": "log(0) = -inf: clamp the input first (x.clamp_min(eps))",
-    "div": "division by zero: add an epsilon to the denominator or mask zero entries before dividing",
-    "sqrt": "sqrt of a negative number is nan, and its gradient at 0 is inf: clamp the input (x.clamp_min(eps).sqrt())",
-    "rsqrt": "rsqrt(0) = inf: add an epsilon (x + eps).rsqrt()",
-    "pow": "pow overflowed or took a fractional power of a negative number: clamp the base",
-    "exp": "exp overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp",
+# What made a non-finite value, by cause: the fix for it. A cause is found from the inputs'
+# ranges (:func:`_cause`), else from the op and the kind (:data:`_CAUSE_OF`): log of a negative
+# number is nan, log(0) is -inf, and each gets the fix for what it is.
+_CAUSE_FIXES = {
+    "log_negative": "{name} of a negative number is nan: its input must be positive; find where it goes below 0 (a difference, a noisy estimate), or make it positive by construction (softplus, exp, x.abs() + eps) rather than clamping a wrong value",
+    "log_zero": "{name}(0) = -inf: clamp the input (x.clamp_min(eps).{name}()) or use log_softmax/logsigmoid",
+    "log1p_low": "log1p(x) needs x > -1: clamp the input (x.clamp_min(-1 + eps)) or find why it reaches -1",
+    "sqrt_negative": "sqrt of a negative number is nan: clamp the input at 0 (x.clamp_min(0).sqrt()), or find why it goes negative (a variance computed as E[x^2] - E[x]^2 can round below 0)",
+    "rsqrt_zero": "rsqrt(0) = inf: add an epsilon ((x + eps).rsqrt())",
+    "rsqrt_negative": "rsqrt of a negative number is nan: clamp the input to a small positive value first ((x.clamp_min(0) + eps).rsqrt())",
+    "div_zero": "division by zero: add an epsilon to the denominator (a / (b + eps)) or mask zero entries before dividing",
+    "div_zero_zero": "0 / 0 = nan: add an epsilon to the denominator (a / (b + eps)), or divide only where it is nonzero (torch.where(b != 0, a / torch.where(b != 0, b, 1), 0))",
+    "pow_negative_base": "a negative base to a fractional power is nan: clamp the base at 0 (x.clamp_min(0) ** p), or use x.abs() ** p * x.sign() if the sign should stay",
+    "pow_zero_base": "0 to a negative power is inf: clamp the base away from 0 (x.clamp_min(eps) ** p)",
+    "pow_overflow": "pow overflowed (or took 0 to a negative power): clamp the base (away from 0 for a negative exponent, below a bound for a large one), or compute it in float32",
+    "domain_unit": "{name} is nan outside [-1, 1]: clamp the input (x.clamp(-1, 1)); a cosine or normalised dot product can round just past 1",
+    "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan: clamp the input to (-1 + eps, 1 - eps)",
+    "exp_overflow": "{name} overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp/softmax; in float16, run it in float32",
+    "overflow": "the values outgrew the dtype: compute this op in a wider dtype (float32), scale its inputs down (normalise before it), or lower the learning rate if values grew over steps",
+}
+# The cause when the inputs' ranges do not tell, from the op and the kind it made.
+_CAUSE_OF = {
+    **{(name, kind): cause for name in ("log", "log2", "log10") for kind, cause in (("nan", "log_negative"), ("inf", "log_zero"))},
+    ("log1p", "nan"): "log1p_low", ("log1p", "inf"): "log1p_low",
+    ("sqrt", "nan"): "sqrt_negative",
+    ("rsqrt", "inf"): "rsqrt_zero", ("rsqrt", "nan"): "rsqrt_negative",
+    ("div", "inf"): "div_zero", ("div", "nan"): "div_zero_zero",
+    ("pow", "nan"): "pow_negative_base", ("pow", "inf"): "pow_overflow",
+    ("acos", "nan"): "domain_unit", ("asin", "nan"): "domain_unit",
+    ("atanh", "nan"): "atanh_unit", ("atanh", "inf"): "atanh_unit",
+    ("exp", "inf"): "exp_overflow", ("exp2", "inf"): "exp_overflow", ("expm1", "inf"): "exp_overflow",
+    **{(name, "inf"): "overflow" for name in ("mul", "add", "sub", "sum", "mm", "bmm", "addmm", "matmul", "baddbmm", "square", "cumsum", "prod", "mean")},
 }
 _FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
 _FROM_DELIBERATE_FIXES = {
@@ -38,9 +61,11 @@ _FROM_DELIBERATE_FIXES = {
 _BACKWARD_FIXES = {
     "sqrt": "the gradient of sqrt at 0 is inf: clamp the input (x.clamp_min(eps).sqrt()) or add eps inside",
     "log": "the gradient of log at 0 is inf: clamp the input (x.clamp_min(eps).log())",
-    "pow": "the gradient of x ** p with p < 1 is inf at 0: clamp the base away from 0",
+    "pow": "the gradient of x ** p with p < 1 is inf at 0 (and nan for a negative base): clamp the base away from 0",
     "norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
     "linalg_vector_norm": "the gradient of a norm is nan at 0: add eps (e.g. (x.pow(2).sum(-1) + eps).sqrt())",
+    "rsqrt": "the gradient of rsqrt at 0 is inf: add an epsilon ((x + eps).rsqrt())",
+    "atanh": "the gradient of atanh is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
     "div": "the gradient of a / b is inf where b is 0: add an epsilon to the denominator",
     "acos": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
     "asin": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
@@ -131,6 +156,9 @@ def _input_health(finding) -> str:
     for meta, value_range in input_ranges:
         if value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+        elif len(value_range) > 2:  # carried through an op that kept some of its source's values
+            low, high = value_range[0], value_range[1]
+            parts.append(f"input {format_meta(meta)}: values taken from a range of min {low:.4g}, max {high:.4g}")
         else:
             low, high = value_range
             parts.append(f"input {format_meta(meta)}: min {low:.4g}, max {high:.4g}")
@@ -141,48 +169,74 @@ def _input_health(finding) -> str:
 
 def _reason(finding) -> str | None:
     """What in the inputs' ranges explains a non-finite result, for the common ops."""
+    found = _cause(finding)
+    return found[1] if found is not None else None
+
+
+def _cause(finding) -> tuple[str, str] | None:
+    """``(cause, reason)``: what in the inputs' ranges made the result non-finite (a key of
+    :data:`_CAUSE_FIXES`, and the sentence that says it), for the common ops; ``None`` when
+    the ranges do not tell. The cause must fit the kind: log of a negative number is nan,
+    log(0) is -inf."""
     facts = finding.facts
-    name = facts["op_name"]
-    ranges = [value_range for _, value_range in facts["input_ranges"]]
-    first, divisor = (ranges + [None, None])[:2]
+    name, kind = facts["op_name"], finding.kind
+    # (min, max); a range carried through indexing or cat bounds the values (third item)
+    ranges = [tuple(value_range[:2]) if value_range is not None else None for _, value_range in facts["input_ranges"]]
+    first, second = (ranges + [None, None])[:2]
+    if name == "div" and _holds_zero(second):
+        if kind == "nan" and _holds_zero(first):
+            return "div_zero_zero", "the divisor holds 0, and so does the dividend: 0 / 0 = nan"
+        if kind == "inf":
+            return "div_zero", "the divisor holds 0: x / 0 = inf"
     if first is None:
         return None
     low, high = first
     if name in ("log", "log2", "log10"):
-        if low < 0:
-            return f"{name} of a negative number is nan"
-        if low == 0:
-            return f"{name}(0) = -inf"
+        if kind == "nan" and low < 0:
+            return "log_negative", f"{name} of a negative number is nan"
+        if kind == "inf" and low <= 0 <= high:
+            return "log_zero", f"{name}(0) = -inf"
     if name == "log1p" and low <= -1:
-        return "log1p(-1) = -inf, and below -1 it is nan"
-    if name == "sqrt" and low < 0:
-        return "sqrt of a negative number is nan"
-    if name == "rsqrt" and low <= 0:
-        return "rsqrt(0) = inf, and of a negative number nan"
-    if name == "div" and _holds_zero(divisor):
-        if finding.kind == "nan" and _holds_zero(first):
-            return "the divisor holds 0, and so does the dividend: 0 / 0 = nan"
-        return "the divisor holds 0: x / 0 = inf"
-    return _overflow_reason(name, facts["outputs"], ranges, high)
+        return "log1p_low", "log1p(-1) = -inf, and below -1 it is nan"
+    if name == "sqrt" and kind == "nan" and low < 0:
+        return "sqrt_negative", "sqrt of a negative number is nan"
+    if name == "rsqrt":
+        if kind == "nan" and low < 0:
+            return "rsqrt_negative", "rsqrt of a negative number is nan"
+        if kind == "inf" and low <= 0 <= high:
+            return "rsqrt_zero", "rsqrt(0) = inf"
+    if name == "pow":
+        if kind == "nan" and low < 0:
+            return "pow_negative_base", "a negative base to a fractional power is nan"
+        if kind == "inf" and low <= 0 <= high and max(abs(low), abs(high)) <= 1:
+            return "pow_zero_base", "the base holds 0, and 0 to a negative power is inf"
+    if name in ("acos", "asin") and kind == "nan" and (low < -1 or high > 1):
+        return "domain_unit", f"{name} of a value outside [-1, 1] is nan"
+    if name == "atanh" and (low <= -1 or high >= 1):
+        return "atanh_unit", "atanh(+-1) = +-inf, and outside [-1, 1] it is nan"
+    if kind != "inf":
+        return None
+    return _overflow_cause(name, facts["outputs"], ranges, high)
 
 
 def _holds_zero(value_range) -> bool:
     if value_range is None:
         return False
-    low, high = value_range
+    low, high = value_range[:2]
     return low <= 0 <= high
 
 
-def _overflow_reason(name, outputs, ranges, high) -> str | None:
+def _overflow_cause(name, outputs, ranges, high) -> tuple[str, str] | None:
     """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
     dtype = next((meta[M_DTYPE] for meta in outputs), None)
     if dtype is not None and dtype.is_floating_point:
         limit = torch.finfo(dtype).max
-        if name == "exp" and high > math.log(limit):
-            return f"exp overflows {format_dtype(dtype)} above {math.log(limit):.4g}"
+        bound = math.log2(limit) if name == "exp2" else math.log(limit)
+        if name in ("exp", "exp2", "expm1") and high > bound:
+            return "exp_overflow", f"{name} overflows {format_dtype(dtype)} above {bound:.4g}"
         largest = max(max(abs(low), abs(top)) for low, top in filter(None, ranges))
         if largest > limit:
-            return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
+            return "overflow", f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
     return None
 
 
@@ -205,7 +259,9 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
-    return _FIXES.get(name, _DEFAULT_FIX)
+    found = _cause(finding)
+    cause = found[0] if found is not None else _CAUSE_OF.get((name, finding.kind))
+    return _CAUSE_FIXES[cause].format(name=name) if cause is not None else _DEFAULT_FIX
 
 
 @explains("nonfinite.origin")

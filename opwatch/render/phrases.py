@@ -17,7 +17,8 @@ __all__ = ["named", "place", "where_made"]
 
 def where_made(made) -> str:
     """One provenance fact (see ``CheckContext.where_made``: an
-    :class:`~opwatch.checks.finding.Attribute`, ``Owned``, ``MadeBy`` or ``BeforeWatch``) as a clause."""
+    :class:`~opwatch.checks.finding.Attribute`, ``Owned``, ``MadeBy`` (with its ``detail``) or
+    ``BeforeWatch``) as a clause."""
     how = made.how
     if how == "attribute":
         _, cls, name, path = made
@@ -26,17 +27,44 @@ def where_made(made) -> str:
             f"make it a buffer (self.register_buffer({name!r}, ...))"
         )
     if how in ("parameter", "buffer"):
-        return f"it is {how} {made.path}.{made.name}"
+        if made.cls is None:
+            return f"it is {how} {made.path}.{made.name}"
+        return f"it is {_held(how, made.cls, made.name, made.path)}"
     if how == "before_watch":
         return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
     text = f"made by {place(made.place)}"
-    factory = made.factory
-    if factory is None:
+    detail = made.detail
+    if detail is None:
         return text
-    if factory.how == "default_device":
-        return text + f" on the default device ({factory.device}): give it device= (or make it with *_like / new_*)"
-    given, default = factory.given, factory.default
+    if detail.how == "python_data":
+        lifted = detail.lifted
+        data = f"made by {_call(detail.expression)} at {_location(made.place if lifted is None else lifted)} (Python or NumPy data entering torch)"
+        return data if lifted is None else f"{data}, then taken by {place(made.place)}"
+    if detail.how == "from_module":
+        return f"taken from {_held(detail.kind, detail.cls, detail.name, detail.path)} by {place(made.place)}"
+    if detail.how == "default_device":
+        return text + f" on the default device ({detail.device}): give it device= (or make it with *_like / new_*)"
+    given, default = detail.given, detail.default
     return text + (f" with dtype={given}" if given is not None else f" in the default dtype ({default})")
+
+
+_LONGEST_CALL = 60  # characters of the user's call quoted; longer ones are cut
+
+
+def _call(expression) -> str:
+    """The user's call that brought Python data into torch (``torch.from_numpy(a)``), or what
+    it may have been where the source text is unknown (Python 3.10: no columns)."""
+    if not expression:
+        return "torch.tensor / torch.from_numpy / torch.as_tensor"
+    if len(expression) > _LONGEST_CALL:
+        expression = expression[: _LONGEST_CALL - 3] + "..."
+    return expression
+
+
+def _held(kind, cls, name, path) -> str:
+    """``the buffer class_w of SeqClassifier (model.head)``; the path is left out where the
+    module is the outermost one (named by its class)."""
+    return f"the {kind} {name} of {cls}" + (f" ({path})" if path != cls else "")
 
 
 def place(where) -> str:
@@ -44,12 +72,17 @@ def place(where) -> str:
     a JSON round trip makes of one)."""
     if not isinstance(where, Place):
         where = Place(*where)
-    op = short_op_name(where.op)
+    return f"{short_op_name(where.op)} at {_location(where)}"
+
+
+def _location(where) -> str:
+    """``train.py:23`` of a :class:`Place` (or the list a JSON round trip makes of one), in
+    the one location format."""
+    if not isinstance(where, Place):
+        where = Place(*where)
     if where.filename is None:
-        at = where.label or ("autograd" if where.phase == BACKWARD else "?")
-    else:
-        at = f"{display_path(where.filename)}:{where.lineno}"
-    return f"{op} at {at}"
+        return where.label or ("autograd" if where.phase == BACKWARD else "?")
+    return f"{display_path(where.filename)}:{where.lineno}"
 
 
 def named(names, metas) -> str:

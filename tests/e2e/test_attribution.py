@@ -234,7 +234,7 @@ def test_a_factory_without_dtype_is_named_with_the_dtype_it_was_given():
     assert problem.endswith(f"Where the odd one came from: f64[4, 3] cpu: made by aten.zeros at {display_path(__file__)}:{line} with dtype=torch.float64.")
     # A saved log holds the facts after a JSON round trip, each named tuple of its class again.
     saved = decode(json.loads(json.dumps(encode(finding.made))))
-    assert saved == finding.made and type(saved[0]) is MadeBy and type(saved[0].factory) is DefaultDtype and type(saved[0].place) is Place
+    assert saved == finding.made and type(saved[0]) is MadeBy and type(saved[0].detail) is DefaultDtype and type(saved[0].place) is Place
     assert explain(dataclasses.replace(finding, made=saved)) == explain(finding)
 
 
@@ -242,7 +242,7 @@ def test_a_parameter_a_buffer_less_attribute_and_an_outsider_are_named_as_facts(
     model = torch.nn.Linear(3, 2)
     model.bias.data = model.bias.data.double()
     made = only_anomaly(lambda: model(torch.randn(4, 3))).made
-    assert made == (("parameter", "Linear", "bias"),) and type(made[0]) is Owned and made[0].path == "Linear"
+    assert made == (("parameter", "Linear", "bias", "Linear"),) and type(made[0]) is Owned and made[0].path == "Linear"
 
     class Scaled(torch.nn.Module):
         def __init__(self):

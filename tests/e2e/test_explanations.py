@@ -157,7 +157,7 @@ def test_a_parameter_is_named_as_such():
         with pytest.raises(RuntimeError):  # torch's own error follows the report
             model(torch.randn(4, 3))
     (anomaly,) = w.anomalies
-    assert "Where the odd one came from: f64[2] cpu: it is parameter Linear.bias." in anomaly.message
+    assert "Where the odd one came from: f64[2] cpu: it is the parameter bias of Linear." in anomaly.message
 
 
 def test_an_operand_made_before_the_watch_says_so():

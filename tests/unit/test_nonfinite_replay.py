@@ -186,3 +186,72 @@ def test_a_forward_op_recomputed_in_backward_is_the_same_origin():
     p.op(aten.log.default, (), ("y2",), kind="inf", site=site, phase=BACKWARD)
     origins = p.resolve(final=True)
     assert len(origins) == 1 and origins[0].record.phase == "forward"
+
+
+# -- the inputs' ranges at an origin -----------------------------------------------------------
+
+
+def _ranges_flags(p, ranges):
+    """Flags whose ranges were read (something was not finite): ``ranges`` by op index."""
+    return Flags(p.flagged, p.refs, p.checked, ranges={(index, 0): value for index, value in ranges.items()})
+
+
+def test_a_range_is_carried_through_ops_that_only_move_values():
+    """A view keeps its source's range exactly; cat, index and repeat give a bound (WITHIN);
+    neg maps it; an input whose range is unknown leaves a recipe naming the tensor it came from."""
+    from opwatch.checks.nonfinite.rules import WITHIN
+
+    p = Program()
+    p.op(aten.sigmoid.default, (), ("a",))  # op 0: range (0, 0.5)
+    p.op(aten.exp.default, (), ("b",))  # op 1: range (1, 2)
+    p.op(aten.view.default, ("a",), ("v",), unchecked=True)  # 2
+    p.op(aten.cat.default, ("v", "b"), ("c",), unchecked=True)  # 3
+    p.keep["param"] = torch.zeros(1)  # made before the watch: range unknown to the replay
+    p.op(aten.repeat.default, ("param",), ("r",), unchecked=True)  # 4
+    p.op(aten.log.default, ("v",), ("l1",), kind="inf")  # 5
+    p.op(aten.log.default, ("c",), ("l2",), kind="inf")  # 6
+    p.op(aten.log.default, ("r",), ("l3",), kind="inf")  # 7
+    p.op(aten.neg.default, ("a",), ("n",), unchecked=True)  # 8
+    p.op(aten.log.default, ("n",), ("l4",), kind="nan")  # 9
+    flags = _ranges_flags(p, {0: (0.0, 0.5), 1: (1.0, 2.0)})
+    origins = p.tracker._origins.replay(list(p.log.entries), flags)
+    by_op = {origin.record.index: origin.input_ranges[0][1] for origin in origins}
+    assert by_op[5] == (0.0, 0.5)  # a view: exact
+    assert by_op[6] == (0.0, 2.0, WITHIN)  # cat: within the hull
+    moved, _, read_at, (leaf,) = by_op[7]  # worked out at report time from the live parameter
+    assert (moved, read_at, leaf[0], leaf[1][3]) == ("moved", 4, "leaf", id(p.keep["param"]))
+    assert by_op[9] == (-0.5, -0.0)  # neg: mapped, exact
+
+
+def test_a_range_known_at_one_check_point_is_known_at_the_next_while_every_window_is_replayed():
+    p = Program()
+    p.op(aten.sigmoid.default, (), ("a",))  # op 0
+    p.op(aten.log.default, ("a",), ("l",), kind="inf")  # op 1: something not finite: ranges read
+    origins = p.tracker._origins
+    origins.replay(list(p.log.entries), _ranges_flags(p, {0: (0.0, 0.9)}))
+
+    def next_window(first_index):
+        p.log.entries.clear()
+        p.flagged.clear()
+        p.op(aten.exp.default, (), ("c",))
+        p.op(aten.div.Tensor, ("c", "a"), ("d",), kind="inf")  # reads `a`, made a window ago
+        (origin,) = origins.replay(list(p.log.entries), _ranges_flags(p, {first_index: (1.0, 2.0)}))
+        return [value for _, value in origin.input_ranges]
+
+    assert next_window(2) == [(1.0, 2.0), (0.0, 0.9)]
+    origins.forget_ranges()  # a window not replayed: what it wrote is not known
+    c_range, a_range = next_window(4)
+    assert c_range == (1.0, 2.0) and a_range[0] == "leaf"
+
+
+def test_a_view_to_another_dtype_carries_no_range():
+    p = Program()
+    p.op(aten.sigmoid.default, (), ("a",))
+    p.keep["bits"] = torch.zeros(1)
+    entry = p.op(aten.view.dtype, ("a",), ("bits",), unchecked=True, inplace=True)
+    # the view's output is an int32 reinterpretation: give it that dtype in the entry
+    meta_out = ((1,), torch.int32, CPU, id(p.keep["bits"]))
+    p.log.entries[-1] = (*entry[:-1], meta_out)
+    origins = p.tracker._origins
+    origins.replay(list(p.log.entries), _ranges_flags(p, {0: (0.0, 0.5)}))
+    assert id(p.keep["bits"]) not in origins.ranges and id(p.keep["a"]) in origins.ranges

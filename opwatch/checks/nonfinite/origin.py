@@ -28,7 +28,7 @@ import torch
 from ...ops import facts_of
 from ...records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import Finding, Place
-from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED
+from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, moved_range
 
 __all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges"]
 
@@ -93,7 +93,7 @@ class Origin:
             contained=contained,
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
             from_deliberate=self.from_deliberate,
-            input_ranges=tuple((tuple(meta), value_range) for meta, value_range in self.input_ranges),
+            input_ranges=tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges),
         )
         # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
         rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
@@ -140,29 +140,62 @@ def headroom_risks(window, half, ranges, log) -> list[OverflowRisk]:
 
 
 def fill_unknown_ranges(origins, log) -> None:
-    """Ranges of an origin's inputs made before the watch (parameters, data) that are still
-    alive: found at report time, once per check point, by one walk over the garbage
-    collector's objects, then one reduction each. Never on a healthy step. An input some op
-    of the watch made is not looked for: it died, and its id may be another tensor's now."""
-    wanted = {}
+    """Work out the ranges of an origin's inputs that the replay did not know: it left a
+    recipe (see ``replay._carry_range``) naming the tensors they came from, and the tensors
+    still alive among those are measured (made before the watch, such as parameters, or in a
+    window whose ranges were not read). Found at report time, once per check point, by one
+    walk over the garbage collector's objects, then one reduction each. Never on a healthy
+    step. A tensor is looked for only when no op after the one that read it made a tensor
+    under its id (then it died, and its id is another tensor's now); one found must have the
+    shape, dtype and device it had. What cannot be worked out is ``None``."""
+    wanted: dict = {}
+    producers: dict = {}
     for origin in origins:
-        for meta, value_range in origin.input_ranges:
-            if value_range is None and log.producer_of(meta[M_IDENT]) is None:
-                wanted[meta[M_IDENT]] = meta
-    if not wanted:
-        return
+        for _, value in origin.input_ranges:
+            _want(value, wanted, producers, log)
     found = {}
-    for candidate in gc.get_objects():
-        if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
-            meta = wanted[id(candidate)]
-            if tuple(candidate.shape) == meta[M_SHAPE] and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
-                found[id(candidate)] = candidate
-    for ident, tensor in found.items():
-        found[ident] = _finite_range(tensor)
+    if wanted:
+        for candidate in gc.get_objects():
+            if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
+                meta = wanted[id(candidate)]
+                if tuple(candidate.shape) == meta[M_SHAPE] and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
+                    found[id(candidate)] = candidate
+        for ident, tensor in found.items():
+            found[ident] = _finite_range(tensor)
     for origin in origins:
-        origin.input_ranges = [
-            (meta, value_range if value_range is not None else found.get(meta[M_IDENT])) for meta, value_range in origin.input_ranges
-        ]
+        origin.input_ranges = [(meta, _worked_out(value, found)) for meta, value in origin.input_ranges]
+
+
+def _is_recipe(value) -> bool:
+    return value is not None and isinstance(value[0], str)
+
+
+def _want(value, wanted, producers, log) -> None:
+    """Note the live tensors a recipe needs."""
+    if not _is_recipe(value):
+        return
+    if value[0] == "moved":
+        for part in value[3]:
+            _want(part, wanted, producers, log)
+        return
+    _, meta, read_at = value
+    ident = meta[M_IDENT]
+    if ident not in producers:
+        producers[ident] = log.producer_of(ident)
+    producer = producers[ident]
+    if producer is None or producer.index < read_at:
+        wanted[ident] = meta
+
+
+def _worked_out(value, found):
+    """A recipe's range, from the live tensors ``found``; ``None`` when a part is unknown."""
+    if not _is_recipe(value):
+        return value
+    if value[0] == "leaf":
+        return found.get(value[1][M_IDENT])
+    _, facts, _, parts = value
+    ranges = [_worked_out(part, found) for part in parts]
+    return None if None in ranges else moved_range(facts, ranges)
 
 
 def _finite_range(tensor):

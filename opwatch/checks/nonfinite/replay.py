@@ -20,10 +20,10 @@ from __future__ import annotations
 from torch.nn import Parameter
 
 from ...ops import facts_of
-from ...records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
+from ...records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from .collectives import delivered
 from .origin import Origin
-from .rules import CHECKED_DTYPES, has_sentinel_constant
+from .rules import CHECKED_DTYPES, has_sentinel_constant, moved_range
 
 __all__ = ["Flags", "Origins"]
 
@@ -54,9 +54,9 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "origins", "deliveries", "accumulates", "received")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received")
 
-    def __init__(self, log, flags, carry, sentinels):
+    def __init__(self, log, flags, carry, sentinels, known_ranges):
         self.log = log
         self.flags = flags
         # ident -> (kind, origin). Carried tensors count even if they died since: ops in this
@@ -66,7 +66,14 @@ class _Window:
         self.live = {ident: ref for ident, (_, _, ref) in carry.items()}
         self.holds_sentinel = set(sentinels)
         self.sentinel_refs = dict(sentinels)
-        self.value_ranges: dict = {}  # ident -> (min, max) of tensors made in this window
+        # ident -> (shape, dtype, (min, max)) of tensors made in this window, or None where an
+        # op of this window made one whose range is unknown (an older tensor's range no more)
+        self.value_ranges: dict = {}
+        # The same, of tensors made in earlier windows that were followed (see Origins.ranges)
+        self.known_ranges = known_ranges
+        # ident -> how to work out its range at report time, for outputs of value-moving ops
+        # whose inputs' ranges were unknown (see _carry_range)
+        self.recipes: dict = {}
         self.origins: list[Origin] = []
         self.deliveries: dict = {}  # outputs of collectives not used yet (see collectives.delivered)
         # Of the entry being replayed: whether it accumulates into a ``.grad``, and the
@@ -91,6 +98,17 @@ class Origins:
         self.unjudged: list[Origin] = []
         # (site, op id) -> Origin, for forward ops recomputed in backward (checkpointing).
         self._by_site: dict = {}
+        # ident -> (shape, dtype, (min, max)): ranges read in the windows replayed so far,
+        # while every window since was replayed (a window not replayed may have written into
+        # these tensors: ``forget_ranges``). Shape and dtype tell a reused id.
+        self.ranges: dict = {}
+
+    _MAX_RANGES = 1 << 16
+
+    def forget_ranges(self) -> None:
+        """A window went by without a replay: the ranges known may be stale."""
+        if self.ranges:
+            self.ranges = {}
 
     def remember_sentinels(self, sentinels) -> None:
         """Keep the finite sentinel-holding tensors that are still alive, for later windows."""
@@ -103,11 +121,13 @@ class Origins:
 
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
-        state = _Window(self._log, flags, self.carry, self.sentinels)
+        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges)
         for entry in window:
             outputs = entry_outputs(entry)
             if outputs:
                 self._step(state, entry, outputs)
+            elif facts_of(state.log.funcs[entry[E_FUNC]]).mutated_args:
+                _forget_written(state, entry)
         for ident in reading:  # a host read
             found = state.status.get(ident)
             if found is not None and found[ST_ORIGIN] is not None:
@@ -120,7 +140,18 @@ class Origins:
         }
         refs = state.sentinel_refs
         self.sentinels = {ident: refs[ident] for ident in state.holds_sentinel if refs[ident]() is not None}
+        self._keep_ranges(state)
         return state.origins
+
+    def _keep_ranges(self, state) -> None:
+        ranges = self.ranges
+        for ident, known in state.value_ranges.items():
+            if known is None:
+                ranges.pop(ident, None)
+            else:
+                ranges[ident] = known
+        if len(ranges) > self._MAX_RANGES:
+            self.ranges = dict(list(ranges.items())[len(ranges) // 2 :])  # the newer half
 
     def _step(self, state, entry, outputs) -> None:
         """One entry, by kind."""
@@ -137,9 +168,8 @@ class Origins:
         # (No source line: site 0, or a named place such as the DDP reducer's "DDP gradient of fc.weight".)
         code, _ = state.log.sites[entry[E_SITE]]
         state.accumulates = entry[E_PHASE] == BACKWARD and code is None and entry[E_FORWARD_FUNC] < 0
-        if facts.keeps_values:
-            _keep_range(state, entry, outputs)
         if facts.preserves_values:
+            _carry_range(state, entry, facts, outputs)
             _step_carrier(state, entry, facts, outputs, fed)
             if state.accumulates and fed and status[fed[0]][ST_ORIGIN] is not None:
                 status[fed[0]][ST_ORIGIN].reached_gradient = True
@@ -161,7 +191,7 @@ class Origins:
         for position, meta in enumerate(outputs):
             ident = meta[M_IDENT]
             key = (index, position)
-            _note_sentinel_and_range(state, ident, key)
+            _note_sentinel_and_range(state, meta, key)
             kind = flags.flagged.get(key)
             if kind is None:
                 record = _step_finite(state, entry, facts, meta, key, input_states, input_origin, record)
@@ -199,8 +229,11 @@ class Origins:
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
+            # A range, or a recipe to work it out at report time (fill_unknown_ranges).
             origin.input_ranges = [
-                (meta, state.value_ranges.get(meta[M_IDENT])) for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES
+                (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or ("leaf", meta, entry[E_INDEX]))
+                for meta in entry_inputs(entry)
+                if meta[M_DTYPE] in CHECKED_DTYPES
             ]
             state.origins.append(origin)
             self._remember_site(origin, entry)
@@ -251,13 +284,21 @@ def _step_lift(state, entry, outputs) -> None:
         ident = meta[M_IDENT]
         key = (index, position)
         kind = flags.flagged.get(key)
-        if key in flags.ranges:
-            state.value_ranges[ident] = flags.ranges[key]
+        state.value_ranges[ident] = (meta[M_SHAPE], meta[M_DTYPE], flags.ranges[key]) if key in flags.ranges else None
+        state.recipes.pop(ident, None)
         if kind is None:
             state.status.pop(ident, None)
         else:
             state.status[ident] = (kind, None)
             state.live[ident] = flags.refs[key]
+
+
+def _forget_written(state, entry) -> None:
+    """An op that wrote in place and returned nothing (``_foreach_add_`` of an optimizer): the
+    ranges of its tensors are not known any more."""
+    for meta in entry_inputs(entry):
+        state.value_ranges[meta[M_IDENT]] = None
+        state.recipes.pop(meta[M_IDENT], None)
 
 
 def _step_grad_scaler(status, fed) -> None:
@@ -270,17 +311,48 @@ def _step_grad_scaler(status, fed) -> None:
             origin.skipped_by_grad_scaler = True
 
 
-def _keep_range(state, entry, outputs) -> None:
-    """A view or copy that holds exactly its input's values keeps its range."""
-    inputs = entry_inputs(entry)
-    if inputs and inputs[0][M_IDENT] in state.value_ranges:
-        for meta in outputs:
-            state.value_ranges[meta[M_IDENT]] = state.value_ranges[inputs[0][M_IDENT]]
+def range_of(state, meta):
+    """``(min, max)`` of the tensor ``meta`` when known (read at a check point, or carried
+    through ops that only move values), else ``None``."""
+    ident = meta[M_IDENT]
+    known = state.value_ranges[ident] if ident in state.value_ranges else state.known_ranges.get(ident)
+    if known is None or known[0] != meta[M_SHAPE] or known[1] != meta[M_DTYPE]:
+        return None
+    return known[2]
+
+
+def _carry_range(state, entry, facts, outputs) -> None:
+    """An op that only moves values: its output's range is its inputs' (see
+    :func:`.rules.moved_range`); unknown when the output is another dtype
+    (``x.view(torch.int32)``). Where an input's range is unknown, a recipe is kept instead
+    (``("moved", op facts, op index, parts)``, a part a range, a recipe or ``("leaf", meta,
+    op index)``): the range may be read at report time from the tensors it came from, if
+    they are still alive (a parameter that was repeated)."""
+    inputs = [meta for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES]
+    dtypes = {meta[M_DTYPE] for meta in inputs}
+    ranges = [range_of(state, meta) for meta in inputs]
+    carried = recipe = None
+    if ranges and None not in ranges:
+        carried = moved_range(facts, ranges)
+    elif ranges:
+        index = entry[E_INDEX]
+        parts = tuple(
+            known if known is not None else state.recipes.get(meta[M_IDENT]) or ("leaf", meta, index)
+            for meta, known in zip(inputs, ranges)
+        )
+        recipe = ("moved", facts, index, parts)
+    for meta in outputs:
+        same = dtypes == {meta[M_DTYPE]}
+        state.value_ranges[meta[M_IDENT]] = (meta[M_SHAPE], meta[M_DTYPE], carried) if carried is not None and same else None
+        if recipe is not None and same:
+            state.recipes[meta[M_IDENT]] = recipe
+        else:
+            state.recipes.pop(meta[M_IDENT], None)
 
 
 def _step_carrier(state, entry, facts, outputs, fed) -> None:
-    """An op that only moves values: its outputs hold what its inputs held (non-finite state
-    only: ranges of views are not followed, a view may hold a part of them)."""
+    """An op that only moves values: its outputs hold what its inputs held (their ranges are
+    carried by ``_carry_range``)."""
     index = entry[E_INDEX]
     status, live = state.status, state.live
     source = next((ident for ident in fed if status[ident][ST_ORIGIN] is not None), None)
@@ -301,18 +373,17 @@ def _step_carrier(state, entry, facts, outputs, fed) -> None:
             status.pop(meta[M_IDENT], None)
 
 
-def _note_sentinel_and_range(state, ident, key) -> None:
+def _note_sentinel_and_range(state, meta, key) -> None:
     """A checked output: whether it holds a sentinel, and its range when one was read."""
     flags = state.flags
+    ident = meta[M_IDENT]
     if key in flags.sentinels:
         state.holds_sentinel.add(ident)
         state.sentinel_refs[ident] = flags.sentinels[key]
     else:
         state.holds_sentinel.discard(ident)
-    if key in flags.ranges:
-        state.value_ranges[ident] = flags.ranges[key]
-    else:
-        state.value_ranges.pop(ident, None)
+    state.value_ranges[ident] = (meta[M_SHAPE], meta[M_DTYPE], flags.ranges[key]) if key in flags.ranges else None
+    state.recipes.pop(ident, None)
 
 
 def _step_finite(state, entry, facts, meta, key, input_states, input_origin, record):

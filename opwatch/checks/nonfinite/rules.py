@@ -18,6 +18,7 @@ from ...records import E_ARGS
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
+    "WITHIN", "moved_range",
 ]
 
 NAME = "nonfinite"
@@ -64,3 +65,25 @@ def has_sentinel_constant(entry) -> bool:
         if type(value) is float and (not math.isfinite(value) or value in SENTINELS):
             return True
     return False
+
+
+# A range carried through a value-moving op that keeps only some of its input's values: the
+# output's values lie within it (third item of the range).
+WITHIN = "within"
+
+
+def moved_range(facts, ranges):
+    """The range of the output of a value-moving op (its ``OpFacts``, see ``range_map``) whose
+    floating inputs had ``ranges`` (``(min, max)``, or with ``WITHIN`` a third item): exact
+    for a view or copy of all of one input's values (mapped: ``neg``, ``abs``); else the hull
+    of theirs, with ``WITHIN`` (``cat``, ``index``, ``repeat``, a slice hold some of them)."""
+    how = facts.range_map
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    if how == "neg":
+        low, high = -high, -low
+    elif how == "abs":
+        low, high = (low, high) if low >= 0 else (-high, -low) if high <= 0 else (0.0, max(-low, high))
+    elif how == "with_zero":
+        low, high = min(low, 0.0), max(high, 0.0)
+    exact = how in ("same", "neg", "abs") and len(ranges) == 1 and len(ranges[0]) == 2
+    return (low, high) if exact else (low, high, WITHIN)

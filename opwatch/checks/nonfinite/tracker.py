@@ -34,8 +34,11 @@ class NonFiniteTracker:
 
     _CHUNK = 64  # 0-dim results stacked into one tensor at a time: fewer objects to keep
 
-    def __init__(self, log) -> None:
+    def __init__(self, log, *, keep_ranges: bool = False) -> None:
         self._log = log
+        # Every op is a check point (guard's replay: ``check_every=1``), so every output's range
+        # is read anyway: keep them all, so that an origin's inputs' ranges are known.
+        self.keep_ranges = keep_ranges
         self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on _stats_device
         self._stats_device = None
         self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
@@ -82,6 +85,11 @@ class NonFiniteTracker:
     @property
     def carrying(self) -> bool:
         return bool(self._origins.carry) or bool(self._origins.unjudged)
+
+    def forget_ranges(self) -> None:
+        """A check point with nothing to resolve: the ranges known from earlier windows may
+        be stale after its ops (see ``Origins.ranges``)."""
+        self._origins.forget_ranges()
 
     def pending_on(self, device) -> bool:
         """Whether flags wait on ``device`` (a host read there already pays for a sync), or
@@ -193,8 +201,9 @@ class NonFiniteTracker:
         flags.carriers, flags.written_bases = carriers, written_bases
         origins = self._origins
         risks = headroom_risks(window, half, flags.ranges, self._log) if half and flags.ranges else []
-        if not flags.flagged and not origins.carry and not origins.unjudged:
+        if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
             origins.remember_sentinels(flags.sentinels)
+            origins.forget_ranges()  # this window's ops were not followed
             return risks
         new = origins.replay(window, flags, reading)
         fill_unknown_ranges(new, self._log)
@@ -204,7 +213,7 @@ class NonFiniteTracker:
 
     def _take_flags(self, half) -> Flags:
         """Read the queued pairs (one host read per device) into :class:`Flags`, and empty the queue."""
-        kinds, values = self._read_flags(check_headroom=bool(half)) if self._indices else ([], None)
+        kinds, values = self._read_flags(check_headroom=bool(half), keep_values=self.keep_ranges) if self._indices else ([], None)
         queued = list(zip(self._indices, self._positions, self._refs, kinds))
         self._chunks, self._indices, self._positions, self._refs = [], [], [], []
         self._devices = set()
@@ -226,10 +235,11 @@ class NonFiniteTracker:
             flags.refs[key] = ref
         return flags
 
-    def _read_flags(self, check_headroom: bool = False) -> tuple[list, list | None]:
+    def _read_flags(self, check_headroom: bool = False, keep_values: bool = False) -> tuple[list, list | None]:
         """Per queued pair: None (finite), "nan", "inf", or SENTINEL (finite, but holding
         ``finfo.max`` or ``finfo.min`` of a floating dtype: a deliberate mask value); and the
-        values read (min, max, min, max, ...), or ``None`` when all were finite."""
+        values read (min, max, min, max, ...), or ``None`` when all were finite (unless
+        ``keep_values``)."""
         self._stack()
         by_device: dict = {}
         for chunk in self._chunks:
@@ -238,7 +248,7 @@ class NonFiniteTracker:
             # The one host read of this check point.
             chunks = self._chunks
             values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
-            if math.isfinite(sum(values)) and (not check_headroom or HEADROOM_LIMIT > max(map(abs, values))):
+            if not keep_values and math.isfinite(sum(values)) and (not check_headroom or HEADROOM_LIMIT > max(map(abs, values))):
                 # The usual case: all finite, no float16 near its limit. Masks holding
                 # finfo.min (every Hugging Face model) only mark their outputs.
                 kinds = [None] * (len(values) // 2)
