@@ -43,7 +43,7 @@ from functools import partial
 import torch
 
 from ..compat import restore_caller_state
-from ..records import M_DEVICE, M_DTYPE, M_SHAPE
+from ..records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from .finding import Finding, takes_several_tensors, tensor_names
 
 __all__ = ["KIND", "for_op", "autocast_allows"]
@@ -57,6 +57,12 @@ _SAME_DTYPE_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
 }
+# Attention kernels that take a float32 (or bool) ``attn_mask`` with float16/bfloat16 q, k, v,
+# as torch documents ("bool or float or the query's dtype"): the CPU flash kernel, the math
+# path. CUDA's memory-efficient kernel raises for it ("invalid dtype for bias") and stays
+# judged like the rest.
+_FLOAT_MASK_ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
+_MASK_POSITION = 3  # q, k, v, then the mask
 _NOT_PROMOTIONS = {"aten::copy_", "aten::copy", "aten::_to_copy", "aten::to", "aten::_copy_from"}
 _INT_INDEX = (torch.int64, torch.int32)
 # Argument name -> dtypes the kernel accepts there.
@@ -109,6 +115,8 @@ def for_op(func):
     if not takes_several_tensors(func):
         return None
     name = func._schema.name
+    if name in _FLOAT_MASK_ATTENTION:
+        return partial(_check_attention, func)
     if name in _SAME_DTYPE_OPS:
         return partial(_check_same, func)
     if name in _CONCATENATIONS:
@@ -189,15 +197,46 @@ def _check_promotion(func, tensors, context=None) -> Finding | None:
         dtypes = {m[M_DTYPE] for m in involved}
         if autocast_allows(dtypes, involved[0][M_DEVICE]):
             return None
+        if _inside_a_call_of_one_dtype(involved, context):
+            return None
         result = floating
         for other in dtypes:
             result = torch.promote_types(result, other)
+        odd = _minority(involved)
         facts = {
             "first": floating, "second": dtype, "dtypes": sorted(dtypes, key=str), "result": result,
-            "count": len(involved), "names": tensor_names(func, len(tensors)),
+            "count": len(involved), "names": tensor_names(func, len(tensors)), "common": _common(involved, odd),
         }
-        return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=_minority(involved))
+        return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=odd)
     return None
+
+
+def _inside_a_call_of_one_dtype(involved, context) -> bool:
+    """Whether the promoting op runs inside one call of a composite function (torch's math
+    ``scaled_dot_product_attention`` upcasts float16 q, k, v to float32 and adds the caller's
+    float16 mask) whose tensors, as the program passed them, all have one floating dtype: the
+    promotion is torch's own, not the program's. Asked only once a promotion is found."""
+    call = getattr(context, "call_tensors", None)
+    if call is None:
+        return False
+    made, passed = call()
+    if not any(meta[M_IDENT] in made for meta in involved):
+        return False  # every operand came from the program: the op is the program's own
+    floating = {m[M_DTYPE] for m in (*passed, *involved) if m[M_IDENT] not in made and m[M_SHAPE] and m[M_DTYPE].is_floating_point}
+    return len(floating) <= 1
+
+
+def _common(involved, odd) -> torch.dtype:
+    """The dtype the rest of the program uses: the most frequent floating dtype of the operands
+    that are not odd (the narrowest in a tie), whichever side the odd operand is on."""
+    odd_dtype = odd[0][M_DTYPE]
+    counts: dict = {}
+    for meta in involved:
+        if meta[M_DTYPE] != odd_dtype:
+            counts[meta[M_DTYPE]] = counts.get(meta[M_DTYPE], 0) + 1
+    if not counts:
+        return odd_dtype
+    return max(counts, key=lambda dtype: (counts[dtype], -dtype.itemsize))
 
 
 def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
@@ -259,6 +298,12 @@ def _check_same(func, tensors, context=None) -> Finding | None:
         return None
     facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors))}
     return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=_minority(tensors))
+
+
+def _check_attention(func, tensors, context=None) -> Finding | None:
+    if len(tensors) > _MASK_POSITION and tensors[_MASK_POSITION][M_DTYPE] in (torch.float32, torch.bool):
+        return _check_same(func, tensors[:_MASK_POSITION], context)  # the mask is legal
+    return _check_same(func, tensors, context)
 
 
 def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None) -> Finding | None:
