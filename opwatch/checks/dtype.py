@@ -1,7 +1,8 @@
 """dtype_mismatch: caught before the kernel, in five shapes.
 
 1. Ops whose kernels need one dtype for all operands (the matmul family, convolutions, fused
-   attention): ``f64[5, 3] @ f32[3, 2]`` fails deep in the kernel with a terse message.
+   attention): ``f64[5, 3] @ f32[3, 2]`` fails deep in the kernel with a terse message. The
+   CPU attention kernels also take a float32 or bool ``attn_mask`` with half-precision q, k, v.
 2. Mask and index arguments of a dtype the kernel rejects: ``masked_scatter_`` with an ``i64``
    mask; ``gather``/``scatter``/``index_select``/``index_add``/``embedding`` indices that are
    neither ``i64`` nor ``i32``; ``index_copy``/``index_fill``/``take`` indices that are not
@@ -10,7 +11,12 @@
 3. A silent promotion between two *different floating* dtypes of non-scalar tensors in a
    pointwise op (``f32 * f64 -> f64``, typically a float64 array from numpy meeting a float32
    model), or in ``cat``/``stack``. It never raises; it costs speed and memory and changes
-   every result downstream.
+   every result downstream. Judged as the program wrote it: an op inside one call of a
+   composite function (the math ``scaled_dot_product_attention`` upcasting float16 q, k, v to
+   float32 and adding the caller's float16 mask) counts only if the tensors the program passed
+   to that call mix floating dtypes (``CheckContext.call_tensors``); and the finding is
+   reported where the op's result is first used, not when the op runs: a result cast straight
+   back to the narrower dtype is deliberate (:mod:`opwatch.checks.promotions`).
 4. An elementwise loss (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
    ``binary_cross_entropy[_with_logits]``) whose target has another floating dtype than its
    input: ``F.mse_loss(f32, f64)`` silently runs the loss and its backward in float64,

@@ -13,6 +13,11 @@ The way of one op, in ``__torch_dispatch__``:
 5. at check points (a host read where flags wait, every ``max_records`` ops, and when
    :class:`~opwatch.session.Watch` asks) the nan/inf flags are resolved and reported.
 
+A promotion finding (:mod:`opwatch.checks.promotions`) is not reported in step 2: it waits for
+the first use of the op's result. While one waits, every op takes a detour before step 1 (the
+switch the hot path tests anyway, also set when the watch is inert) where its arguments are
+matched against the waiting results; a healthy program never takes it.
+
 Everything that does not change between calls of one ``OpOverload`` is worked out once and
 cached in an :class:`_OpPlan`. opwatch's own work runs inside one guard: whatever goes wrong in
 it becomes one :class:`~opwatch.OpwatchWarning` and the watch switches itself off; only an
