@@ -302,8 +302,9 @@ def _check_same(func, tensors, context=None) -> Finding | None:
             dtypes.append(meta[M_DTYPE])
     if len(dtypes) <= 1:
         return None
-    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors))}
-    return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=_minority(tensors))
+    odd = _minority(tensors)
+    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors)), "common": _common(tensors, odd)}
+    return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=odd)
 
 
 def _check_attention(func, tensors, context=None) -> Finding | None:

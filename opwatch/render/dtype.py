@@ -6,7 +6,8 @@ Facts of each rule (``names``: the tensor arguments' names; ``operands``: their 
   ``dtypes`` (every floating dtype of the non-scalar operands), ``result`` (the promoted
   dtype), ``count`` (how many non-scalar floating operands), ``names``, ``common`` (the dtype
   of the operands that are not odd: the one the rest of the program uses, named by the fix).
-- ``dtype.one_dtype``: ``op``, ``dtypes`` (in order of appearance), ``names``.
+- ``dtype.one_dtype``: ``op``, ``dtypes`` (in order of appearance), ``names``, ``common`` (the
+  dtype of the operands that are not odd).
 - ``dtype.arg_dtype``: ``op``, ``arg`` (``mask``, ``index``), ``got``, ``accepted`` (the
   dtypes the kernel takes there, preferred first), ``names``.
 - ``dtype.index_dtype``: ``op``, ``position`` (1 for the first index), ``index``, ``indexed``.
@@ -62,9 +63,12 @@ def explain_silent_upcast(finding) -> tuple[str, str, str]:
 def explain_one_dtype(finding) -> tuple[str, str, str]:
     facts = finding.facts
     dtypes = facts["dtypes"]
+    # The dtype of the operands that are not odd first (logs exported before: in order met).
+    common = facts.get("common", dtypes[0])
+    other = next(d for d in dtypes if d != common)
     return (
         f"{facts['op']} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {named(facts['names'], finding.operands)}",
-        f"every operand in {_name(dtypes[0])} (or all in {_name(dtypes[1])})",
+        f"every operand in {_name(common)} (or all in {_name(other)})",
         "cast one side where it is made (.to(x.dtype)); a stray .double() or a float64 numpy array is the usual cause",
     )
 

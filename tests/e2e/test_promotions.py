@@ -198,3 +198,14 @@ def test_float64_numpy_weights_are_flagged_with_the_models_dtype_in_the_fix(firs
     problem, expected, fix = explain(anomaly.finding)
     assert "torch.from_numpy(a).to(f32)" in fix and "f64)" not in fix
     assert "silent promotion " + ("f64 with f32" if first else "f32 with f64") + " -> f64" in problem
+
+
+@pytest.mark.parametrize("first", [F64, F32])
+def test_one_dtype_ops_expect_the_non_odd_dtype_first(first):
+    second = F32 if first == F64 else F64
+    a, b = torch.ones(5, 3, dtype=first), torch.ones(3, 2, dtype=second)
+    with opwatch.watch(warn=False) as w, pytest.raises(RuntimeError):
+        a @ b
+    finding = w.anomalies[0].finding
+    assert finding.rule == "dtype.one_dtype" and finding.facts["common"] == F32
+    assert explain(finding)[1] == "every operand in f32 (or all in f64)"
