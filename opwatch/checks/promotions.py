@@ -69,9 +69,13 @@ class PendingPromotions:
         out = next((tensor for tensor in outputs if isinstance(tensor, _Tensor)), None)
         if out is None:
             return False
+        try:
+            ref = weakref.ref(out)
+        except TypeError:
+            return False  # a tensor kind that refuses weak references: not kept, not waited on
         result = finding.facts["result"]
         narrower = frozenset(dtype for dtype in finding.facts["dtypes"] if dtype != result)
-        self._waiting.append(_Waiting(weakref.ref(out), _storage(out), narrower, finding, record))
+        self._waiting.append(_Waiting(ref, _storage(out), narrower, finding, record))
         return True
 
     def consumed_by(self, func, args, kwargs) -> list[tuple]:
