@@ -25,7 +25,7 @@ class BaseAnomaly:
 
     Derived here from those two: ``kind``, ``op``, ``filename``, ``lineno``, ``module``,
     ``phase``, ``index``, ``rank``, ``where``, ``received`` and ``message`` (also ``str()``),
-    rendered from the facts by :func:`opwatch.render.render_message` on first read and kept.
+    rendered from the facts by ``opwatch.render.render_message`` on first read and kept.
     A subclass may override any of them: one that adds lines to the message overrides
     ``message`` and calls ``BaseAnomaly.message.fget(self)`` for the rendered text; one whose
     record is not at hand (another rank's anomaly) provides the derived attributes itself.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 from difflib import SequenceMatcher
+from typing import NamedTuple
 
 from .export import SavedLog, load
 from .ops import facts_of
@@ -54,9 +55,34 @@ DIFFERED = "differed"  # they differ
 BEFORE_WATCH = "before_watch"  # made before the watch (or outside torch ops): not fingerprinted
 NO_VALUES = "no_values"  # uninitialised memory (empty_like): there are no values to compare
 UNKNOWN = "unknown"  # made by an op whose outputs were not fingerprinted (an odd dtype, a collective)
-# A made-tensor marker: (step, output position); these two stand for the rest.
+
+
+class Output(NamedTuple):
+    """Where a tensor's values were made in one run: an output of the op at ``step``."""
+
+    step: int  # the op's position in the run's records
+    position: int  # which of its outputs
+
+
+class DtypePair(NamedTuple):
+    """The two runs' dtype names where they differ, the lower precision first."""
+
+    lower: str
+    higher: str
+
+
+class Gap(NamedTuple):
+    """How far one statistic of the divergent output differs between the runs."""
+
+    statistic: str  # "sum", "norm", "min" or "max"
+    a: float  # its value in run a
+    b: float  # in run b
+    relative: float  # |a - b| over the statistic's scale
+
+
+# A made-tensor marker: an Output; these two stand for the rest.
 _BEFORE = None
-_EMPTY = (-1, -1)
+_EMPTY = Output(-1, -1)
 
 
 class Tolerance:
@@ -76,15 +102,15 @@ class Tolerance:
     def close(self, a: tuple, b: tuple) -> bool:
         """Whether fingerprints ``a`` and ``b`` agree."""
         if self.rtol is None:
-            return a[0] == b[0]
+            return a.hash == b.hash
         return all(difference <= self.atol + self.rtol * scale for difference, scale in _gaps(a, b))
 
 
 def _gaps(a: tuple, b: tuple) -> list[tuple[float, float]]:
     """``(|a - b|, scale)`` of sum, norm, min and max; 0 where both are the same (nan, inf)."""
-    norm = max(abs(a[2]), abs(b[2]))
-    magnitude = max(abs(a[3]), abs(a[4]), abs(b[3]), abs(b[4]))
-    scales = (max(abs(a[1]), abs(b[1]), norm), norm, magnitude, magnitude)
+    norm = max(abs(a.norm), abs(b.norm))
+    magnitude = max(abs(a.min), abs(a.max), abs(b.min), abs(b.max))
+    scales = (max(abs(a.sum), abs(b.sum), norm), norm, magnitude, magnitude)
     gaps = []
     for x, y, scale in zip(a[1:], b[1:], scales):
         same = x == y or (math.isnan(x) and math.isnan(y))
@@ -121,13 +147,13 @@ class Divergence:
         """Where the op ran in each run: ``("train.py:23", "train.py:24")``."""
         return self.a.where, self.b.where
 
-    def gaps(self) -> list[tuple[str, float, float, float]]:
-        """``(statistic, value in a, value in b, relative difference)`` of sum, norm, min, max."""
+    def gaps(self) -> list[Gap]:
+        """``Gap(statistic, value in a, value in b, relative difference)`` of sum, norm, min, max."""
         if self.print_a is None:
             return []
         found = []
         for name, x, y, (gap, scale) in zip(("sum", "norm", "min", "max"), self.print_a[1:], self.print_b[1:], _gaps(self.print_a, self.print_b)):
-            found.append((name, x, y, gap / scale if scale else (0.0 if not gap else math.inf)))
+            found.append(Gap(name, x, y, gap / scale if scale else (0.0 if not gap else math.inf)))
         return found
 
     def __repr__(self) -> str:
@@ -158,10 +184,10 @@ class _Run:
     def fingerprints(self, step: int):
         return self.prints.get(self.records[step].index)
 
-    def fingerprint(self, made) -> tuple | None:
-        """The fingerprint of output ``made = (step, position)``."""
-        prints = self.fingerprints(made[0])
-        return prints[made[1]] if prints is not None and made[1] < len(prints) else None
+    def fingerprint(self, made: Output) -> tuple | None:
+        """The fingerprint of output ``made``."""
+        prints = self.fingerprints(made.step)
+        return prints[made.position] if prints is not None and made.position < len(prints) else None
 
 
 def _open(source, name: str):
@@ -195,10 +221,10 @@ def _open(source, name: str):
 
 
 def _producers(records, prints) -> list[tuple]:
-    """Per record, per tensor input: ``(step, output position)`` of the op that made it in
+    """Per record, per tensor input: the :class:`Output` of the op that made it in
     this run (through views and clones, to the op that made their values), ``_EMPTY`` for
     uninitialised memory, ``_BEFORE`` when made before the watch."""
-    made: dict = {}  # tensor ident -> (step, position) | _EMPTY
+    made: dict = {}  # tensor ident -> Output | _EMPTY
     found = []
     for step, record in enumerate(records):
         inputs = tuple(made.get(meta.ident, _BEFORE) for meta in record.inputs)
@@ -212,7 +238,7 @@ def _producers(records, prints) -> list[tuple]:
         elif inputs and (facts.is_view or facts.keeps_values if facts is not None else record.index not in prints):
             source = inputs[0]  # the values of its first input
         for position, meta in enumerate(outputs):
-            made[meta.ident] = (step, position) if source is None else source
+            made[meta.ident] = Output(step, position) if source is None else source
     return found
 
 
@@ -316,13 +342,18 @@ def choose_tolerance(a: _Run, b: _Run, pairs, rtol, atol) -> Tolerance:
             continue
         for x, y in zip(a.records[i].outputs or (), b.records[j].outputs or ()):
             names = (_dtype_name(x.dtype), _dtype_name(y.dtype))
-            if names[0] != names[1] and all(name in DEFAULT_TOLERANCES for name in names):
-                pair = tuple(sorted(names, key=lambda name: -DEFAULT_TOLERANCES[name][0]))
-                if lowest is None or DEFAULT_TOLERANCES[pair[0]][0] > DEFAULT_TOLERANCES[lowest[0]][0]:
-                    lowest = pair
+            if len(set(names)) == 2 and all(name in DEFAULT_TOLERANCES for name in names):
+                lower, higher = sorted(names, key=lambda name: -_rtol(name))
+                if lowest is None or _rtol(lower) > _rtol(lowest.lower):
+                    lowest = DtypePair(lower, higher)
     if lowest is None:
         return Tolerance(None, None, "bitwise")
-    return Tolerance(*DEFAULT_TOLERANCES[lowest[0]], "dtypes", lowest)
+    return Tolerance(*DEFAULT_TOLERANCES[lowest.lower], "dtypes", lowest)
+
+
+def _rtol(name: str) -> float:
+    rtol, _ = DEFAULT_TOLERANCES[name]
+    return rtol
 
 
 def _dtype_name(dtype) -> str:
@@ -355,8 +386,8 @@ def explain_inputs(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance) -> tu
     """The inputs of the divergent pair, each with its state, and the verdict."""
     inputs = []
     for position, (made_a, made_b) in enumerate(zip(a.producers[i], b.producers[j])):
-        record_a = a.records[made_a[0]] if made_a not in (_BEFORE, _EMPTY) else None
-        record_b = b.records[made_b[0]] if made_b not in (_BEFORE, _EMPTY) else None
+        record_a = a.records[made_a.step] if made_a not in (_BEFORE, _EMPTY) else None
+        record_b = b.records[made_b.step] if made_b not in (_BEFORE, _EMPTY) else None
         if made_a is _BEFORE or made_b is _BEFORE:
             state = BEFORE_WATCH
         elif made_a == _EMPTY and made_b == _EMPTY:

@@ -31,12 +31,14 @@ and None as they are; tuples as JSON arrays; non-finite floats as ``"nan"``/``"i
 naming its kind: ``{"list": [...]}``, ``{"dict": {...}}`` (string keys) or ``{"pairs": [[k, v],
 ...]}``, ``{"dtype": "float32"}``, ``{"device": "cuda:0"}``, ``{"layout": ...}``,
 ``{"memory_format": ...}``, ``{"complex": [re, im]}``, ``{"size": [...]}`` (``torch.Size``),
-``{"meta": [shape, dtype, device, ident]}`` (:class:`~opwatch.notation.TensorMeta`),
-``{"place": [op, filename, lineno, phase, label]}`` (:class:`~opwatch.checks.finding.Place`),
+a named tuple of facts as ``{tag: [items]}`` (its tag registered by
+:func:`~opwatch.fact_tuples.fact_tuple`: ``{"meta": [shape, dtype, device, ident]}`` for a
+:class:`~opwatch.notation.TensorMeta`, ``{"place": [op, filename, lineno, phase, label]}`` for
+a :class:`~opwatch.checks.finding.Place`, ``{"made_by": [...]}`` for where an operand was made),
 ``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for anything else (read
 back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these;
-other tuple and list types (a named tuple the codec does not know) are written as their items
-and read back as plain tuples: add a tag here for a new kind of fact that must keep its type.
+other tuple and list types (a named tuple not registered) are written as their items and read
+back as plain tuples: register a new kind of fact tuple that must keep its type.
 
 Version 1 files (which stored the messages' text) are not read: :func:`load` names the versions
 it reads.
@@ -53,7 +55,8 @@ import torch
 from .anomaly import BaseAnomaly
 from .bounded import BoundedCache
 from .checks import fingerprints
-from .checks.finding import Finding, Place
+from .checks.finding import Finding
+from .fact_tuples import CLASSES, TAGS
 from .notation import TensorMeta, format_meta
 from .records import BaseRecord, short_op_name
 
@@ -285,10 +288,9 @@ def encode(value):
 
 
 def _encode_tagged(value) -> dict | None:
-    if isinstance(value, Place):
-        return {"place": [encode(item) for item in value]}
-    if isinstance(value, TensorMeta):
-        return {"meta": [encode(item) for item in value]}
+    tag = TAGS.get(type(value))
+    if tag is not None:  # a registered named tuple of facts
+        return {tag: [encode(item) for item in value]}
     if isinstance(value, torch.Size):
         return {"size": [encode(item) for item in value]}
     if isinstance(value, complex):
@@ -318,22 +320,17 @@ def decode(value):
     if isinstance(value, dict):
         (tag, inner), = value.items()
         decoder = _DECODERS.get(tag)
-        if decoder is None:
-            raise ValueError(f"unknown value tag {tag!r}; the tags are {', '.join(map(repr, _DECODERS))}")
-        return decoder(inner)
+        if decoder is not None:
+            return decoder(inner)
+        named = CLASSES.get(tag)
+        if named is None:
+            raise ValueError(f"unknown value tag {tag!r}; the tags are {', '.join(map(repr, [*_DECODERS, *CLASSES]))}")
+        return named(*_decode_items(inner))
     return value
 
 
 def _decode_items(inner) -> list:
     return [decode(item) for item in inner]
-
-
-def _place(inner):
-    return Place(*_decode_items(inner))
-
-
-def _tensor_meta(inner):
-    return TensorMeta(*_decode_items(inner))
 
 
 def _size_of(inner):
@@ -346,14 +343,12 @@ _DECODERS = {
     "list": _decode_items,
     "dict": lambda inner: {key: decode(item) for key, item in inner.items()},
     "pairs": lambda inner: {decode(key): decode(item) for key, item in inner},
-    "complex": lambda inner: complex(decode(inner[0]), decode(inner[1])),
+    "complex": lambda inner: complex(*_decode_items(inner)),  # [real, imag]
     "device": lambda inner: _device(inner),
     "dtype": lambda inner: _torch_attribute(inner),
     "layout": lambda inner: _torch_attribute(inner),
     "memory_format": lambda inner: _torch_attribute(inner),
     "size": _size_of,
-    "meta": _tensor_meta,
-    "place": _place,
     "op": lambda inner: _op(inner),
 }
 
@@ -625,20 +620,21 @@ def _op(name: str):
 
 
 def _find_attribute(key: tuple):
-    name = key[1]
+    _, name = key
     value = getattr(torch, name, None)
     return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else name
 
 
 def _find_device(key: tuple):
+    _, name = key
     try:
-        return torch.device(key[1])
+        return torch.device(name)
     except (RuntimeError, ValueError):
-        return key[1]
+        return name
 
 
 def _find_op(key: tuple):
-    name = key[1]
+    _, name = key
     namespace, _, rest = name.partition(".")
     packet, _, overload = rest.partition(".")
     try:
@@ -765,6 +761,7 @@ def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
     (and each of its parents), from the first op's start to the last op's end."""
     spans: list[dict] = []
     open_spans: list[list] = []  # [path, phase, start, end], outermost first
+    path_at, phase_at, end_at = 0, 1, 3  # positions in an open span (a list: its end grows)
 
     def close(count: int) -> None:
         for path, phase, start, end in reversed(open_spans[len(open_spans) - count :]):
@@ -778,12 +775,12 @@ def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
         parts = module.split(".") if module else []
         paths = [".".join(parts[: depth + 1]) for depth in range(len(parts))]
         kept = 0
-        while kept < len(open_spans) and kept < len(paths) and open_spans[kept][0] == paths[kept] and open_spans[kept][1] == record.phase:
+        while kept < len(open_spans) and kept < len(paths) and open_spans[kept][path_at] == paths[kept] and open_spans[kept][phase_at] == record.phase:
             kept += 1
         close(len(open_spans) - kept)
         end = round(ts + dur, 3)
         for span in open_spans:
-            span[3] = end
+            span[end_at] = end
         for path in paths[kept:]:
             open_spans.append([path, record.phase, ts, end])
     close(len(open_spans))

@@ -22,6 +22,7 @@ import math
 import sys
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,13 @@ class GradientsNotFinite(RuntimeError):
         super().__init__(message)
         self.step = step
         self.parameters = parameters
+
+
+class Failure(NamedTuple):
+    """An optimizer step whose gradients held nan/inf (``LeaveOn.failures``)."""
+
+    step: int
+    parameters: list  # [(parameter name, kind), ...]
 
 
 class LeaveOn:
@@ -77,7 +85,7 @@ class LeaveOn:
         self.steps = 0  # optimizer steps that ran (GradScaler's skipped ones never call it)
         self.audited = 0  # of them, run under the full watch
         self.failed = 0  # of them, with nan/inf in the gradients about to be applied
-        self.failures: list[tuple[int, list]] = []  # (step, [(parameter, kind), ...])
+        self.failures: list[Failure] = []
         self._auditing = False
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
@@ -180,7 +188,7 @@ class LeaveOn:
         names = self._names()
         bad = nonfinite_names(optimizer, names)
         self.failed += 1
-        self.failures.append((self.steps, bad))
+        self.failures.append(Failure(self.steps, bad))
         if self.strict:
             raise GradientsNotFinite(words.failure(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
         if self._recheck_of is not None:
@@ -203,11 +211,11 @@ class LeaveOn:
             elif recheck is not None:
                 origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
                 origin = None if not origins else (origins[0].kind, origins[0].op, origins[0].where, origins[0].phase)
-                failed_again = bool(self.failures) and self.failures[-1][0] == self.steps
+                failed_again = bool(self.failures) and self.failures[-1].step == self.steps
                 _warn(words.recheck(recheck, self.steps, origin, failed_again=failed_again))
             elif any(anomaly.kind in _NONFINITE_KINDS for anomaly in found):
                 self.failed += 1
-        elif self.failures and self.failures[-1][0] == self.steps and not self.strict and self._told() and not self._poisoned:
+        elif self.failures and self.failures[-1].step == self.steps and not self.strict and self._told() and not self._poisoned:
             self._recheck_of = self.steps
             self.start_audit()
 

@@ -10,9 +10,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .fact_tuples import fact_tuple
+
 __all__ = ["TensorMeta", "format_dtype", "format_meta", "format_shape"]
 
 
+@fact_tuple("meta")
 class TensorMeta(NamedTuple):
     """What opwatch remembers of one tensor: never the tensor itself.
 
@@ -63,5 +66,5 @@ def format_shape(shape: Any) -> str:
 
 def format_meta(meta: tuple) -> str:
     """``(shape, dtype, device, ...)`` -> ``f32[4, 1] cpu``."""
-    shape, dtype, device = meta[0], meta[1], meta[2]
+    shape, dtype, device = meta[:3]
     return f"{format_dtype(dtype)}{format_shape(shape)} {device}"

@@ -240,8 +240,8 @@ class BaseRecord:
 
     @property
     def where(self) -> str:
-        """``train.py:23``, in the one location format of every message (see
-        :func:`opwatch.sites.location`): ``autograd`` for backward ops autograd ran without a
+        """``train.py:23``, in the one location format of every message (made by
+        ``opwatch.sites.location``): ``autograd`` for backward ops autograd ran without a
         forward line (gradient accumulation), ``?`` when no user frame was found."""
         return location(self)
 
@@ -341,7 +341,7 @@ class OpRecord(BaseRecord):
     @property
     def filename(self) -> str | None:
         # Without building the position: the file is the code object's.
-        code = self._log.sites[self._entry[E_SITE]][0]
+        code, _ = self._log.sites[self._entry[E_SITE]]
         return code.co_filename if code is not None else None
 
     @property

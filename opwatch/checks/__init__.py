@@ -33,7 +33,7 @@ import torch
 from ..ops import facts_of
 from ..records import E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
-from .finding import Finding, Place
+from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, MadeBy, Owned, Place
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
@@ -107,14 +107,14 @@ class CheckContext:
         """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
         rendered by :func:`opwatch.render.phrases.where_made`):
 
-        - ``("attribute", module class name, attribute name, module path)``: a plain tensor
-          attribute of a running module;
-        - ``("parameter" | "buffer", module path, name)``;
-        - ``("made_by", Place)``: the op that made it; for a factory op called without the
-          ``missing`` argument (``"device"``, ``"dtype"``) a third item says what torch filled
-          in: ``("default_device", device)`` or ``("dtype", the dtype given or None, the
-          default dtype)``;
-        - ``("before_watch",)``: made before the watch (or outside torch ops).
+        - ``Attribute("attribute", module class name, attribute name, module path)``: a plain
+          tensor attribute of a running module;
+        - ``Owned("parameter" | "buffer", module path, name)``;
+        - ``MadeBy("made_by", Place, factory)``: the op that made it; for a factory op called
+          without the ``missing`` argument (``"device"``, ``"dtype"``) ``factory`` says what
+          torch filled in: ``DefaultDevice("default_device", device)`` or
+          ``DefaultDtype("dtype", the dtype given or None, the default dtype)``; else ``None``;
+        - ``BeforeWatch("before_watch")``: made before the watch (or outside torch ops).
         """
         ident = tensor[M_IDENT]
         found = self._in_running_modules(ident)
@@ -122,16 +122,16 @@ class CheckContext:
             return found
         record = self._log.producer_of(ident)
         if record is None or not any(meta.shape == tensor[M_SHAPE] for meta in record.outputs or ()):
-            return ("before_watch",)
-        made = ("made_by", Place.of(record))
+            return BeforeWatch()
+        made = MadeBy("made_by", Place.of(record))
         if not (hasattr(record.func, "_schema") and facts_of(record.func).is_factory):
             return made
         args = dict(record.args)
         if missing == "device" and args.get("device") == torch.get_default_device():
             # torch fills the default in: whether the program named it cannot be told.
-            return (*made, ("default_device", args["device"]))
+            return made._replace(factory=DefaultDevice("default_device", args["device"]))
         if missing == "dtype":
-            return (*made, ("dtype", args.get("dtype"), torch.get_default_dtype()))
+            return made._replace(factory=DefaultDtype("dtype", args.get("dtype"), torch.get_default_dtype()))
         return made
 
     def _in_running_modules(self, ident: int) -> tuple | None:
@@ -139,11 +139,11 @@ class CheckContext:
         for path, module in self._modules.running() if self._modules is not None else ():
             for name, value in vars(module).items():
                 if id(value) == ident and isinstance(value, torch.Tensor):
-                    return ("attribute", type(module).__name__, name, path)
+                    return Attribute("attribute", type(module).__name__, name, path)
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return (kind, path, name)
+                        return Owned(kind, path, name)
         return None
 
 

@@ -235,13 +235,13 @@ def _inside_a_call_of_one_dtype(involved, context) -> bool:
 def _common(involved, odd) -> torch.dtype:
     """The dtype the rest of the program uses: the most frequent floating dtype of the operands
     that are not odd (the narrowest in a tie), whichever side the odd operand is on."""
-    odd_dtype = odd[0][M_DTYPE]
+    odd_dtypes = {meta[M_DTYPE] for meta in odd}
     counts: dict = {}
     for meta in involved:
-        if meta[M_DTYPE] != odd_dtype:
+        if meta[M_DTYPE] not in odd_dtypes:
             counts[meta[M_DTYPE]] = counts.get(meta[M_DTYPE], 0) + 1
     if not counts:
-        return odd_dtype
+        return min(odd_dtypes, key=lambda dtype: dtype.itemsize)
     return max(counts, key=lambda dtype: (counts[dtype], -dtype.itemsize))
 
 

@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Finding", "Place", "takes_several_tensors", "tensor_names"]
+from ..fact_tuples import fact_tuple
+
+__all__ = [
+    "Attribute", "BeforeWatch", "DefaultDevice", "DefaultDtype", "Finding", "MadeBy", "Owned", "Place",
+    "takes_several_tensors", "tensor_names",
+]
 
 
+@fact_tuple("place")
 class Place(NamedTuple):
     """Another op a finding speaks of (where an odd tensor was made, how far a nan spread), as
     facts: its name and where it ran. Rendered ``aten.addmm at train.py:23`` by the render
@@ -29,6 +35,62 @@ class Place(NamedTuple):
     def of(cls, record) -> Place:
         position = record.position
         return cls(record.op, position.filename, position.lineno, record.phase, getattr(record, "label", None))
+
+
+# Where an odd operand was made (``Finding.made``, see ``CheckContext.where_made``): one of
+# these provenance facts, each led by ``how``; rendered by ``opwatch.render.phrases.where_made``.
+
+
+@fact_tuple("attribute")
+class Attribute(NamedTuple):
+    """A plain tensor attribute of a running module (not a buffer: ``.to()`` does not move it)."""
+
+    how: str  # "attribute"
+    cls: str  # the module's class name
+    name: str  # the attribute's name
+    path: str  # the module's path
+
+
+@fact_tuple("owned")
+class Owned(NamedTuple):
+    """A parameter or buffer of a running module."""
+
+    how: str  # "parameter" or "buffer"
+    path: str  # the module's path
+    name: str
+
+
+@fact_tuple("default_device")
+class DefaultDevice(NamedTuple):
+    """A factory op called without ``device=``: torch filled in the default device."""
+
+    how: str  # "default_device"
+    device: Any
+
+
+@fact_tuple("default_dtype")
+class DefaultDtype(NamedTuple):
+    """A factory op called without (or with) ``dtype=``: what it was given, and the default."""
+
+    how: str  # "dtype"
+    given: Any  # the dtype given, or None
+    default: Any  # torch's default dtype then
+
+
+@fact_tuple("made_by")
+class MadeBy(NamedTuple):
+    """Made by an op of the watch; ``factory`` says what torch filled in for a factory op."""
+
+    how: str  # "made_by"
+    place: Place
+    factory: DefaultDevice | DefaultDtype | None = None
+
+
+@fact_tuple("before_watch")
+class BeforeWatch(NamedTuple):
+    """Made before the watch, or outside torch ops (``torch.from_numpy``)."""
+
+    how: str = "before_watch"
 
 
 @dataclass(frozen=True)

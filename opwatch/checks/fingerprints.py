@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import struct
+from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +36,23 @@ from ..records import E_INDEX, M_DTYPE, M_DEVICE
 
 __all__ = ["FingerprintTracker", "Fingerprint", "encode", "decode", "FIELDS"]
 
-# A fingerprint, as stored: (hash, sum, norm, min, max); None where an output was not taken.
-Fingerprint = tuple
-FIELDS = ("hash", "sum", "norm", "min", "max")
+
+
+class Fingerprint(NamedTuple):
+    """One output's fingerprint, as stored (``None`` where an output was not taken): an exact
+    hash of its values' bits and four statistics of its values."""
+
+    hash: int
+    sum: float
+    norm: float  # L2
+    min: float
+    max: float
+
+
+FIELDS = Fingerprint._fields
+# A row as read (the hash and the statistics' float64 bits, int64 each) -> its Fingerprint.
+_ROW, _NUMBERS = struct.Struct("<5q"), struct.Struct("<q4d")
+_as_fingerprint = partial(tuple.__new__, Fingerprint)  # Fingerprint(*numbers), without the Python-level call
 
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _STRIDED = torch.strided
@@ -169,7 +185,7 @@ class FingerprintTracker:
                 prints = store.get(index)
                 if prints is None:
                     prints = store[index] = [None] * count
-                prints[position] = (row[0], *_floats(row[1:]))
+                prints[position] = _as_fingerprint(_NUMBERS.unpack(_ROW.pack(*row)))
         entries = self._log.entries
         if entries and len(self.store) > entries.maxlen:
             oldest = entries[0][E_INDEX]
@@ -191,21 +207,21 @@ class FingerprintTracker:
         return [row for chunk_rows in rows for row in chunk_rows]
 
 
-def _floats(bits) -> tuple:
-    return struct.unpack("<4d", struct.pack("<4q", *bits))
-
-
 # -- in a saved log: JSON numbers, non-finite statistics as strings ------------------------------
 
 
 def encode(prints) -> list:
     """A record's fingerprints for a JSON line: ``[[hash, sum, norm, min, max] | null, ...]``."""
-    return [None if found is None else [found[0], *map(_encode_float, found[1:])] for found in prints]
+    return [None if found is None else [found.hash, *map(_encode_float, found[1:])] for found in prints]
 
 
 def decode(fields) -> tuple:
     """The inverse of :func:`encode`."""
-    return tuple(None if found is None else (int(found[0]), *map(_decode_float, found[1:])) for found in fields)
+    return tuple(None if found is None else _decode_one(*found) for found in fields)
+
+
+def _decode_one(hashed, *stats) -> Fingerprint:
+    return Fingerprint(int(hashed), *map(_decode_float, stats))
 
 
 def _encode_float(value: float):

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compat import pack_padded_sequence_function
+from ..records import M_DTYPE
 from . import device as device_check
 from . import dtype as dtype_check
 from .finding import Finding
@@ -76,8 +77,10 @@ def judge(entry, args: tuple, kwargs: dict, caller_name: str = "") -> Finding | 
     ``None``; ``caller_name``: the name of the calling function's code (see the module doc)."""
     name, rule = entry
     finding = rule(name, args, kwargs)
-    if finding is not None and caller_name in _JUDGED_AT_MODULE_CALL and finding.facts["metas"][0][1].is_floating_point:
-        return None
+    if finding is not None and caller_name in _JUDGED_AT_MODULE_CALL:
+        (odd,) = finding.odd
+        if odd[M_DTYPE].is_floating_point:
+            return None
     return finding
 
 

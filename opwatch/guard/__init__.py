@@ -38,8 +38,8 @@ from ..render import guard as words
 from ..session import Watch, _disabled_by_environment
 from . import replay as replays
 from .audit import Audits
-from .check import FiniteCheck, not_finite
-from .replay import NONFINITE, Replayed, allow_option, first_line, judge, record_at
+from .check import FiniteCheck, Raised, not_finite
+from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 
 __all__ = ["guard", "Guarded"]
@@ -249,7 +249,7 @@ class Guarded:
         except Exception as error:
             if self._snapshots.changed_parameters(start):
                 self._refuse_changed_parameters(start, error=error)
-            return self._failed(start, args, kwargs, ("raised", type(error).__name__, first_line(error)), error=error)
+            return self._failed(start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
         if self._snapshots.changed_parameters(start):
             self._refuse_changed_parameters(start)
         if self._check_results and not self._checked(result):
@@ -315,7 +315,7 @@ class Guarded:
             replay = None
             self.last_replay = audit
             anomaly = replays.explaining(audit.anomalies, None, None, None)
-            repro, note, context = None, ("audit",), (name, failure, None, True)
+            repro, note, context = None, ReproNote("audit"), StepContext(name, failure, None, True)
         else:
             self._refuse_changed_arguments(start, failure, error)
             after = snapshots.buffers_now()  # the buffers as this run of the step left them
@@ -324,7 +324,7 @@ class Guarded:
                                  repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
             self.last_replay = replay.watch
             anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
-            context = (name, failure, len(start.buffers), False)
+            context = StepContext(name, failure, len(start.buffers), False)
         skip = error is None and self._on_failure == "skip"
         # The optimizer never sees this step's gradients; the buffers are as one run left them,
         # or as they were before it when the step is skipped.

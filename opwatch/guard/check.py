@@ -11,6 +11,7 @@ device (one host read per device) from then on.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -104,8 +105,24 @@ def _all_finite_by_device(tensors) -> bool:
     return all(math.isfinite(found.item()) for found in founds)
 
 
-def not_finite(result, params, names) -> tuple:
-    """The failure's facts: ``("not_finite", ((kind, path, type), ...), ((kind, (name, ...)), ...))``
+class Raised(NamedTuple):
+    """A failure's facts when the step (or the op a repro runs) raised."""
+
+    how: str  # "raised"
+    error_type: str  # the exception's type name
+    line: str  # the first line of its text
+
+
+class NotFinite(NamedTuple):
+    """A failure's facts when the check after the step found nan/inf (see :func:`not_finite`)."""
+
+    how: str  # "not_finite"
+    returned: tuple  # ((kind, path, type), ...)
+    grads: tuple  # ((kind, (name, ...)), ...)
+
+
+def not_finite(result, params, names) -> NotFinite:
+    """The failure's facts: ``NotFinite("not_finite", ((kind, path, type), ...), ((kind, (name, ...)), ...))``
     (``path`` is ``"returned"`` for the returned value itself, ``type`` ``"tensor"`` or ``"float"``);
     ``names``: ``{id(param): name}`` (an unnamed parameter is ``(position, meta)``)."""
     returned = []
@@ -120,7 +137,7 @@ def not_finite(result, params, names) -> tuple:
             if kind is not None:
                 meta = (tuple(param.shape), param.dtype, param.device, 0)
                 by_kind.setdefault(kind, []).append(names.get(id(param)) or (position, meta))
-    return ("not_finite", tuple(returned), tuple((kind, tuple(found)) for kind, found in by_kind.items()))
+    return NotFinite("not_finite", tuple(returned), tuple((kind, tuple(found)) for kind, found in by_kind.items()))
 
 
 def kind_of(value) -> str | None:

@@ -10,10 +10,13 @@ one-op repro of its op, or of the op that raised.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..anomaly import Anomaly
 from ..render import guard as words
 from ..session import Watch
 from ..sites import location
+from .check import Raised
 from .repro import InputCapture, write_repro
 
 NONFINITE = ("nan", "inf")
@@ -32,11 +35,30 @@ class Replay:
         self.raised_at = None
 
 
+class StepContext(NamedTuple):
+    """The facts of a guarded step's failure that a :class:`Replayed` message tells."""
+
+    name: str  # the step function's name
+    failure: tuple  # a check.Raised or check.NotFinite
+    buffers: int | None  # buffers the replay restored (None for an audit)
+    audited: bool  # found by the audit of the call, not by a replay
+
+
+class ReproNote(NamedTuple):
+    """What a failure's repro runs, or why there is none (see ``render.guard.repro_note``)."""
+
+    kind: str  # "alone", "raised_op", "capture_broken", "not_captured", "write_failed" or "audit"
+    op: str | None = None  # raised_op: the op that raised
+    where: str | None = None  # raised_op: its location
+    why: str | None = None  # capture_broken: what broke; write_failed: the exception's text
+    error_type: str | None = None  # write_failed: the exception's type name
+
+
 class Replayed(Anomaly):
     """An :class:`~opwatch.Anomaly` of a guarded step that failed, found by its replay (or its
     audit): its message adds the step and the repro. Facts: ``step`` (the call number),
-    ``context`` (``(step name, failure, buffers restored, audited)``), ``repro`` (the repro
-    folder, or ``None``) and ``repro_note`` (what the repro runs, or why there is none)."""
+    ``context`` (a :class:`StepContext`), ``repro`` (the repro folder, or ``None``) and
+    ``repro_note`` (a :class:`ReproNote`: what the repro runs, or why there is none)."""
 
     __slots__ = ("repro", "step", "context", "repro_note")
 
@@ -92,8 +114,9 @@ def judge(replay, error, *, repro: bool, repro_dir, repro_max_bytes):
     """``(anomaly, repro folder, repro note)``: what explains the failure, and its repro."""
     capture = replay.capture
     raised_at = None
-    if capture.raised is not None and replay.error is not None and in_chain(replay.error, capture.raised[1]):
-        raised_at = capture.raised[0]
+    if capture.raised is not None and replay.error is not None:
+        index, error_id = capture.raised
+        raised_at = index if in_chain(replay.error, error_id) else None
     replay.raised_at = raised_at
     anomaly = explaining(replay.watch.anomalies, error, replay.error, raised_at)
     call = capture.call_for(anomaly.record) if anomaly is not None else None
@@ -104,18 +127,18 @@ def judge(replay, error, *, repro: bool, repro_dir, repro_max_bytes):
     if call is None:
         if anomaly is None:
             return None, None, None
-        return anomaly, None, ("capture_broken", capture.broken) if capture.broken else ("not_captured",)
+        return anomaly, None, ReproNote("capture_broken", why=capture.broken) if capture.broken else ReproNote("not_captured")
     same_op = anomaly is not None and anomaly.index == call.index
     record = anomaly.record if same_op else record_at(replay.watch, call.index)
-    note = ("alone",)
+    note = ReproNote("alone")
     if not same_op and record is not None:
-        note = ("raised_op", record.op, location(record))
-    raised = (type(replay.error).__name__, first_line(replay.error)) if call.raised and replay.error is not None else None
+        note = ReproNote("raised_op", record.op, location(record))
+    raised = Raised("raised", type(replay.error).__name__, first_line(replay.error)) if call.raised and replay.error is not None else None
     about = words.repro_about(anomaly if same_op else None, raised, record)
     try:
         return anomaly, write_repro(call, repro_dir, about=about, max_bytes=repro_max_bytes), note
     except Exception as problem:
-        return anomaly, None, ("write_failed", type(problem).__name__, str(problem))
+        return anomaly, None, ReproNote("write_failed", why=str(problem), error_type=type(problem).__name__)
 
 
 def record_at(watch, index):

@@ -72,7 +72,8 @@ class FunctionWatch(TorchFunctionMode):
             finding = pre_dispatch.judge(entry, args, kwargs, caller.f_code.co_name)
             if finding is None or finding.kind not in self._kinds:
                 return
-            record = self._log_call(func, entry[0], finding, caller)
+            name, _ = entry  # (public name, judge): see pre_dispatch.table
+            record = self._log_call(func, name, finding, caller)
             finding = self._with_provenance(finding)
             error = self._reporter.report(finding, record)
         except Exception as internal:

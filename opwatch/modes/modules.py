@@ -33,6 +33,8 @@ from ..sites import user_frame
 
 __all__ = ["ModuleStack"]
 
+_PATH, _HELD = 0, 3  # in a stack entry (path, call frame, user frame answer, held hook handle)
+
 
 class ModuleStack:
     """The module paths currently running in one thread; ``current`` is the innermost.
@@ -86,8 +88,8 @@ class ModuleStack:
             handle.remove()
         self._handles = []
         for entry in self._stack:
-            if entry[3] is not None:
-                entry[3].remove()
+            if entry[_HELD] is not None:
+                entry[_HELD].remove()
         self._stack.clear()
         self._remove_stale()
         self._exit_hooks = {}
@@ -117,7 +119,7 @@ class ModuleStack:
                 if path is None:
                     self._strangers.add(module)  # not a descendant: do not list again for it
             if path is None:
-                path = f"{self._stack[-1][0]}.{type(module).__name__}"
+                path = f"{self._stack[-1][_PATH]}.{type(module).__name__}"
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
         held = None
@@ -142,7 +144,7 @@ class ModuleStack:
     def _exit(self, module: nn.Module, args, output) -> None:
         if threading.get_ident() != self._thread or not self._stack:
             return
-        if self._stack[-1][3] is not None:
+        if self._stack[-1][_HELD] is not None:
             return  # forward hooks of this call run after this one: the one-shot hook pops
         self._pop()
 
@@ -191,7 +193,7 @@ class ModuleStack:
         return handle
 
     def _release(self, handle) -> None:
-        if threading.get_ident() != self._thread or not self._stack or self._stack[-1][3] is not handle:
+        if threading.get_ident() != self._thread or not self._stack or self._stack[-1][_HELD] is not handle:
             # Another thread, or not this call's hook: a recursive call of the same module runs
             # the outer call's hook too (it is popped when the outer call's hooks run).
             return

@@ -48,16 +48,17 @@ def explain_index(finding) -> tuple[str, str, str]:
     facts = finding.facts
     indexed, index = facts["indexed"], facts["index"]
     devices = [str(indexed[M_DEVICE]), str(index[M_DEVICE])]
+    indexed_on, index_on = devices
     problem = (
         f"index tensor {format_meta(index)} (index #{facts['position']}) of {facts['op']} is on "
-        f"{devices[1]}, the indexed tensor {format_meta(indexed)} on {devices[0]}.{meta_note(devices)}"
+        f"{index_on}, the indexed tensor {format_meta(indexed)} on {indexed_on}.{meta_note(devices)}"
     )
-    if devices[0] == "cpu":
+    if indexed_on == "cpu":
         expected = "index tensors on the CPU, like the indexed tensor"
     else:
-        expected = f"index tensors on the indexed tensor's device ({devices[0]}) or on the CPU"
+        expected = f"index tensors on the indexed tensor's device ({indexed_on}) or on the CPU"
     fix = (
-        f"make the index on {devices[0]!r} (device=... where it is made, or .to(x.device)); a buffer left on "
+        f"make the index on {indexed_on!r} (device=... where it is made, or .to(x.device)); a buffer left on "
         f"the meta device is materialised with module.to_empty() or by creating it again"
     )
     return problem, expected, fix

@@ -95,7 +95,7 @@ def _render_outputs(first, tolerance) -> list[str]:
         lines.append("    Its sum, L2 norm, min and max are equal in both runs: the same values in another order, or differences too small for them.")
         return lines
     stats = ", ".join(f"{name} {_number(x)} against {_number(y)}" for name, x, y, _ in gaps)
-    name, x, y, gap = max(gaps, key=lambda found: found[3])
+    name, x, y, gap = max(gaps, key=lambda found: found.relative)
     lines.append(f"    {stats}; the largest difference: {name}, relative {gap:.2g}.")
     return lines
 

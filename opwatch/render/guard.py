@@ -2,11 +2,13 @@
 
 Facts used here:
 
-- a *failure*: ``("raised", type name, first line)``, or ``("not_finite", returned, grads)``
-  with ``returned`` = ``((kind, path), ...)`` and ``grads`` = ``((kind, (name, ...)), ...)``,
-  a name being a parameter's name or ``(position, meta)`` for an unnamed one;
-- a *repro note*: ``("alone",)``, ``("raised_op", op, where)``, ``("capture_broken", why)``,
-  ``("not_captured",)``, ``("write_failed", type name, text)``, ``("audit",)`` or ``None``;
+- a *failure*: ``Raised("raised", error_type, line)`` (its first line), or
+  ``NotFinite("not_finite", returned, grads)`` with ``returned`` = ``((kind, path, type), ...)``
+  and ``grads`` = ``((kind, (name, ...)), ...)``, a name being a parameter's name or
+  ``(position, meta)`` for an unnamed one (``opwatch.guard.check``);
+- a *repro note*: a ``ReproNote(kind, op, where, why, error_type)`` of kind ``"alone"``,
+  ``"raised_op"`` (op, where), ``"capture_broken"`` (why), ``"not_captured"``,
+  ``"write_failed"`` (error_type, why) or ``"audit"``; or ``None`` (``opwatch.guard.replay``);
 - ``buffers``: how many buffers a replay restored.
 """
 
@@ -48,8 +50,8 @@ def restored(buffers: int) -> str:
 
 def failure_text(failure) -> str:
     """``it raised ValueError: ...`` or ``the check after it found nan in the returned tensor``."""
-    if failure[0] == "raised":
-        return f"it raised {failure[1]}: {failure[2]}"
+    if failure.how == "raised":
+        return f"it raised {failure.error_type}: {failure.line}"
     _, returned, grads = failure
     parts = [f"{kind} in " + (f"the returned {type_}" if path == "returned" else path) for kind, path, type_ in returned]
     parts += [f"{kind} in the .grad of {len(found)} parameter(s): {names(found)}" for kind, found in grads]
@@ -70,17 +72,17 @@ def context(call: int, name: str, failure, buffers: int | None, *, audited: bool
 def repro_note(note) -> str | None:
     if note is None:
         return None
-    kind = note[0]
+    kind = note.kind
     if kind == "alone":
         return "this op alone, on its saved inputs"
     if kind == "raised_op":
-        return f"{note[1]} at {note[2]}, the op that raised, alone on its saved inputs"
+        return f"{note.op} at {note.where}, the op that raised, alone on its saved inputs"
     if kind == "capture_broken":
-        return f"none (capturing the replay's inputs failed: {note[1]})"
+        return f"none (capturing the replay's inputs failed: {note.why})"
     if kind == "not_captured":
         return "none (the op's inputs were not captured in the replay)"
     if kind == "write_failed":
-        return f"none (it could not be written: {note[1]}: {note[2]})"
+        return f"none (it could not be written: {note.error_type}: {note.why})"
     if kind == "audit":
         return "none (found by an audit, which keeps no inputs; audit=\"never\" replays failing steps with a repro)"
     raise ValueError(f"unknown repro note {note!r}")
@@ -99,12 +101,12 @@ def replayed_message(message: str, step_context: str, repro, note) -> str:
 
 def repro_about(anomaly, raised, record) -> list:
     """The repro script's docstring lines: what was found, what raised, the op, its code.
-    ``raised``: ``(type name, first line)`` or ``None``."""
+    ``raised``: a ``Raised`` failure fact or ``None``."""
     about = []
     if anomaly is not None:
         about.append("found:    " + anomaly.message.split("\n", 1)[0])
     if raised is not None:
-        about.append(f"raised:   {raised[0]}: {raised[1]}")
+        about.append(f"raised:   {raised.error_type}: {raised.line}")
     if record is not None:
         about.append(f"op:       {record.signature()}")
         code = record.position.expression() or record.position.line_text()

@@ -1,8 +1,8 @@
 """Phrases the check renderers share: another op's place (``aten.addmm at train.py:23``),
 tensor arguments with their metadata, where an odd operand was made.
 
-Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples (or the lists a
-JSON round trip makes of them).
+Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples (a JSON round
+trip restores them, see :mod:`opwatch.fact_tuples`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ __all__ = ["named", "place", "where_made"]
 
 
 def where_made(made) -> str:
-    """One provenance fact tuple (see ``CheckContext.where_made``) as a clause."""
-    how = made[0]
+    """One provenance fact (see ``CheckContext.where_made``: an
+    :class:`~opwatch.checks.finding.Attribute`, ``Owned``, ``MadeBy`` or ``BeforeWatch``) as a clause."""
+    how = made.how
     if how == "attribute":
         _, cls, name, path = made
         return (
@@ -25,16 +26,16 @@ def where_made(made) -> str:
             f"make it a buffer (self.register_buffer({name!r}, ...))"
         )
     if how in ("parameter", "buffer"):
-        return f"it is {how} {made[1]}.{made[2]}"
+        return f"it is {how} {made.path}.{made.name}"
     if how == "before_watch":
         return "it was made before the watch (or outside torch ops, e.g. torch.from_numpy)"
-    text = f"made by {place(made[1])}"
-    factory = made[2] if len(made) > 2 else None
+    text = f"made by {place(made.place)}"
+    factory = made.factory
     if factory is None:
         return text
-    if factory[0] == "default_device":
-        return text + f" on the default device ({factory[1]}): give it device= (or make it with *_like / new_*)"
-    given, default = factory[1], factory[2]
+    if factory.how == "default_device":
+        return text + f" on the default device ({factory.device}): give it device= (or make it with *_like / new_*)"
+    given, default = factory.given, factory.default
     return text + (f" with dtype={given}" if given is not None else f" in the default dtype ({default})")
 
 

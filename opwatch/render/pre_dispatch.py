@@ -9,6 +9,7 @@ Facts: ``function`` (``torch.stft``), ``argument`` and ``other`` (argument names
 from __future__ import annotations
 
 from ..notation import format_dtype, format_meta
+from ..records import M_DEVICE, M_DTYPE
 from .rules import explains
 
 __all__ = ["explain_pre_dispatch"]
@@ -41,8 +42,8 @@ _SAME_FIX = {
 def explain_pre_dispatch(finding) -> tuple[str, str, str]:
     facts = finding.facts
     name, argument, other, requires = facts["function"], facts["argument"], facts["other"], facts["requires"]
-    odd = facts["metas"][0]
-    base = facts["metas"][1] if len(facts["metas"]) > 1 else None
+    odd, *others = facts["metas"]  # the odd argument's metadata, then its counterpart's if any
+    base = next(iter(others), None)
     if requires == "cpu":
         problem = f"{name} gets {argument} {format_meta(odd)}: the lengths of a packed sequence must be a CPU tensor, whatever the device of the data"
         expected = f"{argument} on the CPU (a CPU tensor or a list of ints)"
@@ -51,10 +52,10 @@ def explain_pre_dispatch(finding) -> tuple[str, str, str]:
         expected = f"{argument} as int64 (i64)"
     elif requires == "same_device":
         problem = f"{name}'s {argument} {format_meta(odd)} is not on the device of its {other} {format_meta(base)}"
-        expected = f"{argument} and {other} on one device ({base[2]})"
+        expected = f"{argument} and {other} on one device ({base[M_DEVICE]})"
     else:
         problem = f"{name}'s {argument} {format_meta(odd)} is not in the dtype of its {other} {format_meta(base)}"
-        expected = f"{argument} and {other} in one dtype ({format_dtype(base[1])})"
+        expected = f"{argument} and {other} in one dtype ({format_dtype(base[M_DTYPE])})"
     problem = f"{problem}; {_INSIDE if requires == 'cpu' else _BEFORE}."
     return problem, expected, _fix(name, requires, argument, odd, base)
 
@@ -63,10 +64,10 @@ def _fix(name, requires, argument, odd, base) -> str:
     key = (_SAME_FIX.get(name, name), requires)
     if key == ("F.conv1d", "same_dtype"):
         if argument == "bias":
-            return f"cast the module or the parameters as a whole (module.to({format_dtype(base[1])})) rather than the bias alone"
-        if not _is_floating(odd[1]):
-            return f"make the images floating point where they are made (images.to({format_dtype(base[1])}) / 255, or torchvision's ToImage + ToDtype(torch.float32, scale=True))"
-        return f"cast the input where it is made (x.to({format_dtype(base[1])}), torch.from_numpy(a).float()) or the model (model.to(x.dtype))"
+            return f"cast the module or the parameters as a whole (module.to({format_dtype(base[M_DTYPE])})) rather than the bias alone"
+        if not _is_floating(odd[M_DTYPE]):
+            return f"make the images floating point where they are made (images.to({format_dtype(base[M_DTYPE])}) / 255, or torchvision's ToImage + ToDtype(torch.float32, scale=True))"
+        return f"cast the input where it is made (x.to({format_dtype(base[M_DTYPE])}), torch.from_numpy(a).float()) or the model (model.to(x.dtype))"
     fix = _FIXES.get(key)
     return fix if fix is not None else f"make {argument} as torch requires where it is made"
 

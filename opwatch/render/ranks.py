@@ -32,7 +32,8 @@ def render_combined_summary(anomalies, *, world: int | None, missing=(), timeout
         groups = by_rank.setdefault(row.rank, {})
         key = (row.kind, row.filename, row.lineno, row.op, row.phase)
         if key in groups:
-            groups[key][1] += row.count
+            first, count = groups[key]
+            groups[key] = [first, count + row.count]
         else:
             groups[key] = [row, row.count]
     # Ranks that found the same anomalies (every rank that received the nan through one

@@ -26,7 +26,8 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
     for anomaly in anomalies:
         key = (anomaly.kind, anomaly.filename, anomaly.lineno, anomaly.op, anomaly.phase)
         if key in groups:
-            groups[key][1] += 1
+            first, count = groups[key]
+            groups[key] = [first, count + 1]
         else:
             groups[key] = [anomaly, 1]
     if not groups:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import sys
 import warnings
@@ -17,7 +18,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 import opwatch
 from support import SCENARIOS
 from support.helpers import line_of as _line_of
-from opwatch.checks.finding import Place
+from opwatch.checks.finding import Attribute, BeforeWatch, DefaultDtype, MadeBy, Owned, Place
+from opwatch.export import decode, encode
 from opwatch.render.messages import explain
 from opwatch.sites import INTERNAL, USER, classify_code, display_path
 
@@ -230,15 +232,17 @@ def test_a_factory_without_dtype_is_named_with_the_dtype_it_was_given():
     assert finding.made == (("made_by", Place("aten.zeros.default", __file__, line, "forward"), ("dtype", torch.float64, torch.float32)),)
     problem = explain(finding)[0]
     assert problem.endswith(f"Where the odd one came from: f64[4, 3] cpu: made by aten.zeros at {display_path(__file__)}:{line} with dtype=torch.float64.")
-    # A saved log holds the facts after a JSON round trip: lists where tuples were.
-    relisted = dataclasses.replace(finding, made=([list(fact) if isinstance(fact, tuple) else fact for fact in finding.made[0]],))
-    assert explain(relisted) == explain(finding)
+    # A saved log holds the facts after a JSON round trip, each named tuple of its class again.
+    saved = decode(json.loads(json.dumps(encode(finding.made))))
+    assert saved == finding.made and type(saved[0]) is MadeBy and type(saved[0].factory) is DefaultDtype and type(saved[0].place) is Place
+    assert explain(dataclasses.replace(finding, made=saved)) == explain(finding)
 
 
 def test_a_parameter_a_buffer_less_attribute_and_an_outsider_are_named_as_facts():
     model = torch.nn.Linear(3, 2)
     model.bias.data = model.bias.data.double()
-    assert only_anomaly(lambda: model(torch.randn(4, 3))).made == (("parameter", "Linear", "bias"),)
+    made = only_anomaly(lambda: model(torch.randn(4, 3))).made
+    assert made == (("parameter", "Linear", "bias"),) and type(made[0]) is Owned and made[0].path == "Linear"
 
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -248,9 +252,12 @@ def test_a_parameter_a_buffer_less_attribute_and_an_outsider_are_named_as_facts(
         def forward(self, x):
             return x * self.scale
 
-    assert only_anomaly(lambda: Scaled()(torch.randn(2, 3))).made == (("attribute", "Scaled", "scale", "Scaled"),)
+    made = only_anomaly(lambda: Scaled()(torch.randn(2, 3))).made
+    assert made == (("attribute", "Scaled", "scale", "Scaled"),) and type(made[0]) is Attribute
     stray = torch.zeros(3, dtype=torch.float64)
-    assert only_anomaly(lambda: torch.ones(3) + stray).made == (("before_watch",),)
+    made = only_anomaly(lambda: torch.ones(3) + stray).made
+    assert made == (("before_watch",),) and type(made[0]) is BeforeWatch
+    assert decode(json.loads(json.dumps(encode(made)))) == made and type(decode(encode(made))[0]) is BeforeWatch
 
 
 def test_findings_without_an_odd_operand_carry_no_provenance():

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections import defaultdict
+from collections import defaultdict, namedtuple
+from typing import NamedTuple
 
 import pytest
 import torch
 
 import opwatch
 from support import SCENARIOS
-from opwatch.checks.finding import Place
-from opwatch.export import FORMAT, READS, VERSION, chrome_trace, decode, encode, load
+from opwatch.checks.finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, MadeBy, Owned, Place
+from opwatch.export import _DECODERS, FORMAT, READS, VERSION, chrome_trace, decode, encode, load
+from opwatch.fact_tuples import CLASSES, fact_tuple
 from opwatch.notation import TensorMeta
 
 import stories  # noqa: E402
@@ -160,6 +162,11 @@ def test_a_rank_s_log_reads_back_with_its_rank(tmp_path):
         Place("c10d.allreduce_.default", None, None, "backward", "DDP bucket [fc.weight]"),
         {"odd": (Place("aten.mm.default", None, None, "backward"),), "counts": [3, math.inf], "names": ("self", "other")},
         torch.ops.aten.add.Tensor,
+        # where an odd operand was made (Finding.made), each kind of provenance fact
+        (MadeBy("made_by", Place("aten.zeros.default", "/abs/train.py", 4, "forward"), DefaultDtype("dtype", None, torch.float32)),),
+        MadeBy("made_by", Place("aten.ones.default", None, None, "forward"), DefaultDevice("default_device", torch.device("meta"))),
+        MadeBy("made_by", Place("aten.mul.Tensor", "/abs/train.py", 5, "forward")),
+        Owned("buffer", "encoder.norm", "running_mean"), Attribute("attribute", "Scaled", "scale", "model.scaled"), BeforeWatch(),
     ],
     ids=repr,
 )
@@ -169,6 +176,24 @@ def test_the_codec_keeps_values_and_their_types(value):
     decoded = decode(json.loads(line))
     assert repr(decoded) == repr(value) and type(decoded) is type(value)
     assert decoded == value or value != value
+
+
+def test_every_registered_fact_tuple_keeps_its_class_and_others_read_back_as_tuples():
+    assert {"meta", "place", "made_by", "owned", "attribute", "before_watch", "default_device", "default_dtype"} <= set(CLASSES)
+    assert not set(CLASSES) & set(_DECODERS)  # a fact tuple's tag never shadows one of the codec's own
+    for tag, cls in CLASSES.items():
+        value = cls(*(f"{tag}.{field}" for field in cls._fields))
+        decoded = decode(json.loads(json.dumps(encode(value))))
+        assert type(decoded) is cls and decoded == value
+    unregistered = namedtuple("Unregistered", "a b")(1, 2)
+    assert encode(unregistered) == [1, 2] and type(decode(encode(unregistered))) is tuple
+
+    class Other(NamedTuple):
+        op: str
+
+    with pytest.raises(TypeError, match="one NamedTuple class per tag"):
+        fact_tuple("place")(Other)
+    assert CLASSES["place"] is Place
 
 
 def test_the_codec_keeps_nan_and_reads_unknown_objects_as_their_text():

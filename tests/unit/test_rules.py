@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
 
 # Bottom to top. A module may import its own layer or lower ones; packages by prefix.
 LAYERS = [
-    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded"},
+    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded", "opwatch.fact_tuples"},
     {"opwatch.sites", "opwatch.records", "opwatch.collective_ops"},
     {"opwatch.checks", "opwatch.modes"},
     {"opwatch.render"},
@@ -272,3 +272,106 @@ def test_the_prose_detector_itself(tmp_path, source, count):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert len(prose_literals(path)) == count
+
+
+# == named indices: tuples of facts are read by name, not by position ==========================
+
+# Integer-constant subscripts (``x[0]``, ``x[-1]``) left in each module: the first or last of a
+# sequence (``shape[0]``, ``entries[-1]``, ``sys.argv[1]``), a split string's parts, an op's own
+# arguments (``args[0]`` of ``aten.expand``). A tuple of facts read back by position gets names
+# instead: a ``typing.NamedTuple`` read as ``.field`` (registered with ``fact_tuples.fact_tuple``
+# when a finding carries it, so the export keeps its class), or, on the hot path where a plain
+# tuple is cheaper, named index constants (``entry[E_SITE]``, ``meta[M_DEVICE]``). A module's
+# count may not grow; lower it here when you remove one.
+CONSTANT_SUBSCRIPTS_ALLOWED = {
+    "opwatch.__main__": 3,
+    "opwatch.allow": 2,
+    "opwatch.checks.broadcast": 12,
+    "opwatch.checks.device": 13,
+    "opwatch.checks.dtype": 8,
+    "opwatch.checks.fingerprints": 2,
+    "opwatch.checks.module_calls": 3,
+    "opwatch.checks.nonfinite.collectives": 8,
+    "opwatch.checks.nonfinite.replay": 6,
+    "opwatch.checks.nonfinite.tracker": 1,
+    "opwatch.checks.pre_dispatch": 3,
+    "opwatch.collective_ops": 2,
+    "opwatch.divergence": 1,
+    "opwatch.examples.device_mix": 1,
+    "opwatch.export": 4,
+    "opwatch.guard": 2,
+    "opwatch.guard.check": 1,
+    "opwatch.guard.replay": 3,
+    "opwatch.guard.repro": 5,
+    "opwatch.integrations": 3,
+    "opwatch.integrations.transformers": 1,
+    "opwatch.leave_on": 6,
+    "opwatch.modes.interceptor": 8,
+    "opwatch.modes.modules": 6,
+    "opwatch.modes.reducer": 1,
+    "opwatch.ops": 2,
+    "opwatch.pytest_plugin": 3,
+    "opwatch.records": 1,
+    "opwatch.render.broadcast": 2,
+    "opwatch.render.dtype": 5,
+    "opwatch.render.guard": 4,
+    "opwatch.render.notices": 1,
+    "opwatch.render.ranks": 12,
+    "opwatch.sites": 1,
+}
+# Names (variables, attributes, facts keys) that hold one tuple of facts: never read by position.
+FACT_TUPLE_NAMES = {
+    "made", "made_a", "made_b", "factory", "failure", "note", "repro_note", "raised", "context", "meta",
+    "entry", "print_a", "print_b", "fingerprint", "place", "where",
+}
+
+
+def constant_subscripts(source: str) -> list[tuple[int, str, str | None]]:
+    """``(line, expression, name read)`` of each integer-constant subscript in ``source``; the
+    name is the variable, attribute or string key subscripted (``None`` for anything else)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Subscript):
+            continue
+        index = node.slice.operand if isinstance(node.slice, ast.UnaryOp) and isinstance(node.slice.op, ast.USub) else node.slice
+        if not (isinstance(index, ast.Constant) and type(index.value) is int):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name):
+            name = value.id
+        elif isinstance(value, ast.Attribute):
+            name = value.attr
+        elif isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and isinstance(value.slice.value, str):
+            name = value.slice.value  # facts["metas"][0]
+        else:
+            name = None
+        found.append((node.lineno, ast.unparse(node), name))
+    return found
+
+
+def test_tuples_of_facts_are_read_by_name():
+    grown, by_position = [], []
+    for name, path in sorted(modules().items()):
+        found = constant_subscripts(path.read_text())
+        allowed = CONSTANT_SUBSCRIPTS_ALLOWED.get(name, 0)
+        if len(found) > allowed:
+            shown = ", ".join(f"{text} (line {line})" for line, text, _ in found)
+            grown.append(f"{name}: {len(found)} integer-constant subscripts, {allowed} allowed: {shown}")
+        by_position += [f"{name}:{line}: {text}" for line, text, read in found if read in FACT_TUPLE_NAMES]
+    assert not by_position, "tuples of facts read by position (give them names):\n" + "\n".join(by_position)
+    assert not grown, (
+        "read tuples of facts by name (a NamedTuple's fields; named index constants on the hot path); "
+        "raise CONSTANT_SUBSCRIPTS_ALLOWED only for the first/last of a sequence or a string's parts:\n" + "\n".join(grown)
+    )
+
+
+@pytest.mark.parametrize(
+    "source, names",
+    [
+        ("x = shape[0] + entries[-1][E_INDEX]\n", ["shape", "entries"]),
+        ('odd = facts["metas"][0]\nhow = finding.made[0][0]\n', ["metas", None, "made"]),
+        ("x = entry[E_SITE] + made.step + pair[1:]\n", []),
+    ],
+)
+def test_the_subscript_detector_itself(source, names):
+    assert [name for _, _, name in constant_subscripts(source)] == names
