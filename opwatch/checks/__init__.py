@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from ..ops import facts_of
-from ..records import E_INDEX, M_IDENT, M_SHAPE
-from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch
+from ..records import E_INDEX, E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
@@ -91,6 +91,23 @@ class CheckContext:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
         record = self._log.producer_of(tensor[M_IDENT])
         return None if record is None else Place.of(record)
+
+    def call_tensors(self) -> tuple[frozenset, tuple]:
+        """The call of the program's that issued the op being checked (a composite function:
+        the ops logged just before it at the same source site and phase, which ran inside
+        the same call instruction): ``(made, passed)``, the idents of the tensors those ops
+        made, and the metadata of the tensors they took that they did not make (what the
+        program passed, parameters included). Slow: asked only once a finding is in view."""
+        if not self.site:
+            return frozenset(), ()
+        made: set = set()
+        taken: list = []
+        for entry in reversed(self._log.entries):
+            if entry[E_SITE] != self.site or entry[E_PHASE] != self.phase:
+                break
+            made.update(meta[M_IDENT] for meta in entry_outputs(entry) or ())
+            taken.extend(entry_inputs(entry))
+        return frozenset(made), tuple(meta for meta in taken if meta[M_IDENT] not in made)
 
     def where_made(self, tensor: tuple, *, missing: str) -> tuple:
         """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
@@ -211,6 +228,8 @@ class ActiveChecks:
         # tracker keeps every range it reads, for the inputs of an origin.
         self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes, modules)
+        # dtype.silent_upcast findings waiting for their result's first use (checks.promotions).
+        self.promotions = promotions.PendingPromotions() if dtype.KIND in enabled else None
         if collectives.KIND in enabled:
             self.context.handshakes = collectives.Handshakes()
         # watch(fingerprints=True): output fingerprints for opwatch.diff, read at check points.
@@ -226,6 +245,11 @@ class ActiveChecks:
         """The trackers' observers to call after each kernel of ``func``."""
         bound = (tracker.for_op(func) for tracker in self._trackers)
         return tuple(observe for observe in bound if observe is not None)
+
+    def waits_for_use(self, finding: Finding) -> bool:
+        """Whether ``finding`` is judged where its op's result is used rather than now (a
+        promotion cast straight back is deliberate: :mod:`~opwatch.checks.promotions`)."""
+        return self.promotions is not None and self.promotions.takes(finding)
 
     def module_call(self, module, args) -> Finding | None:
         """The finding of calling ``module`` with ``args``, judged before its forward runs

@@ -1,7 +1,8 @@
 """dtype_mismatch: caught before the kernel, in five shapes.
 
 1. Ops whose kernels need one dtype for all operands (the matmul family, convolutions, fused
-   attention): ``f64[5, 3] @ f32[3, 2]`` fails deep in the kernel with a terse message.
+   attention): ``f64[5, 3] @ f32[3, 2]`` fails deep in the kernel with a terse message. The
+   CPU attention kernels also take a float32 or bool ``attn_mask`` with half-precision q, k, v.
 2. Mask and index arguments of a dtype the kernel rejects: ``masked_scatter_`` with an ``i64``
    mask; ``gather``/``scatter``/``index_select``/``index_add``/``embedding`` indices that are
    neither ``i64`` nor ``i32``; ``index_copy``/``index_fill``/``take`` indices that are not
@@ -10,7 +11,12 @@
 3. A silent promotion between two *different floating* dtypes of non-scalar tensors in a
    pointwise op (``f32 * f64 -> f64``, typically a float64 array from numpy meeting a float32
    model), or in ``cat``/``stack``. It never raises; it costs speed and memory and changes
-   every result downstream.
+   every result downstream. Judged as the program wrote it: an op inside one call of a
+   composite function (the math ``scaled_dot_product_attention`` upcasting float16 q, k, v to
+   float32 and adding the caller's float16 mask) counts only if the tensors the program passed
+   to that call mix floating dtypes (``CheckContext.call_tensors``); and the finding is
+   reported where the op's result is first used, not when the op runs: a result cast straight
+   back to the narrower dtype is deliberate (:mod:`opwatch.checks.promotions`).
 4. An elementwise loss (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
    ``binary_cross_entropy[_with_logits]``) whose target has another floating dtype than its
    input: ``F.mse_loss(f32, f64)`` silently runs the loss and its backward in float64,
@@ -43,7 +49,7 @@ from functools import partial
 import torch
 
 from ..compat import restore_caller_state
-from ..records import M_DEVICE, M_DTYPE, M_SHAPE
+from ..records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from .finding import Finding, takes_several_tensors, tensor_names
 
 __all__ = ["KIND", "for_op", "autocast_allows"]
@@ -57,6 +63,12 @@ _SAME_DTYPE_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
 }
+# Attention kernels that take a float32 (or bool) ``attn_mask`` with float16/bfloat16 q, k, v,
+# as torch documents ("bool or float or the query's dtype"): the CPU flash kernel, the math
+# path. CUDA's memory-efficient kernel raises for it ("invalid dtype for bias") and stays
+# judged like the rest.
+_FLOAT_MASK_ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
+_MASK_POSITION = 3  # q, k, v, then the mask
 _NOT_PROMOTIONS = {"aten::copy_", "aten::copy", "aten::_to_copy", "aten::to", "aten::_copy_from"}
 _INT_INDEX = (torch.int64, torch.int32)
 # Argument name -> dtypes the kernel accepts there.
@@ -109,6 +121,8 @@ def for_op(func):
     if not takes_several_tensors(func):
         return None
     name = func._schema.name
+    if name in _FLOAT_MASK_ATTENTION:
+        return partial(_check_attention, func)
     if name in _SAME_DTYPE_OPS:
         return partial(_check_same, func)
     if name in _CONCATENATIONS:
@@ -189,15 +203,46 @@ def _check_promotion(func, tensors, context=None) -> Finding | None:
         dtypes = {m[M_DTYPE] for m in involved}
         if autocast_allows(dtypes, involved[0][M_DEVICE]):
             return None
+        if _inside_a_call_of_one_dtype(involved, context):
+            return None
         result = floating
         for other in dtypes:
             result = torch.promote_types(result, other)
+        odd = _minority(involved)
         facts = {
             "first": floating, "second": dtype, "dtypes": sorted(dtypes, key=str), "result": result,
-            "count": len(involved), "names": tensor_names(func, len(tensors)),
+            "count": len(involved), "names": tensor_names(func, len(tensors)), "common": _common(involved, odd),
         }
-        return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=_minority(involved))
+        return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=odd)
     return None
+
+
+def _inside_a_call_of_one_dtype(involved, context) -> bool:
+    """Whether the promoting op runs inside one call of a composite function (torch's math
+    ``scaled_dot_product_attention`` upcasts float16 q, k, v to float32 and adds the caller's
+    float16 mask) whose tensors, as the program passed them, all have one floating dtype: the
+    promotion is torch's own, not the program's. Asked only once a promotion is found."""
+    call = getattr(context, "call_tensors", None)
+    if call is None:
+        return False
+    made, passed = call()
+    if not any(meta[M_IDENT] in made for meta in involved):
+        return False  # every operand came from the program: the op is the program's own
+    floating = {m[M_DTYPE] for m in (*passed, *involved) if m[M_IDENT] not in made and m[M_SHAPE] and m[M_DTYPE].is_floating_point}
+    return len(floating) <= 1
+
+
+def _common(involved, odd) -> torch.dtype:
+    """The dtype the rest of the program uses: the most frequent floating dtype of the operands
+    that are not odd (the narrowest in a tie), whichever side the odd operand is on."""
+    odd_dtypes = {meta[M_DTYPE] for meta in odd}
+    counts: dict = {}
+    for meta in involved:
+        if meta[M_DTYPE] not in odd_dtypes:
+            counts[meta[M_DTYPE]] = counts.get(meta[M_DTYPE], 0) + 1
+    if not counts:
+        return min(odd_dtypes, key=lambda dtype: dtype.itemsize)
+    return max(counts, key=lambda dtype: (counts[dtype], -dtype.itemsize))
 
 
 def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
@@ -257,8 +302,15 @@ def _check_same(func, tensors, context=None) -> Finding | None:
             dtypes.append(meta[M_DTYPE])
     if len(dtypes) <= 1:
         return None
-    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors))}
-    return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=_minority(tensors))
+    odd = _minority(tensors)
+    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors)), "common": _common(tensors, odd)}
+    return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=odd)
+
+
+def _check_attention(func, tensors, context=None) -> Finding | None:
+    if len(tensors) > _MASK_POSITION and tensors[_MASK_POSITION][M_DTYPE] in (torch.float32, torch.bool):
+        return _check_same(func, tensors[:_MASK_POSITION], context)  # the mask is legal
+    return _check_same(func, tensors, context)
 
 
 def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None) -> Finding | None:

@@ -13,6 +13,11 @@ The way of one op, in ``__torch_dispatch__``:
 5. at check points (a host read where flags wait, every ``max_records`` ops, and when
    :class:`~opwatch.session.Watch` asks) the nan/inf flags are resolved and reported.
 
+A promotion finding (:mod:`opwatch.checks.promotions`) is not reported in step 2: it waits for
+the first use of the op's result. While one waits, every op takes a detour before step 1 (the
+switch the hot path tests anyway, also set when the watch is inert) where its arguments are
+matched against the waiting results; a healthy program never takes it.
+
 Everything that does not change between calls of one ``OpOverload`` is worked out once and
 cached in an :class:`_OpPlan`. opwatch's own work runs inside one guard: whatever goes wrong in
 it becomes one :class:`~opwatch.OpwatchWarning` and the watch switches itself off; only an
@@ -140,7 +145,12 @@ class OpInterceptor(TorchDispatchMode):
         self._table_limit = 2 * max_records + 4096
         self.next_index = first_index
         # True once opwatch broke (after one warning) or in a forked child: ops pass through.
-        self.inert = False
+        self._inert = False
+        # The one switch the hot path tests before its usual work: set while inert, or while a
+        # promotion finding waits for its result's first use (checks.promotions).
+        self._detour = False
+        # A promotion finding of the op running now, to wait once its output exists.
+        self._awaiting = None
         self._window_start = first_index  # first op index not yet covered by a check point
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
@@ -148,6 +158,16 @@ class OpInterceptor(TorchDispatchMode):
         self._last_seq = get_sequence_nr()
         # (op index, id of the exception) when a kernel raised
         self.failure: tuple[int, int] | None = None
+
+    @property
+    def inert(self) -> bool:
+        """True once opwatch broke (after one warning) or in a forked child: ops pass through."""
+        return self._inert
+
+    @inert.setter
+    def inert(self, value: bool) -> None:
+        self._inert = value
+        self._detour = value or bool(self._checks.promotions)
 
     def __enter__(self):
         result = super().__enter__()
@@ -164,8 +184,10 @@ class OpInterceptor(TorchDispatchMode):
         # One function on purpose: this runs for every op, and Python calls cost.
         if kwargs is None:
             kwargs = {}
-        if self.inert:
-            return func(*args, **kwargs)
+        if self._detour:
+            if self._inert:
+                return func(*args, **kwargs)
+            self._judge_use(func, args, kwargs)  # strict: raises before a consumer's kernel
         plan = self._plans.get(id(func))
         if plan is None:
             try:
@@ -226,7 +248,10 @@ class OpInterceptor(TorchDispatchMode):
             unfinished = (*head, perf_counter_ns(), -1, len(inputs), -1, *inputs)
             self._entries.append(unfinished)
             record = log.view(unfinished)
-            self._deliver(finding, record)  # strict: raises before the kernel runs
+            if self._checks.waits_for_use(finding):
+                self._awaiting = finding  # judged where its result is used
+            else:
+                self._deliver(finding, record)  # strict: raises before the kernel runs
 
         # -- the kernel: its errors reach the program untouched.
         start = perf_counter_ns()
@@ -235,6 +260,8 @@ class OpInterceptor(TorchDispatchMode):
         except BaseException as error:
             if record is None:
                 self._entries.append((*head, start, -1, len(inputs), -1, *inputs))
+            elif self._awaiting is not None:
+                self._report_now(record)  # no result to wait on; the kernel's error goes on
             self.failure = (head[E_INDEX], id(error))
             raise
         end = perf_counter_ns()
@@ -259,6 +286,12 @@ class OpInterceptor(TorchDispatchMode):
                 if self._entries and self._entries[-1] is record._entry:
                     self._entries[-1] = entry
                 record._entry = entry
+                if self._awaiting is not None:
+                    if self._checks.promotions.wait(_with_provenance(self._awaiting, self._context), record, outputs):
+                        self._awaiting = None
+                        self._detour = True
+                    else:
+                        self._report_now(record)  # no output to wait on (the op has run)
             if outputs:
                 for observe in plan.observers:
                     observe(entry, inputs, outputs, metas)
@@ -360,13 +393,34 @@ class OpInterceptor(TorchDispatchMode):
             return
         self._deliver(finding, record)  # strict: raises before the module's forward runs
 
+    # -- promotions judged where their result is used (checks.promotions) --------------------
+
+    def _judge_use(self, func, args, kwargs) -> None:
+        """The detour of every op while a promotion finding waits: report (strict: raise) those
+        whose promoted result this op consumes without casting it back, before its kernel."""
+        promotions = self._checks.promotions
+        try:
+            due = promotions.consumed_by(func, args, kwargs)
+            self._detour = bool(promotions)
+        except Exception as error:
+            self._internal_error(error)
+            return
+        for finding, record in due:
+            self._deliver(finding, record)
+
+    def _report_now(self, record) -> None:
+        """Report the promotion of the op just run at once, without raising: it has no result
+        to wait on (its kernel raised, or it returned no tensor)."""
+        finding, self._awaiting = self._awaiting, None
+        self._reporter.report(_with_provenance(finding, self._context) if finding.odd else finding, record, may_raise=False)
+
     # -- reporting -------------------------------------------------------------------------
 
     def _deliver(self, finding, record) -> None:
         """Report one finding (telling where its odd operands were made); in strict mode raise
         the error the reporter hands back."""
         try:
-            if finding.odd:
+            if finding.odd and not finding.made:
                 finding = _with_provenance(finding, self._context)
             error = self._reporter.report(finding, record)
         except Exception as internal:
@@ -386,6 +440,12 @@ class OpInterceptor(TorchDispatchMode):
         self._window_start = self.next_index
         first_error = None
         try:
+            promotions = self._checks.promotions
+            if final and promotions:
+                # Promoted results never consumed and still alive leave the block in the wide dtype.
+                for finding, record in promotions.unused():
+                    first_error = first_error or self._reporter.report(finding, record, may_raise=may_raise)
+                self._detour = self._inert
             with no_python_dispatch():
                 origins = self._checks.resolve(self._log, window_start, reading=reading, final=final)
             for origin in origins:

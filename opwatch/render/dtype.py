@@ -4,8 +4,10 @@ Facts of each rule (``names``: the tensor arguments' names; ``operands``: their 
 
 - ``dtype.silent_upcast``: ``first`` and ``second`` (the first two floating dtypes met),
   ``dtypes`` (every floating dtype of the non-scalar operands), ``result`` (the promoted
-  dtype), ``count`` (how many non-scalar floating operands), ``names``.
-- ``dtype.one_dtype``: ``op``, ``dtypes`` (in order of appearance), ``names``.
+  dtype), ``count`` (how many non-scalar floating operands), ``names``, ``common`` (the dtype
+  of the operands that are not odd: the one the rest of the program uses, named by the fix).
+- ``dtype.one_dtype``: ``op``, ``dtypes`` (in order of appearance), ``names``, ``common`` (the
+  dtype of the operands that are not odd).
 - ``dtype.arg_dtype``: ``op``, ``arg`` (``mask``, ``index``), ``got``, ``accepted`` (the
   dtypes the kernel takes there, preferred first), ``names``.
 - ``dtype.index_dtype``: ``op``, ``position`` (1 for the first index), ``index``, ``indexed``.
@@ -47,8 +49,11 @@ def explain_silent_upcast(finding) -> tuple[str, str, str]:
         f"{named(facts['names'], finding.operands)}. The op runs in {_name(result)} and so does everything downstream."
     )
     expected = f"one floating dtype for all non-scalar operands (got {facts['count']} operands in {', '.join(names[:-1])} and {names[-1]})"
+    # The dtype the rest of the program uses, whichever side the odd operand is on (logs
+    # exported before the fact existed: the narrowest dtype mixed).
+    common = facts.get("common") or min(dtypes, key=lambda d: d.itemsize)
     fix = (
-        f"cast where the odd tensor is made, e.g. torch.from_numpy(a).to({_name(first)}) or "
+        f"cast where the odd tensor is made, e.g. torch.from_numpy(a).to({_name(common)}) or "
         f".to(other.dtype); torch.set_default_dtype is not the cause when numpy made the array"
     )
     return problem, expected, fix
@@ -58,9 +63,12 @@ def explain_silent_upcast(finding) -> tuple[str, str, str]:
 def explain_one_dtype(finding) -> tuple[str, str, str]:
     facts = finding.facts
     dtypes = facts["dtypes"]
+    # The dtype of the operands that are not odd first (logs exported before: in order met).
+    common = facts.get("common", dtypes[0])
+    other = next(d for d in dtypes if d != common)
     return (
         f"{facts['op']} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {named(facts['names'], finding.operands)}",
-        f"every operand in {_name(dtypes[0])} (or all in {_name(dtypes[1])})",
+        f"every operand in {_name(common)} (or all in {_name(other)})",
         "cast one side where it is made (.to(x.dtype)); a stray .double() or a float64 numpy array is the usual cause",
     )
 

@@ -126,3 +126,40 @@ def test_reference_runs_are_reproducible():
     finally:
         eq.seed_everything = eq_seed
     assert eq.outcome_diff(a, c) is not None
+
+
+# -- half-precision models: no false alarm ------------------------------------------------------
+#
+# The same models cast to float16 or bfloat16 (``model.to(dtype)``, inputs too; no autocast), one
+# forward and backward under ``opwatch.strict()``: every tensor the program passes is in one
+# dtype, so no dtype anomaly may be reported, though torch promotes inside its own kernels (the
+# math ``scaled_dot_product_attention`` upcasts q, k, v to float32 on the CPU and adds the
+# caller's half-precision mask; transformers' own tests force that backend).
+
+
+def _half_step(name: str, attn: str, dtype: torch.dtype):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import opwatch
+
+    template, inputs = build(name, "eager" if attn == "eager" else "sdpa")
+    model = template.to(dtype)
+    inputs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    backends = [SDPBackend.MATH] if attn == "sdpa-math" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # transformers' own notices
+        warnings.simplefilter("error", opwatch.OpwatchWarning)
+        with opwatch.strict() as w, sdpa_kernel(backends):
+            out = model(**inputs)
+            out.loss.float().backward()
+    return w, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa-math", "eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_half_precision_models_have_no_false_alarm(name, attn, dtype):
+    w, out = _half_step(name, attn, dtype)
+    assert out.logits.dtype == dtype
+    assert w.anomalies == []
+    assert any(r.op.startswith("aten.mm") or r.op.startswith("aten.addmm") or r.op.startswith("aten.bmm") for r in w.records)
