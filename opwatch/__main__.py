@@ -1,9 +1,13 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--guard] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
-    python -m opwatch show run.jsonl [--last N]
+    python -m opwatch [--strict] [--guard] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] script.py [args...]
+    python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/cli_diff.py)
     python -m opwatch demo
+    python -m opwatch --version
+
+``opwatch`` (the console script) is the same command. Called bare, it prints the usage with
+examples.
 
 The script runs as ``python script.py args...`` would run it: ``__main__`` with an absolute
 ``__file__``, ``sys.argv[0]`` the path as given, ``sys.path[0]`` the script's real directory,
@@ -30,7 +34,7 @@ from importlib.machinery import SourceFileLoader
 
 from .allow import parse_allow
 from .render.notices import DEMO_STORIES, post_mortem
-from .session import strict, watch
+from .session import _disabled_by_environment, strict, watch
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -40,36 +44,24 @@ _RUNPY_FILES = frozenset({"<frozen runpy>", runpy.__file__})
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m opwatch",
-        description="Run a Python script with every PyTorch op watched; print the anomalies found "
-        "and, if the script fails, the last ops before the failure. 'demo' runs the built-in demo.",
-    )
-    parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
-    parser.add_argument(
-        "--guard",
-        action="store_true",
-        help="watch fully until the first optimizer step, then only check the gradients before each optimizer step (eager speed); a failure re-arms the full watch",
-    )
-    parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
-    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
-    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
-    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
-    parser.add_argument(
-        "--allow",
-        action="append",
-        default=[],
-        metavar="FIELD=PATTERN,...",
-        help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
-    )
-    parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
-    parser.add_argument("script", help="the script to run, 'show' (a saved log) or 'demo'")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    """The command line: ``python -m opwatch`` (or the ``opwatch`` console script)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(console=os.path.basename(sys.argv[0] or "") == "opwatch")
+    prog = parser.prog
+    if not argv:  # called bare: the usage and a few examples, as a usage error
+        print(parser.format_usage() + "\n" + parser.epilog, file=sys.stderr)
+        return 2
     options = parser.parse_args(argv)
     if options.last < 0:
         parser.error("--last must be 0 or more")
     if options.guard and options.fingerprints:
         parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
+    checks = _checks_option(parser, options.checks)
+    try:
+        _disabled_by_environment()
+    except ValueError as error:  # a bad OPWATCH_DISABLE: one line, not a traceback
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     try:
         allow = [parse_allow(text) for text in options.allow]
     except (ValueError, TypeError) as error:
@@ -96,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             post_mortem=options.pdb,
             guard=options.guard,
             fingerprints=options.fingerprints,
+            checks=checks,
         )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
@@ -105,9 +98,80 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _parser(*, console: bool) -> argparse.ArgumentParser:
+    """The options; ``console``: named as the ``opwatch`` console script rather than ``python -m opwatch``."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="opwatch" if console else "python -m opwatch",
+        description="Run a Python script with every PyTorch op watched; print the anomalies found "
+        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, 'demo' runs the built-in demo.",
+        epilog="""\
+examples:
+  {prog} train.py --epochs 1            watch every op; the anomalies at the end
+  {prog} --strict train.py              stop at the first anomaly
+  {prog} --checks device_mismatch,nonfinite train.py
+  {prog} --guard train.py               a long run at eager speed
+  {prog} --jsonl run.jsonl train.py     save the log; read it with: {prog} show run.jsonl
+  {prog} diff a.jsonl b.jsonl           the first op where two saved runs differ
+  {prog} demo                           three small scripts with real bugs
+
+Every option: {prog} --help""".format(prog="opwatch" if console else "python -m opwatch"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"opwatch {__version__}")
+    parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
+    parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="watch fully until the first optimizer step, then only check the gradients before each optimizer step (eager speed); a failure re-arms the full watch",
+    )
+    parser.add_argument(
+        "--checks",
+        metavar="NAME,...",
+        help="the checks to run, comma-separated, as watch(checks=...): "
+        + ", ".join(_check_names())
+        + " (default: all but collective_mismatch and pre_dispatch; 'none': only record)",
+    )
+    parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
+    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
+    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
+    parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="FIELD=PATTERN,...",
+        help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
+    )
+    parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def _check_names() -> tuple[str, ...]:
+    from .checks import CHECK_NAMES
+
+    return CHECK_NAMES
+
+
+def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[str, ...] | None:
+    """``--checks a,b``: the check names for ``watch(checks=...)``; ``None`` when not given."""
+    if text is None:
+        return None
+    names = tuple(name for name in text.replace(",", " ").split())
+    if names == ("none",):
+        return ()
+    unknown = [name for name in names if name not in _check_names()]
+    if unknown or not names:
+        parser.error(f"--checks: unknown check name(s) {', '.join(map(repr, unknown)) or repr(text)}; the checks are {', '.join(_check_names())} (or none)")
+    return names
+
+
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
-    fingerprints: bool = False,
+    fingerprints: bool = False, checks=None,
 ) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
     :class:`opwatch.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
@@ -118,8 +182,8 @@ def run_script(
     if guard:
         from .leave_on import LeaveOn
 
-        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow)
-    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints)
+        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow, checks=checks)
+    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt = 0, None
     with _running_as_main(path, args) as module:
         try:
@@ -169,13 +233,15 @@ def run_show(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m opwatch show", description="Print the op table and the summary of a log written by --jsonl or Watch.export_jsonl.")
     parser.add_argument("log", help="the .jsonl file")
     parser.add_argument("--last", type=int, default=None, metavar="N", help="show the last N ops (default: all)")
+    parser.add_argument("--partial", action="store_true", help="print what a log cut short holds, instead of refusing it")
     options = parser.parse_args(argv)
     if options.last is not None and options.last < 0:
         parser.error("--last must be 0 or more")
     try:
-        log = load(options.log)
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
+        log = load(options.log, partial=options.partial)
+    except (OSError, ValueError) as error:  # one line: a missing, foreign or cut-short log
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     print(log.table(last=options.last))
     print()
     print(log.summary())

@@ -18,6 +18,7 @@ from .modes.modules import ModuleStack
 from .ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
+from .render.summary import render_disabled
 from .render.notices import internal_error
 from .report import Reporter
 
@@ -207,7 +208,10 @@ class Watch:
         return render_table(records, tablefmt=tablefmt)
 
     def summary(self) -> str:
-        """Each distinct anomaly once (per kind and line, with its count), ready to print."""
+        """Each distinct anomaly once (per kind and line, with its count), ready to print; for a
+        watch that ``OPWATCH_DISABLE`` turned off, a line saying that nothing was watched."""
+        if not self.enabled:
+            return render_disabled(DISABLE_VARIABLE, os.environ.get(DISABLE_VARIABLE, "").strip())
         return render_summary(self._reporter.anomalies, self._reporter.contained, self._reporter.allowed, rank=self._log.rank)
 
     def all_anomalies(self, *, timeout: float = DEFAULT_TIMEOUT) -> AllAnomalies:
@@ -449,8 +453,9 @@ def _disabled_by_environment() -> bool:
     value = os.environ.get(DISABLE_VARIABLE, "")
     key = value.strip().lower()
     if key not in _DISABLE_VALUES:
-        valid = ", ".join(repr(v) for v in _DISABLE_VALUES if v)
-        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use one of {valid} (or leave it unset)")
+        off = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if disabled)
+        on = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if v and not disabled)
+        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use {off} to turn opwatch off, {on} (or leave it unset) to watch")
     return _DISABLE_VALUES[key]
 
 

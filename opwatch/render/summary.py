@@ -7,7 +7,7 @@ from ..records import BaseRecord
 from ..sites import location
 from .table import render_table
 
-__all__ = ["render_summary", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
+__all__ = ["render_summary", "render_disabled", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
 
 
 def tagged(rank) -> str:
@@ -41,6 +41,12 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
         lines.append("")
         lines.append(f"({len(allowed)} finding(s) matched an allow entry; see Watch.allowed)")
     return "\n".join(lines)
+
+
+def render_disabled(variable: str, value: str) -> str:
+    """The summary of a watch that the kill switch turned off: it saw nothing, so it cannot
+    say there were no anomalies."""
+    return f"opwatch: nothing was watched ({variable}={value} turned opwatch off), so no anomalies could be found."
 
 
 # -- a failing block ------------------------------------------------------------------------

@@ -20,8 +20,12 @@ _MAX_CODE = 40
 def render_table(records: list[BaseRecord], *, mark: int | None = None, tablefmt: str = "simple") -> str:
     """One row per record (live or saved: read through :class:`~opwatch.records.BaseRecord`);
     the record whose index is ``mark`` is marked ``>>``."""
-    from tabulate import tabulate
+    from tabulate import TableFormat, tabulate, tabulate_formats
 
+    if not isinstance(tablefmt, (str, TableFormat)):
+        raise TypeError(f"tablefmt must be the name of one of tabulate's formats, got {type(tablefmt).__name__}")
+    if isinstance(tablefmt, str) and tablefmt not in tabulate_formats:
+        raise ValueError(f"tablefmt must be one of tabulate's formats ({', '.join(sorted(tabulate_formats))}), got {tablefmt!r}")
     rows = []
     for record in records:
         index = f">> {record.index}" if record.index == mark else str(record.index)
