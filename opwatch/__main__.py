@@ -25,15 +25,19 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import io
 import os
 import runpy
 import sys
+import traceback
 import types
 import zipfile
 from importlib.machinery import SourceFileLoader
 
 from .allow import parse_allow
+from .anomaly import AnomalyError
 from .render.notices import DEMO_STORIES, post_mortem
+from .render.summary import raised_above
 from .session import _disabled_by_environment, strict, watch
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
@@ -179,12 +183,15 @@ def run_script(
     ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
     runner = None
+    # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
+    # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
+    dump = io.StringIO()
     if guard:
         from .leave_on import LeaveOn
 
         runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow, checks=checks)
-    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=out, allow=allow, fingerprints=fingerprints, checks=checks)
-    status, interrupt = 0, None
+    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
+    status, interrupt, failure = 0, None, None
     with _running_as_main(path, args) as module:
         try:
             program = _compile(module.__file__)
@@ -196,20 +203,24 @@ def run_script(
         except SystemExit as exit_:
             status = _exit_status(exit_)
         except BaseException as error:  # noqa: BLE001 -- reported as Python reports it
-            _report_uncaught(error)
-            if post_mortem and not isinstance(error, KeyboardInterrupt):
-                _post_mortem(error)
-            status = 1
+            failure, status = error, 1
             if isinstance(error, KeyboardInterrupt):
                 interrupt = error
-    if jsonl:  # before printing: a closed stderr must not lose the log
-        w.export_jsonl(jsonl)
-    if trace:
-        w.export_chrome_trace(trace)
-    print(w.summary(), file=out)
-    if guard:
-        runner.print_summary()
-    _print_every_rank(w, out)
+        if jsonl:  # before printing: a closed stderr must not lose the log
+            w.export_jsonl(jsonl)
+        if trace:
+            w.export_chrome_trace(trace)
+        print(w.summary(), file=out)
+        if guard:
+            runner.print_summary()
+        _print_every_rank(w, out)
+        if failure is not None:
+            if dump.getvalue():
+                out.write("\n" + dump.getvalue() + "\n")
+            out.flush()
+            _report_uncaught(failure)
+            if post_mortem and interrupt is None:
+                _post_mortem(failure)
     if interrupt is not None:
         raise interrupt
     return status
@@ -303,6 +314,15 @@ def _report_uncaught(error: BaseException) -> None:
         seen.add(id(current))
         current.__traceback__ = _program_frames(current.__traceback__)
         pending += [current.__cause__, current.__context__]
+    if isinstance(error, AnomalyError) and sys.excepthook is sys.__excepthook__:
+        # Its message is the finding opwatch's report above holds in full: one line here.
+        reported = "".join(traceback.format_exception_only(error))
+        full = "".join(traceback.format_exception(error))
+        message = f"{reported.partition(': ')[0]}: {error}\n"
+        if reported.startswith(message) and full.endswith(reported):
+            sys.stderr.write(full[: -len(reported)] + raised_above(error, reported) + reported[len(message):])
+            sys.stderr.flush()
+            return
     sys.excepthook(type(error), error, error.__traceback__)
 
 

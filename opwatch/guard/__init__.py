@@ -26,6 +26,10 @@ it lazily and then binds the function).
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import functools
 import os
 import warnings
