@@ -229,7 +229,9 @@ def pytest_runtest_call(item: pytest.Item):
     except BaseException as error:
         # A strict watch's AnomalyError: its message is in the test's traceback already, so
         # the opwatch section names that anomaly in one line.
-        raised = error if type(error).__name__ == "AnomalyError" and hasattr(error, "anomaly") else None
+        from .anomaly import AnomalyError
+
+        raised = error if isinstance(error, AnomalyError) else None
         raise
     finally:
         if watch.anomalies or watch.contained or watch.allowed:
