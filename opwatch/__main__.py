@@ -185,7 +185,7 @@ def run_script(
     runner = None
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
     # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
-    dump = io.StringIO()
+    dump = _Held(out)
     if guard:
         from .leave_on import LeaveOn
 
@@ -224,6 +224,21 @@ def run_script(
     if interrupt is not None:
         raise interrupt
     return status
+
+
+class _Held(io.StringIO):
+    """Text held to be written to ``stream`` later, measured as ``stream`` is: the dump is
+    fitted to the terminal it will be printed on."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
 
 
 def _print_every_rank(w, out) -> None:

@@ -467,10 +467,12 @@ def _width_of(stream) -> int:
     """The dump's width: the terminal's when ``stream`` is one, else a fixed width (a file, a
     pipe, a captured stream: output that must not depend on the terminal that wrote it)."""
     try:
-        terminal = stream.isatty()
+        if not stream.isatty():
+            return DUMP_WIDTH
+        columns = os.environ.get("COLUMNS", "")  # honoured as shutil.get_terminal_size does
+        return int(columns) if columns.isdigit() and int(columns) > 0 else os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError):
-        terminal = False
-    return shutil.get_terminal_size((DUMP_WIDTH, 24)).columns if terminal else DUMP_WIDTH
+        return shutil.get_terminal_size((DUMP_WIDTH, 24)).columns
 
 
 def _disabled_by_environment() -> bool:

@@ -94,7 +94,9 @@ def _fitted(headers: tuple, rows: list[tuple], width: int) -> tuple[tuple, list[
     """``headers`` and ``rows`` without their empty columns, the widest cells cut (``...``)
     until the table is at most ``width`` wide: the code first (the where column names its
     line), then the module and tensor columns (the failing op's tensors are in its exception),
-    then the code column goes, and the op names are cut last."""
+    then the code column goes, and the op names are cut last. Each column keeps a narrowest
+    width (``_SHRINK``) and the where column is never cut: below about 110 columns the table
+    is as narrow as it gets, not ``width``."""
     keep = [i for i, header in enumerate(headers) if header in ("#", "op") or any(row[i] for row in rows)]
     headers = tuple(headers[i] for i in keep)
     rows = [tuple(row[i] for i in keep) for row in rows]

@@ -120,3 +120,39 @@ def test_under_pytest_strict_no_opwatch_frame_or_local_shows_and_the_finding_is_
     assert out.count("problem:  tensor arguments on different devices") == 1
     section = out[out.index("Captured opwatch call") :].split("Captured stderr call")[0]
     assert "device_mismatch in aten.addmm.default at test_mix.py:8, module Linear (forward) (the AnomalyError above)" in section
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("columns", [130, 220])
+def test_on_a_terminal_the_dump_fits_its_width(columns):
+    import fcntl
+    import struct
+    import termios
+
+    primary, secondary = os.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    env = {key: value for key, value in ENV.items() if key not in ("COLUMNS", "LINES")}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "opwatch", "device_mix_cli.py"], stdout=subprocess.PIPE, stderr=secondary, cwd=SCENARIOS, env=env, timeout=300
+        )
+    finally:
+        os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the terminal's other end is closed: all read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(primary)
+    err = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert result.returncode == 1
+    dump = err[err.index("opwatch: the watched block raised") : err.index(TRACEBACK)]
+    widest = max(map(len, dump.splitlines()))
+    assert widest <= columns
+    # Not the fixed 120 of a file or pipe: a wide terminal gets the whole table, code included.
+    assert widest > 120
+    assert ("model(batch)" in dump) == (columns == 220)
