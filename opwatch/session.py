@@ -84,8 +84,10 @@ def watch(
         ``w.allowed``: no anomaly, no warning, no raise in ``strict()``.
         ``watch(allow=[opwatch.Allow(kind="broadcast", where="train.py:42")])``.
     dump_on_error
-        When an exception escapes the block, print the last ``last`` ops, the failing op
-        marked, and add a note to the exception naming the op, its line and its tensors. The
+        When an exception escapes the block, print the last ``last`` ops as a compact table
+        (consecutive alike ops folded into one row with their count, the failing op marked and
+        its neighbours kept, fitted to the terminal's width, or 120 columns into a file or a
+        pipe), and add a note to the exception naming the op, its line and its tensors. The
         exception itself propagates unchanged. ``watch(dump_on_error=False)``.
     last
         How many ops that dump shows. ``watch(last=50)``.
