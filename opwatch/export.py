@@ -356,7 +356,7 @@ _DECODERS = {
 # -- reading back ---------------------------------------------------------------------------
 
 
-def load(path) -> SavedLog:
+def load(path, *, partial: bool = False) -> SavedLog:
     """Read a log written by :meth:`Watch.export_jsonl`; ``opwatch.load("run.jsonl")``.
 
     The result is read-only and offers what a watch offers for reading: ``records``,
@@ -364,9 +364,23 @@ def load(path) -> SavedLog:
     ``summary()``, which print what the watch printed: each message is rendered again from the
     saved facts (file paths shown relative to the working directory, as the watch shows them).
     A file of another format version is a ``ValueError`` naming the versions this opwatch reads.
+
+    A log cut short (a run killed while writing it, a partial copy) is a ``ValueError`` naming
+    what its header promised and what was read: read as it is, it would look like a run with
+    fewer anomalies, or none. ``partial=True`` reads what there is instead (a last line cut in
+    the middle is left out): ``opwatch.load("run.jsonl", partial=True)``.
     """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(partial, bool):
+        raise TypeError(f"partial must be True or False, got {partial!r}")
     with open(path, encoding="utf-8") as stream:
-        lines = stream.read().splitlines()
+        text = stream.read()
+    lines = text.splitlines()
+    cut_line = None  # the number of a last line cut in the middle (no newline, not JSON)
+    if len(lines) > 1 and not text.endswith("\n") and not _is_json(lines[-1]):
+        cut_line = len(lines)
+        lines.pop()
     if not lines:
         raise ValueError(f"{path}: empty file; expected an opwatch JSON Lines log written by Watch.export_jsonl")
     header = _parse(path, 1, lines[0])
@@ -397,7 +411,31 @@ def load(path) -> SavedLog:
                 raise ValueError(f"unknown line type {kind!r}")
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path}:{number}: not a valid opwatch log line ({type(error).__name__}: {error})") from None
+    if not partial:
+        _check_complete(path, header, records, groups, cut_line)
     return SavedLog(header, records, groups)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _check_complete(path, header: dict, records: list, groups: dict, cut_line: int | None) -> None:
+    """Raise when the log holds fewer records or anomalies than its header counted."""
+    read = {"records": len(records), **{name: len(group) for name, group in groups.items()}}
+    promised = {name: header.get(name) for name in read}
+    if cut_line is None and all(not isinstance(count, int) or count == read[name] for name, count in promised.items()):
+        return
+    told = ", ".join(f"{count} {name}" for name, count in promised.items() if isinstance(count, int))
+    got = ", ".join(f"{count} {name}" for name, count in read.items())
+    raise ValueError(
+        f"{path}: the log is cut short (a run killed while writing it, or a partial copy): its header promises "
+        f"{told}; read {got}{'' if cut_line is None else f', and line {cut_line} is cut in the middle'}. Read what there is with opwatch.load(path, partial=True) or show --partial"
+    )
 
 
 def _check_version(path, version) -> None:

@@ -18,6 +18,10 @@ skips never reach the hooks, so they are not failures (and not counted as steps)
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import math
 import sys
 import warnings

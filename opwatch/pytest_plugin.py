@@ -222,13 +222,20 @@ def pytest_runtest_call(item: pytest.Item):
         if settings.mode == "off":
             return (yield)
         watch = item.stash[_WATCH] = _make_watch(settings, item)
-    summary = None
+    summary = raised = None
     try:
         with watch:
             result = yield
+    except BaseException as error:
+        # A strict watch's AnomalyError: its message is in the test's traceback already, so
+        # the opwatch section names that anomaly in one line.
+        from .anomaly import AnomalyError
+
+        raised = error if isinstance(error, AnomalyError) else None
+        raise
     finally:
         if watch.anomalies or watch.contained or watch.allowed:
-            summary = watch.summary()
+            summary = watch.summary(raised=raised)
             item.add_report_section("call", "opwatch", summary)
     if watch.anomalies:
         # The summary's first line: "opwatch: 2 anomalies at 1 place:".

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import os
+import shutil
 import sys
 import threading
 import traceback
@@ -18,6 +23,8 @@ from .modes.modules import ModuleStack
 from .ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
+from .render.summary import render_disabled
+from .render.table import DUMP_WIDTH
 from .render.notices import internal_error
 from .report import Reporter
 
@@ -77,8 +84,10 @@ def watch(
         ``w.allowed``: no anomaly, no warning, no raise in ``strict()``.
         ``watch(allow=[opwatch.Allow(kind="broadcast", where="train.py:42")])``.
     dump_on_error
-        When an exception escapes the block, print the last ``last`` ops, the failing op
-        marked, and add a note to the exception naming the op, its line and its tensors. The
+        When an exception escapes the block, print the last ``last`` ops as a compact table
+        (consecutive alike ops folded into one row with their count, the failing op marked and
+        its neighbours kept, fitted to the terminal's width, or 120 columns into a file or a
+        pipe), and add a note to the exception naming the op, its line and its tensors. The
         exception itself propagates unchanged. ``watch(dump_on_error=False)``.
     last
         How many ops that dump shows. ``watch(last=50)``.
@@ -217,9 +226,20 @@ class Watch:
             records = records[-_non_negative_int("last", last) :] if last else []
         return render_table(records, tablefmt=tablefmt)
 
-    def summary(self) -> str:
-        """Each distinct anomaly once (per kind and line, with its count), ready to print."""
-        return render_summary(self._reporter.anomalies, self._reporter.contained, self._reporter.allowed, rank=self._log.rank)
+    def summary(self, *, raised: AnomalyError | None = None) -> str:
+        """Each distinct anomaly once (per kind and line, with its count), ready to print; for a
+        watch that ``OPWATCH_DISABLE`` turned off, a line saying that nothing was watched.
+        ``raised``: the ``AnomalyError`` the reader has already seen (a strict watch's, in a
+        traceback); its anomaly is named in one line rather than repeated:
+        ``w.summary(raised=error)``."""
+        if raised is not None and not isinstance(raised, AnomalyError):
+            raise TypeError(f"raised must be an opwatch.AnomalyError or None, got {type(raised).__name__}")
+        if not self.enabled:
+            return render_disabled(DISABLE_VARIABLE, os.environ.get(DISABLE_VARIABLE, "").strip())
+        return render_summary(
+            self._reporter.anomalies, self._reporter.contained, self._reporter.allowed, rank=self._log.rank,
+            raised=None if raised is None else raised.anomaly,
+        )
 
     def all_anomalies(self, *, timeout: float = DEFAULT_TIMEOUT) -> AllAnomalies:
         """Every rank's anomalies in a ``torch.distributed`` job, once the block has ended: this
@@ -396,7 +416,7 @@ class Watch:
         if self._dump_on_error and self._last:
             records = self._log.records()[-self._last :]
             stream = self._file if self._file is not None else sys.stderr
-            print(render_failure(records, failed, error, rank=self._log.rank), file=stream)
+            print(render_failure(records, failed, error, rank=self._log.rank, width=_width_of(stream)), file=stream)
 
     def _failed_record(self, interceptor: OpInterceptor, error: BaseException) -> OpRecord | None:
         if isinstance(error, AnomalyError):
@@ -459,12 +479,25 @@ class _OptimizerCheckPoints:
 _steps_checked = _OptimizerCheckPoints()
 
 
+def _width_of(stream) -> int:
+    """The dump's width: the terminal's when ``stream`` is one, else a fixed width (a file, a
+    pipe, a captured stream: output that must not depend on the terminal that wrote it)."""
+    try:
+        if not stream.isatty():
+            return DUMP_WIDTH
+        columns = os.environ.get("COLUMNS", "")  # honoured as shutil.get_terminal_size does
+        return int(columns) if columns.isdigit() and int(columns) > 0 else os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return shutil.get_terminal_size((DUMP_WIDTH, 24)).columns
+
+
 def _disabled_by_environment() -> bool:
     value = os.environ.get(DISABLE_VARIABLE, "")
     key = value.strip().lower()
     if key not in _DISABLE_VALUES:
-        valid = ", ".join(repr(v) for v in _DISABLE_VALUES if v)
-        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use one of {valid} (or leave it unset)")
+        off = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if disabled)
+        on = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if v and not disabled)
+        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use {off} to turn opwatch off, {on} (or leave it unset) to watch")
     return _DISABLE_VALUES[key]
 
 

@@ -26,6 +26,10 @@ it lazily and then binds the function).
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import functools
 import os
 import warnings
@@ -200,6 +204,8 @@ class Guarded:
         self._step = train_step
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._given_params = None if self._model is not None else _parameters(model)
+        if self._model is not None:
+            _check_some(list(self._model.parameters()))
         self._checks = checks
         self._allow = allow
         self._check_results = checks is None or "nonfinite" in checks
@@ -458,7 +464,17 @@ def _parameters(model) -> list:
         if not isinstance(param, _Tensor):
             raise TypeError(f"model must be an nn.Module or an iterable of parameters; it holds a {type(param).__name__}")
         unique.setdefault(id(param), param)
+    _check_some(unique)
     return list(unique.values())
+
+
+def _check_some(params) -> None:
+    """Refuse a model without parameters: a guard checks the gradients of what the step trains."""
+    if not params:
+        raise ValueError(
+            "model holds no parameters; guard checks the gradients of the parameters the step trains: "
+            "pass the nn.Module or its parameters, e.g. guard(step, model) or guard(step, model.parameters())"
+        )
 
 
 def _check_int(name, value, least) -> None:

@@ -41,6 +41,10 @@ the thread's mode stack: there the watch is inert, as it is in spawned workers.
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import os
 import sys
 import traceback

@@ -20,6 +20,10 @@ path anyway).
 
 from __future__ import annotations
 
+# pytest leaves this module's frames out of a failing test's traceback (it reads
+# __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
+__tracebackhide__ = True
+
 import sys
 import threading
 import weakref

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from ..records import BaseRecord
 from ..sites import location
-from .table import render_table
+from .table import DUMP_WIDTH, render_table
 
-__all__ = ["render_summary", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
+__all__ = ["render_summary", "render_disabled", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
 
 
 def tagged(rank) -> str:
@@ -18,11 +18,14 @@ def tagged(rank) -> str:
 # -- the summary ----------------------------------------------------------------------------
 
 
-def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None) -> str:
+def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None, raised=None) -> str:
     """Distinct anomalies (one per kind, line, op and phase, with how often each fired), then a
     count of contained nan/inf origins and of allowed findings. ``rank``: the process's rank in
-    a distributed job (``opwatch (rank 1): ...``)."""
+    a distributed job (``opwatch (rank 1): ...``). ``raised``: an anomaly whose message the
+    reader has just seen in full (the ``AnomalyError`` of a strict watch): its group is its
+    first line only."""
     groups: dict = {}
+    shown = None
     for anomaly in anomalies:
         key = (anomaly.kind, anomaly.filename, anomaly.lineno, anomaly.op, anomaly.phase)
         if key in groups:
@@ -30,11 +33,13 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
             groups[key] = [first, count + 1]
         else:
             groups[key] = [anomaly, 1]
+        if anomaly is raised:
+            shown = key
     if not groups:
         lines = [f"{tagged(rank)}: no anomalies."]
     else:
         lines = [f"{tagged(rank)}: {count_places(groups)}:"]
-        lines += group_messages(groups)
+        lines += group_messages(groups, shown=shown)
     if contained:
         lines.append("")
         lines.append(f"({len(contained)} nan/inf origin(s) were absorbed before they mattered; see Watch.contained)")
@@ -44,21 +49,30 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None)
     return "\n".join(lines)
 
 
+def render_disabled(variable: str, value: str) -> str:
+    """The summary of a watch that the kill switch turned off: it saw nothing, so it cannot
+    say there were no anomalies."""
+    return f"opwatch: nothing was watched ({variable}={value} turned opwatch off), so no anomalies could be found."
+
+
 # -- a failing block ------------------------------------------------------------------------
 
 
-def render_failure(records: list[BaseRecord], failed: BaseRecord | None, error: BaseException, *, rank: int | None = None) -> str:
-    """The dump printed when a watched block raises: the last ops, the failing one marked."""
+def render_failure(records: list[BaseRecord], failed: BaseRecord | None, error: BaseException, *, rank: int | None = None, width: int = DUMP_WIDTH) -> str:
+    """The dump printed when a watched block raises: the last ops as a compact table at most
+    ``width`` wide (repeated ops folded, the failing one marked and its neighbours kept). The
+    failing op's line, tensors and module are in the exception's note or message, not
+    repeated here."""
     lines = [f"{tagged(rank)}: the watched block raised {type(error).__name__}; the last {len(records)} ops:"]
-    lines.append(render_table(records, mark=failed.index if failed else None))
-    if failed is not None:
-        position = failed.position
-        lines.append("")
-        lines.append(f"failing op #{failed.index}: {failed.signature()}")
-        if position.filename:
-            lines.append(f"  at {location(failed)}" + (f", module {failed.module}" if failed.module else ""))
-            lines += ["    " + line for line in position.caret_lines()]
+    lines.append(render_table(records, mark=failed.index if failed else None, width=width))
     return "\n".join(lines)
+
+
+def raised_above(error: BaseException, reported: str) -> str:
+    """The last line of a traceback whose ``AnomalyError`` message opwatch's report above holds
+    in full: its type and the message's first line (``reported``: the exception as Python
+    prints it, notes apart)."""
+    return f"{reported.partition(': ')[0]}: {str(error).partition(chr(10))[0]} (in full in opwatch's report above)\n"
 
 
 def exception_note(failed: BaseRecord) -> str:
@@ -80,13 +94,15 @@ def count_places(groups) -> str:
     return f"{total} anomal{'y' if total == 1 else 'ies'} at {len(groups)} place{'' if len(groups) == 1 else 's'}"
 
 
-def group_messages(groups) -> list[str]:
+def group_messages(groups, *, shown=None) -> list[str]:
     """Each group's message, after a blank line, its first line marked ``[xN]`` when it fired
-    N > 1 times."""
+    N > 1 times; the group of key ``shown`` (its message already read) in its first line."""
     lines = []
-    for anomaly, count in groups.values():
+    for key, (anomaly, count) in groups.items():
         lines.append("")
         text = anomaly.message
+        if key == shown:
+            text = f"{text.partition(chr(10))[0]} (the AnomalyError above)"
         if count > 1:
             first, _, rest = text.partition("\n")
             text = f"{first} [x{count}]\n{rest}" if rest else f"{first} [x{count}]"

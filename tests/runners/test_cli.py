@@ -53,13 +53,17 @@ def traceback_and_after(stderr: str) -> str:
 
 
 def assert_same_traceback(plain, watched):
-    """The watched run prints Python's traceback (user frames only, after opwatch's dump of the
-    last ops), followed by opwatch's notes and summary."""
+    """The watched run prints opwatch's report (its findings first, then the dump of the last
+    ops), then Python's traceback (user frames only), followed by opwatch's note when an op
+    raised."""
     expected = traceback_and_after(plain.stderr)
     got = traceback_and_after(watched.stderr)
     assert got.startswith(expected), (expected, got)
-    assert got[len(expected):].startswith("opwatch:"), got
+    assert got[len(expected):] == "" or got[len(expected):].startswith("opwatch: raised in"), got
     assert "interceptor.py" not in got and "runpy" not in got and "__main__.py" not in got
+    before = plain.stderr[: plain.stderr.index("Traceback (most recent call last):")]
+    report = watched.stderr[: watched.stderr.index("Traceback (most recent call last):")]
+    assert report.startswith(before) and report[len(before):].startswith("opwatch:"), report
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +206,9 @@ def test_a_syntax_error_is_reported_as_python_reports_it(tmp_path):
     write(tmp_path / "typo.py", "print('hello'\n")
     plain, watched = run_both("typo.py", cwd=tmp_path)
     assert plain.returncode == 1 and "SyntaxError" in plain.stderr
-    assert_same_apart_from_the_report(plain, watched)
+    # opwatch's report first, then Python's report of the error.
+    assert watched.returncode == 1 and watched.stdout == plain.stdout
+    assert watched.stderr.startswith("opwatch: no anomalies.\n") and watched.stderr.endswith(plain.stderr)
 
 
 def test_the_scripts_own_excepthook_reports_its_uncaught_exception(tmp_path):
@@ -246,7 +252,7 @@ def test_ctrl_c_ends_the_process_by_sigint_after_the_summary(tmp_path, interrupt
     assert plain.returncode == watched.returncode == -signal.SIGINT
     assert watched.stdout == plain.stdout == "working 3.0\natexit ran\n"
     assert_same_traceback(plain, watched)
-    assert traceback_and_after(watched.stderr).splitlines()[-1].startswith("opwatch:")  # the summary
+    assert watched.stderr.startswith("opwatch: no anomalies.\n")  # the summary, first
 
 
 # --------------------------------------------------------------------------------------------

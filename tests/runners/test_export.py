@@ -294,6 +294,67 @@ def test_load_refuses_other_files(tmp_path):
         load(broken)
 
 
+def test_a_log_cut_short_is_refused_naming_what_its_header_promised(tmp_path):
+    """A killed run or a partial copy must not read as a clean run ("no anomalies")."""
+    w = busy_watch()
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    header = json.loads(lines[0])
+    assert header["anomalies"] == len(w.anomalies) > 0
+    promised = f"its header promises {len(w.records)} records, {len(w.anomalies)} anomalies, {len(w.contained)} contained, {len(w.allowed)} allowed"
+    first_anomaly = next(i for i, line in enumerate(lines) if '"type": "anomaly"' in line)
+    # Cut at a line's end, before the anomalies: the records all read, no anomaly.
+    at_line = tmp_path / "at_line.jsonl"
+    at_line.write_text("".join(lines[:first_anomaly]))
+    with pytest.raises(ValueError) as caught:
+        load(at_line)
+    message = str(caught.value)
+    assert message.startswith(f"{at_line}: the log is cut short") and promised in message
+    assert f"read {len(w.records)} records, 0 anomalies, 0 contained, 0 allowed." in message
+    assert "partial=True" in message and "show --partial" in message
+    # Cut in the middle of a line.
+    mid_line = tmp_path / "mid_line.jsonl"
+    mid_line.write_text(text[: len("".join(lines[:5])) + 20])
+    kept = sum('"type": "record"' in line for line in lines[:5])
+    with pytest.raises(ValueError, match=rf"read {kept} records, 0 anomalies, .*, and line 6 is cut in the middle"):
+        load(mid_line)
+    # partial=True reads what there is.
+    saved = load(mid_line, partial=True)
+    assert len(saved.records) == kept and saved.anomalies == [] and saved.header["anomalies"] == len(w.anomalies)
+    assert len(load(at_line, partial=True).records) == len(w.records)
+    # The whole file still loads; a complete last line without its newline too.
+    assert len(load(path).anomalies) == len(w.anomalies)
+    path.write_text(text.rstrip("\n"))
+    assert len(load(path).anomalies) == len(w.anomalies)
+
+
+def test_show_of_a_log_cut_short_exits_1_with_one_line(tmp_path, capsys):
+    from opwatch.__main__ import main
+
+    with opwatch.watch(warn=False) as w:
+        stories.broadcast_loss()
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(line for line in lines if '"type": "anomaly"' not in line))
+    assert main(["show", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"python -m opwatch show: error: {path}: the log is cut short")
+    assert "1 anomalies" in captured.err and "read 0 anomalies" not in captured.err and "0 anomalies" in captured.err
+    assert main(["show", "--partial", str(path)]) == 0
+    assert "opwatch: no anomalies." in capsys.readouterr().out
+
+
+def test_load_refuses_what_is_not_a_path():
+    with pytest.raises(TypeError, match="path must be a file path \\(str or os.PathLike\\), got int"):
+        load(3)  # open(3) would read file descriptor 3
+    with pytest.raises(TypeError, match="partial must be True or False"):
+        load("run.jsonl", partial="yes")
+
+
 # -- Chrome trace ---------------------------------------------------------------------------
 
 PHASES = {"X", "B", "E", "i", "I", "s", "t", "f", "M", "C"}
@@ -441,9 +502,9 @@ def test_cli_writes_both_exports_and_shows_a_saved_log(tmp_path, capsys):
     assert capsys.readouterr().out == saved.table(last=3) + "\n\n" + saved.summary() + "\n"
     assert main(["show", str(jsonl)]) == 0
     assert capsys.readouterr().out.count("\n") == len(saved.table().splitlines()) + 1 + len(saved.summary().splitlines())
-    with pytest.raises(SystemExit):
-        main(["show", str(tmp_path / "missing.jsonl")])
-    assert "No such file" in capsys.readouterr().err
+    assert main(["show", str(tmp_path / "missing.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "No such file" in err and err.count("\n") == 1
 
 
 # -- one anomaly interface ----------------------------------------------------------------------

@@ -369,6 +369,10 @@ def test_options_are_checked():
         opwatch.guard(train_step, 3)
     with pytest.raises(TypeError, match="repro must be True or False"):
         opwatch.guard(train_step, model, repro="yes")
+    # Nothing to check the gradients of: said at once, not a guard that never checks a gradient.
+    for nothing in ([], iter(()), torch.nn.ReLU()):
+        with pytest.raises(ValueError, match=r"model holds no parameters; .* guard\(step, model\) or guard\(step, model.parameters\(\)\)"):
+            opwatch.guard(train_step, nothing)
 
 
 def test_parameters_may_be_given_as_an_iterable_and_checks_narrow_what_is_checked():

@@ -62,6 +62,55 @@ def test_table_last_and_flags():
     assert w.table(last=0).splitlines()[0].split()[:2] == ["#", "op"]
 
 
+def test_table_refuses_an_unknown_format():
+    with opwatch.watch(warn=False) as w:
+        torch.ones(2)
+    with pytest.raises(ValueError, match="tablefmt must be one of tabulate's formats .*github.*, got 'markdown'"):
+        w.table(tablefmt="markdown")
+    with pytest.raises(TypeError, match="tablefmt must be the name of one of tabulate's formats, got int"):
+        w.table(tablefmt=1)
+    assert w.table(tablefmt="github").startswith("| #")
+
+
+def test_the_compact_table_folds_repeats_and_fits_its_width():
+    from opwatch.render.table import render_table
+
+    with opwatch.watch(warn=False) as w:
+        x = torch.ones(4, 3)
+        for _ in range(10):
+            x = x * 2
+        y = torch.ones(3, 2, dtype=torch.float64)
+        z = torch.cat([x.double() @ y, x.double() @ y, torch.zeros(4, 2, dtype=torch.float64)])
+    records = w.records
+    full = render_table(records).splitlines()
+    mark = records[-1].index
+    for width in (200, 120):
+        lines = render_table(records, mark=mark, width=width).splitlines()
+        assert max(map(len, lines)) <= width, (width, lines)
+        rows = lines[2:]
+        assert len(rows) < len(full) - 2
+        assert any("aten.mul.Tensor x10" in row for row in rows)  # one row, with its count
+        assert rows[-1].startswith(f">> {mark}") and "aten.cat" in rows[-1]
+        assert "module" not in lines[0]  # no op ran in a module: the empty column is left out
+    # The two ops before the marked one are never folded, even alike.
+    assert render_table(records, mark=mark, width=120).count("aten.mm") == 2
+    # Without a width: the full table, unchanged.
+    assert render_table(records, mark=mark).splitlines()[2:] and len(render_table(records).splitlines()) == len(full)
+
+
+def test_summary_names_a_raised_anomaly_in_one_line():
+    w = opwatch.strict(warn=False, dump_on_error=False)
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        with w:
+            stories.broadcast_loss()
+    full, short = w.summary(), w.summary(raised=caught.value)
+    header = caught.value.anomaly.message.splitlines()[0]
+    assert full.count("problem:") == 1 and short.count("problem:") == 0
+    assert f"{header} (the AnomalyError above)" in short.splitlines()
+    with pytest.raises(TypeError, match="raised must be an opwatch.AnomalyError or None, got RuntimeError"):
+        w.summary(raised=RuntimeError("x"))
+
+
 @needs_columns
 def test_failure_dump_golden():
     stream = io.StringIO()
