@@ -81,18 +81,27 @@ class ValueRange(NamedTuple):
     within: bool = False
 
 
+_EXACT = frozenset(("same", "neg", "abs"))  # range maps that keep all of one input's values
+
+
 def moved_range(facts, ranges) -> ValueRange:
     """The range of the output of a value-moving op (its ``OpFacts``, see ``range_map``) whose
     floating inputs had ``ranges`` (:class:`ValueRange`): exact for a view or copy of all of
     one input's values (mapped: ``neg``, ``abs``); else the hull of theirs, ``within`` (``cat``,
     ``index``, ``repeat``, a slice hold some of them)."""
     how = facts.range_map
-    low, high = min(known.low for known in ranges), max(known.high for known in ranges)
+    if len(ranges) == 1:
+        (known,) = ranges
+        if how == "same":
+            return known  # a view or a copy of all its values: the most of them
+        low, high, within = known
+    else:
+        low, high, within = min(known.low for known in ranges), max(known.high for known in ranges), True
     if how == "neg":
         low, high = -high, -low
     elif how == "abs":
         low, high = (low, high) if low >= 0 else (-high, -low) if high <= 0 else (0.0, max(-low, high))
     elif how == "with_zero":
         low, high = min(low, 0.0), max(high, 0.0)
-    exact = how in ("same", "neg", "abs") and len(ranges) == 1 and not any(known.within for known in ranges)
-    return ValueRange(low, high, within=not exact)
+    return ValueRange(low, high, within or how not in _EXACT)
+
