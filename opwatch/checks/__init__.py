@@ -83,9 +83,10 @@ class CheckContext:
         before was another one (the last expand of the same line one step earlier is no pair)."""
         previous = self._shapes.previous_expand if self._shapes is not None else None
         entries = self._log.entries
-        if previous is None or not entries or entries[-1][E_INDEX] != previous[-1]:
+        if previous is None or not entries:
             return None
-        return previous
+        _, _, _, index = previous
+        return previous if entries[-1][E_INDEX] == index else None
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""

@@ -27,6 +27,7 @@ __tracebackhide__ = True
 import sys
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -157,11 +158,11 @@ class ModuleStack:
         of the model (a buffer replaced since is found then)."""
         for root in list(self._names.keys()):
             built = self._owners.get(root)
-            if built is None or (built[0] != self._forwards and ident not in built[1]):
-                built = self._owners[root] = (self._forwards, _owners_table(root))
-            found = built[1].get(ident)
-            if found is not None and id(found[0]()) == ident:
-                return found[1]
+            if built is None or (built.forwards != self._forwards and ident not in built.table):
+                built = self._owners[root] = _Owners(self._forwards, _owners_table(root))
+            found = built.table.get(ident)
+            if found is not None and id(found.tensor()) == ident:
+                return found.owner
         return None
 
     def _exit(self, module: nn.Module, args, output) -> None:
@@ -243,8 +244,23 @@ class ModuleStack:
         return names
 
 
+class _Owners(NamedTuple):
+    """A model's table of owners (see :meth:`ModuleStack.owner_of`), built during its call
+    number ``forwards``."""
+
+    forwards: int
+    table: dict  # id of a parameter or buffer -> _Owned
+
+
+class _Owned(NamedTuple):
+    """A parameter or buffer (weakly) and its owner facts (see :meth:`ModuleStack.owner_of`)."""
+
+    tensor: weakref.ref
+    owner: tuple
+
+
 def _owners_table(root: nn.Module) -> dict:
-    """``{id of a parameter or buffer of root's modules -> (weakref, owner facts)}`` (see
+    """``{id of a parameter or buffer of root's modules -> _Owned}`` (see
     :meth:`ModuleStack.owner_of`); paths as :class:`ModuleStack` names modules."""
     table = {}
     for name, module in root.named_modules(remove_duplicate=False):
@@ -252,7 +268,7 @@ def _owners_table(root: nn.Module) -> dict:
         for kind, held in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
             for attribute, tensor in held:
                 if id(tensor) not in table:
-                    table[id(tensor)] = (weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
+                    table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
     return table
 
 

@@ -6,11 +6,12 @@ values and fp16 headroom."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.rules import HEADROOM_FACTOR
+from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..notation import format_dtype, format_meta
 from ..records import BACKWARD, M_DTYPE
 from ..sites import display_path
@@ -149,94 +150,104 @@ def _inputs(finding) -> str:
 def _input_health(finding) -> str:
     """``input f32[6, 4] cpu: min 0, max 0.9 -> log(0) = -inf``: each floating input's range,
     and what in it explains the result."""
-    input_ranges = finding.facts["input_ranges"]
+    input_ranges = _input_ranges(finding.facts)
     if not input_ranges:
         return ""
     parts = []
     for meta, value_range in input_ranges:
         if value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
-        elif len(value_range) > 2:  # carried through an op that kept some of its source's values
-            low, high = value_range[0], value_range[1]
-            parts.append(f"input {format_meta(meta)}: values taken from a range of min {low:.4g}, max {high:.4g}")
+        elif value_range.within:  # carried through an op that kept some of its source's values
+            parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
         else:
-            low, high = value_range
-            parts.append(f"input {format_meta(meta)}: min {low:.4g}, max {high:.4g}")
+            parts.append(f"input {format_meta(meta)}: min {value_range.low:.4g}, max {value_range.high:.4g}")
     text = "; ".join(parts)
     reason = _reason(finding)
     return f"{text} -> {reason}" if reason else text
 
 
+def _input_ranges(facts) -> list:
+    """``(meta, ValueRange or None)`` per floating input. A log exported before ranges were
+    tagged holds plain ``(min, max)`` / ``(min, max, "within")`` tuples: read as ranges too."""
+    return [
+        (meta, value_range if value_range is None or type(value_range) is ValueRange else ValueRange(*value_range))
+        for meta, value_range in facts["input_ranges"]
+    ]
+
+
 def _reason(finding) -> str | None:
     """What in the inputs' ranges explains a non-finite result, for the common ops."""
     found = _cause(finding)
-    return found[1] if found is not None else None
+    return found.reason if found is not None else None
 
 
-def _cause(finding) -> tuple[str, str] | None:
-    """``(cause, reason)``: what in the inputs' ranges made the result non-finite (a key of
-    :data:`_CAUSE_FIXES`, and the sentence that says it), for the common ops; ``None`` when
-    the ranges do not tell. The cause must fit the kind: log of a negative number is nan,
-    log(0) is -inf."""
+class _Cause(NamedTuple):
+    """What in the inputs' ranges made a result non-finite."""
+
+    key: str  # of _CAUSE_FIXES
+    reason: str  # the sentence that says it
+
+
+def _cause(finding) -> _Cause | None:
+    """What in the inputs' ranges made the result non-finite, for the common ops; ``None``
+    when the ranges do not tell. The cause must fit the kind: log of a negative number is
+    nan, log(0) is -inf. A range carried through indexing or cat (``within``) bounds the
+    values: its ends are read as they are."""
     facts = finding.facts
     name, kind = facts["op_name"], finding.kind
-    # (min, max); a range carried through indexing or cat bounds the values (third item)
-    ranges = [tuple(value_range[:2]) if value_range is not None else None for _, value_range in facts["input_ranges"]]
+    ranges = [value_range for _, value_range in _input_ranges(facts)]
     first, second = (ranges + [None, None])[:2]
     if name == "div" and _holds_zero(second):
         if kind == "nan" and _holds_zero(first):
-            return "div_zero_zero", "the divisor holds 0, and so does the dividend: 0 / 0 = nan"
+            return _Cause("div_zero_zero", "the divisor holds 0, and so does the dividend: 0 / 0 = nan")
         if kind == "inf":
-            return "div_zero", "the divisor holds 0: x / 0 = inf"
+            return _Cause("div_zero", "the divisor holds 0: x / 0 = inf")
     if first is None:
         return None
-    low, high = first
+    low, high = first.low, first.high
     if name in ("log", "log2", "log10"):
         if kind == "nan" and low < 0:
-            return "log_negative", f"{name} of a negative number is nan"
+            return _Cause("log_negative", f"{name} of a negative number is nan")
         if kind == "inf" and low <= 0 <= high:
-            return "log_zero", f"{name}(0) = -inf"
+            return _Cause("log_zero", f"{name}(0) = -inf")
     if name == "log1p" and low <= -1:
-        return "log1p_low", "log1p(-1) = -inf, and below -1 it is nan"
+        return _Cause("log1p_low", "log1p(-1) = -inf, and below -1 it is nan")
     if name == "sqrt" and kind == "nan" and low < 0:
-        return "sqrt_negative", "sqrt of a negative number is nan"
+        return _Cause("sqrt_negative", "sqrt of a negative number is nan")
     if name == "rsqrt":
         if kind == "nan" and low < 0:
-            return "rsqrt_negative", "rsqrt of a negative number is nan"
+            return _Cause("rsqrt_negative", "rsqrt of a negative number is nan")
         if kind == "inf" and low <= 0 <= high:
-            return "rsqrt_zero", "rsqrt(0) = inf"
+            return _Cause("rsqrt_zero", "rsqrt(0) = inf")
     if name == "pow":
         if kind == "nan" and low < 0:
-            return "pow_negative_base", "a negative base to a fractional power is nan"
+            return _Cause("pow_negative_base", "a negative base to a fractional power is nan")
         if kind == "inf" and low <= 0 <= high and max(abs(low), abs(high)) <= 1:
-            return "pow_zero_base", "the base holds 0, and 0 to a negative power is inf"
+            return _Cause("pow_zero_base", "the base holds 0, and 0 to a negative power is inf")
     if name in ("acos", "asin") and kind == "nan" and (low < -1 or high > 1):
-        return "domain_unit", f"{name} of a value outside [-1, 1] is nan"
+        return _Cause("domain_unit", f"{name} of a value outside [-1, 1] is nan")
     if name == "atanh" and (low <= -1 or high >= 1):
-        return "atanh_unit", "atanh(+-1) = +-inf, and outside [-1, 1] it is nan"
+        return _Cause("atanh_unit", "atanh(+-1) = +-inf, and outside [-1, 1] it is nan")
     if kind != "inf":
         return None
     return _overflow_cause(name, facts["outputs"], ranges, high)
 
 
 def _holds_zero(value_range) -> bool:
-    if value_range is None:
-        return False
-    low, high = value_range[:2]
-    return low <= 0 <= high
+    return value_range is not None and value_range.low <= 0 <= value_range.high
 
 
-def _overflow_cause(name, outputs, ranges, high) -> tuple[str, str] | None:
+def _overflow_cause(name, outputs, ranges, high) -> _Cause | None:
     """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
     dtype = next((meta[M_DTYPE] for meta in outputs), None)
     if dtype is not None and dtype.is_floating_point:
         limit = torch.finfo(dtype).max
         bound = math.log2(limit) if name == "exp2" else math.log(limit)
         if name in ("exp", "exp2", "expm1") and high > bound:
-            return "exp_overflow", f"{name} overflows {format_dtype(dtype)} above {bound:.4g}"
-        largest = max(max(abs(low), abs(top)) for low, top in filter(None, ranges))
+            return _Cause("exp_overflow", f"{name} overflows {format_dtype(dtype)} above {bound:.4g}")
+        largest = max(max(abs(known.low), abs(known.high)) for known in ranges if known is not None)
         if largest > limit:
-            return "overflow", f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
+            return _Cause("overflow", f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})")
     return None
 
 
@@ -260,7 +271,7 @@ def _fix(finding) -> str:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
     found = _cause(finding)
-    cause = found[0] if found is not None else _CAUSE_OF.get((name, finding.kind))
+    cause = found.key if found is not None else _CAUSE_OF.get((name, finding.kind))
     return _CAUSE_FIXES[cause].format(name=name) if cause is not None else _DEFAULT_FIX
 
 

@@ -14,6 +14,7 @@ import json
 
 import opwatch
 from opwatch.checks.finding import Finding
+from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
 from support import SCENARIOS, assert_golden, needs_columns
 from support.helpers import line_of as _line_of
@@ -92,7 +93,7 @@ def test_a_where_that_masks_a_nan_nobody_differentiates_is_contained():
     assert total == 2.0 and w.anomalies == [] and len(w.contained) == 1
     facts = w.contained[0].finding.facts
     assert facts["contained"] and facts["masked_by"] is not None and facts["back_in_backward"] is None
-    assert [value_range for _, value_range in facts["input_ranges"]] == [(-1.0, 4.0)]
+    assert [value_range for _, value_range in facts["input_ranges"]] == [ValueRange(-1.0, 4.0, within=False)]
 
 
 # -- facts survive a saved log ----------------------------------------------------------------

@@ -4,12 +4,15 @@ each cause, and a loss function's broadcast counted once per step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import opwatch
+from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
 
 
@@ -362,7 +365,7 @@ def test_the_range_of_an_input_only_moved_from_a_parameter_is_known():
     assert "range unknown" not in health
     assert "values taken from a range of min 0, max " in health and health.endswith("-> log(0) = -inf")
     (_, value_range), = forward.finding.facts["input_ranges"]
-    assert value_range[0] == 0.0 and value_range[2] == "within"  # a bound, said as such
+    assert value_range.low == 0.0 and value_range.within  # a bound, said as such
 
 
 def test_guard_replay_knows_every_range():
@@ -431,10 +434,26 @@ def test_ranges_and_bounds_survive_the_jsonl_round_trip(tmp_path):
     with opwatch.watch(warn=False, dump_on_error=False) as w:
         optimizer.zero_grad()
         model(torch.randn(8, 4)).backward()
-    assert any(len(value) == 3 for a in w.anomalies for _, value in a.finding.facts.get("input_ranges", ()) if value)
+    assert any(value.within for a in w.anomalies for _, value in a.finding.facts.get("input_ranges", ()) if value)
     path = tmp_path / "run.jsonl"
     w.export_jsonl(path)
-    assert [str(a) for a in opwatch.load(path).anomalies] == [str(a) for a in w.anomalies]
+    loaded = opwatch.load(path).anomalies
+    assert [str(a) for a in loaded] == [str(a) for a in w.anomalies]
+    assert {type(value) for a in loaded for _, value in a.finding.facts.get("input_ranges", ())} <= {ValueRange, type(None)}
+    # A log written before ranges were tagged holds (min, max) and (min, max, "within") lists.
+    untagged = tmp_path / "untagged.jsonl"
+    untagged.write_text("".join(json.dumps(_untag_ranges(json.loads(line))) + "\n" for line in path.read_text().splitlines()))
+    assert "value_range" not in untagged.read_text()
+    assert [str(a) for a in opwatch.load(untagged).anomalies] == [str(a) for a in w.anomalies]
+
+
+def _untag_ranges(value):
+    if isinstance(value, dict) and set(value) == {"value_range"}:
+        low, high, within = value["value_range"]
+        return [low, high, "within"] if within else [low, high]
+    if isinstance(value, dict):
+        return {key: _untag_ranges(item) for key, item in value.items()}
+    return [_untag_ranges(item) for item in value] if isinstance(value, list) else value
 
 
 def test_a_buffer_replaced_between_steps_is_still_named_and_a_computed_tensor_is_not():

@@ -8,9 +8,11 @@ import weakref
 import torch
 
 from opwatch.checks.nonfinite import NonFiniteTracker
+from opwatch.checks.nonfinite.origin import LeafRecipe, MovedRecipe
 from opwatch.checks.nonfinite.replay import Flags
+from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
-from opwatch.records import BACKWARD, FORWARD, OpLog
+from opwatch.records import BACKWARD, FORWARD, M_IDENT, OpLog
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -197,9 +199,8 @@ def _ranges_flags(p, ranges):
 
 
 def test_a_range_is_carried_through_ops_that_only_move_values():
-    """A view keeps its source's range exactly; cat, index and repeat give a bound (WITHIN);
+    """A view keeps its source's range exactly; cat, index and repeat give a bound (within);
     neg maps it; an input whose range is unknown leaves a recipe naming the tensor it came from."""
-    from opwatch.checks.nonfinite.rules import WITHIN
 
     p = Program()
     p.op(aten.sigmoid.default, (), ("a",))  # op 0: range (0, 0.5)
@@ -216,11 +217,13 @@ def test_a_range_is_carried_through_ops_that_only_move_values():
     flags = _ranges_flags(p, {0: (0.0, 0.5), 1: (1.0, 2.0)})
     origins = p.tracker._origins.replay(list(p.log.entries), flags)
     by_op = {origin.record.index: origin.input_ranges[0][1] for origin in origins}
-    assert by_op[5] == (0.0, 0.5)  # a view: exact
-    assert by_op[6] == (0.0, 2.0, WITHIN)  # cat: within the hull
-    moved, _, read_at, (leaf,) = by_op[7]  # worked out at report time from the live parameter
-    assert (moved, read_at, leaf[0], leaf[1][3]) == ("moved", 4, "leaf", id(p.keep["param"]))
-    assert by_op[9] == (-0.5, -0.0)  # neg: mapped, exact
+    assert by_op[5] == ValueRange(0.0, 0.5, within=False)  # a view: exact
+    assert by_op[6] == ValueRange(0.0, 2.0, within=True)  # cat: within the hull
+    moved = by_op[7]  # worked out at report time from the live parameter
+    assert type(moved) is MovedRecipe and moved.read_at == 4
+    (leaf,) = moved.parts
+    assert type(leaf) is LeafRecipe and leaf.meta[M_IDENT] == id(p.keep["param"])
+    assert by_op[9] == ValueRange(-0.5, -0.0, within=False)  # neg: mapped, exact
 
 
 def test_a_range_known_at_one_check_point_is_known_at_the_next_while_every_window_is_replayed():
@@ -238,10 +241,10 @@ def test_a_range_known_at_one_check_point_is_known_at_the_next_while_every_windo
         (origin,) = origins.replay(list(p.log.entries), _ranges_flags(p, {first_index: (1.0, 2.0)}))
         return [value for _, value in origin.input_ranges]
 
-    assert next_window(2) == [(1.0, 2.0), (0.0, 0.9)]
+    assert next_window(2) == [ValueRange(1.0, 2.0), ValueRange(0.0, 0.9)]
     origins.forget_ranges()  # a window not replayed: what it wrote is not known
     c_range, a_range = next_window(4)
-    assert c_range == (1.0, 2.0) and a_range[0] == "leaf"
+    assert c_range == ValueRange(1.0, 2.0) and type(a_range) is LeafRecipe
 
 
 def test_a_view_to_another_dtype_carries_no_range():

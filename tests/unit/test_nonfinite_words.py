@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opwatch.checks.finding import Finding
+from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
 
 F32 = torch.float32
@@ -26,7 +27,7 @@ def origin(op, kind, ranges, *, forward_op_name=None, dtype=F32):
         "forward_op_name": forward_op_name, "spread": 0, "last": None, "became_nan": None, "masked_by": None,
         "masked_by_name": None, "back_in_backward": None, "reached_parameter": False, "reached_gradient": True,
         "contained": False, "skipped_by_grad_scaler": False, "from_deliberate": False,
-        "input_ranges": tuple((m, r) for m, r in zip(inputs, ranges)),
+        "input_ranges": tuple((m, None if r is None else ValueRange(*r)) for m, r in zip(inputs, ranges)),
     }
     return Finding(kind, "nonfinite.origin", facts)
 

@@ -294,11 +294,8 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.checks.fingerprints": 2,
     "opwatch.checks.module_calls": 3,
     "opwatch.checks.nonfinite.collectives": 8,
-    "opwatch.checks.nonfinite.replay": 7,
-    "opwatch.checks.nonfinite.origin": 5,
-    "opwatch.checks.nonfinite.rules": 3,
-    "opwatch.render.nonfinite": 4,
-    "opwatch.checks": 3,
+    "opwatch.checks.nonfinite.replay": 3,  # an op's first input fed (fed[0], twice) and its state
+    "opwatch.checks": 2,  # the last entry logged (entries[-1]); an op's first input (inputs[0])
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
     "opwatch.collective_ops": 2,
@@ -313,7 +310,7 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.integrations.transformers": 1,
     "opwatch.leave_on": 6,
     "opwatch.modes.interceptor": 8,
-    "opwatch.modes.modules": 11,
+    "opwatch.modes.modules": 6,  # the innermost module call (self._stack[-1], 4); sys.exc_info()[0] (2)
     "opwatch.modes.reducer": 1,
     "opwatch.ops": 3,
     "opwatch.checks.accumulation": 8,  # self is an op's first tensor; the first odd operand

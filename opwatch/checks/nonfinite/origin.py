@@ -14,7 +14,7 @@ tensor metadata), ``op_name`` (short, ``div``), ``forward_op_name`` (for a backw
 ran, the forward op's short name, else ``None``), ``spread`` (later ops that carried it),
 ``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
 ``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
-``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, (min, max) or
+``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
 None)`` per floating input). Of the third: ``op``, ``inputs``, ``outputs``, ``largest``.
 """
 
@@ -22,15 +22,36 @@ from __future__ import annotations
 
 import gc
 import math
+from typing import NamedTuple
 
 import torch
 
 from ...ops import facts_of
 from ...records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import Finding, Place
-from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, moved_range
+from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
 
-__all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges"]
+__all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
+
+
+# How to work out at report time a range the replay did not know (see ``replay._carry_range``):
+class LeafRecipe(NamedTuple):
+    """The range of the tensor ``meta`` as it was when op ``read_at`` read it."""
+
+    meta: tuple
+    read_at: int
+
+
+class MovedRecipe(NamedTuple):
+    """The range of the output of op ``read_at`` (its op ``facts``), which only moved the values
+    of its floating inputs: ``parts``, each a :class:`ValueRange` or a recipe."""
+
+    facts: object
+    read_at: int
+    parts: tuple
+
+
+_RECIPES = (LeafRecipe, MovedRecipe)
 
 
 def _place(record):
@@ -167,39 +188,35 @@ def fill_unknown_ranges(origins, log) -> None:
 
 
 def _is_recipe(value) -> bool:
-    return value is not None and isinstance(value[0], str)
+    return isinstance(value, _RECIPES)
 
 
 def _want(value, wanted, producers, log) -> None:
     """Note the live tensors a recipe needs."""
-    if not _is_recipe(value):
-        return
-    if value[0] == "moved":
-        for part in value[3]:
+    if isinstance(value, MovedRecipe):
+        for part in value.parts:
             _want(part, wanted, producers, log)
-        return
-    _, meta, read_at = value
-    ident = meta[M_IDENT]
-    if ident not in producers:
-        producers[ident] = log.producer_of(ident)
-    producer = producers[ident]
-    if producer is None or producer.index < read_at:
-        wanted[ident] = meta
+    elif isinstance(value, LeafRecipe):
+        ident = value.meta[M_IDENT]
+        if ident not in producers:
+            producers[ident] = log.producer_of(ident)
+        producer = producers[ident]
+        if producer is None or producer.index < value.read_at:
+            wanted[ident] = value.meta
 
 
 def _worked_out(value, found):
     """A recipe's range, from the live tensors ``found``; ``None`` when a part is unknown."""
-    if not _is_recipe(value):
-        return value
-    if value[0] == "leaf":
-        return found.get(value[1][M_IDENT])
-    _, facts, _, parts = value
-    ranges = [_worked_out(part, found) for part in parts]
-    return None if None in ranges else moved_range(facts, ranges)
+    if isinstance(value, LeafRecipe):
+        return found.get(value.meta[M_IDENT])
+    if isinstance(value, MovedRecipe):
+        ranges = [_worked_out(part, found) for part in value.parts]
+        return None if None in ranges else moved_range(value.facts, ranges)
+    return value
 
 
 def _finite_range(tensor):
-    """``(min, max)`` of a live input, ``None`` when it cannot be read or is not finite (its
+    """The :class:`ValueRange` of a live input, ``None`` when it cannot be read or is not finite (its
     values were finite when the op ran: a non-finite range is another tensor's)."""
     try:
         if not (tensor.numel() and type(tensor) in PLAIN_TYPES and tensor.layout is STRIDED and not tensor.is_meta):
@@ -207,6 +224,6 @@ def _finite_range(tensor):
         checked = torch.view_as_real(tensor.detach().resolve_conj()) if tensor.dtype in COMPLEX else tensor.detach()
         low, high = torch.aminmax(checked)
         low, high = low.item(), high.item()
-        return (low, high) if math.isfinite(low) and math.isfinite(high) else None
+        return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None
     except Exception:
         return None

@@ -22,8 +22,8 @@ from torch.nn import Parameter
 from ...ops import facts_of
 from ...records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from .collectives import delivered
-from .origin import Origin
-from .rules import CHECKED_DTYPES, has_sentinel_constant, moved_range
+from .origin import LeafRecipe, MovedRecipe, Origin
+from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
 
 __all__ = ["Flags", "Origins"]
 
@@ -66,7 +66,7 @@ class _Window:
         self.live = {ident: ref for ident, (_, _, ref) in carry.items()}
         self.holds_sentinel = set(sentinels)
         self.sentinel_refs = dict(sentinels)
-        # ident -> (shape, dtype, (min, max)) of tensors made in this window, or None where an
+        # ident -> (shape, dtype, ValueRange) of tensors made in this window, or None where an
         # op of this window made one whose range is unknown (an older tensor's range no more)
         self.value_ranges: dict = {}
         # The same, of tensors made in earlier windows that were followed (see Origins.ranges)
@@ -98,7 +98,7 @@ class Origins:
         self.unjudged: list[Origin] = []
         # (site, op id) -> Origin, for forward ops recomputed in backward (checkpointing).
         self._by_site: dict = {}
-        # ident -> (shape, dtype, (min, max)): ranges read in the windows replayed so far,
+        # ident -> (shape, dtype, ValueRange): ranges read in the windows replayed so far,
         # while every window since was replayed (a window not replayed may have written into
         # these tensors: ``forget_ranges``). Shape and dtype tell a reused id.
         self.ranges: dict = {}
@@ -171,8 +171,9 @@ class Origins:
         if facts.preserves_values:
             _carry_range(state, entry, facts, outputs)
             _step_carrier(state, entry, facts, outputs, fed)
-            if state.accumulates and fed and status[fed[0]][ST_ORIGIN] is not None:
-                status[fed[0]][ST_ORIGIN].reached_gradient = True
+            origin = status[fed[0]][ST_ORIGIN] if state.accumulates and fed else None  # the first input's
+            if origin is not None:  # accumulated into a .grad
+                origin.reached_gradient = True
             return
         self._step_checked(state, entry, facts, outputs, fed)
         if facts.is_collective:
@@ -231,7 +232,7 @@ class Origins:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
             # A range, or a recipe to work it out at report time (fill_unknown_ranges).
             origin.input_ranges = [
-                (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or ("leaf", meta, entry[E_INDEX]))
+                (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, entry[E_INDEX]))
                 for meta in entry_inputs(entry)
                 if meta[M_DTYPE] in CHECKED_DTYPES
             ]
@@ -284,8 +285,7 @@ def _step_lift(state, entry, outputs) -> None:
         ident = meta[M_IDENT]
         key = (index, position)
         kind = flags.flagged.get(key)
-        state.value_ranges[ident] = (meta[M_SHAPE], meta[M_DTYPE], flags.ranges[key]) if key in flags.ranges else None
-        state.recipes.pop(ident, None)
+        _note_range(state, meta, key)
         if kind is None:
             state.status.pop(ident, None)
         else:
@@ -311,22 +311,23 @@ def _step_grad_scaler(status, fed) -> None:
             origin.skipped_by_grad_scaler = True
 
 
-def range_of(state, meta):
-    """``(min, max)`` of the tensor ``meta`` when known (read at a check point, or carried
+def range_of(state, meta) -> ValueRange | None:
+    """The range of the tensor ``meta`` when known (read at a check point, or carried
     through ops that only move values), else ``None``."""
     ident = meta[M_IDENT]
     known = state.value_ranges[ident] if ident in state.value_ranges else state.known_ranges.get(ident)
-    if known is None or known[0] != meta[M_SHAPE] or known[1] != meta[M_DTYPE]:
+    if known is None:
         return None
-    return known[2]
+    shape, dtype, value_range = known  # a reused id: another shape or dtype
+    return value_range if shape == meta[M_SHAPE] and dtype == meta[M_DTYPE] else None
 
 
 def _carry_range(state, entry, facts, outputs) -> None:
     """An op that only moves values: its output's range is its inputs' (see
     :func:`.rules.moved_range`); unknown when the output is another dtype
     (``x.view(torch.int32)``). Where an input's range is unknown, a recipe is kept instead
-    (``("moved", op facts, op index, parts)``, a part a range, a recipe or ``("leaf", meta,
-    op index)``): the range may be read at report time from the tensors it came from, if
+    (a :class:`~.origin.MovedRecipe`, each part a range, a recipe or a
+    :class:`~.origin.LeafRecipe`): the range may be read at report time from the tensors it came from, if
     they are still alive (a parameter that was repeated)."""
     inputs = [meta for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES]
     dtypes = {meta[M_DTYPE] for meta in inputs}
@@ -337,10 +338,10 @@ def _carry_range(state, entry, facts, outputs) -> None:
     elif ranges:
         index = entry[E_INDEX]
         parts = tuple(
-            known if known is not None else state.recipes.get(meta[M_IDENT]) or ("leaf", meta, index)
+            known if known is not None else state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, index)
             for meta, known in zip(inputs, ranges)
         )
-        recipe = ("moved", facts, index, parts)
+        recipe = MovedRecipe(facts, index, parts)
     for meta in outputs:
         same = dtypes == {meta[M_DTYPE]}
         state.value_ranges[meta[M_IDENT]] = (meta[M_SHAPE], meta[M_DTYPE], carried) if carried is not None and same else None
@@ -382,7 +383,14 @@ def _note_sentinel_and_range(state, meta, key) -> None:
         state.sentinel_refs[ident] = flags.sentinels[key]
     else:
         state.holds_sentinel.discard(ident)
-    state.value_ranges[ident] = (meta[M_SHAPE], meta[M_DTYPE], flags.ranges[key]) if key in flags.ranges else None
+    _note_range(state, meta, key)
+
+
+def _note_range(state, meta, key) -> None:
+    """A new tensor: its range, when one was read (else unknown), and no recipe."""
+    ident = meta[M_IDENT]
+    read = state.flags.ranges.get(key)  # (min, max), as the check point read it
+    state.value_ranges[ident] = None if read is None else (meta[M_SHAPE], meta[M_DTYPE], ValueRange(*read))
     state.recipes.pop(ident, None)
 
 

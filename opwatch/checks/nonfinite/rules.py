@@ -9,16 +9,18 @@ What an op *is* (a view, a lift, value-preserving, masking, ...) is asked of
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ...compat import is_zerotensor
+from ...fact_tuples import fact_tuple
 from ...records import E_ARGS
 
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
-    "WITHIN", "moved_range",
+    "ValueRange", "moved_range",
 ]
 
 NAME = "nonfinite"
@@ -67,23 +69,39 @@ def has_sentinel_constant(entry) -> bool:
     return False
 
 
-# A range carried through a value-moving op that keeps only some of its input's values: the
-# output's values lie within it (third item of the range).
-WITHIN = "within"
+@fact_tuple("value_range")
+class ValueRange(NamedTuple):
+    """The values of a floating tensor: ``low`` and ``high`` its min and max, or, ``within``, a
+    bound its values lie within (carried through a value-moving op that keeps only some of its
+    input's values: ``cat``, ``index``, ``repeat``, a slice). A fact of a nan/inf origin's
+    ``input_ranges``."""
+
+    low: float
+    high: float
+    within: bool = False
 
 
-def moved_range(facts, ranges):
+_EXACT = frozenset(("same", "neg", "abs"))  # range maps that keep all of one input's values
+
+
+def moved_range(facts, ranges) -> ValueRange:
     """The range of the output of a value-moving op (its ``OpFacts``, see ``range_map``) whose
-    floating inputs had ``ranges`` (``(min, max)``, or with ``WITHIN`` a third item): exact
-    for a view or copy of all of one input's values (mapped: ``neg``, ``abs``); else the hull
-    of theirs, with ``WITHIN`` (``cat``, ``index``, ``repeat``, a slice hold some of them)."""
+    floating inputs had ``ranges`` (:class:`ValueRange`): exact for a view or copy of all of
+    one input's values (mapped: ``neg``, ``abs``); else the hull of theirs, ``within`` (``cat``,
+    ``index``, ``repeat``, a slice hold some of them)."""
     how = facts.range_map
-    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    if len(ranges) == 1:
+        (known,) = ranges
+        if how == "same":
+            return known  # a view or a copy of all its values: the most of them
+        low, high, within = known
+    else:
+        low, high, within = min(known.low for known in ranges), max(known.high for known in ranges), True
     if how == "neg":
         low, high = -high, -low
     elif how == "abs":
         low, high = (low, high) if low >= 0 else (-high, -low) if high <= 0 else (0.0, max(-low, high))
     elif how == "with_zero":
         low, high = min(low, 0.0), max(high, 0.0)
-    exact = how in ("same", "neg", "abs") and len(ranges) == 1 and len(ranges[0]) == 2
-    return (low, high) if exact else (low, high, WITHIN)
+    return ValueRange(low, high, within or how not in _EXACT)
+
