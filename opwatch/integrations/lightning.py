@@ -81,12 +81,15 @@ class _Hooks(WatchedSteps):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:
             self.runner.end_batch()  # a batch that accumulated gradients without a step
-            counts = {"opwatch/anomalies": float(len(self.runner.watch.anomalies)), "opwatch/failed": float(self.runner.failed)}
         else:
             self._steps.exit()
+        if not self._log:
+            return
+        if self.runner is not None:
+            counts = {"opwatch/anomalies": float(len(self.runner.watch.anomalies)), "opwatch/failed": float(self.runner.failed)}
+        else:
             counts = {"opwatch/anomalies": float(self._steps.anomaly_count), "opwatch/contained": float(self._steps.contained_count)}
-        if self._log:
-            pl_module.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.runner is not None:
