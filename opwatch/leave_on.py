@@ -119,8 +119,10 @@ class LeaveOn:
     def audit_batch(self, batch) -> bool:
         """Audit this batch if its signature (nesting, shapes, dtypes, devices) is new and
         fewer than ``max_audits`` were audited; returns whether it is audited."""
+        if len(self._signatures) >= self._max_audits:
+            return False
         key = signature(batch)
-        if key in self._signatures or len(self._signatures) >= self._max_audits:
+        if key in self._signatures:
             return False
         self._signatures.add(key)
         self.start_audit()
@@ -235,11 +237,11 @@ def signature(value, depth: int = 0):
     """What an audit depends on: the nesting of ``value`` and its tensors' shapes, dtypes and
     devices (other leaves by type)."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
+        return (value.shape, value.dtype, value.device)  # torch.Size: a tuple
     if depth < 8 and isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(signature(item, depth + 1) for item in value))
+        return (type(value).__name__, tuple([signature(item, depth + 1) for item in value]))
     if depth < 8 and isinstance(value, dict):
-        return ("dict", tuple((key, signature(item, depth + 1)) for key, item in value.items()))
+        return ("dict", tuple([(key, signature(item, depth + 1)) for key, item in value.items()]))
     return type(value).__name__
 
 
