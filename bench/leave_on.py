@@ -1,7 +1,7 @@
 """What leaving opwatch on costs, in the runners people use (issue 18, item 5).
 
-    python -m bench.leave_on            # 600-step script, 5 interleaved repeats each
-    python -m bench.leave_on --quick    # 600-step script, 3 repeats; fewer trainer steps
+    python -m bench.leave_on            # 600-step script, 5 interleaved repeats each; trainers 1000 steps
+    python -m bench.leave_on --quick    # 600-step script, 3 repeats; trainers 300 steps
     python -m bench.leave_on --only cli --only lightning --only hf
 
 Every figure is CPU time (user + system, the process's or the child's), and every ratio is
@@ -13,6 +13,8 @@ shifts both alike:
   run is a fresh process (``OMP_NUM_THREADS=1``), timed by ``RUSAGE_CHILDREN``.
 - lightning: ``Trainer.fit`` with ``OpwatchCallback(mode="guard")`` against the same fit with
   no callback (in this process, both warmed up by a 5-step fit first: imports are not timed).
+  The guarded fit audits its first batch (one fully watched step, a few eager steps' worth):
+  enough steps that it is amortised as in a real run (300 with ``--quick``, 1000 without).
 - hf: ``transformers.Trainer.train`` with ``OpwatchCallback(mode="guard")`` against the same
   train with no callback (in this process).
 
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     which = options.only or ["cli", "lightning", "hf"]
     repeats = 3 if options.quick else 5
-    trainer_steps = 100 if options.quick else 300
+    trainer_steps = 300 if options.quick else 1000
     warnings.simplefilter("ignore")
     import torch
 

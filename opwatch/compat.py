@@ -22,6 +22,7 @@ __all__ = [
     "foreach_norm",
     "foreach_copy_",
     "version_counter",
+    "version_counters",
     "unbox_process_group",
     "unbox_work",
     "resolve_process_group",
@@ -77,6 +78,12 @@ def version_counter(tensor) -> int:
     """The tensor's version counter, bumped by every in-place write (``Tensor._version``,
     torch >= 1.0): tells whether a step changed a parameter or an argument."""
     return tensor._version
+
+
+def version_counters(tensors) -> list:
+    """``version_counter`` of each tensor, in one list (a guarded step reads its parameters'
+    at its start and its end)."""
+    return [tensor._version for tensor in tensors]
 
 
 # torch.distributed's private pieces (torch 2.13 has them all; callers guard each use, and

@@ -131,8 +131,10 @@ class LeaveOn:
     def audit_batch(self, batch) -> bool:
         """Audit this batch if its signature (nesting, shapes, dtypes, devices) is new and
         fewer than ``max_audits`` were audited; returns whether it is audited."""
+        if len(self._signatures) >= self._max_audits:
+            return False
         key = signature(batch)
-        if key in self._signatures or len(self._signatures) >= self._max_audits:
+        if key in self._signatures:
             return False
         self._signatures.add(key)
         self.start_audit()
@@ -247,11 +249,11 @@ def signature(value, depth: int = 0):
     """What an audit depends on: the nesting of ``value`` and its tensors' shapes, dtypes and
     devices (other leaves by type)."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
+        return (value.shape, value.dtype, value.device)  # torch.Size: a tuple
     if depth < 8 and isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(signature(item, depth + 1) for item in value))
+        return (type(value).__name__, tuple([signature(item, depth + 1) for item in value]))
     if depth < 8 and isinstance(value, dict):
-        return ("dict", tuple((key, signature(item, depth + 1)) for key, item in value.items()))
+        return ("dict", tuple([(key, signature(item, depth + 1)) for key, item in value.items()]))
     return type(value).__name__
 
 
@@ -265,13 +267,36 @@ def all_finite(tensors, flags: dict | None = None) -> bool:
     1 in place: unchanged) where it takes the tensors, with its found-inf flag kept in
     ``flags`` per device; else their largest magnitudes (nan and inf carry through). Sparse,
     meta and integer tensors are left out."""
-    by_device: dict = {}
-    for tensor in tensors:
-        if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
-            continue
-        by_device.setdefault(tensor.device, []).append(tensor)
     with torch.no_grad(), no_python_dispatch():
+        if flags is not None and tensors and len(flags) == 1:
+            # The common case, once the first check has made the flags of the one device:
+            # all the tensors given to GradScaler's kernel at once, without sorting them.
+            found = _fused_on_one_device(tensors, flags)
+            if found is not None:
+                return found
+        by_device: dict = {}
+        for tensor in tensors:
+            if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
+                continue
+            by_device.setdefault(tensor.device, []).append(tensor)
         return all(_finite_on_device(device, group, flags) for device, group in by_device.items())
+
+
+def _fused_on_one_device(tensors: list, flags: dict) -> bool | None:
+    """The fused check of ``tensors`` on the one device ``flags`` holds, or ``None`` where the
+    kernel does not take them (another device, sparse, meta, complex or integer tensors)."""
+    if amp_non_finite_check is None or any([tensor.requires_grad or tensor.is_complex() for tensor in tensors]):
+        return None
+    (found, one), = flags.values()
+    try:
+        amp_non_finite_check(tensors, found, one)
+        finite = found.item() == 0
+    except (RuntimeError, NotImplementedError, TypeError):
+        found.zero_()  # it may have been set before the kernel gave up
+        return None
+    if not finite:
+        found.zero_()
+    return finite
 
 
 def _finite_on_device(device, group: list, flags: dict | None) -> bool:

@@ -34,23 +34,27 @@ class FiniteCheck:
 
     def all_finite(self, result, params) -> bool:
         """One fused check of the returned tensors and floats and of the gradients."""
-        returned = []
-        for _, value in leaves(result):
-            if isinstance(value, _Tensor):
-                if value.dtype in CHECKED_DTYPES:
-                    returned.append(value)
-            elif isinstance(value, float) and not math.isfinite(value):
-                return False
-        grads = []
+        if isinstance(result, _Tensor):  # the common case: the loss
+            returned = [result] if result.dtype in CHECKED_DTYPES else []
+        else:
+            returned = []
+            for _, value in leaves(result):
+                if isinstance(value, _Tensor):
+                    if value.dtype in CHECKED_DTYPES:
+                        returned.append(value)
+                elif isinstance(value, float) and not math.isfinite(value):
+                    return False
         # With GradScaler, scaled gradients overflow now and then by design: the scaler finds
         # it, skips the step and lowers its scale. Only what the step returned is checked.
-        scaled = self._scaler is not None and self._scaler.is_enabled()
-        for param in () if scaled else params:
-            grad = param.grad
-            if grad is not None:
-                # GradScaler's kernel writes the values back: not into gradients that are part
-                # of a graph (create_graph=True). Sparse and complex ones make it raise: see below.
-                (returned if grad.requires_grad else grads).append(grad)
+        if self._scaler is not None and self._scaler.is_enabled():
+            grads = []
+        else:
+            grads = [grad for grad in [param.grad for param in params] if grad is not None]
+            # GradScaler's kernel writes the values back: not into gradients that are part of
+            # a graph (create_graph=True). Sparse and complex ones make it raise: see below.
+            if any([grad.requires_grad for grad in grads]):
+                returned += [grad for grad in grads if grad.requires_grad]
+                grads = [grad for grad in grads if not grad.requires_grad]
         if not returned and not grads:
             return True
         if self._by_device:
@@ -70,7 +74,7 @@ class FiniteCheck:
         with torch.no_grad():
             # The returned tensors' largest magnitudes (nan and inf carry through): new
             # tensors, safe for the kernel to write.
-            checked = grads + [torch.linalg.vector_norm(tensor, math.inf) for tensor in returned]
+            checked = grads + [torch.linalg.vector_norm(tensor, math.inf) for tensor in returned] if returned else grads
             found, one = self._flags(checked[0].device)
             amp_non_finite_check(checked, found, one)
             if found.item() == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import foreach_copy_, version_counter
+from ..compat import foreach_copy_, version_counter, version_counters
 
 _Tensor = torch.Tensor
 
@@ -60,20 +60,23 @@ class Snapshots:
         start.cpu_rng = torch.get_rng_state()
         start.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         params = self.params
-        start.versions = [version_counter(param) for param in params]
+        start.versions = version_counters(params)
         start.grads = grads = [param.grad for param in params]
         held = [grad for grad in grads if grad is not None]
-        if held:
+        if held:  # gradients from an earlier backward (accumulation)
             self._grads.save(held)
         if self.buffer_slots:
             start.buffers = [(module, name, module._buffers.get(name)) for module, name in self.buffer_slots]
             self._buffers.save([buffer for _, _, buffer in start.buffers if buffer is not None])
-        start.arguments = tensor_arguments(args, kwargs)
+        start.arguments = tensor_arguments(args, kwargs) if args or kwargs else []
         return start
 
     def changed_parameters(self, start) -> list:
         """Positions of the parameters whose version moved since ``start``."""
-        return [position for position, (param, version) in enumerate(zip(self.params, start.versions)) if version_counter(param) != version]
+        now = version_counters(self.params)
+        if now == start.versions:
+            return []
+        return [position for position, (version, before) in enumerate(zip(now, start.versions)) if version != before]
 
     def restore(self, start) -> None:
         torch.set_rng_state(start.cpu_rng)

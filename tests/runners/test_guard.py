@@ -435,3 +435,52 @@ def test_without_its_grad_scaler_an_overflow_step_is_a_failure():
 def test_scaler_must_be_a_grad_scaler():
     with pytest.raises(TypeError, match="torch.amp.GradScaler"):
         opwatch.guard(lambda: None, nn.Linear(2, 2), scaler=object())
+
+
+@pytest.mark.parametrize("dtype, bad", [(torch.bfloat16, float("nan")), (torch.float16, float("inf")), (torch.float16, -float("inf"))])
+def test_the_fused_check_sees_nan_and_inf_in_low_precision_gradients_beside_unused_parameters(dtype, bad):
+    torch.manual_seed(0)
+    # A low-precision model whose last layer is unused: its gradients stay None.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1), nn.Linear(1, 1)).to(dtype)
+    poison = [False]
+
+    def train_step(x):
+        loss = model[2](model[1](model[0](x))).float().pow(2).mean()
+        loss.backward()
+        if poison[0]:
+            with torch.no_grad():
+                model[0].weight.grad[1, 2] = bad  # a gradient gone bad in one spot
+        return loss
+
+    step = opwatch.guard(train_step, model, audit="never", on_failure="skip", repro=False)
+    x = torch.randn(16, 4, dtype=dtype)
+    assert torch.isfinite(step(x)) and model[3].weight.grad is None and not step._finite._by_device
+    model.zero_grad(set_to_none=True)
+    poison[0] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        assert step(x) is None  # caught: skipped, the gradients put back as the step found them
+    assert step.skipped == 1 and all(p.grad is None for p in model.parameters())
+
+
+def test_under_its_grad_scaler_a_nan_loss_is_still_caught():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1), nn.Linear(1, 1))  # the last one unused
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+
+    def train_step(x, y, bad=False):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model[2](model[1](model[0](x))), y)
+        if bad:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        return loss
+
+    step = opwatch.guard(train_step, model, scaler=scaler, audit="never", on_failure="skip", repro=False)
+    assert torch.isfinite(step(x, y)) and model[3].weight.grad is None
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        assert step(x, y, bad=True) is None
+    assert step.skipped == 1
