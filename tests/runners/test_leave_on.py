@@ -475,3 +475,41 @@ def test_guard_cli_gradscaler_skipped_steps_are_not_failures(tmp_path, strict_op
     skipped = 8 - int(re.search(r"opwatch guard: (\d+) optimizer steps ran", result.stderr).group(1))
     assert skipped >= 1 and float(result.stdout.split()[-1]) < 2.0**40  # the scaler skipped steps
     assert ", 0 failed" in result.stderr and "hold nan/inf" not in result.stderr
+
+
+# -- the gradient check's fast path (all gradients to GradScaler's kernel at once) ----------
+
+
+def _grads(*special):
+    grads = [torch.randn(3, 4), torch.randn(5, dtype=torch.bfloat16), torch.randn(2, 2, dtype=torch.float16), torch.randn(7, dtype=torch.float64)]
+    return grads + list(special)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: torch.tensor([1.0, float("nan")], dtype=torch.bfloat16),
+        lambda: torch.tensor([float("inf"), 0.0], dtype=torch.float16),
+        lambda: torch.tensor([-float("inf")], dtype=torch.float64),
+        lambda: torch.tensor([complex(float("nan"), 0.0)]),
+    ],
+    ids=["bf16 nan", "fp16 inf", "f64 -inf", "complex nan"],
+)
+def test_the_gradient_check_finds_each_non_finite_value_on_its_fast_path_and_then_recovers(bad):
+    from opwatch.leave_on import all_finite
+
+    flags: dict = {}
+    assert all_finite(_grads(), flags)  # the first check makes the device's flags
+    assert len(flags) == 1
+    assert not all_finite(_grads(bad()), flags)  # the fast path (or its fallback) sees it
+    assert all_finite(_grads(), flags)  # the flag was cleared: a healthy step passes again
+
+
+def test_the_gradient_check_leaves_out_integer_meta_and_sparse_tensors():
+    from opwatch.leave_on import all_finite
+
+    flags: dict = {}
+    assert all_finite(_grads(), flags)
+    others = [torch.arange(4), torch.empty(3, device="meta"), torch.sparse_coo_tensor([[0]], [float("nan")], (2,))]
+    assert all_finite(_grads(*others), flags)
+    assert not all_finite(_grads(*others, torch.tensor([float("nan")])), flags)
