@@ -131,18 +131,21 @@ class OpFacts:
             into ``self`` sits among the tensor arguments (counted from the end, negative,
             after a list of indices: ``index_put_``'s ``values`` is -1); ``None`` otherwise.
         accumulates: a pointwise op of ``ACCUMULATING`` writing in place or into ``out=``.
+        takes_several_tensors: it can receive two or more tensors (a tensor list, or two
+            tensor arguments): the mismatch checks need a pair.
     """
 
     __slots__ = (
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
         "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
-        "written", "source", "accumulates",
+        "written", "source", "accumulates", "takes_several_tensors",
     )
 
     def __init__(self, func):
         schema = func._schema
         name = schema.name
+        self.takes_several_tensors = _takes_several_tensors(schema)
         self.schema_name = name
         self.name = op_name(func)
         self.is_view = bool(getattr(func, "is_view", False))
@@ -189,6 +192,17 @@ def facts_of(func) -> OpFacts:
             _FACTS.clear()
         known = _FACTS[func] = OpFacts(func)
     return known
+
+
+def _takes_several_tensors(schema) -> bool:
+    count = 0
+    for arg in schema.arguments:
+        type_name = str(arg.type)
+        if "Tensor" in type_name:
+            if type_name not in ("Tensor", "Tensor?"):
+                return True  # a tensor list
+            count += 1
+    return count >= 2
 
 
 def _written_position(schema, mutated_args) -> int | None:

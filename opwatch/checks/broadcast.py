@@ -35,8 +35,9 @@ from itertools import islice
 
 import torch
 
+from ..ops import facts_of
 from ..records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
-from .finding import Finding, takes_several_tensors
+from .finding import Finding
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
 
@@ -57,7 +58,7 @@ def for_op(func):
     if func._schema.name == _EXPAND:
         return partial(_check_expand, func)
     # In-place and out= variants cannot grow their destination.
-    if torch.Tag.pointwise in func.tags and not func._schema.is_mutable and takes_several_tensors(func):
+    if torch.Tag.pointwise in func.tags and not func._schema.is_mutable and facts_of(func).takes_several_tensors:
         return partial(check, func)
     return None
 

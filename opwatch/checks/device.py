@@ -26,7 +26,7 @@ from functools import partial
 
 from ..records import M_DEVICE, M_SHAPE
 from ..ops import facts_of
-from .finding import Finding, takes_several_tensors, tensor_names
+from .finding import Finding, tensor_names
 
 __all__ = ["KIND", "for_op"]
 
@@ -63,7 +63,7 @@ def for_op(func):
     """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
     when it cannot fire on this op."""
     name = func._schema.name
-    if name in _CROSS_DEVICE_OPS or not takes_several_tensors(func):
+    if name in _CROSS_DEVICE_OPS or not facts_of(func).takes_several_tensors:
         return None
     # foreach/fused optimizer kernels group their tensor lists by device themselves; nested
     # tensors carry metadata tensors (on meta or CPU) by design.

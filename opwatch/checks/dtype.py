@@ -49,8 +49,9 @@ from functools import partial
 import torch
 
 from ..compat import restore_caller_state
+from ..ops import facts_of
 from ..records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
-from .finding import Finding, takes_several_tensors, tensor_names
+from .finding import Finding, tensor_names
 
 __all__ = ["KIND", "for_op", "autocast_allows"]
 
@@ -118,7 +119,7 @@ _RESTORE_CALLER_STATE = restore_caller_state
 def for_op(func):
     """The check bound to ``func``, as ``check(tensors, context) -> Finding | None``; ``None``
     when it cannot fire on this op."""
-    if not takes_several_tensors(func):
+    if not facts_of(func).takes_several_tensors:
         return None
     name = func._schema.name
     if name in _FLOAT_MASK_ATTENTION:

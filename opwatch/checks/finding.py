@@ -15,7 +15,7 @@ from ..fact_tuples import fact_tuple
 
 __all__ = [
     "Attribute", "BeforeWatch", "DefaultDevice", "DefaultDtype", "Finding", "MadeBy", "Owned", "Place",
-    "takes_several_tensors", "tensor_names",
+    "tensor_names",
 ]
 
 
@@ -140,18 +140,6 @@ class Finding:
     operands: tuple = ()
     odd: tuple = ()
     made: tuple = ()
-
-
-def takes_several_tensors(func) -> bool:
-    """Whether an op can receive two or more tensors: the mismatch checks need a pair."""
-    count = 0
-    for arg in func._schema.arguments:
-        type_name = str(arg.type)
-        if "Tensor" in type_name:
-            if type_name not in ("Tensor", "Tensor?"):
-                return True  # a tensor list
-            count += 1
-    return count >= 2
 
 
 def tensor_names(func, count: int) -> list[str]:
