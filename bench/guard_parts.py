@@ -1,13 +1,14 @@
-"""Where a healthy guarded step's own time goes: python -m bench.guard_parts [ROUNDS].
+"""Where a healthy guarded step's own time goes, timed where it runs: python -m bench.guard_parts [ROUNDS].
 
-A stand-in for tfm32's forward and backward that only sets the 24 gradients (kept from one
-real backward) is timed guarded and unguarded, interleaved with the guard's parts: keeping the
-start, the check that the parameters were left alone, the audit's signature, the fused check and its parts
-(GradScaler's kernel and the host read; then with the loss's largest magnitude), ROUNDS rounds
-of 100 calls, medians of per-round differences from the unguarded stand-in (wall time, one
-torch thread). What it leaves out: the colder caches after a real backward.
+The tfm32 training step runs as a guarded loop does (zero_grad, forward and backward, SGD);
+in each step one part of the guard runs at its place (before the forward, or right after the
+backward, when the caches are as cold as a guard finds them) and only that part is timed
+(wall time, one torch thread, ROUNDS rounds of 20 steps per part, medians). The parts, timed
+alone, each pay for the cold caches that in a guarded step only the first of them meets, so
+they add up to more than the whole. (The look at the parameters' version counters after the
+step runs only on the first call, on audits and on failing steps: it is not a part here.) Then the whole guarded call against the plain forward and
+backward, alternating step by step in the same rounds: the median of the paired differences.
 """
-import math
 import statistics
 import sys
 import time
@@ -16,69 +17,82 @@ import torch
 
 from bench.contenders import _free_variable
 from bench.workloads import WORKLOADS
-from opwatch.compat import amp_non_finite_check
 from opwatch.guard import guard
 
 torch.set_num_threads(1)
-rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 120
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 step = WORKLOADS["tfm32"].factory()
 loss_fn = _free_variable(step, "loss_fn")
 model = _free_variable(loss_fn, "model")
-loss = loss_fn()
-loss.backward()
-params = list(model.parameters())
-kept = [param.grad for param in params]
-found, one = torch.zeros(1), torch.ones(1)
+optimizer = _free_variable(step, "opt")
+clock = time.perf_counter
 
 
-def stand_in():
-    for param, grad in zip(params, kept):
-        param.grad = grad
+def forward_backward():
+    loss = loss_fn()
+    loss.backward()
     return loss
 
 
-def unset():
-    for param in params:
-        param.grad = None
-
-
-guarded = guard(stand_in, model, audit="never")
+guarded = guard(forward_backward, model, audit="never")
 guarded()
-snapshot = guarded._snapshots.take((), {})
-audits = guard(stand_in, model)._audits  # audit="new": the signature is computed on every call
+audited = guard(forward_backward, model)  # audit="new": the signature is computed on every call
+audited()
+snapshots = guarded._snapshots
 
 
-def kernel():
-    grads = [grad for grad in [param.grad for param in params] if grad is not None]
-    amp_non_finite_check(grads, found, one)
-    found.item()
+def before(part):
+    """One step with ``part`` timed before the forward; its seconds."""
+    optimizer.zero_grad(set_to_none=True)
+    start = clock()
+    part()
+    spent = clock() - start
+    forward_backward()
+    optimizer.step()
+    return spent
 
 
-def kernel_and_loss():
-    grads = [grad for grad in [param.grad for param in params] if grad is not None]
-    with torch.no_grad():
-        amp_non_finite_check(grads + [torch.linalg.vector_norm(loss, math.inf)], found, one)
-        found.item()
+def after(part):
+    """One step with ``part(loss, start)`` timed right after the backward; its seconds."""
+    optimizer.zero_grad(set_to_none=True)
+    kept = snapshots.take((), {})
+    loss = forward_backward()
+    start = clock()
+    part(loss, kept)
+    spent = clock() - start
+    optimizer.step()
+    return spent
+
+
+def call(function):
+    optimizer.zero_grad(set_to_none=True)
+    start = clock()
+    function()
+    spent = clock() - start
+    optimizer.step()
+    return spent
 
 
 parts = {
-    "unguarded": lambda: (unset(), stand_in()),
-    "guarded": lambda: (unset(), guarded()),
-    "keeping the start": lambda: (unset(), guarded._snapshots.take((), {}), stand_in()),
-    "the parameters left alone": lambda: (unset(), stand_in(), guarded._snapshots.changed_parameters(snapshot)),
-    "the audit's signature": lambda: (unset(), stand_in(), audits.wanted(2, (), {})),
-    "the fused check": lambda: (unset(), stand_in(), guarded._finite.all_finite(loss, params)),
-    "  kernel + host read": lambda: (unset(), stand_in(), kernel()),
-    "  + the loss's magnitude": lambda: (unset(), stand_in(), kernel_and_loss()),
+    "keeping the start": lambda: before(lambda: snapshots.take((), {})),
+    "the audit's signature": lambda: before(lambda: audited._audits.wanted(2, (), {})),
+    "the fused check": lambda: after(lambda loss, kept: guarded._checked(loss)),
 }
 times = {name: [] for name in parts}
+whole = []  # guarded call - plain call, paired
+for _ in range(30):  # warm-up
+    step()
 for _ in range(rounds):
     for name, part in parts.items():
-        start = time.perf_counter()
-        for _ in range(100):
-            part()
-        times[name].append((time.perf_counter() - start) / 100)
-base = times["unguarded"]
-print(f"tfm32 stand-in step, {rounds} interleaved rounds of 100 calls, medians of per-round differences, 1 thread:")
-for name in list(parts)[1:]:
-    print(f"  {name}: {statistics.median(a - b for a, b in zip(times[name], base)) * 1e6:.1f} us")
+        times[name] += [part() for _ in range(20)]
+    for index in range(20):  # alternating, the order switching: paired differences
+        if index % 2:
+            plain = call(forward_backward)
+            whole.append(call(guarded) - plain)
+        else:
+            spent = call(guarded)
+            whole.append(spent - call(forward_backward))
+print(f"tfm32 training step, {rounds} rounds of 20 steps per part, wall time, 1 thread, medians:")
+for name, spent in times.items():
+    print(f"  {name}: {statistics.median(spent) * 1e6:.1f} us")
+print(f"  the whole guarded call - the plain forward and backward: {statistics.median(whole) * 1e6:.1f} us")

@@ -80,6 +80,12 @@ def version_counter(tensor) -> int:
     return tensor._version
 
 
+def cuda_initialized() -> bool:
+    """``torch.cuda.is_initialized()``, answered from torch.cuda's module flag where CUDA never
+    started (a guarded step asks at each start; the public call checks for a bad fork too)."""
+    return getattr(torch.cuda, "_initialized", True) and torch.cuda.is_initialized()
+
+
 def version_counters(tensors) -> list:
     """``version_counter`` of each tensor, in one list (a guarded step reads its parameters'
     at its start and its end)."""

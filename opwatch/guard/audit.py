@@ -28,6 +28,14 @@ def signature(value, depth: int = _DEPTH):
     return type(value)
 
 
+def call_signature(args, kwargs):
+    """``signature((args, kwargs))``, with the common call (positional tensors, no keywords)
+    read in one pass: it runs before every guarded step."""
+    if not kwargs:
+        return tuple([(value.shape, value.dtype, value.device) if isinstance(value, _Tensor) else signature(value, _DEPTH - 2) for value in args])
+    return signature((args, kwargs))
+
+
 def check_mode(audit, max_audits) -> None:
     """Refuses ``audit`` and ``max_audits`` values other than those documented."""
     if isinstance(audit, bool) or not isinstance(audit, (str, int)):
@@ -59,7 +67,7 @@ class Audits:
         """Whether call number ``call`` (from 1) is audited."""
         due = bool(self._every) and call % self._every == 0
         if self._by_signature and len(self._seen) < self._max:
-            key = signature((args, kwargs))
+            key = call_signature(args, kwargs)
             if key not in self._seen:
                 self._seen.add(key)
                 due = True

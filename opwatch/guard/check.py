@@ -10,6 +10,7 @@ device (one host read per device) from then on.
 
 from __future__ import annotations
 
+import cmath
 import math
 from typing import NamedTuple
 
@@ -30,12 +31,23 @@ class FiniteCheck:
     def __init__(self, scaler=None):
         self._scaler = scaler
         self._flag_tensors: dict = {}  # device -> (found-inf flag, inverse scale)
+        self._cpu_flags = self._flags(torch.device("cpu"))  # without a device object per call
         self._by_device = False  # the fused check could not take these tensors: one group per device
 
     def all_finite(self, result, params) -> bool:
         """One fused check of the returned tensors and floats and of the gradients."""
-        if isinstance(result, _Tensor):  # the common case: the loss
-            returned = [result] if result.dtype in CHECKED_DTYPES else []
+        # Right after a backward every line runs with cold caches (a torch call costs tens of
+        # us): this path keeps to one kernel and one host read for a loss and its gradients.
+        if type(result) in _PLAIN_TYPES:  # the common case: the loss
+            if result.dtype not in CHECKED_DTYPES:
+                returned = []
+            elif result.is_cpu and result.numel() == 1:
+                # A CPU scalar is read where it lies (no device to wait for).
+                if not cmath.isfinite(result.item()):
+                    return False
+                returned = []
+            else:
+                returned = [result]
         else:
             returned = []
             for _, value in leaves(result):
@@ -49,7 +61,7 @@ class FiniteCheck:
         if self._scaler is not None and self._scaler.is_enabled():
             grads = []
         else:
-            grads = [grad for grad in [param.grad for param in params] if grad is not None]
+            grads = [grad for param in params if (grad := param.grad) is not None]
             # GradScaler's kernel writes the values back: not into gradients that are part of
             # a graph (create_graph=True). Sparse and complex ones make it raise: see below.
             if any([grad.requires_grad for grad in grads]):
@@ -60,7 +72,17 @@ class FiniteCheck:
         if self._by_device:
             return _all_finite_by_device(returned + grads)
         try:
-            return self._fused(grads, returned)
+            # No grad mode to leave: the kernel writes only gradients that are not part of a
+            # graph, and the returned tensors' largest magnitudes (nan and inf carry through)
+            # are taken of detached views: new tensors, safe for the kernel to write.
+            checked = grads + [torch.linalg.vector_norm(tensor.detach(), math.inf) for tensor in returned] if returned else grads
+            first = checked[0]
+            found, one = self._cpu_flags if first.is_cpu else self._flags(first.device)
+            amp_non_finite_check(checked, found, one)
+            if found.item() == 0:
+                return True
+            found.zero_()
+            return False
         except (RuntimeError, NotImplementedError, TypeError):
             # Several devices; sparse, complex, meta or overlapping gradients; a torch without
             # the CPU kernel (values written before it raised were written back unchanged).
@@ -69,18 +91,6 @@ class FiniteCheck:
                     found.zero_()  # it may have been set before the kernel gave up
             self._by_device = True  # from now on: the model's tensors will not change kind
             return _all_finite_by_device(returned + grads)
-
-    def _fused(self, grads, returned) -> bool:
-        with torch.no_grad():
-            # The returned tensors' largest magnitudes (nan and inf carry through): new
-            # tensors, safe for the kernel to write.
-            checked = grads + [torch.linalg.vector_norm(tensor, math.inf) for tensor in returned] if returned else grads
-            found, one = self._flags(checked[0].device)
-            amp_non_finite_check(checked, found, one)
-            if found.item() == 0:
-                return True
-            found.zero_()
-            return False
 
     def _flags(self, device) -> tuple:
         """GradScaler's found-inf flag (kept at 0 between failures) and inverse scale (1) on

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import foreach_copy_, version_counter, version_counters
+from ..compat import cuda_initialized, foreach_copy_, version_counter, version_counters
 
 _Tensor = torch.Tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_CPU_GENERATOR = torch.default_generator  # what torch.get_rng_state() reads, without its Python frame
 
 
 class Start:
     """What one call started from."""
 
-    __slots__ = ("cpu_rng", "cuda_rng", "versions", "grads", "buffers", "arguments")
-
-    def __init__(self):
-        self.buffers = []  # (module, name, buffer) for every buffer slot
+    __slots__ = ("cpu_rng", "cuda_rng", "versions", "grads", "buffers", "call", "argument_versions")
+    # buffers: (module, name, buffer) for every buffer slot
 
 
 class Copies:
@@ -57,18 +57,21 @@ class Snapshots:
 
     def take(self, args, kwargs) -> Start:
         start = Start()
-        start.cpu_rng = torch.get_rng_state()
-        start.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        start.cpu_rng = _CPU_GENERATOR.get_state()
+        start.cuda_rng = torch.cuda.get_rng_state_all() if cuda_initialized() else None
         params = self.params
         start.versions = version_counters(params)
         start.grads = grads = [param.grad for param in params]
-        held = [grad for grad in grads if grad is not None]
-        if held:  # gradients from an earlier backward (accumulation)
-            self._grads.save(held)
+        if grads.count(None) != len(grads):  # gradients from an earlier backward (accumulation)
+            self._grads.save([grad for grad in grads if grad is not None])
         if self.buffer_slots:
             start.buffers = [(module, name, module._buffers.get(name)) for module, name in self.buffer_slots]
             self._buffers.save([buffer for _, _, buffer in start.buffers if buffer is not None])
-        start.arguments = tensor_arguments(args, kwargs) if args or kwargs else []
+        else:
+            start.buffers = ()
+        # The paths of the tensor arguments are named only when a step fails (changed_arguments).
+        start.call = (args, kwargs)
+        start.argument_versions = _argument_versions(args, kwargs) if args or kwargs else []
         return start
 
     def changed_parameters(self, start) -> list:
@@ -79,7 +82,7 @@ class Snapshots:
         return [position for position, (version, before) in enumerate(zip(now, start.versions)) if version != before]
 
     def restore(self, start) -> None:
-        torch.set_rng_state(start.cpu_rng)
+        _CPU_GENERATOR.set_state(start.cpu_rng)
         if start.cuda_rng is not None:
             torch.cuda.set_rng_state_all(start.cuda_rng)
         self.put_grads(start)
@@ -121,11 +124,20 @@ def put_buffers(slots, values) -> None:
 
 def changed_arguments(start) -> list:
     """``(path, meta)`` of the tensor arguments the step wrote in place."""
+    found = tensor_arguments(*start.call) if start.argument_versions else []
     return [
         (path, (tuple(tensor.shape), tensor.dtype, tensor.device, 0))
-        for path, tensor, version in start.arguments
-        if version_counter(tensor) != version
+        for (path, tensor, version), before in zip(found, start.argument_versions)
+        if version != before
     ]
+
+
+def _argument_versions(args, kwargs) -> list:
+    """The version counters of the tensors among the arguments, in the order of
+    :func:`tensor_arguments` (a flat tuple of tensors, the common batch, without a walk)."""
+    if not kwargs and all([type(value) in _PLAIN_TYPES for value in args]):
+        return version_counters(args)
+    return [version for _, _, version in tensor_arguments(args, kwargs)]
 
 
 def tensor_arguments(args, kwargs) -> list:

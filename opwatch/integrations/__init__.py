@@ -69,13 +69,16 @@ class StepWatch:
         self.watch = make(file=file, **watch_options)
         self._file = file
         self._active = False
-        self.anomaly_count = 0  # anomalies found so far (the watch keeps the last max_records)
-        self.contained_count = 0
-        self._seen = (None, None)  # the newest anomaly and contained origin already counted
 
     @property
     def active(self) -> bool:
         return self._active
+
+    @property
+    def anomaly_count(self) -> int:
+        """Anomalies found so far, over every step (the watch keeps the last ``max_records``)."""
+        counts = self.watch.counts
+        return sum(counts[kind] for kind in counts if kind != "contained")
 
     def enter(self) -> None:
         """Start watching a step. A step left open (the framework raised without telling the
@@ -93,21 +96,10 @@ class StepWatch:
         if not self._active:
             return
         self._active = False
-        try:
-            if error is None:
-                self.watch.__exit__(None, None, None)
-            else:
-                self.watch.__exit__(type(error), error, error.__traceback__)
-        finally:
-            self._count()
-
-    def _count(self) -> None:
-        last_anomaly, last_contained = self._seen
-        new = _after(self.watch.anomalies, last_anomaly)
-        self.anomaly_count += len(new)
-        new_contained = _after(self.watch.contained, last_contained)
-        self.contained_count += len(new_contained)
-        self._seen = (new[-1] if new else last_anomaly, new_contained[-1] if new_contained else last_contained)
+        if error is None:
+            self.watch.__exit__(None, None, None)
+        else:
+            self.watch.__exit__(type(error), error, error.__traceback__)
 
     def print_summary(self, prefix: str = "") -> None:
         stream = self._file if self._file is not None else sys.stderr
@@ -133,14 +125,6 @@ class WatchedSteps:
     @property
     def contained(self) -> list:
         return self._steps.watch.contained
-
-
-def _after(anomalies: list, seen) -> list:
-    """The anomalies reported after ``seen`` (all of them when ``seen`` is not among them)."""
-    for position in range(len(anomalies) - 1, -1, -1):
-        if anomalies[position] is seen:
-            return anomalies[position + 1 :]
-    return anomalies
 
 
 def metrics(source) -> dict[str, int]:

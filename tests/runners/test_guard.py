@@ -139,7 +139,23 @@ def test_the_only_ops_added_on_a_healthy_step_are_the_finiteness_check():
         return loss
 
     assert added_ops(model, train_step, opwatch.guard(train_step, model, audit="never")) == {
-        "aten.linalg_vector_norm.default": 1,  # the returned loss's largest magnitude
+        "aten._amp_foreach_non_finite_check_and_unscale_.default": 1,  # the gradients
+        "aten._local_scalar_dense.default": 2,  # the CPU loss, read where it lies; the kernel's flag
+    }
+
+
+def test_a_returned_tensor_that_is_not_a_cpu_scalar_joins_the_fused_check():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def train_step(x, y):
+        per_sample = (model(x).squeeze(-1) - y) ** 2
+        per_sample.mean().backward()
+        return per_sample
+
+    assert added_ops(model, train_step, opwatch.guard(train_step, model, audit="never")) == {
+        "aten.detach.default": 1,
+        "aten.linalg_vector_norm.default": 1,  # the returned tensor's largest magnitude
         "aten._amp_foreach_non_finite_check_and_unscale_.default": 1,  # the gradients and that
         "aten._local_scalar_dense.default": 1,  # the one host read
     }
@@ -149,7 +165,7 @@ def test_a_model_with_buffers_adds_one_copy_of_them_per_step():
     model, train_step, step = make()
     extra = added_ops(model, train_step, step)
     assert extra.pop("aten._foreach_copy_.default") == 1
-    assert set(extra) == {"aten.linalg_vector_norm.default", "aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._local_scalar_dense.default"}
+    assert set(extra) == {"aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._local_scalar_dense.default"}
 
 
 def test_the_check_leaves_the_gradients_bitwise_unchanged_and_sees_a_returned_float():
@@ -312,6 +328,38 @@ def test_a_failing_step_that_changed_its_argument_in_place_is_refused():
 
     with pytest.raises(ValueError, match=r"cannot replay call 1 of .*normalizes \(the check after it found nan .*\): it changed its argument args\[0\] \(f32\[16, 4\] cpu\) in place"):
         opwatch.guard(normalizes, model, audit="never")(*batch())
+
+
+def test_an_argument_changed_in_place_inside_a_batch_dict_is_named_by_its_path():
+    model, train_step, _ = make("forward inf")
+
+    def normalizes(batch, scale=1.0):
+        batch["x"].div_(2)
+        return train_step(batch["x"], batch["y"])
+
+    x, y = batch()
+    with pytest.raises(ValueError, match=r"it changed its argument args\[0\]\['x'\] \(f32\[16, 4\] cpu\) in place"):
+        opwatch.guard(normalizes, model, audit="never")({"x": x, "y": y}, scale=2.0)
+
+
+def test_a_later_healthy_call_that_changes_the_parameters_goes_on_and_a_failing_one_is_refused():
+    model, train_step, _ = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def accumulates(x, y, apply):
+        loss = train_step(x, y)
+        if apply:  # the optimizer inside the step, every other call: no replay could undo it
+            optimizer.step()
+        return loss
+
+    step = opwatch.guard(accumulates, model, audit="never")
+    x, y = batch()
+    step(x, y, False)
+    step(x, y, True)  # healthy: nothing to replay, the look is skipped
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")  # the next step makes nan and changes the parameters
+    with pytest.raises(ValueError, match=r"accumulates changed \d+ parameter\(s\) while it ran"):
+        step(x, y, True)
 
 
 def test_a_failure_the_replay_does_not_find_again_is_said_plainly():
