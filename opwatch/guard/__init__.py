@@ -84,7 +84,7 @@ def guard(
 
     A healthy step runs ``train_step`` with no dispatch mode, then one fused check that the
     tensors (and floats) it returned and the parameters' gradients are finite: the check
-    GradScaler runs, one host read. A step that raised, or whose check found nan/inf, is run
+    GradScaler runs, one host read (a loss that is a CPU scalar is read where it lies). A step that raised, or whose check found nan/inf, is run
     again from where it started (RNG states of the CPU and every CUDA device, the model's
     buffers, the parameters' ``.grad`` restored) on the same arguments, under a watch that
     checks every op's outputs as it goes. :class:`~opwatch.AnomalyError` then names the op that

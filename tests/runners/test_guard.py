@@ -161,6 +161,25 @@ def test_a_returned_tensor_that_is_not_a_cpu_scalar_joins_the_fused_check():
     }
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_loss_joins_the_fused_check_and_a_step_reads_the_host_once():
+    model, train_step, _ = make()
+    model.cuda()
+    x, y = (tensor.cuda() for tensor in batch())
+    guarded = opwatch.guard(train_step, model, audit="never")
+    guarded(x, y)
+    model.zero_grad(set_to_none=True)
+    with CountingMode() as counted:
+        guarded(x, y)
+    assert counted.count("aten.linalg_vector_norm.default") == 1  # the CUDA loss, not read alone
+    assert counted.count("aten._local_scalar_dense.default") == 1  # the kernel's flag: one sync
+
+    bad, bad_step, _ = make("forward inf")
+    bad.cuda()
+    with pytest.raises(opwatch.AnomalyError, match="aten.log"):
+        opwatch.guard(bad_step, bad, audit="never", repro=False)(x, y)
+
+
 def test_a_model_with_buffers_adds_one_copy_of_them_per_step():
     model, train_step, step = make()
     extra = added_ops(model, train_step, step)
