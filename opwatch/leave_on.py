@@ -4,7 +4,7 @@
 Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
 optimizer step (the audit) sees them. After it the program runs with no dispatch mode, and
 each optimizer step is preceded by one fused finiteness check of the gradients it is about to
-apply (one host read per device). Steps are found through torch's global optimizer step hooks,
+apply (:mod:`opwatch.finite`, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
 so any ``torch.optim`` optimizer is seen, however the loop is written.
 
 A failing check names the step and the parameters that hold nan/inf. In strict mode it raises
@@ -22,7 +22,6 @@ from __future__ import annotations
 # __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
 __tracebackhide__ = True
 
-import math
 import sys
 import warnings
 import weakref
@@ -31,11 +30,13 @@ from typing import NamedTuple
 import torch
 
 from .anomaly import OpwatchWarning
-from .compat import amp_non_finite_check, foreach_norm, no_python_dispatch
+from .compat import no_python_dispatch
+from .finite import FusedFiniteCheck, finite_by_device
+from .guard.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .render import leave_on as words
 from .session import Watch, strict, watch
 
-__all__ = ["LeaveOn", "GradientsNotFinite", "signature", "all_finite", "nonfinite_names", "nonfinite_parameters"]
+__all__ = ["LeaveOn", "GradientsNotFinite", "signature", "nonfinite_names", "nonfinite_parameters"]
 
 _NONFINITE_KINDS = ("nan", "inf")
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
@@ -94,7 +95,7 @@ class LeaveOn:
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
         self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
-        self._flags: dict = {}  # device -> the fused check's (found-inf flag, 1)
+        self._finite = FusedFiniteCheck()  # its flags kept from step to step
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
         self._poisoned: list = []  # parameters that hold nan/inf themselves: told once
@@ -189,8 +190,9 @@ class LeaveOn:
         if self._auditing and self._recheck_of is None:
             self.watch.check()  # the watch's own check point: names the origin, raises in strict
             return
-        if all_finite(gradients(optimizer), self._flags):
-            return
+        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
+            if self._finite(gradients(optimizer)):
+                return
         names = self._names()
         bad = nonfinite_names(optimizer, names)
         self.failed += 1
@@ -245,74 +247,8 @@ class LeaveOn:
         print(text, file=self._file if self._file is not None else sys.stderr)
 
 
-def signature(value, depth: int = 0):
-    """What an audit depends on: the nesting of ``value`` and its tensors' shapes, dtypes and
-    devices (other leaves by type)."""
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device)  # torch.Size: a tuple
-    if depth < 8 and isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple([signature(item, depth + 1) for item in value]))
-    if depth < 8 and isinstance(value, dict):
-        return ("dict", tuple([(key, signature(item, depth + 1)) for key, item in value.items()]))
-    return type(value).__name__
-
-
 def gradients(optimizer) -> list:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
-def all_finite(tensors, flags: dict | None = None) -> bool:
-    """Whether every value of ``tensors`` is finite: per device one fused kernel and one host
-    read. GradScaler's check (``compat.amp_non_finite_check``, which multiplies the values by
-    1 in place: unchanged) where it takes the tensors, with its found-inf flag kept in
-    ``flags`` per device; else their largest magnitudes (nan and inf carry through). Sparse,
-    meta and integer tensors are left out."""
-    with torch.no_grad(), no_python_dispatch():
-        if flags is not None and tensors and len(flags) == 1:
-            # The common case, once the first check has made the flags of the one device:
-            # all the tensors given to GradScaler's kernel at once, without sorting them.
-            found = _fused_on_one_device(tensors, flags)
-            if found is not None:
-                return found
-        by_device: dict = {}
-        for tensor in tensors:
-            if tensor.layout != torch.strided or tensor.device.type == "meta" or not (tensor.is_floating_point() or tensor.is_complex()):
-                continue
-            by_device.setdefault(tensor.device, []).append(tensor)
-        return all(_finite_on_device(device, group, flags) for device, group in by_device.items())
-
-
-def _fused_on_one_device(tensors: list, flags: dict) -> bool | None:
-    """The fused check of ``tensors`` on the one device ``flags`` holds, or ``None`` where the
-    kernel does not take them (another device, sparse, meta, complex or integer tensors)."""
-    if amp_non_finite_check is None or any([tensor.requires_grad or tensor.is_complex() for tensor in tensors]):
-        return None
-    (found, one), = flags.values()
-    try:
-        amp_non_finite_check(tensors, found, one)
-        finite = found.item() == 0
-    except (RuntimeError, NotImplementedError, TypeError):
-        found.zero_()  # it may have been set before the kernel gave up
-        return None
-    if not finite:
-        found.zero_()
-    return finite
-
-
-def _finite_on_device(device, group: list, flags: dict | None) -> bool:
-    if flags is not None and amp_non_finite_check is not None and not any(t.requires_grad or t.is_complex() for t in group):
-        found, one = flags.get(device) or flags.setdefault(device, (torch.zeros(1, device=device), torch.ones(1, device=device)))
-        try:
-            amp_non_finite_check(group, found, one)
-        except (RuntimeError, NotImplementedError, TypeError):
-            found.zero_()  # overlapping or mixed tensors: the kernel gave up; the norms below
-        else:
-            if found.item() == 0:
-                return True
-            found.zero_()
-            return False
-    largest = torch.stack([norm.float() for norm in foreach_norm(group, math.inf)]).amax()
-    return math.isfinite(largest.item())
 
 
 def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.grad) -> list:
@@ -324,9 +260,10 @@ def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.gr
         for number, group in enumerate(optimizer.param_groups):
             for position, parameter in enumerate(group["params"]):
                 grad = of(parameter)
-                if grad is None or grad.layout != torch.strided or grad.device.type == "meta" or all_finite([grad]):
+                if grad is None or finite_by_device([grad]):
                     continue
-                kind = "nan" if bool(torch.isnan(grad).any()) else "inf"
+                values = grad._values() if grad.is_sparse else grad.values() if grad.layout != torch.strided else grad
+                kind = "nan" if bool(torch.isnan(values).any()) else "inf"
                 bad.append((names.get(id(parameter), f"param_groups[{number}]['params'][{position}]"), kind))
     return bad
 

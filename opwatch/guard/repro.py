@@ -26,12 +26,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compat import SKIPS_DYNAMO_PER_CODE, no_python_dispatch, skip_dynamo_for_code
+from ..finite import CHECKED_DTYPES
 from ..notation import format_meta
 
 __all__ = ["InputCapture", "SavedCall", "write_repro"]
 
 _Tensor = torch.Tensor
-_CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # The script's own names: an argument of the op that is called the same gets a trailing "_".
 _RESERVED = frozenset({"torch", "os", "result", "outputs", "error", "number", "value"})
@@ -250,7 +250,7 @@ def _nonfinite_kind(tensors) -> str | None:
     else ``None``. One host read per tensor: for replays only."""
     kind = None
     for tensor in tensors:
-        if type(tensor) not in _PLAIN_TYPES or tensor.layout != torch.strided or tensor.dtype not in _CHECKED_DTYPES or tensor.device.type == "meta":
+        if type(tensor) not in _PLAIN_TYPES or tensor.layout != torch.strided or tensor.dtype not in CHECKED_DTYPES or tensor.device.type == "meta":
             continue
         if not bool(torch.isfinite(tensor).all()):
             if bool(torch.isnan(tensor).any()):

@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
 # Bottom to top. A module may import its own layer or lower ones; packages by prefix.
 LAYERS = [
     {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded", "opwatch.fact_tuples"},
-    {"opwatch.sites", "opwatch.records", "opwatch.collective_ops"},
+    {"opwatch.sites", "opwatch.records", "opwatch.collective_ops", "opwatch.finite"},
     {"opwatch.checks", "opwatch.modes"},
     {"opwatch.render"},
     {"opwatch.anomaly", "opwatch.report", "opwatch.allow"},
@@ -303,7 +303,7 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.examples.device_mix": 1,
     "opwatch.export": 5,  # the first/last line, the first record, a version string's part
     "opwatch.guard": 2,
-    "opwatch.guard.check": 1,
+    "opwatch.finite": 1,  # the first checked tensor: the device of the flags
     "opwatch.guard.replay": 3,
     "opwatch.guard.repro": 5,
     "opwatch.integrations": 3,

@@ -1,0 +1,95 @@
+"""Whether tensors hold only finite values, in one fused kernel and one host read.
+
+The one check that ``opwatch.guard`` runs after each healthy step and the leave-on runner
+(``opwatch.leave_on``) before each optimizer step: GradScaler's own kernel
+(``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1, which writes every value
+back unchanged) over the tensors of one device, its found-inf flag kept from call to call.
+Tensors the kernel must not write (a returned loss, gradients that are part of a graph) join
+it through their largest magnitude (``linalg_vector_norm(t, inf)``: nan and inf carry through).
+Where the kernel cannot take the tensors (several devices; sparse, complex, meta or overlapping
+ones; a torch without it) the check runs one group per device, one host read per device, from
+then on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .compat import amp_non_finite_check, foreach_norm
+
+__all__ = ["FusedFiniteCheck", "finite_by_device", "CHECKED_DTYPES"]
+
+CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+
+
+class FusedFiniteCheck:
+    """The fused check, keeping GradScaler's flag tensors (one pair per device) from call to
+    call: call it with the tensors to check."""
+
+    def __init__(self):
+        self._flag_tensors: dict = {}  # device -> (found-inf flag, inverse scale)
+        self._cpu_flags = self._flags(torch.device("cpu"))  # without a device object per call
+        self.by_device = False  # the kernel could not take these tensors once: one group per device
+
+    def __call__(self, writable, read_only=()) -> bool:
+        """Whether every value of ``writable`` (a list the kernel may write back unchanged:
+        gradients) and of ``read_only`` is finite."""
+        # Right after a backward every line runs with cold caches (a torch call costs tens of
+        # us): the common call is one kernel and one host read, with no grad-mode context.
+        if any([tensor.requires_grad for tensor in writable]):
+            # Part of a graph (create_graph=True): never written, even with its own values.
+            read_only = [*read_only, *[tensor for tensor in writable if tensor.requires_grad]]
+            writable = [tensor for tensor in writable if not tensor.requires_grad]
+        if not writable and not read_only:
+            return True
+        if self.by_device:
+            return finite_by_device([*writable, *read_only])
+        try:
+            # The largest magnitudes of detached views: new tensors, safe for the kernel to write.
+            checked = writable + [torch.linalg.vector_norm(tensor.detach(), math.inf) for tensor in read_only] if read_only else writable
+            first = checked[0]
+            found, one = self._cpu_flags if first.is_cpu else self._flags(first.device)
+            amp_non_finite_check(checked, found, one)
+            if found.item() == 0:
+                return True
+            found.zero_()
+            return False
+        except (RuntimeError, NotImplementedError, TypeError):
+            # Several devices; sparse, complex, meta or overlapping tensors; a torch without
+            # the kernel (values written before it raised were written back unchanged).
+            with torch.no_grad():
+                for found, _ in self._flag_tensors.values():
+                    found.zero_()  # it may have been set before the kernel gave up
+            self.by_device = True  # from now on: a model's tensors do not change kind
+            return finite_by_device([*writable, *read_only])
+
+    def _flags(self, device) -> tuple:
+        """GradScaler's found-inf flag (kept at 0 between failures) and inverse scale (1) on
+        ``device``, made on the first call."""
+        flags = self._flag_tensors.get(device)
+        if flags is None:
+            flags = self._flag_tensors[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        return flags
+
+
+def finite_by_device(tensors) -> bool:
+    """The same check without the kernel, one group per device: each tensor's largest
+    magnitude, one host read per device. Tensors of other dtypes and meta tensors are left
+    out; sparse ones are read through their values; a subclass (a DTensor's gradient) through
+    its own dispatch."""
+    by_device: dict = {}
+    for tensor in tensors:
+        if tensor.device.type == "meta":
+            continue
+        if tensor.layout != torch.strided:
+            tensor = tensor._values() if tensor.is_sparse else tensor.values()  # COO; CSR, CSC, BSR
+        if tensor.dtype in CHECKED_DTYPES:
+            by_device.setdefault(tensor.device, []).append(tensor)
+    founds = []
+    with torch.no_grad():
+        for group in by_device.values():
+            norms = [norm.float().reshape(1) for norm in foreach_norm(group, math.inf)]
+            founds.append(torch.cat(norms).amax())  # nan and inf carry through amax
+    return all(math.isfinite(found.item()) for found in founds)
