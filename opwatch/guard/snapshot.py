@@ -21,7 +21,7 @@ _CPU_GENERATOR = torch.default_generator  # what torch.get_rng_state() reads, wi
 class Start:
     """What one call started from."""
 
-    __slots__ = ("cpu_rng", "cuda_rng", "versions", "grads", "buffers", "call", "argument_versions")
+    __slots__ = ("cpu_rng", "cuda_rng", "versions", "grads", "buffers", "flat_arguments", "arguments")
     # buffers: (module, name, buffer) for every buffer slot
 
 
@@ -69,9 +69,13 @@ class Snapshots:
             self._buffers.save([buffer for _, _, buffer in start.buffers if buffer is not None])
         else:
             start.buffers = ()
-        # The paths of the tensor arguments are named only when a step fails (changed_arguments).
-        start.call = (args, kwargs)
-        start.argument_versions = _argument_versions(args, kwargs) if args or kwargs else []
+        if not kwargs and all([type(value) in _PLAIN_TYPES for value in args]):
+            # The common call, positional tensors: their paths are named only if a step fails.
+            start.flat_arguments = args
+            start.arguments = version_counters(args)
+        else:  # containers the step may change: keep each tensor (and its path) now
+            start.flat_arguments = None
+            start.arguments = tensor_arguments(args, kwargs)
         return start
 
     def changed_parameters(self, start) -> list:
@@ -124,20 +128,15 @@ def put_buffers(slots, values) -> None:
 
 def changed_arguments(start) -> list:
     """``(path, meta)`` of the tensor arguments the step wrote in place."""
-    found = tensor_arguments(*start.call) if start.argument_versions else []
+    if start.flat_arguments is not None:
+        kept = [(f"args[{position}]", tensor, version) for position, (tensor, version) in enumerate(zip(start.flat_arguments, start.arguments))]
+    else:
+        kept = start.arguments
     return [
         (path, (tuple(tensor.shape), tensor.dtype, tensor.device, 0))
-        for (path, tensor, version), before in zip(found, start.argument_versions)
-        if version != before
+        for path, tensor, version in kept
+        if version_counter(tensor) != version
     ]
-
-
-def _argument_versions(args, kwargs) -> list:
-    """The version counters of the tensors among the arguments, in the order of
-    :func:`tensor_arguments` (a flat tuple of tensors, the common batch, without a walk)."""
-    if not kwargs and all([type(value) in _PLAIN_TYPES for value in args]):
-        return version_counters(args)
-    return [version for _, _, version in tensor_arguments(args, kwargs)]
 
 
 def tensor_arguments(args, kwargs) -> list:

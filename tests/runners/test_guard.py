@@ -361,6 +361,19 @@ def test_an_argument_changed_in_place_inside_a_batch_dict_is_named_by_its_path()
         opwatch.guard(normalizes, model, audit="never")({"x": x, "y": y}, scale=2.0)
 
 
+def test_a_batch_entry_replaced_by_a_new_tensor_is_not_taken_for_an_in_place_change():
+    model, train_step, _ = make("forward inf")
+
+    def moves(batch):
+        batch["x"] = batch["x"].to(torch.float32).div_(1.0)  # a new tensor (the usual .to()), scaled in place
+        batch["mask"] = torch.ones(1)  # and a new entry
+        return train_step(batch["x"], batch["y"])
+
+    x, y = batch()
+    with pytest.raises(opwatch.AnomalyError, match="aten.log"):  # replayed, not refused
+        opwatch.guard(moves, model, audit="never", repro=False)({"x": x.double(), "y": y})
+
+
 def test_a_later_healthy_call_that_changes_the_parameters_goes_on_and_a_failing_one_is_refused():
     model, train_step, _ = make()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
