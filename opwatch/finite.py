@@ -19,7 +19,7 @@ import torch
 
 from .compat import amp_non_finite_check, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "CHECKED_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "CHECKED_DTYPES"]
 
 CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
 
@@ -83,8 +83,7 @@ def finite_by_device(tensors) -> bool:
     for tensor in tensors:
         if tensor.device.type == "meta":
             continue
-        if tensor.layout != torch.strided:
-            tensor = tensor._values() if tensor.is_sparse else tensor.values()  # COO; CSR, CSC, BSR
+        tensor = _values(tensor)
         if tensor.dtype in CHECKED_DTYPES:
             by_device.setdefault(tensor.device, []).append(tensor)
     founds = []
@@ -93,3 +92,25 @@ def finite_by_device(tensors) -> bool:
             norms = [norm.float().reshape(1) for norm in foreach_norm(group, math.inf)]
             founds.append(torch.cat(norms).amax())  # nan and inf carry through amax
     return all(math.isfinite(found.item()) for found in founds)
+
+
+def nonfinite_kind(tensor) -> str | None:
+    """``"nan"`` or ``"inf"`` when ``tensor`` holds one (nan first), else ``None``: read after
+    a failed check to say what it found (a host read or two). Tensors of other dtypes and meta
+    tensors hold neither; sparse ones are read through their values."""
+    if tensor.dtype not in CHECKED_DTYPES or tensor.device.type == "meta":
+        return None
+    values = _values(tensor)
+    if bool(torch.isnan(values).any()):
+        return "nan"
+    if bool(torch.isinf(values).any()):
+        return "inf"
+    return None
+
+
+def _values(tensor):
+    """The stored values of a sparse tensor (COO; CSR, CSC, BSR), or the tensor itself."""
+    if tensor.layout == torch.strided:
+        return tensor
+    return tensor._values() if tensor.is_sparse else tensor.values()
+

@@ -31,7 +31,7 @@ import torch
 
 from .anomaly import OpwatchWarning
 from .compat import no_python_dispatch
-from .finite import FusedFiniteCheck, finite_by_device
+from .finite import FusedFiniteCheck, nonfinite_kind
 from .guard.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .render import leave_on as words
 from .session import Watch, strict, watch
@@ -260,10 +260,9 @@ def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.gr
         for number, group in enumerate(optimizer.param_groups):
             for position, parameter in enumerate(group["params"]):
                 grad = of(parameter)
-                if grad is None or finite_by_device([grad]):
+                kind = None if grad is None else nonfinite_kind(grad)
+                if kind is None:
                     continue
-                values = grad._values() if grad.is_sparse else grad.values() if grad.layout != torch.strided else grad
-                kind = "nan" if bool(torch.isnan(values).any()) else "inf"
                 bad.append((names.get(id(parameter), f"param_groups[{number}]['params'][{position}]"), kind))
     return bad
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..finite import CHECKED_DTYPES, FusedFiniteCheck
+from ..finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
 from .snapshot import leaves
 
 _Tensor = torch.Tensor
@@ -96,14 +96,7 @@ def not_finite(result, params, names) -> NotFinite:
 
 
 def kind_of(value) -> str | None:
+    """``"nan"``, ``"inf"`` or ``None`` for a returned float or tensor (anything else: ``None``)."""
     if isinstance(value, float):
         return None if math.isfinite(value) else ("nan" if math.isnan(value) else "inf")
-    if not isinstance(value, _Tensor) or value.dtype not in CHECKED_DTYPES or value.device.type == "meta":
-        return None
-    if value.is_sparse:
-        value = value._values()
-    if bool(torch.isnan(value).any()):
-        return "nan"
-    if bool(torch.isinf(value).any()):
-        return "inf"
-    return None
+    return nonfinite_kind(value) if isinstance(value, _Tensor) else None

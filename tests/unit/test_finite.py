@@ -69,7 +69,18 @@ def test_integer_and_meta_tensors_are_left_out_and_sparse_ones_read_through_thei
     assert check(gradients(*others, torch.sparse_coo_tensor([[1]], [1.0], (2,))))
 
 
-def test_finite_by_device_reads_each_device_once_and_an_empty_list_is_finite():
+def test_finite_by_device_finds_a_non_finite_value_and_an_empty_list_is_finite():
     assert finite_by_device([])
     assert finite_by_device(gradients())
     assert not finite_by_device(gradients(torch.tensor([float("inf")])))
+
+
+def test_nonfinite_kind_says_nan_before_inf_and_reads_sparse_values():
+    from opwatch.finite import nonfinite_kind
+
+    assert nonfinite_kind(torch.tensor([1.0, float("inf"), float("nan")])) == "nan"
+    assert nonfinite_kind(torch.tensor([-float("inf")], dtype=torch.bfloat16)) == "inf"
+    assert nonfinite_kind(torch.ones(3)) is None
+    assert nonfinite_kind(torch.arange(3)) is None and nonfinite_kind(torch.empty(2, device="meta")) is None
+    assert nonfinite_kind(torch.sparse_coo_tensor([[0]], [float("inf")], (2,))) == "inf"
+    assert nonfinite_kind(torch.tensor([[0.0, float("nan")]]).to_sparse_csr()) == "nan"
