@@ -17,7 +17,7 @@ import torch
 
 from bench.contenders import _free_variable
 from bench.workloads import WORKLOADS
-from opwatch.guard import guard
+from opwatch import guard
 
 torch.set_num_threads(1)
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30

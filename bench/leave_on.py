@@ -133,7 +133,7 @@ def lightning_fit(steps: int, callback):
 
 
 def bench_lightning(steps: int, repeats: int) -> str:
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     lightning_fit(5, None)  # imports and first-call costs out of the timings, both sides
     lightning_fit(5, OpwatchCallback(mode="guard", log=False, file=open(os.devnull, "w")))
@@ -171,7 +171,7 @@ def hf_train(steps: int, callback, folder: str):
 def bench_hf(steps: int, repeats: int) -> str:
     import transformers
 
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as folder:

@@ -21,37 +21,37 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {
     "watch": ".session",
     "strict": ".session",
     "Watch": ".session",
-    "guard": ".guard",
-    "Allow": ".allow",
+    "guard": ".runners.guarded",
+    "Allow": ".findings.allow",
     "KINDS": ".checks",
-    "OpRecord": ".records",
-    "TensorMeta": ".notation",
-    "format_meta": ".notation",
-    "Anomaly": ".anomaly",
-    "AnomalyError": ".anomaly",
-    "OpwatchWarning": ".anomaly",
-    "load": ".export",
-    "diff": ".divergence",
+    "OpRecord": ".core.records",
+    "TensorMeta": ".core.notation",
+    "format_meta": ".core.notation",
+    "Anomaly": ".findings.anomaly",
+    "AnomalyError": ".findings.anomaly",
+    "OpwatchWarning": ".findings.anomaly",
+    "load": ".storage.jsonl",
+    "diff": ".runners.divergence",
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
-    from .allow import Allow
-    from .anomaly import Anomaly, AnomalyError, OpwatchWarning
+    from .findings.allow import Allow
+    from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
     from .checks import KINDS
-    from .divergence import diff
-    from .export import load
-    from .guard import guard
-    from .notation import TensorMeta, format_meta
-    from .records import OpRecord
+    from .runners.divergence import diff
+    from .storage.jsonl import load
+    from .runners.guarded import guard
+    from .core.notation import TensorMeta, format_meta
+    from .core.records import OpRecord
     from .session import Watch, strict, watch
 
 

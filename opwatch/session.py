@@ -15,18 +15,18 @@ import warnings
 from collections.abc import Iterable
 
 from . import checks as _checks
-from .allow import Allow
-from .anomaly import Anomaly, AnomalyError, OpwatchWarning
+from .findings.allow import Allow
+from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .modes.functions import FunctionWatch
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
-from .ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
-from .records import OpLog, OpRecord
+from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
+from .core.records import OpLog, OpRecord
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.summary import render_disabled
 from .render.table import DUMP_WIDTH
 from .render.notices import internal_error
-from .report import Reporter
+from .findings.report import Reporter
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
 
@@ -174,7 +174,7 @@ class Watch:
         self._next_index = 0
         self._told_internal_error = False
         self._thread = None  # the thread the watch is active on (the optimizer hook asks)
-        # The job's view from this process (opwatch.ranks), where torch.distributed exists.
+        # The job's view from this process (opwatch.findings.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
 
     # -- reading ----------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class Watch:
         was entered for, those dropped past ``max_records`` included): one entry per kind of
         :data:`opwatch.KINDS` (0 for none), and ``"contained"``, the nan/inf origins that were
         absorbed. ``w.counts["broadcast"]``; the metrics logged to TensorBoard are made from
-        these (:func:`opwatch.integrations.metrics`)."""
+        these (:func:`opwatch.runners.trainers.metrics`)."""
         kinds = self._reporter.kinds
         return {**{kind: kinds[kind] for kind in _checks.KINDS}, "contained": self._reporter.contained_count}
 
@@ -274,7 +274,7 @@ class Watch:
         """Write the log to ``path`` as JSON Lines: a header line (format, version, torch
         version, rank), then one object per record and per anomaly. Read it back with
         :func:`opwatch.load`. ``w.export_jsonl("run.jsonl")``."""
-        from .export import write_jsonl
+        from .storage.jsonl import write_jsonl
 
         write_jsonl(self, path)
 
@@ -282,7 +282,7 @@ class Watch:
         """Write the log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
         ``chrome://tracing``): one event per op, module spans, arrows from backward ops to
         their forward op, anomalies as instant events. ``w.export_chrome_trace("run.json")``."""
-        from .export import write_chrome_trace
+        from .storage.chrome_trace import write_chrome_trace
 
         write_chrome_trace(self, path)
 

@@ -20,22 +20,22 @@ import re
 # The modules whose ``__all__`` is the public API; each name is documented as ``module.name``.
 PUBLIC_MODULES = (
     "opwatch",
-    "opwatch.integrations.lightning",
-    "opwatch.integrations.transformers",
-    "opwatch.integrations.tensorboard",
+    "opwatch.runners.lightning",
+    "opwatch.runners.transformers",
+    "opwatch.runners.tensorboard",
 )
 # What those names return or raise, documented where it is defined.
 RETURNED = (
-    "opwatch.guard.Guarded",
-    "opwatch.leave_on.GradientsNotFinite",
-    "opwatch.divergence.Diff",
-    "opwatch.divergence.Divergence",
-    "opwatch.divergence.Tolerance",
-    "opwatch.export.SavedLog",
-    "opwatch.export.SavedRecord",
-    "opwatch.export.SavedAnomaly",
-    "opwatch.ranks.AllAnomalies",
-    "opwatch.integrations.metrics",
+    "opwatch.runners.guarded.Guarded",
+    "opwatch.runners.leave_on.GradientsNotFinite",
+    "opwatch.runners.divergence.Diff",
+    "opwatch.runners.divergence.Divergence",
+    "opwatch.runners.divergence.Tolerance",
+    "opwatch.storage.jsonl.SavedLog",
+    "opwatch.storage.jsonl.SavedRecord",
+    "opwatch.storage.jsonl.SavedAnomaly",
+    "opwatch.findings.ranks.AllAnomalies",
+    "opwatch.runners.trainers.metrics",
 )
 # The ``--help`` pages of the command line: file stem -> argv.
 CLI_PAGES = {
@@ -68,7 +68,7 @@ def documented_in_sources(folder: str) -> set[str]:
 
 def cli_help(argv: list[str]) -> str:
     """What ``python -m opwatch ARGV`` prints for ``--help``, at a fixed width."""
-    from opwatch.__main__ import main
+    from opwatch.runners.cli import main
 
     out = io.StringIO()
     saved = os.environ.get("COLUMNS")

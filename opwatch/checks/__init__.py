@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import facts_of
-from ..records import E_INDEX, E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ..core.ops import facts_of
+from ..core.records import E_INDEX, E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 

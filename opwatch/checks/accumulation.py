@@ -35,7 +35,7 @@ in the wider dtype and rounded once is more accurate, not less); integer or bool
 the pointwise ops; foreach and fused optimizer kernels (tensor lists, one dtype per group).
 
 Which argument is ``self``, the source and the tensor written is asked of
-:func:`opwatch.ops.facts_of`. Findings hold facts; their sentences are made in
+:func:`opwatch.core.ops.facts_of`. Findings hold facts; their sentences are made in
 :mod:`opwatch.render.accumulation`, where each rule's facts are listed.
 """
 
@@ -46,8 +46,8 @@ from math import prod
 
 import torch
 
-from ..ops import SOURCE_NAMES, facts_of
-from ..records import M_DEVICE, M_DTYPE, M_SHAPE
+from ..core.ops import SOURCE_NAMES, facts_of
+from ..core.records import M_DEVICE, M_DTYPE, M_SHAPE
 from .dtype import KIND
 from .finding import Finding, tensor_names
 

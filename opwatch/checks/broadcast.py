@@ -35,8 +35,8 @@ from itertools import islice
 
 import torch
 
-from ..ops import facts_of
-from ..records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
+from ..core.ops import facts_of
+from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
 from .finding import Finding
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]

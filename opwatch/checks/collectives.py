@@ -18,7 +18,7 @@ No collective runs on the program's groups: only the store.
 The counters live in a :class:`Handshakes` object per watch (``CheckContext.handshakes``, made
 by :class:`~opwatch.checks.ActiveChecks` when the check is on), not in the process.
 
-What is compared (``opwatch.ops.Collective.compare``): every tensor's shape and dtype;
+What is compared (``opwatch.core.ops.Collective.compare``): every tensor's shape and dtype;
 only the output for ``scatter_`` and only the input for ``gather_`` (the root alone passes the
 others); dtypes only for all-to-all (split sizes differ by rank); the op alone for barriers.
 Limit: it compares per call, so every rank must run the same watched collectives; the keys it
@@ -35,11 +35,11 @@ import json
 import os
 from datetime import timedelta
 
-from ..collective_ops import group_of, group_store, store_prefix
-from ..notation import format_meta
-from ..ops import collective_of
-from ..records import M_DEVICE, M_DTYPE, M_SHAPE
-from ..sites import position_of
+from ..core.collective_ops import group_of, group_store, store_prefix
+from ..core.notation import format_meta
+from ..core.ops import collective_of
+from ..core.records import M_DEVICE, M_DTYPE, M_SHAPE
+from ..core.sites import position_of
 from .finding import Finding
 
 __all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "Handshakes", "compared", "compare", "counter_key"]

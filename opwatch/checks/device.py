@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..records import M_DEVICE, M_SHAPE
-from ..ops import facts_of
+from ..core.records import M_DEVICE, M_SHAPE
+from ..core.ops import facts_of
 from .finding import Finding, tensor_names
 
 __all__ = ["KIND", "for_op"]

@@ -48,9 +48,9 @@ from functools import partial
 
 import torch
 
-from ..compat import restore_caller_state
-from ..ops import facts_of
-from ..records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ..core.compat import restore_caller_state
+from ..core.ops import facts_of
+from ..core.records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from .finding import Finding, tensor_names
 
 __all__ = ["KIND", "for_op", "autocast_allows"]

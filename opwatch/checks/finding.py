@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..fact_tuples import fact_tuple
+from ..core.fact_tuples import fact_tuple
 
 __all__ = [
     "Attribute", "BeforeWatch", "DefaultDevice", "DefaultDtype", "Finding", "MadeBy", "Owned", "Place",

@@ -14,7 +14,7 @@ single value changes the hash (an odd number times a non-zero bit change is non-
 2**64), and a reordering or several changes collide only by chance (about 2**-64), not by
 structure (weights linear in the position would miss a change by ``+1, -2, +1``).
 
-Skipped, because their values are their inputs' (:func:`opwatch.ops.facts_of`): views and ops
+Skipped, because their values are their inputs' (:func:`opwatch.core.ops.facts_of`): views and ops
 that keep their input's values (``clone``, ``contiguous``, ``detach``); :func:`opwatch.diff`
 follows them to the op that made the values. Also skipped: uninitialised outputs (``empty``),
 collectives (their outputs are filled later), and tensors without plain dense values (meta,
@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..compat import dispatch_modes_outside, no_python_dispatch
-from ..ops import facts_of
-from ..records import E_INDEX, M_DTYPE, M_DEVICE
+from ..core.compat import dispatch_modes_outside, no_python_dispatch
+from ..core.ops import facts_of
+from ..core.records import E_INDEX, M_DTYPE, M_DEVICE
 
 __all__ = ["FingerprintTracker", "Fingerprint", "encode", "decode", "FIELDS"]
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compat import pack_padded_sequence_function
-from ..records import M_DTYPE
+from ..core.compat import pack_padded_sequence_function
+from ..core.records import M_DTYPE
 from . import device as device_check
 from . import dtype as dtype_check
 from .finding import Finding

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops import facts_of
+from ..core.ops import facts_of
 
 __all__ = ["PendingPromotions", "LIMIT", "RULE"]
 

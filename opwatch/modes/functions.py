@@ -6,7 +6,7 @@ Every torch function call, tensor method and tensor attribute read of the watche
 through ``__torch_function__`` while the mode is active; a call of a function outside the table
 costs one dict lookup and goes on unchanged. A call of a table function is judged from its
 Python arguments, as metadata; a finding is logged as a small entry (its op a
-:class:`~opwatch.records.ModuleCall` named after the function, ``torch.stft``) at the user's
+:class:`~opwatch.core.records.ModuleCall` named after the function, ``torch.stft``) at the user's
 line that called it, and reported as the module-call checks are: in strict mode the
 :class:`~opwatch.AnomalyError` is raised before torch runs the function (and raises its own
 error); in ``watch()`` the anomaly is kept and torch's error reaches the program unchanged.
@@ -31,9 +31,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
-from ..compat import current_autograd_node, skip_dynamo_for_code
-from ..records import BACKWARD, FORWARD, ModuleCall
-from ..sites import user_frame
+from ..core.compat import current_autograd_node, skip_dynamo_for_code
+from ..core.records import BACKWARD, FORWARD, ModuleCall
+from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
 

@@ -5,7 +5,7 @@ The way of one op, in ``__torch_dispatch__``:
 1. its arguments are read into tensor metadata and a flat tuple of the other arguments;
    ``_head`` adds the index, the user's source site, the module path and the phase;
 2. the pre-kernel checks bound to the op (:class:`~opwatch.checks.ActiveChecks`) run on the
-   metadata; a finding goes to the :class:`~opwatch.report.Reporter`, and in strict mode the
+   metadata; a finding goes to the :class:`~opwatch.findings.report.Reporter`, and in strict mode the
    error it hands back is raised before the kernel runs;
 3. the kernel runs; its own exceptions reach the program untouched;
 4. the complete log entry is appended and the checks' trackers observe the outputs (the
@@ -28,7 +28,7 @@ that creates an autograd node bumps the thread's sequence counter, so the counte
 forward op names its node; in backward, the node being run reports the same number. No
 ``grad_fn`` or node metadata is touched (both have crashed or raised in probes).
 
-Collectives (:mod:`opwatch.collective_ops`) take the same way. Their outputs are the tensors they
+Collectives (:mod:`opwatch.core.collective_ops`) take the same way. Their outputs are the tensors they
 write, also where they return ``([tensors], Work)`` or the ``Work`` alone (decided per op in
 the plan); the nan/inf tracker reads them once the collective has completed. The engine's
 final callbacks (the DDP reducer copying reduced buckets into ``.grad``) are backward ops, and
@@ -55,11 +55,11 @@ from time import perf_counter_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, no_python_dispatch, op_kernel, skip_dynamo_for_code
-from ..collective_ops import collective_outputs, describe_script_object
-from ..ops import facts_of
-from ..records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
-from ..sites import user_frame
+from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, no_python_dispatch, op_kernel, skip_dynamo_for_code
+from ..core.collective_ops import collective_outputs, describe_script_object
+from ..core.ops import facts_of
+from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
+from ..core.sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
 
@@ -94,7 +94,7 @@ class _OpPlan:
         self.may_read_to_host = facts.reads_to_host
         # Is it a copy? It reads to the host only from a device to a CPU destination.
         self.is_copy = facts.is_copy
-        # A c10d op or functional collective (opwatch.ops.Collective): its outputs are
+        # A c10d op or functional collective (opwatch.core.ops.Collective): its outputs are
         # the tensors it writes, filled only once it completes. None for every other op.
         self.collective = facts.collective
 
@@ -139,7 +139,7 @@ class OpInterceptor(TorchDispatchMode):
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
-        # A RankState with .sites (opwatch.ranks.DistributedWatch) where torch.distributed is
+        # A RankState with .sites (opwatch.findings.ranks.DistributedWatch) where torch.distributed is
         # available, else None; its ReducerSites name the engine's ops without a forward line once the rank is known.
         self._distributed = distributed
         self._reducer_sites = distributed.sites if distributed is not None and distributed.rank is not None else None
@@ -524,7 +524,7 @@ def _split(key, value, tensors, others, intern) -> None:
 
 def _metas(tensors, shapes) -> list:
     """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``shapes``
-    (a :class:`~opwatch.records.SharedShapes`)."""
+    (a :class:`~opwatch.core.records.SharedShapes`)."""
     try:
         metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
         for tensor in tensors:

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..compat import current_autograd_node
-from ..sites import user_frame
+from ..core.compat import current_autograd_node
+from ..core.sites import user_frame
 
 __all__ = ["ModuleStack"]
 
@@ -46,7 +46,7 @@ class ModuleStack:
 
     It also remembers, for the innermost module, the frame that called it and the user frame
     above that call, so that the interceptor's frame walk can stop there (see
-    :func:`opwatch.sites.user_frame`). That frame is executing while remembered: holding it
+    :func:`opwatch.core.sites.user_frame`). That frame is executing while remembered: holding it
     keeps nothing alive that would not be alive anyway.
     """
 

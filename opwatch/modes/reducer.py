@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..notation import format_meta
+from ..core.notation import format_meta
 
 __all__ = ["ReducerSites"]
 

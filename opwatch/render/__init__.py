@@ -13,14 +13,14 @@
 - the runners' lines: :mod:`.notices` (CLI, pytest, self-reports), :mod:`.guard`,
   :mod:`.leave_on`, :mod:`.diff`.
 
-The one location format (``train.py:23``) is :func:`opwatch.sites.location`, below the records
+The one location format (``train.py:23``) is :func:`opwatch.core.sites.location`, below the records
 so that a record can say where it is without importing its renderer. Formatting happens only
 when somebody reads.
 """
 
 from __future__ import annotations
 
-from ..sites import display_path, location
+from ..core.sites import display_path, location
 from .messages import render_message
 from .ranks import format_ranks, render_combined_summary
 from .summary import exception_note, render_failure, render_summary, tagged

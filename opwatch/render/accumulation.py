@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..notation import format_dtype, format_meta
-from ..records import M_DTYPE
+from ..core.notation import format_dtype, format_meta
+from ..core.records import M_DTYPE
 from .phrases import named
 from .rules import explains
 

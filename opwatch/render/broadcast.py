@@ -12,8 +12,8 @@ elements than the largest operand).
 
 from __future__ import annotations
 
-from ..notation import format_meta, format_shape
-from ..records import M_SHAPE
+from ..core.notation import format_meta, format_shape
+from ..core.records import M_SHAPE
 from .phrases import place
 from .rules import explains
 

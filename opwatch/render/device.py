@@ -14,8 +14,8 @@ Facts of each rule:
 
 from __future__ import annotations
 
-from ..notation import format_meta
-from ..records import M_DEVICE
+from ..core.notation import format_meta
+from ..core.records import M_DEVICE
 from .phrases import named
 from .rules import explains
 

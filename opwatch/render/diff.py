@@ -6,8 +6,8 @@ states); nothing here compares.
 
 from __future__ import annotations
 
-from ..notation import format_meta
-from ..sites import location
+from ..core.notation import format_meta
+from ..core.sites import location
 
 __all__ = ["render_diff", "render_diff_table", "DIFF_TABLE_HEADERS"]
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..notation import format_dtype as _name
-from ..notation import format_meta
+from ..core.notation import format_dtype as _name
+from ..core.notation import format_meta
 from .phrases import named
 from .rules import explains
 

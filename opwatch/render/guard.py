@@ -5,10 +5,10 @@ Facts used here:
 - a *failure*: ``Raised("raised", error_type, line)`` (its first line), or
   ``NotFinite("not_finite", returned, grads)`` with ``returned`` = ``((kind, path, type), ...)``
   and ``grads`` = ``((kind, (name, ...)), ...)``, a name being a parameter's name or
-  ``(position, meta)`` for an unnamed one (``opwatch.guard.check``);
+  ``(position, meta)`` for an unnamed one (``opwatch.runners.guarded.check``);
 - a *repro note*: a ``ReproNote(kind, op, where, why, error_type)`` of kind ``"alone"``,
   ``"raised_op"`` (op, where), ``"capture_broken"`` (why), ``"not_captured"``,
-  ``"write_failed"`` (error_type, why) or ``"audit"``; or ``None`` (``opwatch.guard.replay``);
+  ``"write_failed"`` (error_type, why) or ``"audit"``; or ``None`` (``opwatch.runners.guarded.replay``);
 - ``buffers``: how many buffers a replay restored.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-from ..notation import format_meta
-from ..sites import display_path, location
+from ..core.notation import format_meta
+from ..core.sites import display_path, location
 from .summary import exception_note
 from .table import render_table
 

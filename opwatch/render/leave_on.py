@@ -1,4 +1,4 @@
-"""The lines of the leave-on runner (:mod:`opwatch.leave_on`, ``python -m opwatch --guard`` and
+"""The lines of the leave-on runner (:mod:`opwatch.runners.leave_on`, ``python -m opwatch --guard`` and
 the trainers' guard mode): a failing optimizer step, the re-check of the next step, the summary.
 
 Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.

@@ -10,9 +10,9 @@ Where each odd operand was made (``Finding.made``, provenance fact tuples, see
 
 from __future__ import annotations
 
-from ..notation import format_meta
-from ..records import BACKWARD, OpRecord, short_op_name
-from ..sites import location
+from ..core.notation import format_meta
+from ..core.records import BACKWARD, OpRecord, short_op_name
+from ..core.sites import location
 from .explanations import explainer
 from .phrases import where_made
 

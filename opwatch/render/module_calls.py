@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..notation import format_dtype as _name
-from ..notation import format_meta
-from ..records import M_DEVICE, M_DTYPE
+from ..core.notation import format_dtype as _name
+from ..core.notation import format_meta
+from ..core.records import M_DEVICE, M_DTYPE
 from .device import meta_note
 from .rules import explains
 

@@ -12,9 +12,9 @@ import torch
 
 from ..checks.finding import Place
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
-from ..notation import format_dtype, format_meta
-from ..records import BACKWARD, M_DTYPE
-from ..sites import display_path
+from ..core.notation import format_dtype, format_meta
+from ..core.records import BACKWARD, M_DTYPE
+from ..core.sites import display_path
 from .rules import explains
 
 __all__ = ["explain_origin", "explain_received", "explain_overflow_risk"]

@@ -2,15 +2,15 @@
 tensor arguments with their metadata, where an odd operand was made.
 
 Facts that name another op are :class:`~opwatch.checks.finding.Place` tuples (a JSON round
-trip restores them, see :mod:`opwatch.fact_tuples`).
+trip restores them, see :mod:`opwatch.core.fact_tuples`).
 """
 
 from __future__ import annotations
 
 from ..checks.finding import Place
-from ..notation import format_meta
-from ..records import BACKWARD, short_op_name
-from ..sites import display_path
+from ..core.notation import format_meta
+from ..core.records import BACKWARD, short_op_name
+from ..core.sites import display_path
 
 __all__ = ["named", "place", "where_made"]
 

@@ -8,8 +8,8 @@ Facts: ``function`` (``torch.stft``), ``argument`` and ``other`` (argument names
 
 from __future__ import annotations
 
-from ..notation import format_dtype, format_meta
-from ..records import M_DEVICE, M_DTYPE
+from ..core.notation import format_dtype, format_meta
+from ..core.records import M_DEVICE, M_DTYPE
 from .rules import explains
 
 __all__ = ["explain_pre_dispatch"]

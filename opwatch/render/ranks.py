@@ -1,10 +1,10 @@
 """What users read about the ranks of a distributed job: the combined summary of every rank's
-anomalies (:meth:`opwatch.ranks.AllAnomalies.summary`), the collective-mismatch findings
+anomalies (:meth:`opwatch.findings.ranks.AllAnomalies.summary`), the collective-mismatch findings
 (:mod:`opwatch.checks.collectives`), the exchange's warnings, and ``ranks 0, 1 and 3``."""
 
 from __future__ import annotations
 
-from ..sites import display_path
+from ..core.sites import display_path
 from .rules import explains
 from .summary import count_places, group_messages
 
@@ -18,7 +18,7 @@ def render_combined_summary(anomalies, *, world: int | None, missing=(), timeout
     """Every rank's anomalies in one summary: a headline naming the rank, op and line that made
     the first nan/inf (by the wall clock of the ops) and the ranks that received it through a
     collective; the ranks that did not report; then each rank's distinct anomalies.
-    ``anomalies``: :class:`~opwatch.ranks.RankAnomaly` rows (``rank``, ``kind``, ``op``,
+    ``anomalies``: :class:`~opwatch.findings.ranks.RankAnomaly` rows (``rank``, ``kind``, ``op``,
     ``where``, ``phase``, ``received``, ``count``, ``time_ns``, ``message``)."""
     everyone = f"all {world} ranks" if world else "every rank"
     if world and missing:

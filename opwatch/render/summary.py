@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ..records import BaseRecord
-from ..sites import location
+from ..core.records import BaseRecord
+from ..core.sites import location
 from .table import DUMP_WIDTH, render_table
 
 __all__ = ["render_summary", "render_disabled", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]

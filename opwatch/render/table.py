@@ -3,9 +3,9 @@ imported here, on first use)."""
 
 from __future__ import annotations
 
-from ..notation import format_meta
-from ..records import BaseRecord, short_op_name
-from ..sites import location
+from ..core.notation import format_meta
+from ..core.records import BaseRecord, short_op_name
+from ..core.sites import location
 
 __all__ = ["TABLE_HEADERS", "DUMP_WIDTH", "render_table"]
 
@@ -26,7 +26,7 @@ _SHRINK = {"code": 12, "module": 8, "inputs": 16, "outputs": 16, "op": 16}
 
 
 def render_table(records: list[BaseRecord], *, mark: int | None = None, tablefmt: str = "simple", width: int | None = None) -> str:
-    """One row per record (live or saved: read through :class:`~opwatch.records.BaseRecord`);
+    """One row per record (live or saved: read through :class:`~opwatch.core.records.BaseRecord`);
     the record whose index is ``mark`` is marked ``>>``.
 
     ``width``: the compact table, at most ``width`` columns wide: consecutive ops alike (same

@@ -19,9 +19,9 @@ import opwatch
 from support import SCENARIOS
 from support.helpers import line_of as _line_of
 from opwatch.checks.finding import Attribute, BeforeWatch, DefaultDtype, MadeBy, Owned, Place
-from opwatch.export import decode, encode
+from opwatch.storage.codec import decode, encode
 from opwatch.render.messages import explain
-from opwatch.sites import INTERNAL, USER, classify_code, display_path
+from opwatch.core.sites import INTERNAL, USER, classify_code, display_path
 
 import hooks_wrappers as hw  # noqa: E402
 
@@ -37,7 +37,7 @@ def records_at(w, text, phase="forward"):
     return [r for r in w.records if r.lineno == line and r.phase == phase and r.filename == SCENARIO]
 
 
-# == wrapper frames (opwatch.sites.classify_code) ==================================================
+# == wrapper frames (opwatch.core.sites.classify_code) ==================================================
 
 
 def code_at(*parts):

@@ -21,7 +21,7 @@ from support.helpers import line_of as _line_of
 import mixed_precision as mp  # noqa: E402
 
 from opwatch.checks import dtype  # noqa: E402
-from opwatch.notation import TensorMeta  # noqa: E402
+from opwatch.core.notation import TensorMeta  # noqa: E402
 from opwatch.render.messages import explain  # noqa: E402
 
 SCENARIO = str(SCENARIOS / "mixed_precision.py")

@@ -19,9 +19,9 @@ from support import SCENARIOS
 from support.helpers import StubContext, watch_story
 from support.helpers import line_of as _line_of
 from opwatch.checks import device, dtype
-from opwatch.notation import TensorMeta, format_dtype
+from opwatch.core.notation import TensorMeta, format_dtype
 from opwatch.render.messages import explain
-from opwatch.sites import position_of
+from opwatch.core.sites import position_of
 
 import training_rules as rules  # noqa: E402
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import opwatch
-from opwatch import render, report
+from opwatch import render
+from opwatch.findings import report
 from opwatch.checks import broadcast, nonfinite
 
 from support import equivalence as eq  # noqa: E402

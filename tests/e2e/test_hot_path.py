@@ -10,8 +10,8 @@ import torch
 
 from opwatch.checks import ActiveChecks
 from opwatch.modes.interceptor import _OpPlan, _reads_to_host
-from opwatch.records import OpLog
-from opwatch.sites import INTERNAL, USER, classify_code, user_frame
+from opwatch.core.records import OpLog
+from opwatch.core.sites import INTERNAL, USER, classify_code, user_frame
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

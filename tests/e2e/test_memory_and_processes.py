@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import opwatch
-from opwatch import sites
+from opwatch.core import sites
 
 
 def _python_bytes_after(step, count: int) -> int:
@@ -129,8 +129,8 @@ def test_importing_opwatch_imports_no_torch_and_submodules_do_not_hide_its_funct
     code = (
         "import sys, opwatch\n"
         "print('torch' in sys.modules)\n"
-        "import opwatch.session, opwatch.export\n"
+        "import opwatch.session, opwatch.storage.jsonl\n"
         "print(callable(opwatch.watch), opwatch.watch.__module__, opwatch.load.__module__)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["False", "True", "opwatch.session", "opwatch.export"], result.stderr
+    assert result.stdout.split() == ["False", "True", "opwatch.session", "opwatch.storage.jsonl"], result.stderr

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import opwatch
-from opwatch import compat
+from opwatch.core import compat
 
 from support import equivalence as eq  # noqa: E402
 from support.equivalence import assert_transparent, ops, opwatch_warnings  # noqa: E402

@@ -47,7 +47,7 @@ def test_a_device_mix_prints_the_finding_first_and_once(mode):
     assert err.count("  problem:  tensor arguments on different devices") == 1
     assert err.count(header) == (2 if mode == "strict" else 1)  # strict: the AnomalyError's line names it
     if mode == "strict":
-        assert err.rstrip("\n").endswith(f"opwatch.anomaly.AnomalyError: {header} (in full in opwatch's report above)")
+        assert err.rstrip("\n").endswith(f"opwatch.findings.anomaly.AnomalyError: {header} (in full in opwatch's report above)")
     # The dump: the 4 parameter copies of model.to() folded into one row; every line fits.
     dump = err[err.index("opwatch: the watched block raised") : err.index(TRACEBACK)]
     assert "aten._to_copy x6" in dump and dump.count("aten._to_copy") == 1
@@ -116,7 +116,7 @@ def test_under_pytest_strict_no_opwatch_frame_or_local_shows_and_the_finding_is_
     failure = out[out.index("test_mix ___") : out.index("Captured opwatch call")]
     assert "opwatch/" not in failure and "interceptor" not in failure and "OpInterceptor" not in failure
     assert "finding = " not in failure and "record = " not in failure
-    assert "E       opwatch.anomaly.AnomalyError: device_mismatch in aten.addmm.default at test_mix.py:8" in failure
+    assert "E       opwatch.findings.anomaly.AnomalyError: device_mismatch in aten.addmm.default at test_mix.py:8" in failure
     # pytest's own short summary repeats the message (in full where CI is set): count before it
     report = out.split("short test summary info")[0]
     assert report.count("problem:  tensor arguments on different devices") == 1

@@ -92,14 +92,14 @@ def test_checks_reach_the_guard_runner(train):
 
 
 def test_the_console_script_runs_main(train):
-    """``opwatch`` (pyproject's [project.scripts]) calls ``opwatch.__main__:main`` and exits
+    """``opwatch`` (pyproject's [project.scripts]) calls ``opwatch.runners.cli:main`` and exits
     with its status, naming itself ``opwatch`` in its usage."""
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"opwatch": "opwatch.__main__:main"}
+    assert scripts == {"opwatch": "opwatch.runners.cli:main"}
     # The console script's wrapper, as pip writes it, run with this tree on the path.
-    wrapper = "import sys; sys.argv[0] = 'opwatch'; from opwatch.__main__ import main; sys.exit(main())"
+    wrapper = "import sys; sys.argv[0] = 'opwatch'; from opwatch.runners.cli import main; sys.exit(main())"
     command = (sys.executable, "-c", wrapper)
     result = cli("--checks", "broadcast", "train.py", cwd=train, command=command)
     assert result.returncode == 0 and result.stdout == "done\n"

@@ -20,7 +20,7 @@ import torch
 
 import opwatch
 from opwatch.checks.fingerprints import FingerprintTracker
-from opwatch.cli_diff import run_diff
+from opwatch.runners.cli_diff import run_diff
 from support.helpers import line_of as _line_of
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -283,7 +283,7 @@ def test_fingerprints_survive_the_jsonl_round_trip(tmp_path):
         (x * 2).exp()
     w.export_jsonl(tmp_path / "run.jsonl")
     saved = opwatch.load(tmp_path / "run.jsonl")
-    assert saved.header["fingerprints"] is True and saved.header["version"] == opwatch.export.VERSION
+    assert saved.header["fingerprints"] is True and saved.header["version"] == opwatch.storage.jsonl.VERSION
     assert saved.fingerprints == w.fingerprints
     assert opwatch.diff(w, saved).agree
 
@@ -345,7 +345,7 @@ def test_inputs_made_before_the_watch_are_named():
 
 
 def test_a_loop_with_an_op_inserted_in_one_step_aligns_every_other_step():
-    from opwatch.divergence import _align
+    from opwatch.runners.divergence import _align
 
     # 2,500 steps of the same three ops: longest-block matching pairs them off by a step.
     a = ["mul", "tanh", "add"] * 2500
@@ -356,7 +356,7 @@ def test_a_loop_with_an_op_inserted_in_one_step_aligns_every_other_step():
 
 
 def test_the_cli_dispatches_diff(tmp_path, capsys):
-    from opwatch.__main__ import main
+    from opwatch.runners.cli import main
 
     x = torch.arange(4.0)
     for name, scale in (("a", 2.0), ("b", 3.0)):

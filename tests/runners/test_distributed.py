@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import opwatch
-from opwatch import ranks
-from opwatch.ops import collective_of, is_collective_op
-from opwatch.ranks import AllAnomalies, RankAnomaly, decode, encode
+from opwatch.findings import ranks
+from opwatch.core.ops import collective_of, is_collective_op
+from opwatch.findings.ranks import AllAnomalies, RankAnomaly, decode, encode
 from opwatch.render import render_combined_summary
 from opwatch.render.messages import explain
 

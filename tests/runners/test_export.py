@@ -15,9 +15,11 @@ import torch
 import opwatch
 from support import SCENARIOS
 from opwatch.checks.finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, MadeBy, Owned, Place
-from opwatch.export import _DECODERS, FORMAT, READS, VERSION, chrome_trace, decode, encode, load
-from opwatch.fact_tuples import CLASSES, fact_tuple
-from opwatch.notation import TensorMeta
+from opwatch.storage.chrome_trace import chrome_trace
+from opwatch.storage.codec import _DECODERS, decode, encode
+from opwatch.storage.jsonl import FORMAT, READS, VERSION, load
+from opwatch.core.fact_tuples import CLASSES, fact_tuple
+from opwatch.core.notation import TensorMeta
 
 import stories  # noqa: E402
 import training  # noqa: E402
@@ -108,8 +110,8 @@ def test_round_trip_is_exact(tmp_path):
     for saved_anomaly, anomaly in zip(saved.anomalies + saved.contained + saved.allowed, w.anomalies + w.contained + w.allowed):
         assert_same_anomaly(saved_anomaly, anomaly)
     # One interface: the table reads saved records as it reads live ones (no forged log entry).
-    assert all(isinstance(r, opwatch.records.BaseRecord) and not hasattr(r, "_entry") for r in saved.records)
-    assert all(isinstance(a, opwatch.anomaly.BaseAnomaly) for a in saved.anomalies + w.anomalies)
+    assert all(isinstance(r, opwatch.core.records.BaseRecord) and not hasattr(r, "_entry") for r in saved.records)
+    assert all(isinstance(a, opwatch.findings.anomaly.BaseAnomaly) for a in saved.anomalies + w.anomalies)
     # A saved anomaly points at the saved record of its op, as a live one does.
     assert all(any(a.record is r for r in saved.records) for a in saved.anomalies)
 
@@ -331,7 +333,7 @@ def test_a_log_cut_short_is_refused_naming_what_its_header_promised(tmp_path):
 
 
 def test_show_of_a_log_cut_short_exits_1_with_one_line(tmp_path, capsys):
-    from opwatch.__main__ import main
+    from opwatch.runners.cli import main
 
     with opwatch.watch(warn=False) as w:
         stories.broadcast_loss()
@@ -486,7 +488,7 @@ loss.backward()
 
 
 def test_cli_writes_both_exports_and_shows_a_saved_log(tmp_path, capsys):
-    from opwatch.__main__ import main
+    from opwatch.runners.cli import main
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -510,7 +512,7 @@ def test_cli_writes_both_exports_and_shows_a_saved_log(tmp_path, capsys):
 # -- one anomaly interface ----------------------------------------------------------------------
 
 
-class OneRecord(opwatch.records.BaseRecord):
+class OneRecord(opwatch.core.records.BaseRecord):
     """A record with only the primitive accessors, as another kind of record has them."""
 
     index, module, phase, forward_func, args, flags, rank, label = 5, None, "forward", None, (), (), None, None
@@ -518,13 +520,13 @@ class OneRecord(opwatch.records.BaseRecord):
     outputs = (TensorMeta((4,), torch.float32, torch.device("cpu"), 2),)
 
     def __init__(self, func):
-        from opwatch.sites import Position
+        from opwatch.core.sites import Position
 
         self.func = func
         self.position = Position(str(SCENARIOS / "stories.py"), 3)
 
 
-class OneAnomaly(opwatch.anomaly.BaseAnomaly):
+class OneAnomaly(opwatch.findings.anomaly.BaseAnomaly):
     """What a subclass must provide: ``finding`` and ``record``."""
 
     def __init__(self, finding, record):

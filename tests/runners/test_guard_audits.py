@@ -348,10 +348,11 @@ def test_opwatch_guard_is_the_function_in_a_fresh_process():
         "assert inspect.isfunction(opwatch.guard), opwatch.guard\n"
         "from opwatch import guard\n"
         "assert guard is opwatch.guard\n"
-        "from opwatch.guard import Guarded\n"
-        "assert inspect.isfunction(opwatch.guard) and Guarded.__module__ == 'opwatch.guard'\n"
+        "from opwatch.runners.guarded import Guarded\n"
+        "assert inspect.isfunction(opwatch.guard) and Guarded.__module__ == 'opwatch.runners.guarded'\n"
         "print('ok')\n"
     )
-    for first in ("", "from opwatch import guard as g\nassert callable(g)\n"):
+    # the leave-on runner (--guard, the trainers' guard mode) imports the guard's modules first
+    for first in ("", "from opwatch import guard as g\nassert callable(g)\n", "import opwatch.runners.leave_on\n"):
         done = subprocess.run([sys.executable, "-c", first + code], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

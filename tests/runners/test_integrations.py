@@ -36,7 +36,7 @@ def assert_one_broadcast_per_step(callback, phases=("forward", "backward")):
 
 
 def test_lightning_fit(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
     callback = OpwatchCallback(file=out, warn=False)
@@ -59,7 +59,7 @@ def test_lightning_fit(tmp_path):
 
 
 def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
     callback = OpwatchCallback(strict=True, file=out, warn=False, last=3)
@@ -76,7 +76,7 @@ def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):
 
 
 def test_transformers_train(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
     callback = OpwatchCallback(file=out, warn=False)
@@ -94,7 +94,7 @@ def test_transformers_train(tmp_path):
 
 
 def test_transformers_strict_stops_at_the_first_anomaly(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
     callback = OpwatchCallback(strict=True, file=out, warn=False)
@@ -110,7 +110,7 @@ def test_transformers_strict_stops_at_the_first_anomaly(tmp_path):
 def test_frameworks_are_imported_only_when_used():
     code = (
         "import sys\n"
-        "import opwatch.integrations.lightning, opwatch.integrations.transformers, opwatch.integrations.tensorboard\n"
+        "import opwatch.runners.lightning, opwatch.runners.transformers, opwatch.runners.tensorboard\n"
         "print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules, 'transformers' in sys.modules,\n"
         "      'tensorboard' in sys.modules, 'torch.utils.tensorboard' in sys.modules)\n"
     )

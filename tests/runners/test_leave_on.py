@@ -311,7 +311,7 @@ def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=Non
 
 @pytest.mark.parametrize("bug, kind", [("broadcast", "broadcast"), ("float64", "dtype_mismatch")])
 def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     lightning_guard(tmp_path, callback, bug=bug)
@@ -321,7 +321,7 @@ def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
 
 
 def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     with pytest.raises(RuntimeError):  # the mix fails in eager too: the audit names it first
@@ -331,7 +331,7 @@ def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
 
 
 def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     lightning_guard(tmp_path, callback, steps=4, data=steady_data(14))  # batches of 4, 4, 4, 2
@@ -340,8 +340,8 @@ def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
 
 
 def test_lightning_guard_names_a_nan_first_made_at_step_k_and_strict_keeps_the_weights(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
-    from opwatch.leave_on import GradientsNotFinite
+    from opwatch.runners.lightning import OpwatchCallback
+    from opwatch.runners.leave_on import GradientsNotFinite
 
     callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
     with pytest.raises(GradientsNotFinite) as raised:
@@ -351,7 +351,7 @@ def test_lightning_guard_names_a_nan_first_made_at_step_k_and_strict_keeps_the_w
 
 
 def test_lightning_guard_without_strict_names_the_origin_at_the_next_step(tmp_path):
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: the gradients about to be applied hold nan/inf"):
@@ -395,7 +395,7 @@ def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad
 
 
 def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
     callback = OpwatchCallback(mode="guard", warn=False, file=out)
@@ -406,8 +406,8 @@ def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
 
 
 def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
-    from opwatch.leave_on import GradientsNotFinite
+    from opwatch.runners.transformers import OpwatchCallback
+    from opwatch.runners.leave_on import GradientsNotFinite
 
     callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
     with pytest.raises(GradientsNotFinite) as raised:
@@ -416,7 +416,7 @@ def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
 
 
 def test_guard_trainer_replays_the_failing_batch_and_names_the_origin(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+    from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     with pytest.raises(opwatch.AnomalyError) as raised:
@@ -426,7 +426,7 @@ def test_guard_trainer_replays_the_failing_batch_and_names_the_origin(tmp_path):
 
 
 def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback, guard_trainer
+    from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
     guarded = []
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
@@ -438,7 +438,7 @@ def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
 
 
 def test_a_bad_mode_is_a_value_error_naming_the_modes():
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     with pytest.raises(ValueError, match="'watch', 'guard'"):
         OpwatchCallback(mode="fast")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from opwatch import pytest_plugin
-from opwatch.pytest_plugin import Settings, layered_settings
+from opwatch.runners import pytest_plugin
+from opwatch.runners.pytest_plugin import Settings, layered_settings
 
 TESTS = textwrap.dedent(
     """
@@ -108,7 +108,7 @@ def run_pytest(tmp_path: Path, *args: str, env: dict | None = None, ini: str | N
 def expect_under_watch(outcomes: dict, *, strict: bool) -> None:
     anomalous = outcomes.pop("test_anomalous")
     if strict:
-        assert anomalous[0] == "failure" and anomalous[1].startswith("opwatch.anomaly.AnomalyError: broadcast in aten.sub.Tensor")
+        assert anomalous[0] == "failure" and anomalous[1].startswith("opwatch.findings.anomaly.AnomalyError: broadcast in aten.sub.Tensor")
     else:
         assert anomalous == ("failure", "Failed: opwatch: 1 anomaly at 1 place in this test (see 'Captured opwatch call' below)")
     strict_marker = outcomes.pop("test_strict_marker")

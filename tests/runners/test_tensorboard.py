@@ -53,7 +53,7 @@ def assert_counts_are(scalars, counts, prefix="opwatch/"):
 
 
 def test_metrics_are_the_watch_counts_by_kind():
-    from opwatch.integrations import metrics
+    from opwatch.runners.trainers import metrics
 
     model = torch.nn.Linear(2, 1)
     with opwatch.watch(warn=False) as w:
@@ -85,7 +85,7 @@ def test_counts_keep_what_max_records_drops():
 def test_log_counts_into_a_summary_writer(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from opwatch.integrations.tensorboard import log_counts
+    from opwatch.runners.tensorboard import log_counts
 
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -111,7 +111,7 @@ def test_log_counts_into_a_summary_writer(tmp_path):
 
 
 def test_a_writer_that_fails_is_told_once_and_the_program_goes_on():
-    from opwatch.integrations.tensorboard import OptimizerStepCounts
+    from opwatch.runners.tensorboard import OptimizerStepCounts
 
     class FullDisk:
         def add_scalar(self, tag, value, step):
@@ -142,7 +142,7 @@ def test_lightning_counts_reach_the_tensorboard_logger(tmp_path, loss):
     pytest.importorskip("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(file=io.StringIO(), warn=False)
     lightning_fit(tmp_path, callback, loss=loss, logger=TensorBoardLogger(tmp_path))
@@ -162,7 +162,7 @@ def test_lightning_logs_the_final_counts_when_the_last_batches_were_not_logged(t
     pytest.importorskip("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(file=io.StringIO(), warn=False)
     lightning_fit(tmp_path, callback, logger=TensorBoardLogger(tmp_path), log_every_n_steps=2)
@@ -177,7 +177,7 @@ def test_lightning_guard_mode_logs_steps_audits_and_failures(tmp_path):
     pytest.importorskip("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", file=io.StringIO(), warn=False)
     lightning_fit(tmp_path, callback, logger=TensorBoardLogger(tmp_path))
@@ -195,7 +195,7 @@ def test_lightning_guard_mode_logs_steps_audits_and_failures(tmp_path):
 
 
 def test_transformers_counts_reach_the_report_to_tensorboard(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     callback = OpwatchCallback(file=io.StringIO(), warn=False)
     trainer = transformers_train(tmp_path, callback, report_to=["tensorboard"])
@@ -212,7 +212,7 @@ def test_transformers_counts_reach_the_report_to_tensorboard(tmp_path):
 
 
 def test_transformers_healthy_tiny_model_logs_zero(tmp_path):
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     model, inputs = hf_models.build("bert", "sdpa")
     rows = [{name: value[row] for name, value in inputs.items()} for row in range(hf_models.BATCH)]
@@ -254,7 +254,7 @@ def run_cli(tmp_path, script, *options, capsys=None):
         result = subprocess.run([sys.executable, "-m", "opwatch", *argv], capture_output=True, text=True, timeout=120)
         status, stderr = result.returncode, result.stderr
     else:
-        from opwatch.__main__ import main
+        from opwatch.runners.cli import main
 
         status, stderr = main(argv), capsys.readouterr().err
     assert status == 0, stderr
@@ -294,7 +294,7 @@ def test_cli_writes_the_final_counts_of_a_script_without_an_optimizer(tmp_path, 
 def test_cli_without_tensorboard_installed_is_a_usage_error(tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from opwatch.__main__ import main
+    from opwatch.runners.cli import main
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

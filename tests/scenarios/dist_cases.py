@@ -179,7 +179,7 @@ def mismatch(rank, world):
     """The collective-mismatch check: quiet on matching calls, off by default, and a mismatch
     raises in strict() on every rank before the collective runs (so before the hang)."""
     from opwatch.checks import collectives
-    from opwatch.collective_ops import group_store
+    from opwatch.core.collective_ops import group_store
 
     with opwatch.watch(warn=False) as w:
         dist.all_reduce(torch.ones(4))

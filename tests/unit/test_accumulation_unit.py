@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from opwatch.checks import accumulation
-from opwatch.notation import TensorMeta
-from opwatch.ops import facts_of
+from opwatch.core.notation import TensorMeta
+from opwatch.core.ops import facts_of
 from opwatch.render.messages import explain
 from support.helpers import StubContext
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import opwatch
-from opwatch.allow import parse_allow
+from opwatch.findings.allow import parse_allow
 
 from support.helpers import line_of
 
@@ -187,7 +187,7 @@ def test_where_with_a_folder_matches_the_same_file_from_any_working_directory(tw
 
 
 def test_where_matching_rule():
-    from opwatch.allow import where_matches
+    from opwatch.findings.allow import where_matches
 
     file = "/home/me/proj/src/train.py"
     assert where_matches("src/train.py:42", file, 42, "elsewhere.py:1")

@@ -7,7 +7,7 @@ import torch
 
 from support.helpers import PRODUCER, StubContext
 from opwatch.checks import broadcast, device, dtype
-from opwatch.notation import TensorMeta
+from opwatch.core.notation import TensorMeta
 from opwatch.render.messages import explain
 
 aten = torch.ops.aten

@@ -34,7 +34,7 @@ def _extension():
 def test_every_public_name_is_in_the_api_reference():
     docs = _extension()
     names = docs.public_names()
-    assert "opwatch.watch" in names and "opwatch.integrations.lightning.OpwatchCallback" in names
+    assert "opwatch.watch" in names and "opwatch.runners.lightning.OpwatchCallback" in names
     missing = [name for name in names if name not in docs.documented_in_sources(str(DOCS))]
     assert missing == [], f"add an auto* directive to docs/api.rst for: {missing}"
 
@@ -56,7 +56,7 @@ def test_the_build_warns_for_a_public_name_missing_from_the_reference(caplog):
 
 
 def test_every_pytest_option_is_on_the_pytest_page():
-    from opwatch import pytest_plugin
+    from opwatch.runners import pytest_plugin
 
     names = []
 

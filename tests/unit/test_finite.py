@@ -1,11 +1,11 @@
-"""opwatch.finite: the fused finiteness check guard and leave-on share."""
+"""opwatch.core.finite: the fused finiteness check guard and leave-on share."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from opwatch.finite import FusedFiniteCheck, finite_by_device
+from opwatch.core.finite import FusedFiniteCheck, finite_by_device
 from support import CountingMode
 
 
@@ -76,7 +76,7 @@ def test_finite_by_device_finds_a_non_finite_value_and_an_empty_list_is_finite()
 
 
 def test_nonfinite_kind_says_nan_before_inf_and_reads_sparse_values():
-    from opwatch.finite import nonfinite_kind
+    from opwatch.core.finite import nonfinite_kind
 
     assert nonfinite_kind(torch.tensor([1.0, float("inf"), float("nan")])) == "nan"
     assert nonfinite_kind(torch.tensor([-float("inf")], dtype=torch.bfloat16)) == "inf"

@@ -12,7 +12,7 @@ from opwatch.checks.nonfinite.origin import LeafRecipe, MovedRecipe
 from opwatch.checks.nonfinite.replay import Flags
 from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
-from opwatch.records import BACKWARD, FORWARD, M_IDENT, OpLog
+from opwatch.core.records import BACKWARD, FORWARD, M_IDENT, OpLog
 
 aten = torch.ops.aten
 F32 = torch.float32

@@ -248,7 +248,7 @@ def test_importing_opwatch_does_not_import_tabulate():
 
 
 def test_bounded_cache_starts_afresh_when_full():
-    from opwatch.bounded import BoundedCache
+    from opwatch.core.bounded import BoundedCache
 
     cache = BoundedCache(3)
     for key in "abc":
@@ -265,7 +265,7 @@ def test_bounded_cache_starts_afresh_when_full():
 
 
 def test_the_log_s_tables_stay_bounded_when_every_step_brings_new_values():
-    from opwatch.records import OpLog
+    from opwatch.core.records import OpLog
 
     log = OpLog(10)
     for length in range(5000):  # a new sequence length every step
@@ -282,10 +282,10 @@ def test_the_log_s_tables_stay_bounded_when_every_step_brings_new_values():
 
 
 def test_a_record_of_another_kind_gets_the_derived_fields_from_the_interface():
-    from opwatch.notation import TensorMeta
-    from opwatch.records import BaseRecord
+    from opwatch.core.notation import TensorMeta
+    from opwatch.core.records import BaseRecord
     from opwatch.render import render_table
-    from opwatch.sites import Position
+    from opwatch.core.sites import Position
 
     class Plain(BaseRecord):  # only the primitive accessors, as another record kind has them
         index, func, module, phase, forward_func, args, flags, rank, label = 3, "aten.mm.default", None, "forward", None, (), (), None, None
@@ -301,7 +301,7 @@ def test_a_record_of_another_kind_gets_the_derived_fields_from_the_interface():
 
 
 def test_live_records_share_the_interface():
-    from opwatch.records import BaseRecord, short_op_name
+    from opwatch.core.records import BaseRecord, short_op_name
 
     w = watched_step()
     record = w.records[0]

@@ -13,7 +13,7 @@ import torch
 
 import opwatch
 from support import SCENARIOS, assert_golden, needs_columns
-from opwatch.notation import format_dtype, format_meta
+from opwatch.core.notation import format_dtype, format_meta
 
 import stories  # noqa: E402
 import training  # noqa: E402

@@ -1,8 +1,8 @@
 """The written rules of CONTRIBUTING, kept true by parsing the package (no import, no torch):
 
-- arrows one way: a module imports only modules of its own layer or below (``LAYERS``), and no
+- arrows one way: a module imports only modules of its own layer or below (``FLOORS``: the folders), and no
   import cycle, counting imports inside functions;
-- private torch APIs only in ``opwatch/compat.py``;
+- private torch APIs only in ``opwatch/core/compat.py``;
 - every sentence a user reads is built in ``opwatch/render/``: no prose literal elsewhere,
   except where the rule says why (errors for bad arguments, raised where they are validated;
   command-line help).
@@ -17,19 +17,30 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
 
-# Bottom to top. A module may import its own layer or lower ones; packages by prefix.
-LAYERS = [
-    {"opwatch.compat", "opwatch.notation", "opwatch.ops", "opwatch.bounded", "opwatch.fact_tuples"},
-    {"opwatch.sites", "opwatch.records", "opwatch.collective_ops", "opwatch.finite"},
-    {"opwatch.checks", "opwatch.modes"},
-    {"opwatch.render"},
-    {"opwatch.anomaly", "opwatch.report", "opwatch.allow"},
-    {"opwatch.ranks", "opwatch.distributed", "opwatch.export"},
-    {"opwatch.session"},
-    {"opwatch.guard", "opwatch.divergence", "opwatch.leave_on", "opwatch.__main__", "opwatch.cli_diff",
-     "opwatch.pytest_plugin", "opwatch.integrations", "opwatch.examples"},
-    {"opwatch"},  # the package's face re-exports the public names
+# The floors, bottom to top, are the package's folders (and its few top-level files): a module
+# may import its own floor or lower ones. A new folder must be placed here, so the tree and the
+# rule cannot drift apart.
+FLOORS = [
+    {"opwatch._version"},  # a leaf: any floor may name the version
+    {"opwatch.core"},  # facts about torch and the op log: no watch state
+    {"opwatch.checks"},  # one check a module: facts in, findings out
+    {"opwatch.render"},  # every sentence a user reads
+    {"opwatch.modes"},  # the private dispatch modes: the hot path
+    {"opwatch.findings"},  # findings become anomalies, warnings, raises; across ranks
+    {"opwatch.storage"},  # saved runs: the fact codec, JSON Lines, Chrome traces
+    {"opwatch.session"},  # watch(), strict(), Watch: the public object
+    {"opwatch.runners", "opwatch.examples"},  # what users run: guard, leave-on, CLI, pytest, trainers, diff
+    {"opwatch", "opwatch.__main__"},  # the package's face re-exports the public names
 ]
+
+
+def test_every_folder_is_a_floor():
+    folders = {f"opwatch.{path.name}" for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    files = {f"opwatch.{path.stem}" for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+    placed = set().union(*FLOORS)
+    assert folders | files <= placed, f"not on a floor of tests/unit/test_rules.py: {sorted((folders | files) - placed)}"
+    assert not (placed - folders - files - {"opwatch"}), f"floors naming no folder: {sorted(placed - folders - files - {'opwatch'})}"
+
 
 # Private torch modules that are the documented way to extend torch.
 PUBLIC_PRIVATE_MODULES = {"torch.utils._python_dispatch"}
@@ -84,7 +95,7 @@ def imports() -> dict[str, set[str]]:
 
 def layer_of(name: str) -> int:
     best, best_length = None, -1
-    for number, layer in enumerate(LAYERS):
+    for number, layer in enumerate(FLOORS):
         for prefix in layer:
             if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_length:
                 best, best_length = number, len(prefix)
@@ -169,7 +180,7 @@ def private_torch_uses(path: pathlib.Path) -> list[str]:
 def test_private_torch_apis_only_in_compat():
     found = []
     for name, path in modules().items():
-        if name != "opwatch.compat":
+        if name != "opwatch.core.compat":
             found += private_torch_uses(path)
     assert not found, "\n".join(found)
 
@@ -227,8 +238,7 @@ def prose_outside_render() -> dict[str, list]:
 # Modules that write text a user reads for a reason the render package cannot serve.
 PROSE_ALLOWED = {
     # The one-op repro script opwatch writes is Python source, not a message.
-    "opwatch.repro": "writes a Python script",
-    "opwatch.guard.repro": "writes a Python script",
+    "opwatch.runners.guarded.repro": "writes a Python script",
 }
 
 
@@ -236,11 +246,11 @@ PROSE_ALLOWED = {
 LITERALS_ALLOWED = {
     # Where a pytest setting came from, named in its usage error: the plugin must not import
     # the render package (and torch with it) while a test run does not use opwatch.
-    ("opwatch.pytest_plugin", "the ini file"),
-    ("opwatch.pytest_plugin", "the command line"),
+    ("opwatch.runners.pytest_plugin", "the ini file"),
+    ("opwatch.runners.pytest_plugin", "the command line"),
     # What the Chrome trace's timestamps are, in its metadata for the trace viewers.
-    ("opwatch.export", "perf_counter_ns around each kernel"),
-    ("opwatch.export", "synthetic: op index, 1 us per op"),
+    ("opwatch.storage.chrome_trace", "perf_counter_ns around each kernel"),
+    ("opwatch.storage.chrome_trace", "synthetic: op index, 1 us per op"),
     # The label of a site with no line (a name, stored in the log like a file name).
     ("opwatch.modes.reducer", "{}end of backward"),
 }
@@ -286,8 +296,8 @@ def test_the_prose_detector_itself(tmp_path, source, count):
 CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.render.table": 2,  # the first and last row of a run
     "opwatch.render.summary": 3,  # the first line of a message
-    "opwatch.__main__": 5,  # sys.argv[0], string parts, the user's last frame
-    "opwatch.allow": 2,
+    "opwatch.runners.cli": 5,  # sys.argv[0], string parts, the user's last frame
+    "opwatch.findings.allow": 2,
     "opwatch.checks.broadcast": 12,
     "opwatch.checks.device": 13,
     "opwatch.checks.dtype": 8,
@@ -298,30 +308,31 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.checks": 2,  # the last entry logged (entries[-1]); an op's first input (inputs[0])
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
-    "opwatch.collective_ops": 2,
-    "opwatch.divergence": 1,
+    "opwatch.core.collective_ops": 2,
+    "opwatch.runners.divergence": 1,
     "opwatch.examples.device_mix": 1,
-    "opwatch.export": 5,  # the first/last line, the first record, a version string's part
-    "opwatch.guard": 2,
-    "opwatch.finite": 1,  # the first checked tensor: the device of the flags
-    "opwatch.guard.replay": 3,
-    "opwatch.guard.repro": 5,
-    "opwatch.integrations": 3,
-    "opwatch.integrations.transformers": 1,
-    "opwatch.leave_on": 6,
+    "opwatch.storage.jsonl": 3,  # the first/last line, a version string's part
+    "opwatch.storage.chrome_trace": 2,  # the first record: the trace's time origin
+    "opwatch.runners.guarded": 2,
+    "opwatch.core.finite": 1,  # the first checked tensor: the device of the flags
+    "opwatch.runners.guarded.replay": 3,
+    "opwatch.runners.guarded.repro": 5,
+    "opwatch.runners.trainers": 3,
+    "opwatch.runners.transformers": 1,
+    "opwatch.runners.leave_on": 6,
     "opwatch.modes.interceptor": 8,
     "opwatch.modes.modules": 6,  # the innermost module call (self._stack[-1], 4); sys.exc_info()[0] (2)
     "opwatch.modes.reducer": 1,
-    "opwatch.ops": 3,
+    "opwatch.core.ops": 3,
     "opwatch.checks.accumulation": 8,  # self is an op's first tensor; the first odd operand
-    "opwatch.pytest_plugin": 3,
-    "opwatch.records": 1,
+    "opwatch.runners.pytest_plugin": 3,
+    "opwatch.core.records": 1,
     "opwatch.render.broadcast": 2,
     "opwatch.render.dtype": 5,
     "opwatch.render.guard": 4,
     "opwatch.render.notices": 1,
     "opwatch.render.ranks": 12,
-    "opwatch.sites": 1,
+    "opwatch.core.sites": 1,
 }
 # Names (variables, attributes, facts keys) that hold one tuple of facts: never read by position.
 FACT_TUPLE_NAMES = {

@@ -16,10 +16,10 @@ import weakref
 
 import torch
 
-from ...compat import no_python_dispatch, unbox_work
-from ...collective_ops import on_completion
-from ...ops import WRAP, collective_of, facts_of
-from ...records import E_FUNC, E_INDEX, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
+from ...core.compat import no_python_dispatch, unbox_work
+from ...core.collective_ops import on_completion
+from ...core.ops import WRAP, collective_of, facts_of
+from ...core.records import E_FUNC, E_INDEX, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
 from .rules import COMPLEX, checkable
 
 __all__ = ["CollectiveReads", "delivered"]

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from ...ops import facts_of
-from ...records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ...core.ops import facts_of
+from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import Finding, Place
 from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
 

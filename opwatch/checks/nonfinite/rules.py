@@ -3,7 +3,7 @@
 Only dense strided tensors of float16/bfloat16/float32/float64/complex dtypes on a real device
 are checked: meta, fake, sparse, nested, quantized, zero tensors and subclasses are skipped.
 What an op *is* (a view, a lift, value-preserving, masking, ...) is asked of
-:func:`opwatch.ops.facts_of`; this module holds only what is particular to nan/inf.
+:func:`opwatch.core.ops.facts_of`; this module holds only what is particular to nan/inf.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from ...compat import is_zerotensor
-from ...fact_tuples import fact_tuple
-from ...records import E_ARGS
+from ...core.compat import is_zerotensor
+from ...core.fact_tuples import fact_tuple
+from ...core.records import E_ARGS
 
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",

@@ -16,9 +16,9 @@ from itertools import islice
 
 import torch
 
-from ...compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
-from ...ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
-from ...records import E_INDEX, M_DEVICE, M_DTYPE
+from ...core.compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
+from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
+from ...core.records import E_INDEX, M_DEVICE, M_DTYPE
 from .collectives import CollectiveReads
 from .origin import Origin, fill_unknown_ranges, headroom_risks
 from .replay import Flags, Origins

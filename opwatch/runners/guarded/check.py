@@ -1,7 +1,7 @@
 """The fused finiteness check of a healthy step: the tensors (and floats) it returned and the
 parameters' gradients, one host read.
 
-The check is :class:`opwatch.finite.FusedFiniteCheck` (GradScaler's kernel over the
+The check is :class:`opwatch.core.finite.FusedFiniteCheck` (GradScaler's kernel over the
 gradients, given the largest magnitude of each returned tensor). A returned CPU scalar (the
 usual loss) is read on the host instead: there a read waits for nothing and costs a few
 microseconds, where a norm kernel right after a backward costs tens.
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
+from ...core.finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
 from .snapshot import leaves
 
 _Tensor = torch.Tensor
@@ -23,7 +23,7 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class FiniteCheck:
-    """Checks steps' results and gradients (:class:`opwatch.finite.FusedFiniteCheck`, its
+    """Checks steps' results and gradients (:class:`opwatch.core.finite.FusedFiniteCheck`, its
     flags kept from call to call). ``scaler``: a GradScaler whose overflow steps are its
     business (gradients left unchecked)."""
 

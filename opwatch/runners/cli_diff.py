@@ -16,7 +16,7 @@ __all__ = ["run_diff"]
 def run_diff(argv: list[str], out=None) -> int:
     """Compare two logs written with ``python -m opwatch --fingerprints --jsonl PATH``."""
     from .divergence import diff
-    from .render import diff as words
+    from ..render import diff as words
 
     out = out if out is not None else sys.stdout
     parser = argparse.ArgumentParser(

@@ -1,9 +1,7 @@
-"""A watch's log written to files other tools read, and read back.
+"""A watch's log as JSON Lines, and read back.
 
 - :func:`write_jsonl` / :func:`load`: JSON Lines, one object a line; :func:`load` gives a
   read-only :class:`SavedLog` that prints the same table and summary as the watch that wrote it.
-- :func:`write_chrome_trace`: Chrome trace-event JSON, as ``torch.profiler`` writes it, for
-  Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``.
 
 The JSON Lines file (format version 3)::
 
@@ -25,20 +23,7 @@ field. The header's ``rank`` is the watch's (``null`` outside a ``torch.distribu
 An anomaly stores its finding's FACTS, never its text: :func:`load` renders every message
 again from them with the same code as the live watch, so a saved anomaly reads as the live one
 did (paths shown relative to the working directory, as the watch shows them). Values go through
-one codec (:func:`encode` / :func:`decode`), for any rule's facts: numbers, strings, booleans
-and None as they are; tuples as JSON arrays; non-finite floats as ``"nan"``/``"inf"``/``"-inf"``
-(and a string that reads like one as ``{"str": ...}``); everything else as a one-key object
-naming its kind: ``{"list": [...]}``, ``{"dict": {...}}`` (string keys) or ``{"pairs": [[k, v],
-...]}``, ``{"dtype": "float32"}``, ``{"device": "cuda:0"}``, ``{"layout": ...}``,
-``{"memory_format": ...}``, ``{"complex": [re, im]}``, ``{"size": [...]}`` (``torch.Size``),
-a named tuple of facts as ``{tag: [items]}`` (its tag registered by
-:func:`~opwatch.fact_tuples.fact_tuple`: ``{"meta": [shape, dtype, device, ident]}`` for a
-:class:`~opwatch.notation.TensorMeta`, ``{"place": [op, filename, lineno, phase, label]}`` for
-a :class:`~opwatch.checks.finding.Place`, ``{"made_by": [...]}`` for where an operand was made),
-``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for anything else (read
-back as that text). Tensor metadata tuples ``(shape, dtype, device, ident)`` are tuples of these;
-other tuple and list types (a named tuple not registered) are written as their items and read
-back as plain tuples: register a new kind of fact tuple that must keep its type.
+the one codec, :mod:`opwatch.storage.codec`.
 
 Version 1 files (which stored the messages' text) are not read: :func:`load` names the versions
 it reads.
@@ -47,39 +32,22 @@ it reads.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
+
 import torch
 
-from .anomaly import BaseAnomaly
-from .bounded import BoundedCache
-from .checks import fingerprints
-from .checks.finding import Finding
-from .fact_tuples import CLASSES, TAGS
-from .notation import TensorMeta, format_meta
-from .records import BaseRecord, short_op_name
+from ..checks import fingerprints
+from ..core.records import BaseRecord
+from ..findings.anomaly import BaseAnomaly
+from .codec import decode, encode, finding_fields, finding_from_fields, meta_fields, meta_from_fields, op_named
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "READS",
-    "write_jsonl",
-    "load",
-    "encode",
-    "decode",
-    "write_chrome_trace",
-    "SavedLog",
-    "SavedRecord",
-    "SavedAnomaly",
-    "SavedPosition",
-]
+__all__ = ["FORMAT", "VERSION", "READS", "write_jsonl", "load", "SavedLog", "SavedRecord", "SavedAnomaly", "SavedPosition"]
 
 FORMAT = "opwatch.jsonl"
 VERSION = 3  # 3: provenance and other fact tuples are written tagged ({"made_by": [...]})
 READS = (3,)  # the format versions load() reads
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
 
 
@@ -90,7 +58,7 @@ def write_jsonl(watch, path) -> None:
     """Write ``watch``'s log to ``path``: a header, then its records, anomalies, contained
     nan/inf origins and allowed findings, one JSON object a line (see the module's docstring)."""
     records = watch.records
-    groups = _anomaly_groups(watch)
+    groups = anomaly_groups(watch)
     sites = _SiteTable()
     logged = {record.index for record in records}
     with open(path, "w", encoding="utf-8") as stream:
@@ -122,13 +90,13 @@ def write_jsonl(watch, path) -> None:
                 put(line)
 
 
-def _anomaly_groups(watch) -> dict:
+def anomaly_groups(watch) -> dict:
     """``{"anomalies": [...], "contained": [...], "allowed": [...]}``, as the watch keeps them."""
     return {name: list(getattr(watch, name, ())) for name in _GROUPS}
 
 
 def _header(watch, records: int, groups: dict) -> dict:
-    from . import __version__
+    from .._version import __version__
 
     return {
         "format": FORMAT,
@@ -143,10 +111,10 @@ def _header(watch, records: int, groups: dict) -> dict:
     }
 
 
-def _rank() -> int:
+def rank_of_process() -> int:
     """This process's rank in a ``torch.distributed`` job (see
-    :func:`opwatch.collective_ops.current_rank`), 0 outside one."""
-    from .collective_ops import current_rank
+    :func:`opwatch.core.collective_ops.current_rank`), 0 outside one."""
+    from ..core.collective_ops import current_rank
 
     rank = current_rank()
     return 0 if rank is None else rank
@@ -200,30 +168,13 @@ def _record_fields(record, sites: _SiteTable) -> dict:
         "module": record.module,
         "phase": record.phase,
         "forward_op": None if forward is None else str(forward),
-        "inputs": [_meta_fields(meta) for meta in record.inputs],
-        "outputs": None if outputs is None else [_meta_fields(meta) for meta in outputs],
+        "inputs": [meta_fields(meta) for meta in record.inputs],
+        "outputs": None if outputs is None else [meta_fields(meta) for meta in outputs],
         "args": [[name, encode(value)] for name, value in record.args],
         "flags": list(record.flags),
         "start_ns": record.start_ns,  # perf_counter_ns around the kernel
         "end_ns": record.end_ns,
     }
-
-
-def _meta_fields(meta) -> dict:
-    shape = None if meta.shape is None else [_size(size) for size in meta.shape]
-    return {"shape": shape, "dtype": _name(meta.dtype), "device": str(meta.device), "ident": meta.ident}
-
-
-def _size(size):
-    try:
-        return int(size)
-    except (TypeError, ValueError):  # a symbolic size
-        return str(size)
-
-
-def _name(value) -> str:
-    """``torch.float32`` -> ``"float32"``; also layouts and memory formats."""
-    return str(value).removeprefix("torch.")
 
 
 def _anomaly_fields(anomaly) -> dict:
@@ -233,124 +184,8 @@ def _anomaly_fields(anomaly) -> dict:
         "index": anomaly.index,
         "op": anomaly.op,
         "received": anomaly.received,
-        "finding": _finding_fields(anomaly.finding),
+        "finding": finding_fields(anomaly.finding),
     }
-
-
-def _finding_fields(finding) -> dict:
-    return {
-        "kind": finding.kind,
-        "rule": finding.rule,
-        "facts": encode(finding.facts),
-        "operands": encode(finding.operands),
-        "odd": encode(finding.odd),
-        "made": encode(finding.made),
-    }
-
-
-def _finding(fields: dict):
-    return Finding(
-        fields["kind"],
-        fields["rule"],
-        decode(fields["facts"]),
-        decode(fields["operands"]),
-        decode(fields["odd"]),
-        decode(fields["made"]),
-    )
-
-
-# -- the codec of values --------------------------------------------------------------------
-
-
-def encode(value):
-    """``value`` (a fact, an argument) as JSON data that :func:`decode` turns back into an
-    equal value of the same type (see the module's docstring for the forms)."""
-    if value is None or isinstance(value, (bool, int)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else _nonfinite_name(value)
-    if isinstance(value, str):
-        return {"str": value} if value in _NONFINITE else value
-    if type(value) is tuple:
-        return [encode(item) for item in value]
-    if type(value) is list:
-        return {"list": [encode(item) for item in value]}
-    if isinstance(value, dict):
-        if all(type(key) is str for key in value):
-            return {"dict": {key: encode(item) for key, item in value.items()}}
-        return {"pairs": [[encode(key), encode(item)] for key, item in value.items()]}
-    tagged = _encode_tagged(value)
-    if tagged is not None:
-        return tagged
-    if isinstance(value, (tuple, list)):  # another tuple or list type: its items
-        return [encode(item) for item in value]
-    return {"repr": repr(value)}
-
-
-def _encode_tagged(value) -> dict | None:
-    tag = TAGS.get(type(value))
-    if tag is not None:  # a registered named tuple of facts
-        return {tag: [encode(item) for item in value]}
-    if isinstance(value, torch.Size):
-        return {"size": [encode(item) for item in value]}
-    if isinstance(value, complex):
-        return {"complex": [encode(value.real), encode(value.imag)]}
-    for kind, tag in ((torch.dtype, "dtype"), (torch.layout, "layout"), (torch.memory_format, "memory_format")):
-        if isinstance(value, kind):
-            return {tag: _name(value)}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    if hasattr(value, "overloadpacket"):  # an OpOverload
-        return {"op": str(value)}
-    return None
-
-
-def _nonfinite_name(value: float) -> str:
-    if math.isnan(value):
-        return "nan"
-    return "inf" if value > 0 else "-inf"
-
-
-def decode(value):
-    """The value that :func:`encode` wrote as ``value``."""
-    if isinstance(value, str):
-        return _NONFINITE.get(value, value)
-    if isinstance(value, list):
-        return tuple(decode(item) for item in value)
-    if isinstance(value, dict):
-        (tag, inner), = value.items()
-        decoder = _DECODERS.get(tag)
-        if decoder is not None:
-            return decoder(inner)
-        named = CLASSES.get(tag)
-        if named is None:
-            raise ValueError(f"unknown value tag {tag!r}; the tags are {', '.join(map(repr, [*_DECODERS, *CLASSES]))}")
-        return named(*_decode_items(inner))
-    return value
-
-
-def _decode_items(inner) -> list:
-    return [decode(item) for item in inner]
-
-
-def _size_of(inner):
-    return torch.Size(_decode_items(inner))
-
-
-_DECODERS = {
-    "str": lambda inner: inner,
-    "repr": lambda inner: inner,
-    "list": _decode_items,
-    "dict": lambda inner: {key: decode(item) for key, item in inner.items()},
-    "pairs": lambda inner: {decode(key): decode(item) for key, item in inner},
-    "complex": lambda inner: complex(*_decode_items(inner)),  # [real, imag]
-    "device": lambda inner: _device(inner),
-    "dtype": lambda inner: _torch_attribute(inner),
-    "layout": lambda inner: _torch_attribute(inner),
-    "memory_format": lambda inner: _torch_attribute(inner),
-    "size": _size_of,
-    "op": lambda inner: _op(inner),
-}
 
 
 # -- reading back ---------------------------------------------------------------------------
@@ -509,7 +344,7 @@ class SavedLog:
 
     def table(self, last: int | None = None, *, tablefmt: str = "simple") -> str:
         """The op table, as :meth:`Watch.table` prints it."""
-        from .render import render_table
+        from ..render import render_table
 
         records = list(self._records)
         if last is not None:
@@ -522,7 +357,7 @@ class SavedLog:
 
     def summary(self) -> str:
         """The summary, as :meth:`Watch.summary` prints it."""
-        from .render import render_summary
+        from ..render import render_summary
 
         return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank)
 
@@ -566,7 +401,7 @@ class SavedPosition:
 
 class SavedRecord(BaseRecord):
     """One op of a saved log: the record interface of :class:`opwatch.OpRecord`
-    (:class:`~opwatch.records.BaseRecord`), read-only.
+    (:class:`~opwatch.core.records.BaseRecord`), read-only.
 
     ``func`` and ``forward_func`` are the ``OpOverload`` where this torch has that op, else
     its name; tensors' dtypes and devices are torch's objects where this torch knows them.
@@ -577,9 +412,9 @@ class SavedRecord(BaseRecord):
     def __init__(self, fields: dict, position: SavedPosition, rank: int | None = None):
         self._fields = fields
         self.position = position
-        self.inputs = tuple(_meta(meta) for meta in fields["inputs"])
+        self.inputs = tuple(meta_from_fields(meta) for meta in fields["inputs"])
         outputs = fields["outputs"]
-        self.outputs = None if outputs is None else tuple(_meta(meta) for meta in outputs)
+        self.outputs = None if outputs is None else tuple(meta_from_fields(meta) for meta in outputs)
         self.args = tuple((name, decode(value)) for name, value in fields["args"])
         self.rank = rank
 
@@ -601,249 +436,27 @@ class SavedRecord(BaseRecord):
 
     @property
     def func(self):
-        return _op(self._fields["op"])
+        return op_named(self._fields["op"])
 
     @property
     def forward_func(self):
         forward = self._fields["forward_op"]
-        return None if forward is None else _op(forward)
+        return None if forward is None else op_named(forward)
 
 
 class SavedAnomaly(BaseAnomaly):
     """One anomaly of a saved log: the anomaly interface of :class:`opwatch.Anomaly`
-    (:class:`~opwatch.anomaly.BaseAnomaly`). ``finding`` holds the saved facts; ``message`` is
+    (:class:`~opwatch.findings.anomaly.BaseAnomaly`). ``finding`` holds the saved facts; ``message`` is
     rendered from them as the watch rendered it."""
 
     __slots__ = ("record", "finding", "_received", "_message")
 
     def __init__(self, fields: dict, record: SavedRecord):
         self.record = record
-        self.finding = _finding(fields["finding"])
+        self.finding = finding_from_fields(fields["finding"])
         self._received = fields["received"]
 
     @property
     def received(self) -> bool:
         # As the watch judged it (a collective op this torch may not have cannot be asked).
         return self._received
-
-
-def _meta(fields: dict):
-    shape = fields["shape"]
-    return TensorMeta(
-        None if shape is None else tuple(shape),
-        _torch_attribute(fields["dtype"]),
-        _device(fields["device"]),
-        fields["ident"],
-    )
-
-
-# Names read back -> torch's objects: a few dozen dtypes and devices, one op per distinct op.
-_NAMED = BoundedCache(4096)
-
-
-def _torch_attribute(name: str):
-    """``"float32"`` -> ``torch.float32`` (dtypes, layouts, memory formats); the name itself
-    when this torch has no such attribute."""
-    return _NAMED.lookup(("attribute", name), _find_attribute)
-
-
-def _device(name: str):
-    return _NAMED.lookup(("device", name), _find_device)
-
-
-def _op(name: str):
-    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; the name when this torch does
-    not have that op."""
-    return _NAMED.lookup(("op", name), _find_op)
-
-
-def _find_attribute(key: tuple):
-    _, name = key
-    value = getattr(torch, name, None)
-    return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else name
-
-
-def _find_device(key: tuple):
-    _, name = key
-    try:
-        return torch.device(name)
-    except (RuntimeError, ValueError):
-        return name
-
-
-def _find_op(key: tuple):
-    _, name = key
-    namespace, _, rest = name.partition(".")
-    packet, _, overload = rest.partition(".")
-    try:
-        func = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-    except (AttributeError, RuntimeError):
-        return name
-    return func if str(func) == name else name
-
-
-# -- Chrome trace ---------------------------------------------------------------------------
-
-
-def write_chrome_trace(watch, path) -> None:
-    """Write ``watch``'s log to ``path`` as Chrome trace-event JSON (the format of
-    ``torch.profiler``'s ``export_chrome_trace``), for Perfetto and ``chrome://tracing``.
-
-    - one complete (``X``) event per op: its name, start and duration in microseconds, and
-      ``args`` with its inputs, outputs, line, code, module and phase;
-    - module spans: one ``X`` event per run of consecutive ops in the same module (and phase),
-      nested as the module paths are, on the same track, so ops sit inside their modules;
-    - flow arrows (``s``/``f``, category ``fwdbwd`` as torch's) joining each backward op to
-      the forward op it differentiates, drawn from the forward op to the backward op;
-    - each anomaly (and contained nan/inf origin, and allowed finding) as an instant (``i``)
-      event on its op, carrying its message.
-
-    The forward op of a backward op is the latest forward op before it with the same source
-    position, module and op as the backward op names (its ``forward_func``); a line that runs
-    the same op many times in one module (a Python loop over time steps) links each backward
-    op to the last of them.
-    """
-    with open(path, "w", encoding="utf-8") as stream:
-        json.dump(chrome_trace(watch), stream, ensure_ascii=False, allow_nan=False)
-
-
-def chrome_trace(watch) -> dict:
-    """The trace-event JSON object that :func:`write_chrome_trace` writes."""
-    from . import __version__
-    from .render import location
-
-    records = watch.records
-    pid = os.getpid()
-    tid = 1
-    rank = _rank()
-    times = _op_times(records)
-    events: list[dict] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"opwatch (rank {rank})"}},
-        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
-        {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "ops"}},
-    ]
-    # Module spans before ops: a span and its first op start at the same time, and viewers
-    # nest events of equal start and length in file order.
-    events += _module_spans(records, times, pid, tid)
-    for record, (ts, dur) in zip(records, times):
-        outputs = record.outputs
-        args = {
-            "index": record.index,
-            "inputs": [format_meta(meta) for meta in record.inputs],
-            "outputs": "not run" if outputs is None else [format_meta(meta) for meta in outputs],
-            "line": location(record),
-            "code": record.position.expression() or record.position.line_text(),
-            "module": record.module,
-            "phase": record.phase,
-        }
-        if record.forward_func is not None:
-            args["forward op"] = short_op_name(record.forward_func)
-        if record.flags:
-            args["flags"] = list(record.flags)
-        events.append({"ph": "X", "cat": "op", "name": short_op_name(record.func), "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args})
-    events += _backward_flows(records, times, pid, tid)
-    start_of = {record.index: ts for record, (ts, _) in zip(records, times)}
-    categories = {"anomalies": "anomaly", "contained": "contained", "allowed": "allowed"}
-    for name, group in _anomaly_groups(watch).items():
-        category = categories[name]
-        for anomaly in group:
-            ts = start_of.get(anomaly.index)
-            if ts is None:  # its op left the bounded log
-                continue
-            events.append(
-                {
-                    "ph": "i",
-                    "s": "t",
-                    "cat": category,
-                    "name": f"{anomaly.kind}: {short_op_name(anomaly.op)}" + ("" if category == "anomaly" else f" ({category})"),
-                    "pid": pid,
-                    "tid": tid,
-                    "ts": ts,
-                    "args": {"index": anomaly.index, "message": anomaly.message},
-                }
-            )
-    timed = bool(records) and records[0].start_ns is not None
-    return {
-        "schemaVersion": 1,
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "producer": f"opwatch {__version__}",
-            "torch": torch.__version__,
-            "rank": rank,
-            "timestamps": "perf_counter_ns around each kernel" if timed else "synthetic: op index, 1 us per op",
-        },
-    }
-
-
-def _op_times(records) -> list[tuple[float, float]]:
-    """``(ts, dur)`` in microseconds for each record, from the first op's start."""
-    starts = [record.start_ns for record in records]
-    if not records or any(start is None for start in starts):
-        # No op times recorded: a synthetic clock, one microsecond per op index, so that the
-        # trace keeps the ops' order and nesting.
-        first = records[0].index if records else 0
-        return [(float(record.index - first), 1.0) for record in records]
-    origin = min(starts)
-    times = []
-    for record, start in zip(records, starts):
-        end = record.end_ns
-        # An op stopped before its kernel (strict) or whose kernel raised has no end: a 0-long event.
-        duration = 0 if end is None else max(end - start, 0)
-        times.append((round((start - origin) / 1000, 3), round(duration / 1000, 3)))
-    return times
-
-
-def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
-    """One ``X`` event per maximal run of consecutive ops of one phase inside a module path
-    (and each of its parents), from the first op's start to the last op's end."""
-    spans: list[dict] = []
-    open_spans: list[list] = []  # [path, phase, start, end], outermost first
-    path_at, phase_at, end_at = 0, 1, 3  # positions in an open span (a list: its end grows)
-
-    def close(count: int) -> None:
-        for path, phase, start, end in reversed(open_spans[len(open_spans) - count :]):
-            spans.append(
-                {"ph": "X", "cat": "module", "name": path, "pid": pid, "tid": tid, "ts": start, "dur": round(end - start, 3), "args": {"module": path, "phase": phase}}
-            )
-        del open_spans[len(open_spans) - count :]
-
-    for record, (ts, dur) in zip(records, times):
-        module = record.module
-        parts = module.split(".") if module else []
-        paths = [".".join(parts[: depth + 1]) for depth in range(len(parts))]
-        kept = 0
-        while kept < len(open_spans) and kept < len(paths) and open_spans[kept][path_at] == paths[kept] and open_spans[kept][phase_at] == record.phase:
-            kept += 1
-        close(len(open_spans) - kept)
-        end = round(ts + dur, 3)
-        for span in open_spans:
-            span[end_at] = end
-        for path in paths[kept:]:
-            open_spans.append([path, record.phase, ts, end])
-    close(len(open_spans))
-    return spans
-
-
-def _backward_flows(records, times, pid: int, tid: int) -> list[dict]:
-    """A flow arrow from each forward op to each backward op that differentiates it (see
-    :func:`write_chrome_trace` for the matching rule)."""
-    flows: list[dict] = []
-    latest_forward: dict = {}  # (position, module, op) -> ts of the latest forward op there
-    for record, (ts, _) in zip(records, times):
-        position = record.position
-        if position.filename is None:
-            continue
-        site = (position.filename, position.lineno, position.col, position.end_col, record.module)
-        if record.phase == "forward":
-            latest_forward[(*site, record.op)] = ts
-            continue
-        forward = record.forward_func
-        start = None if forward is None else latest_forward.get((*site, str(forward)))
-        if start is None:
-            continue
-        flow = len(flows) // 2 + 1
-        common = {"cat": "fwdbwd", "name": "fwdbwd", "id": flow, "pid": pid, "tid": tid}
-        flows.append({"ph": "s", "ts": start, **common})
-        flows.append({"ph": "f", "bp": "e", "ts": ts, **common})
-    return flows

@@ -1,7 +1,7 @@
 """Whether tensors hold only finite values, in one fused kernel and one host read.
 
 The one check that ``opwatch.guard`` runs after each healthy step and the leave-on runner
-(``opwatch.leave_on``) before each optimizer step: GradScaler's own kernel
+(``opwatch.runners.leave_on``) before each optimizer step: GradScaler's own kernel
 (``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1, which writes every value
 back unchanged) over the tensors of one device, its found-inf flag kept from call to call.
 Tensors the kernel must not write (a returned loss, gradients that are part of a graph) join

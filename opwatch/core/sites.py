@@ -39,7 +39,7 @@ _SITE_PACKAGES = "site-packages"
 # Model code in other packages (a transformers modeling file) stays the user's.
 WRAPPER_PACKAGES = frozenset({"typing_extensions", "wrapt", "decorator", "deprecated", "deprecation"})
 _PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-_OPWATCH_DIR = os.path.dirname(__file__) + os.sep
+_OPWATCH_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # opwatch/
 # The demo's scripts ship inside the package but are user code.
 _EXAMPLES_DIR = _OPWATCH_DIR + "examples" + os.sep
 

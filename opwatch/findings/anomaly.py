@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .checks.finding import Finding
-from .ops import is_collective_op
-from .records import OpRecord
+from ..checks.finding import Finding
+from ..core.ops import is_collective_op
+from ..core.records import OpRecord
 
 __all__ = ["BaseAnomaly", "Anomaly", "AnomalyError", "OpwatchWarning"]
 
@@ -15,13 +15,13 @@ class OpwatchWarning(UserWarning):
 
 class BaseAnomaly:
     """The one anomaly interface, shared by live anomalies (:class:`Anomaly`), saved ones
-    (:class:`opwatch.export.SavedAnomaly`), replayed ones (guard) and other ranks' ones.
+    (:class:`opwatch.storage.jsonl.SavedAnomaly`), replayed ones (guard) and other ranks' ones.
 
     A subclass provides two attributes (slots, plain attributes or properties):
 
     - ``finding``: the :class:`~opwatch.checks.finding.Finding` (its facts);
     - ``record``: the op's record, anything with the interface of
-      :class:`~opwatch.records.BaseRecord` (``func``, ``position``, ``phase``, ...).
+      :class:`~opwatch.core.records.BaseRecord` (``func``, ``position``, ``phase``, ...).
 
     Derived here from those two: ``kind``, ``op``, ``filename``, ``lineno``, ``module``,
     ``phase``, ``index``, ``rank``, ``where``, ``received`` and ``message`` (also ``str()``),
@@ -57,7 +57,7 @@ class BaseAnomaly:
             return self._message
         except AttributeError:
             pass
-        from .render import render_message
+        from ..render import render_message
 
         message = render_message(self.finding, self.record)
         try:

@@ -126,7 +126,7 @@ class OpLog:
         # decaying learning rate) must not pile up.
         self._interned = BoundedCache(4096)
         self.shapes = SharedShapes()
-        # This process's rank in a torch.distributed job (see opwatch.collective_ops); None outside one.
+        # This process's rank in a torch.distributed job (see opwatch.core.collective_ops); None outside one.
         self.rank: int | None = None
 
     def func_id(self, func) -> int:
@@ -205,7 +205,7 @@ class OpLog:
 
 class BaseRecord:
     """The one record interface, shared by live records (:class:`OpRecord`), saved ones
-    (:class:`opwatch.export.SavedRecord`) and any other view of one op.
+    (:class:`opwatch.storage.jsonl.SavedRecord`) and any other view of one op.
 
     A subclass provides these primitive attributes (plain attributes or properties):
 
@@ -217,7 +217,7 @@ class BaseRecord:
       ``start_ns`` / ``end_ns``;
     - ``position``: an object with ``filename``, ``lineno``, ``end_lineno``, ``col``,
       ``end_col`` and the methods ``line_text()``, ``expression()``, ``caret_lines()``
-      (:class:`opwatch.sites.Position`).
+      (:class:`opwatch.core.sites.Position`).
 
     Derived here, the same for every record: ``op``, ``filename``, ``lineno``, ``where``,
     :meth:`signature` and the ``repr``. Renderers read records only through this interface.
@@ -241,7 +241,7 @@ class BaseRecord:
     @property
     def where(self) -> str:
         """``train.py:23``, in the one location format of every message (made by
-        ``opwatch.sites.location``): ``autograd`` for backward ops autograd ran without a
+        ``opwatch.core.sites.location``): ``autograd`` for backward ops autograd ran without a
         forward line (gradient accumulation), ``?`` when no user frame was found."""
         return location(self)
 

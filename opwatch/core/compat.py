@@ -93,7 +93,7 @@ def version_counters(tensors) -> list:
 
 
 # torch.distributed's private pieces (torch 2.13 has them all; callers guard each use, and
-# degrade as opwatch.collective_ops says, where a torch build lacks them or distributed itself).
+# degrade as opwatch.core.collective_ops says, where a torch build lacks them or distributed itself).
 
 
 def unbox_process_group(value):

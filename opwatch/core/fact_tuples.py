@@ -1,9 +1,9 @@
 """Named tuples of facts that keep their type through the JSONL export.
 
 A finding's facts are plain data, and the ones with several parts are small named tuples read
-by field (a :class:`~opwatch.checks.finding.Place`, a :class:`~opwatch.notation.TensorMeta`,
+by field (a :class:`~opwatch.checks.finding.Place`, a :class:`~opwatch.core.notation.TensorMeta`,
 where an odd operand was made). ``@fact_tuple("place")`` registers such a class under a tag:
-the export codec (:func:`opwatch.export.encode`) writes an instance as ``{"place": [items]}``
+the export codec (:func:`opwatch.storage.codec.encode`) writes an instance as ``{"place": [items]}``
 and :func:`opwatch.load` reads it back as the same class, so a saved finding is rendered by
 the same code as a live one. A tuple type that is not registered is written as its items and
 read back as a plain tuple.

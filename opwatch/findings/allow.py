@@ -49,7 +49,7 @@ class Allow:
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"Allow({name}=...) must be a string pattern or None, got {type(value).__name__}")
             object.__setattr__(self, name, value)
-        from .checks import KINDS
+        from ..checks import KINDS
 
         if self.kind is not None and not any(fnmatchcase(kind, self.kind) for kind in KINDS):
             raise ValueError(f"Allow(kind={self.kind!r}) matches no anomaly kind; the kinds are {', '.join(map(repr, KINDS))}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import cuda_initialized, foreach_copy_, version_counter, version_counters
+from ...core.compat import cuda_initialized, foreach_copy_, version_counter, version_counters
 
 _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

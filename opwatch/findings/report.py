@@ -13,8 +13,8 @@ import warnings
 from collections import Counter, deque
 
 from .anomaly import Anomaly, AnomalyError, OpwatchWarning
-from .checks.finding import Finding
-from .records import OpRecord
+from ..checks.finding import Finding
+from ..core.records import OpRecord
 
 __all__ = ["Reporter"]
 

@@ -4,7 +4,7 @@
 Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
 optimizer step (the audit) sees them. After it the program runs with no dispatch mode, and
 each optimizer step is preceded by one fused finiteness check of the gradients it is about to
-apply (``opwatch.finite``, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
+apply (``opwatch.core.finite``, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
 so any ``torch.optim`` optimizer is seen, however the loop is written.
 
 A failing check names the step and the parameters that hold nan/inf. In strict mode it raises
@@ -29,12 +29,12 @@ from typing import NamedTuple
 
 import torch
 
-from .anomaly import OpwatchWarning
-from .compat import no_python_dispatch
-from .finite import FusedFiniteCheck, nonfinite_kind
-from .guard.audit import signature  # what an audit depends on: one definition for guard and leave-on
-from .render import leave_on as words
-from .session import Watch, strict, watch
+from ..findings.anomaly import OpwatchWarning
+from ..core.compat import no_python_dispatch
+from ..core.finite import FusedFiniteCheck, nonfinite_kind
+from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
+from ..render import leave_on as words
+from ..session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "signature", "nonfinite_names", "nonfinite_parameters"]
 

@@ -25,9 +25,9 @@ import tempfile
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compat import SKIPS_DYNAMO_PER_CODE, no_python_dispatch, skip_dynamo_for_code
-from ..finite import CHECKED_DTYPES
-from ..notation import format_meta
+from ...core.compat import SKIPS_DYNAMO_PER_CODE, no_python_dispatch, skip_dynamo_for_code
+from ...core.finite import CHECKED_DTYPES
+from ...core.notation import format_meta
 
 __all__ = ["InputCapture", "SavedCall", "write_repro"]
 
@@ -295,7 +295,7 @@ def write_repro(call: SavedCall, folder: str | None, *, about: list[str], max_by
 
 
 def _script(call: SavedCall, about: list[str], max_bytes: int) -> str:
-    from .. import __version__
+    from ..._version import __version__
 
     op = str(call.func)
     left_out = call.left_out

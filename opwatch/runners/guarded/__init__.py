@@ -37,9 +37,9 @@ from collections import deque
 
 import torch
 
-from ..anomaly import Anomaly, AnomalyError, OpwatchWarning
-from ..render import guard as words
-from ..session import Watch, _disabled_by_environment
+from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ...render import guard as words
+from ...session import Watch, _disabled_by_environment
 from . import replay as replays
 from .audit import Audits
 from .check import FiniteCheck, Raised, not_finite

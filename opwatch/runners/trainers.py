@@ -1,13 +1,13 @@
 """opwatch inside training frameworks: a callback that watches each training step.
 
-- :mod:`opwatch.integrations.lightning`: ``OpwatchCallback`` for ``lightning.Trainer``.
-- :mod:`opwatch.integrations.transformers`: ``OpwatchCallback`` for ``transformers.Trainer``.
-- :mod:`opwatch.integrations.tensorboard`: the counts into a ``SummaryWriter`` (a plain
+- :mod:`opwatch.runners.lightning`: ``OpwatchCallback`` for ``lightning.Trainer``.
+- :mod:`opwatch.runners.transformers`: ``OpwatchCallback`` for ``transformers.Trainer``.
+- :mod:`opwatch.runners.tensorboard`: the counts into a ``SummaryWriter`` (a plain
   script, ``python -m opwatch --tensorboard DIR``).
 
 Each module imports its framework only when first used, and this package imports none. Both
 callbacks keep one :class:`StepWatch` (``mode="watch"``) or one
-:class:`opwatch.leave_on.LeaveOn` (``mode="guard"``), and log :func:`metrics` (the same
+:class:`opwatch.runners.leave_on.LeaveOn` (``mode="guard"``), and log :func:`metrics` (the same
 names in every runner) to the trainer's loggers.
 """
 
@@ -29,7 +29,7 @@ def leave_on_runner(mode: str, *, strict: bool, file, **options):
         return None
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
-    from ..leave_on import LeaveOn
+    from .leave_on import LeaveOn
 
     return LeaveOn(strict_mode=strict, audit="manual", file=file, **options)
 
@@ -137,14 +137,14 @@ def metrics(source) -> dict[str, int]:
       ``nan``, ``inf``, ``overflow_risk``), for each kind found so far (a healthy run's logs
       carry the total alone, 0);
     - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
-    - guard mode (the leave-on runner, ``opwatch.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
+    - guard mode (the leave-on runner, ``opwatch.runners.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
       seen), ``opwatch/audited`` (of them, run under the full watch) and ``opwatch/failed``
       (steps whose gradients held nan/inf).
 
     ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
     ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
     """
-    from ..leave_on import LeaveOn
+    from .leave_on import LeaveOn
     from ..session import Watch
 
     if isinstance(source, WatchedSteps):

@@ -2,7 +2,7 @@
 
 The step runs again from its start (restored by :mod:`.snapshot`) on the same arguments under
 a watch that checks each op's outputs as it goes (``Watch(check_every=1)``), with an
-:class:`~opwatch.guard.repro.InputCapture` on top of it that keeps the inputs a repro needs.
+:class:`~opwatch.runners.guarded.repro.InputCapture` on top of it that keeps the inputs a repro needs.
 The judgement: for nan/inf, the earliest nan/inf origin; for an exception, the anomaly on the
 op that raised, else the first one reported (what a strict watch would have raised); and a
 one-op repro of its op, or of the op that raised.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..anomaly import Anomaly
-from ..render import guard as words
-from ..session import Watch
-from ..sites import location
+from ...findings.anomaly import Anomaly
+from ...render import guard as words
+from ...session import Watch
+from ...core.sites import location
 from .check import Raised
 from .repro import InputCapture, write_repro
 

@@ -229,7 +229,7 @@ def pytest_runtest_call(item: pytest.Item):
     except BaseException as error:
         # A strict watch's AnomalyError: its message is in the test's traceback already, so
         # the opwatch section names that anomaly in one line.
-        from .anomaly import AnomalyError
+        from ..findings.anomaly import AnomalyError
 
         raised = error if isinstance(error, AnomalyError) else None
         raise
@@ -240,7 +240,7 @@ def pytest_runtest_call(item: pytest.Item):
     if watch.anomalies:
         # The summary's first line: "opwatch: 2 anomalies at 1 place:".
         headline = summary.partition("\n")[0].rstrip(":")
-        from .render.notices import test_failed
+        from ..render.notices import test_failed
 
         pytest.fail(test_failed(headline), pytrace=False)
     return result

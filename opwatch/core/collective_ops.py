@@ -1,8 +1,8 @@
 """``torch.distributed`` below the core: this process's rank, what a collective op wrote, its
 process group, when it completes, and the store the ranks can meet in. The interceptor, the
 checks and the nan/inf tracker ask these per op; which ops are collectives is
-:func:`opwatch.ops.collective_of`. The exchange of anomalies between ranks when a watch ends
-sits above the core, in :mod:`opwatch.ranks`; the DDP reducer's site labels in
+:func:`opwatch.core.ops.collective_of`. The exchange of anomalies between ranks when a watch ends
+sits above the core, in :mod:`opwatch.findings.ranks`; the DDP reducer's site labels in
 :mod:`opwatch.modes.reducer`.
 
 **Ranks.** A watch entered while a process group exists (or under a launcher that sets ``RANK``
@@ -20,7 +20,7 @@ non-view use waits for it (``wait_tensor``, which opwatch sees only when the pro
 None of their values exist when the op returns: the nan/inf check reads them once the collective
 has completed (:func:`on_completion`).
 
-Private torch APIs, through :mod:`opwatch.compat` (torch 2.13 has them all; each use is guarded
+Private torch APIs, through :mod:`opwatch.core.compat` (torch 2.13 has them all; each use is guarded
 and degrades): ``Work.unbox`` / ``ProcessGroup.unbox`` (a ``ScriptObject`` argument or result to
 its Python object; without: the Work is not followed, outputs are read at a check point once
 used; the group is stored by class name), ``_resolve_process_group`` (a group name to its group;

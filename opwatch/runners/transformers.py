@@ -1,7 +1,7 @@
 """opwatch for Hugging Face: ``OpwatchCallback`` watches each training step of
 ``transformers.Trainer.train``.
 
-    from opwatch.integrations.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback
 
     callback = OpwatchCallback()                # strict=True: stop at the first anomaly
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 
-from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
+from .trainers import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
 
 __all__ = ["OpwatchCallback", "guard_trainer"]
 
@@ -37,7 +37,7 @@ class _Hooks(WatchedSteps):
       found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
       ``max_records`` ops of the latest steps; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of training the summary is printed (to ``file``, stderr by default).
-    - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
+    - The running counts (:func:`opwatch.runners.trainers.metrics`: ``opwatch/anomalies``, one
       ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are added to each log
       (``logging_steps``), so they reach every ``report_to`` integration (TensorBoard, W&B,
       ...), ``trainer.state.log_history`` and the progress printer. The Trainer registers
@@ -54,12 +54,12 @@ class _Hooks(WatchedSteps):
     ops and adds its note to the exception); otherwise it is closed by the next
     ``trainer.train()`` or by ``callback.close()``.
 
-    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.leave_on`): the first training
+    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.runners.leave_on`): the first training
     step runs under the full watch until its optimizer step has run; the others run with no
     dispatch mode and one fused check that the gradients are finite before each optimizer step
     (GradScaler's skipped steps never reach it). A failing check names the step and the
     parameters holding nan/inf; with ``strict=True`` it raises
-    ``opwatch.leave_on.GradientsNotFinite`` before the optimizer applies them, otherwise it
+    ``opwatch.runners.leave_on.GradientsNotFinite`` before the optimizer applies them, otherwise it
     warns and watches the next step fully to name the op that makes them. The callback sees no
     batch: to audit each new batch signature and replay a failing batch from its start, use
     :func:`guard_trainer` as well. ``callback.runner`` counts steps, audits and failures
@@ -192,7 +192,7 @@ def _load_base():
     try:
         from transformers import TrainerCallback
     except ImportError:
-        raise ImportError("opwatch.integrations.transformers needs transformers: pip install transformers") from None
+        raise ImportError("opwatch.runners.transformers needs transformers: pip install transformers") from None
     return TrainerCallback
 
 

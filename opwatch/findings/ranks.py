@@ -26,9 +26,9 @@ import warnings
 from datetime import timedelta
 
 from .anomaly import BaseAnomaly, OpwatchWarning
-from .collective_ops import RankState, store_prefix
-from .modes.reducer import ReducerSites
-from .render.ranks import collect_failed, publish_failed, render_combined_summary
+from ..core.collective_ops import RankState, store_prefix
+from ..modes.reducer import ReducerSites
+from ..render.ranks import collect_failed, publish_failed, render_combined_summary
 
 __all__ = [
     "DistributedWatch",
@@ -56,7 +56,7 @@ _blocks = itertools.count()
 
 
 class DistributedWatch(RankState):
-    """A watch in a distributed job: its :class:`~opwatch.collective_ops.RankState`, the DDP
+    """A watch in a distributed job: its :class:`~opwatch.core.collective_ops.RankState`, the DDP
     reducer's site labels (``sites``, read by the interceptor once the rank is known), once it
     ended its :class:`Exchange`, and the every-rank anomalies once all ranks reported."""
 
@@ -276,7 +276,7 @@ class RankAnomaly(BaseAnomaly):
     ``phase``, ``index``, ``message``, ``received``) plus ``rank``, ``count`` (how often it fired
     there) and ``time_ns`` (wall clock of its op). ``record`` and ``finding`` are ``None``:
     records stay on their rank, which rendered the message (both ranks run one opwatch), so the
-    attributes :class:`~opwatch.anomaly.BaseAnomaly` derives from them are given here."""
+    attributes :class:`~opwatch.findings.anomaly.BaseAnomaly` derives from them are given here."""
 
     __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "phase", "index", "received", "count", "time_ns", "message")
     record = None

@@ -1,7 +1,7 @@
 """opwatch's counts in TensorBoard, from a plain script or ``python -m opwatch --tensorboard DIR``.
 
     from torch.utils.tensorboard import SummaryWriter
-    from opwatch.integrations.tensorboard import log_counts
+    from opwatch.runners.tensorboard import log_counts
 
     writer = SummaryWriter("runs/train")
     with opwatch.watch() as w:
@@ -9,7 +9,7 @@
             train_step(model, batch)
             log_counts(writer, w, step)         # opwatch/anomalies, opwatch/anomalies/<kind>, ...
 
-The metrics are those of :func:`opwatch.integrations.metrics`, the same names the Lightning
+The metrics are those of :func:`opwatch.runners.trainers.metrics`, the same names the Lightning
 and Hugging Face callbacks log. torch's ``SummaryWriter`` (which needs the ``tensorboard``
 package) is imported only by :class:`OptimizerStepCounts`, never by ``import opwatch``.
 """
@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import warnings
 
-from ..anomaly import OpwatchWarning
+from ..findings.anomaly import OpwatchWarning
 from ..render.notices import counts_not_written
-from . import metrics
+from .trainers import metrics
 
 __all__ = ["log_counts", "OptimizerStepCounts", "summary_writer"]
 
 
 def log_counts(writer, source, step: int) -> dict[str, int]:
-    """Write :func:`opwatch.integrations.metrics` of ``source`` (an :class:`opwatch.Watch`, a
+    """Write :func:`opwatch.runners.trainers.metrics` of ``source`` (an :class:`opwatch.Watch`, a
     guard-mode ``LeaveOn``, or a trainer's ``OpwatchCallback``) to ``writer`` at global step
     ``step``, one ``writer.add_scalar(name, value, step)`` each, and return them. ``writer``:
     a ``torch.utils.tensorboard.SummaryWriter`` or anything with its ``add_scalar``

@@ -1,6 +1,6 @@
 """opwatch for Lightning: ``OpwatchCallback`` watches each training batch of ``Trainer.fit``.
 
-    from opwatch.integrations.lightning import OpwatchCallback
+    from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback()                # strict=True: stop at the first anomaly
                                                 # mode="guard": leave it on at eager speed
@@ -14,7 +14,7 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
-from . import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
+from .trainers import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
 
 __all__ = ["OpwatchCallback"]
 
@@ -28,7 +28,7 @@ class _Hooks(WatchedSteps):
       found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
       ``max_records`` ops of the latest batches; ``watch.table()``, ``watch.export_jsonl()``).
     - At the end of fit the summary is printed (to ``file``, stderr by default).
-    - The running counts (:func:`opwatch.integrations.metrics`: ``opwatch/anomalies``, one
+    - The running counts (:func:`opwatch.runners.trainers.metrics`: ``opwatch/anomalies``, one
       ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are logged each batch with
       ``LightningModule.log``, so they reach every logger of the trainer (TensorBoard, CSV,
       W&B; every ``log_every_n_steps``, like any metric logged on step), and once more at the
@@ -39,12 +39,12 @@ class _Hooks(WatchedSteps):
     - When a batch raises, the watch prints the last ``last`` ops with the failing one marked
       and adds a note to the exception, as a ``with opwatch.watch():`` block does.
 
-    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.leave_on`): the first batch and
+    ``mode="guard"`` leaves it on at eager speed (:mod:`opwatch.runners.leave_on`): the first batch and
     each batch of a new signature (nesting, shapes, dtypes, devices; at most ``max_audits``,
     default 8) run under the full watch until their optimizer step has run; the other batches
     run with no dispatch mode, and after each backward (``on_before_optimizer_step``) one fused
     check that the gradients are finite. A failing check names the step and the parameters
-    holding nan/inf; with ``strict=True`` it raises ``opwatch.leave_on.GradientsNotFinite``
+    holding nan/inf; with ``strict=True`` it raises ``opwatch.runners.leave_on.GradientsNotFinite``
     before the optimizer applies them, otherwise it warns and audits the next batch to name
     the op that makes them. ``callback.runner`` counts steps, audits and failures (logged as
     ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
@@ -124,7 +124,7 @@ def _load_base():
         try:
             from pytorch_lightning import Callback
         except ImportError:
-            raise ImportError("opwatch.integrations.lightning needs Lightning: pip install lightning") from None
+            raise ImportError("opwatch.runners.lightning needs Lightning: pip install lightning") from None
     return Callback
 
 

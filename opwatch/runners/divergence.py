@@ -33,10 +33,10 @@ import os
 from difflib import SequenceMatcher
 from typing import NamedTuple
 
-from .export import SavedLog, load
-from .ops import facts_of
-from .render.diff import render_diff, render_diff_table
-from .session import Watch
+from ..storage.jsonl import SavedLog, load
+from ..core.ops import facts_of
+from ..render.diff import render_diff, render_diff_table
+from ..session import Watch
 
 __all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
 

@@ -1,0 +1,425 @@
+"""``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
+
+    python -m opwatch [--strict] [--guard] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
+    python -m opwatch show run.jsonl [--last N] [--partial]
+    python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
+    python -m opwatch demo
+    python -m opwatch --version
+
+``opwatch`` (the console script) is the same command. Called bare, it prints the usage with
+examples.
+
+The script runs as ``python script.py args...`` would run it: ``__main__`` with an absolute
+``__file__``, ``sys.argv[0]`` the path as given, ``sys.path[0]`` the script's real directory,
+Python's warning filters, ``sys.exit`` codes and messages, the traceback of an uncaught exception
+(without opwatch's and runpy's frames) through ``sys.excepthook``, and Ctrl-C ending the process
+by SIGINT. The one difference is opwatch's report, printed to stderr at the end.
+
+``--guard`` leaves opwatch on at eager speed for a long run (:mod:`opwatch.runners.leave_on`): a full
+watch until the first optimizer step has run, then one fused finiteness check of the gradients
+before each optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import importlib.util
+import io
+import os
+import runpy
+import sys
+import traceback
+import types
+import zipfile
+from importlib.machinery import SourceFileLoader
+
+from ..findings.allow import parse_allow
+from ..findings.anomaly import AnomalyError
+from ..render.notices import DEMO_STORIES, post_mortem
+from ..render.summary import raised_above
+from ..session import _disabled_by_environment, strict, watch
+
+# Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
+# leave them out. The demo's example scripts are user programs.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # opwatch/
+_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
+_RUNPY_FILES = frozenset({"<frozen runpy>", runpy.__file__})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: ``python -m opwatch`` (or the ``opwatch`` console script)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(console=os.path.basename(sys.argv[0] or "") == "opwatch")
+    prog = parser.prog
+    if not argv:  # called bare: the usage and a few examples, as a usage error
+        print(parser.format_usage() + "\n" + parser.epilog, file=sys.stderr)
+        return 2
+    options = parser.parse_args(argv)
+    if options.last < 0:
+        parser.error("--last must be 0 or more")
+    if options.guard and options.fingerprints:
+        parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
+    if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        parser.error("--tensorboard needs the tensorboard package: pip install tensorboard")
+    checks = _checks_option(parser, options.checks)
+    try:
+        _disabled_by_environment()
+    except ValueError as error:  # a bad OPWATCH_DISABLE: one line, not a traceback
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        allow = [parse_allow(text) for text in options.allow]
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    try:
+        if options.script == "demo" and not os.path.exists("demo"):
+            return run_demo(last=options.last)
+        if options.script == "show" and not os.path.exists("show"):
+            return run_show(options.args)
+        if options.script == "diff" and not os.path.exists("diff"):
+            from .cli_diff import run_diff
+
+            return run_diff(options.args)
+        if not os.path.isfile(options.script):
+            parser.error(f"no such script: {options.script}")
+        return run_script(
+            options.script,
+            options.args,
+            strict_mode=options.strict,
+            last=options.last,
+            jsonl=options.jsonl,
+            trace=options.trace,
+            allow=allow,
+            post_mortem=options.pdb,
+            guard=options.guard,
+            fingerprints=options.fingerprints,
+            tensorboard=options.tensorboard,
+            checks=checks,
+        )
+    except KeyboardInterrupt as interrupt:
+        # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
+        # 130) once it has shut down (threads joined, atexit handlers run): re-raise the
+        # interrupt, with Python's own report of it muted, and let Python do exactly that.
+        _mute_report_of(interrupt)
+        raise
+
+
+def _parser(*, console: bool) -> argparse.ArgumentParser:
+    """The options; ``console``: named as the ``opwatch`` console script rather than ``python -m opwatch``."""
+    from .._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="opwatch" if console else "python -m opwatch",
+        description="Run a Python script with every PyTorch op watched; print the anomalies found "
+        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, 'demo' runs the built-in demo.",
+        epilog="""\
+examples:
+  {prog} train.py --epochs 1            watch every op; the anomalies at the end
+  {prog} --strict train.py              stop at the first anomaly
+  {prog} --checks device_mismatch,nonfinite train.py
+  {prog} --guard train.py               a long run at eager speed
+  {prog} --jsonl run.jsonl train.py     save the log; read it with: {prog} show run.jsonl
+  {prog} diff a.jsonl b.jsonl           the first op where two saved runs differ
+  {prog} demo                           three small scripts with real bugs
+
+Every option: {prog} --help""".format(prog="opwatch" if console else "python -m opwatch"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"opwatch {__version__}")
+    parser.add_argument("--strict", action="store_true", help="stop the script at the first anomaly")
+    parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="watch fully until the first optimizer step, then only check the gradients before each optimizer step (eager speed); a failure re-arms the full watch",
+    )
+    parser.add_argument(
+        "--checks",
+        metavar="NAME,...",
+        help="the checks to run, comma-separated, as watch(checks=...): "
+        + ", ".join(_check_names())
+        + " (default: all but collective_mismatch and pre_dispatch; 'none': only record)",
+    )
+    parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
+    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
+    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard)"
+    )
+    parser.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="FIELD=PATTERN,...",
+        help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
+    )
+    parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def _check_names() -> tuple[str, ...]:
+    from ..checks import CHECK_NAMES
+
+    return CHECK_NAMES
+
+
+def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[str, ...] | None:
+    """``--checks a,b``: the check names for ``watch(checks=...)``; ``None`` when not given."""
+    if text is None:
+        return None
+    names = tuple(name for name in text.replace(",", " ").split())
+    if names == ("none",):
+        return ()
+    unknown = [name for name in names if name not in _check_names()]
+    if unknown or not names:
+        parser.error(f"--checks: unknown check name(s) {', '.join(map(repr, unknown)) or repr(text)}; the checks are {', '.join(_check_names())} (or none)")
+    return names
+
+
+def run_script(
+    path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
+    fingerprints: bool = False, tensorboard=None, checks=None,
+) -> int:
+    """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
+    :class:`opwatch.runners.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
+    log to ``jsonl`` / ``trace`` and the counts to a TensorBoard log in ``tensorboard`` (after
+    each optimizer step and at the end) when given. Returns the exit status; an uncaught
+    ``KeyboardInterrupt`` is reported and then re-raised."""
+    out = out if out is not None else sys.stderr
+    runner = None
+    # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
+    # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
+    dump = _Held(out)
+    if guard:
+        from .leave_on import LeaveOn
+
+        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow, checks=checks)
+    w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
+    status, interrupt, failure = 0, None, None
+    counts = _tensorboard_counts(tensorboard, runner if guard else w)
+    with _running_as_main(path, args) as module:
+        try:
+            program = _compile(module.__file__)
+            with runner if guard else w, counts or contextlib.nullcontext():
+                if program is None:  # a zip application or a .pyc: runpy knows those
+                    runpy.run_path(path, run_name="__main__")
+                else:
+                    exec(program, module.__dict__)
+        except SystemExit as exit_:
+            status = _exit_status(exit_)
+        except BaseException as error:  # noqa: BLE001 -- reported as Python reports it
+            failure, status = error, 1
+            if isinstance(error, KeyboardInterrupt):
+                interrupt = error
+        if jsonl:  # before printing: a closed stderr must not lose the log
+            w.export_jsonl(jsonl)
+        if trace:
+            w.export_chrome_trace(trace)
+        if counts is not None:
+            counts.close()
+        print(w.summary(), file=out)
+        if guard:
+            runner.print_summary()
+        _print_every_rank(w, out)
+        if failure is not None:
+            if dump.getvalue():
+                out.write("\n" + dump.getvalue() + "\n")
+            out.flush()
+            _report_uncaught(failure)
+            if post_mortem and interrupt is None:
+                _post_mortem(failure)
+    if interrupt is not None:
+        raise interrupt
+    return status
+
+
+def _tensorboard_counts(log_dir, source):
+    """The counts written into a TensorBoard log in ``log_dir`` at each optimizer step
+    (:class:`opwatch.runners.tensorboard.OptimizerStepCounts`); ``None`` without one."""
+    if not log_dir:
+        return None
+    from .tensorboard import OptimizerStepCounts, summary_writer
+
+    return OptimizerStepCounts(summary_writer(log_dir), source)
+
+
+class _Held(io.StringIO):
+    """Text held to be written to ``stream`` later, measured as ``stream`` is: the dump is
+    fitted to the terminal it will be printed on."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+
+def _print_every_rank(w, out) -> None:
+    """In a job of several ranks (``torchrun ... -m opwatch script.py``), rank 0 also prints the
+    combined summary: every rank's anomalies, naming the rank, op and line that made the first
+    nan/inf. The other ranks' summaries arrive through the process group's store."""
+    if w.rank != 0:
+        return
+    everyone = w.all_anomalies()
+    if everyone.world and everyone.world > 1:
+        print(everyone.summary(), file=out)
+
+
+def run_show(argv: list[str]) -> int:
+    """``show run.jsonl [--last N]``: print the table and the summary of a saved log."""
+    from ..storage.jsonl import load
+
+    parser = argparse.ArgumentParser(prog="python -m opwatch show", description="Print the op table and the summary of a log written by --jsonl or Watch.export_jsonl.")
+    parser.add_argument("log", help="the .jsonl file")
+    parser.add_argument("--last", type=int, default=None, metavar="N", help="show the last N ops (default: all)")
+    parser.add_argument("--partial", action="store_true", help="print what a log cut short holds, instead of refusing it")
+    options = parser.parse_args(argv)
+    if options.last is not None and options.last < 0:
+        parser.error("--last must be 0 or more")
+    try:
+        log = load(options.log, partial=options.partial)
+    except (OSError, ValueError) as error:  # one line: a missing, foreign or cut-short log
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    print(log.table(last=options.last))
+    print()
+    print(log.summary())
+    return 0
+
+
+@contextlib.contextmanager
+def _running_as_main(path: str, args: list[str]):
+    """``sys`` set up as ``python path args...`` sets it, and a fresh ``__main__`` module for
+    the script (yielded); everything restored on exit."""
+    # Python 3.9+ joins a relative script path to the working directory without normalizing it.
+    file = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=file, __cached__=None, __loader__=SourceFileLoader("__main__", file), __builtins__=builtins, __annotations__={}
+    )
+    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
+    sys.argv = [path, *args]
+    # sys.path[0] is where ``python -m`` (or the ``opwatch`` console script) was started from;
+    # ``python script.py`` puts the script's real directory there instead, unless -P / -I.
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[:1] = [os.path.dirname(os.path.realpath(path))]
+    sys.modules["__main__"] = module
+    try:
+        yield module
+    finally:
+        sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
+
+
+def _compile(file: str) -> types.CodeType | None:
+    """The script's code, compiled as Python compiles a script (no ``__future__`` flags of
+    opwatch's own); ``None`` for what is not source: a zip application, a .pyc file."""
+    if file.endswith(".pyc") or zipfile.is_zipfile(file):
+        return None
+    with open(file, "rb") as source:  # bytes: compile() honours the coding cookie
+        return compile(source.read(), file, "exec", dont_inherit=True)
+
+
+def _exit_status(exit_: SystemExit) -> int:
+    """What Python does with an uncaught ``SystemExit``: an int is the status, None is 0, any
+    other value is printed to stderr and the status is 1."""
+    if exit_.code is None:
+        return 0
+    if isinstance(exit_.code, int):
+        return exit_.code
+    print(exit_.code, file=sys.stderr)
+    return 1
+
+
+def _report_uncaught(error: BaseException) -> None:
+    """Report ``error`` as Python reports an uncaught exception, through ``sys.excepthook``
+    (the script's own, if it set one), with only the program's frames in its traceback."""
+    seen = set()
+    pending = [error]
+    while pending:  # the exception and every exception chained to it, each once
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = _program_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+    if isinstance(error, AnomalyError) and sys.excepthook is sys.__excepthook__:
+        # Its message is the finding opwatch's report above holds in full: one line here.
+        reported = "".join(traceback.format_exception_only(error))
+        full = "".join(traceback.format_exception(error))
+        message = f"{reported.partition(': ')[0]}: {error}\n"
+        if reported.startswith(message) and full.endswith(reported):
+            sys.stderr.write(full[: -len(reported)] + raised_above(error, reported) + reported[len(message):])
+            sys.stderr.flush()
+            return
+    sys.excepthook(type(error), error, error.__traceback__)
+
+
+def _program_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of opwatch (its launcher, its watch) and runpy."""
+    kept = []
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        ours = filename in _RUNPY_FILES or (filename.startswith(_PACKAGE_DIR) and not filename.startswith(_EXAMPLES_DIR))
+        if not ours:
+            kept.append(tb)
+        tb = tb.tb_next
+    result = None
+    for entry in reversed(kept):
+        result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return result
+
+
+def _post_mortem(error: BaseException) -> None:
+    """pdb post-mortem, like ``pytest --pdb``, in the program's innermost frame of the failure:
+    the user's line that issued the failing op (or raised), not opwatch's or torch's frames."""
+    import pdb
+
+    from ..core.sites import USER, classify_code
+
+    entries = []
+    tb = error.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    users = [i for i, entry in enumerate(entries) if classify_code(entry.tb_frame.f_code) == USER]
+    if not users:
+        pdb.post_mortem(error.__traceback__)
+        return
+    result = None
+    for entry in reversed(entries[: users[-1] + 1]):
+        result = types.TracebackType(result, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    print(post_mortem(entries[users[-1]].tb_frame.f_code.co_filename, entries[users[-1]].tb_lineno), file=sys.stderr)
+    pdb.post_mortem(result)
+
+
+def _mute_report_of(error: BaseException) -> None:
+    """Make ``sys.excepthook`` print nothing for ``error`` (and report anything else as before)."""
+    report = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        if value is not error:
+            report(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+def run_demo(*, last: int = 20) -> int:
+    """Run the embedded example scripts (real bugs) and show what opwatch reports."""
+    from .. import examples
+
+    folder = os.path.dirname(examples.__file__)
+    for number, (name, story) in enumerate(DEMO_STORIES, 1):
+        print(f"\n=== story {number}: {story}", flush=True)
+        print(f"    (opwatch/examples/{name}.py)\n", flush=True)
+        run_script(os.path.join(folder, f"{name}.py"), [], last=last, out=sys.stdout)
+        sys.stdout.flush()
+    return 0
+
