@@ -143,12 +143,12 @@ class Lane:
         self.rounds.append([0.0, 0])
 
     def step(self):
+        optimizer = self.parts.optimizer
+        optimizer.zero_grad(set_to_none=True)  # the last step's gradients, in the graphs' memory, let go
         if self.mark_step:
             import torch
 
             torch.compiler.cudagraph_mark_step_begin()
-        optimizer = self.parts.optimizer
-        optimizer.zero_grad(set_to_none=True)
         self.call()
         optimizer.step()
 

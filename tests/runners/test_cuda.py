@@ -159,23 +159,22 @@ def test_leave_on_checks_each_cuda_step_with_one_sync_and_names_a_nan_gradient()
     assert run.failures[0].step == 1 and ("fc1.weight", "nan") in run.failures[0].parameters
 
 
-def test_watch_names_a_cuda_nan_origin_at_a_check_point_that_syncs_at_most_once():
-    model, _ = setup("backward nan")
+def test_watch_checks_a_healthy_cuda_step_with_at_most_one_sync_and_names_a_nan_origin():
+    model, _ = setup()
     x, y = next(batches(1))
+    with opwatch.watch() as w:
+        ((model(x) - y) ** 2).mean().backward()
+        with SyncCount() as counted:
+            w.check()  # a check point: the nan/inf flags read at most once
+    assert counted.n <= 1 and not w.anomalies
+
+    model, _ = setup("backward nan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", opwatch.OpwatchWarning)
         with opwatch.watch() as w:
             ((model(x) - y) ** 2).mean().backward()
-            with SyncCount() as counted:
-                found = w.check()
-    assert counted.n <= 1
+            found = w.check()
     assert found and found[0].kind in ("nan", "inf") and found[0].lineno == line_of("# BUG backward", __file__)
-
-    model, _ = setup()
-    with opwatch.watch() as w:
-        ((model(x) - y) ** 2).mean().backward()
-        w.check()
-    assert not w.anomalies
 
 
 def test_a_compiled_cuda_step_under_guard_stays_compiled_and_syncs_once():
