@@ -19,11 +19,12 @@ the GPU's time dominates):
   ``paired_ratio``): in each round every lane runs the same steps in blocks of ten, the lanes'
   blocks interleaved in a shuffled order, each block timed in wall time between two
   ``torch.cuda.synchronize()``, so a lane's steps keep their overlap of host and device within a
-  block. A round is a run of ``STEPS`` steps with a guard (and a leave-on run) made fresh at its
+  block. A round (five; three with ``--quick``) is a run of 100 steps (60) with a guard (and a leave-on run) made fresh at its
   start, so its one audit is billed once per run, as in ``bench.guard_audits``; the watch lane
-  watches one step in five blocks (a fresh ``watch()`` around each).
-- **compiled steps**: ``torch.compile(model)`` (inductor) and ``torch.compile(model,
-  mode="reduce-overhead")`` (CUDA graphs), each in a process of its own, plain and under
+  watches one step in five blocks (three; a fresh ``watch()`` around each).
+- **compiled steps**: ``torch.compile(model)`` (inductor; the small fp32 and the large step) and
+  ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; the small fp32 step, where
+  launches dominate), each in a process of its own, plain and under
   ``guard(audit="never")`` side by side, then under ``guard(audit="new")`` after its audit (the
   audit is a full watch: the row says whether the compiled code still ran after it, read from the
   output's ``grad_fn``). Compilation is warm-up, never timed; its seconds are in the notes. A
@@ -109,6 +110,15 @@ def syncs_per_step(device, step, steps: int = 3):
         for _ in range(steps):
             step()
     return None if counted.n is None else counted.n / steps
+
+
+def count_syncs(lane, device, into: dict, steps: int = 3) -> None:
+    """``into[lane.name]``: the lane's syncs per step; a lane that raises keeps its error."""
+    if lane.error is None:
+        try:
+            into[lane.name] = syncs_per_step(device, lane.step, steps)
+        except Exception as error:
+            lane.error = describe(error)
 
 
 # -- lanes --------------------------------------------------------------------------------------
@@ -313,14 +323,16 @@ def eager_section(workload, smoke, schedule):
                 eager_step = statistics.median(timed_step(eager, sync) for _ in range(5))
             if lane in (audited, leave_on):  # a fresh run: its first step is the audit
                 lane.start_run()
+                audit_seconds = timed_step(lane, sync)
+                lane.start_run()  # counted apart: the timer's own synchronize() calls stay out
                 with SyncCount(device) as counted:
-                    audit_seconds = timed_step(lane, sync)
+                    lane.step()
                 lane.note = f"one audit per {steps}-step run: it took {audit_seconds / eager_step:.0f} eager steps"
                 if counted.n is not None:
                     lane.note += f", {counted.n} syncs"
-            syncs[lane.name] = syncs_per_step(device, lane.step, 1 if lane is watched else 3)
         except Exception as error:
             lane.error = describe(error)
+        count_syncs(lane, device, syncs, 1 if lane is watched else 3)
 
     check_point = dict(workload=workload, lane="watch() check point", ms=None, x_eager=None, x_base=None, syncs=None,
                        note="syncs of one Watch.check() after a forward and backward")
@@ -375,7 +387,9 @@ def compiled_section(workload, smoke, schedule, mode):
         warm([lane])
         if lane is not eager and lane.error is None:
             lane.note = f"compile and warm-up {time.perf_counter() - start:.1f} s" + ("; backend aot_eager (cpu smoke)" if smoke else "")
-    syncs = {lane.name: syncs_per_step(device, lane.step) for lane in lanes if lane.error is None}
+    syncs = {}
+    for lane in lanes:
+        count_syncs(lane, device, syncs)
     timed_rounds(lanes, rounds, steps, block, sync)
     for lane in (plain, never):
         if lane.error is None:
@@ -391,7 +405,7 @@ def compiled_section(workload, smoke, schedule, mode):
     warm([audited])
     if audited.error is None:
         audited.note = f"compile, audit and warm-up {time.perf_counter() - start:.1f} s; timed after its audit"
-        syncs[audited.name] = syncs_per_step(device, audited.step)
+        count_syncs(audited, device, syncs)
     timed_rounds([eager, plain, audited], rounds, steps, block, sync, seed=1)
     if audited.error is None:
         audited.note += f"; ran compiled: {ran_compiled(audited)}; the plain {label} lane beside it: {ran_compiled(plain) if plain.error is None else '-'}"
@@ -402,21 +416,19 @@ def compiled_section(workload, smoke, schedule, mode):
 # -- the orchestra ------------------------------------------------------------------------------
 
 
+# The parts in the order they run (the most telling first: a part the budget leaves out is a
+# row that says so). CUDA graphs pay off on launch-bound steps: the small workload has them.
+PLANS = {
+    "full": [("small-fp32", "eager"), ("small-fp32", "compile"), ("small-fp32", "cudagraph"),
+             ("large-bf16", "eager"), ("large-bf16", "compile"), ("small-bf16", "eager")],
+    "quick": [("small-fp32", "eager"), ("small-fp32", "compile"), ("small-fp32", "cudagraph"), ("large-bf16", "eager")],
+    "smoke": [("small-fp32", "eager"), ("small-fp32", "compile"), ("small-fp32", "cudagraph"), ("small-bf16", "eager")],
+}
+
+
 def plan(options):
-    if options.smoke:
-        eager, compiled = ["small-fp32", "small-bf16"], ["small-fp32"]
-    elif options.quick:
-        eager, compiled = ["small-fp32", "large-bf16"], ["small-fp32"]
-    else:
-        eager, compiled = ["small-fp32", "small-bf16", "large-bf16"], ["small-fp32", "large-bf16"]
-    if options.no_compile:
-        compiled = []
-    parts = []
-    for workload in eager:
-        parts.append((workload, "eager"))
-        if workload in compiled:
-            parts += [(workload, "compile"), (workload, "cudagraph")]
-    return parts
+    parts = PLANS["smoke" if options.smoke else "quick" if options.quick else "full"]
+    return [part for part in parts if not (options.no_compile and part[1] != "eager")]
 
 
 def run_part(workload, section, options, timeout):
