@@ -161,7 +161,7 @@ def test_a_returned_tensor_that_is_not_a_cpu_scalar_joins_the_fused_check():
     }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_on_cuda_the_loss_joins_the_fused_check_and_a_step_reads_the_host_once():
     model, train_step, _ = make()
     model.cuda()
