@@ -1,0 +1,248 @@
+"""The HTML report (``Watch.report_html``, ``python -m opwatch report``): one self-contained
+page built from a real training loop's records and findings, then opened in a real browser
+(Debian's chromium driven by playwright, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html import escape
+
+import pytest
+
+import opwatch
+from opwatch.runners.cli import main
+from opwatch.render.html import render_report, training_steps
+from opwatch.storage.jsonl import load
+
+import report_training  # noqa: E402  (tests/scenarios)
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def watched(steps=3, buggy=True, **options) -> opwatch.Watch:
+    with opwatch.watch(warn=False, **options) as w:
+        report_training.train(steps=steps, buggy=buggy)
+    return w
+
+
+@pytest.fixture(scope="module")
+def buggy_run(tmp_path_factory):
+    """A buggy run's report, written from the watch, and its log."""
+    folder = tmp_path_factory.mktemp("report")
+    old = os.getcwd()
+    os.chdir(os.path.dirname(report_training.__file__))  # paths as the tests show them
+    try:
+        w = watched()
+        w.report_html(folder / "report.html")
+        w.export_jsonl(folder / "run.jsonl")
+    finally:
+        os.chdir(old)
+    return w, folder
+
+
+def test_a_buggy_run_has_its_findings_first_with_their_words(buggy_run):
+    w, folder = buggy_run
+    page = (folder / "report.html").read_text(encoding="utf-8")
+    kinds = {a.kind for a in w.anomalies}
+    assert kinds == {"broadcast", "nan"}
+    findings = page[page.index('id="findings"') : page.index('id="pictures"')]
+    assert findings.count('<article class="finding"') == 2  # 6 anomalies at 2 places
+    assert "6 anomalies at 2 places" in findings
+    assert findings.count('<span class="count">x3</span>') == 2
+    firsts = [next(a for a in w.anomalies if a.kind == kind) for kind in ("broadcast", "nan")]  # each place's first
+    for anomaly in firsts:
+        problem = anomaly.message.partition("  problem:  ")[2].partition("\n")[0]
+        fix = anomaly.message.partition("  fix:      ")[2].partition("\n")[0]
+        assert problem and escape(problem) in findings
+        assert escape(fix) in findings
+        assert f"report_training.py:{anomaly.lineno}" in findings
+    # The sub-expression is marked in the line's text, which is escaped.
+    assert "loss = ((<mark>y - pred</mark>) ** 2).mean()" in findings
+    assert "&lt;/script&gt;&lt;b&gt;not markup&lt;/b&gt; &amp; co" in findings
+    assert "<b>not markup</b>" not in page
+    assert "spread = <mark>(pred.var() - 1.0).sqrt()</mark>" in findings
+    # The findings come before the pictures and the op table.
+    assert page.index('id="findings"') < page.index('id="pictures"') < page.index('id="ops"')
+
+
+def test_the_page_is_self_contained(buggy_run):
+    _, folder = buggy_run
+    page = (folder / "report.html").read_text(encoding="utf-8")
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page, re.I)
+    assert not re.search(r"https?://", page)
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import|url\(", page, re.I)
+    assert page.count("<style>") == 1 and page.count("<script>") == 1
+
+
+def test_every_op_travels_once_as_compact_data_that_cannot_close_its_script(buggy_run):
+    w, folder = buggy_run
+    page = (folder / "report.html").read_text(encoding="utf-8")
+    text = page.partition('<script type="application/json" id="opwatch-data">')[2].partition("</script>")[0]
+    assert "<" not in text
+    data = json.loads(text)
+    assert [row[0] for row in data["rows"]] == [r.index for r in w.records]
+    assert data["headers"] == list(opwatch.render.TABLE_HEADERS)
+    # Each cell text once: the rows are numbers into it.
+    assert len(data["cells"]) == len(set(data["cells"])) < len(w.records)
+    first_broadcast = next(a for a in w.anomalies if a.kind == "broadcast")
+    row = next(row for row in data["rows"] if row[0] == first_broadcast.index)
+    assert [data["cells"][n] for n in row[1:3]] == ["aten.sub.Tensor", "f32[16] cpu, f32[16, 1] cpu"]
+
+
+def test_the_pictures_count_ops_per_module_and_anomalies_per_step(buggy_run):
+    w, folder = buggy_run
+    page = (folder / "report.html").read_text(encoding="utf-8")
+    pictures = page[page.index('id="pictures"') : page.index('id="ops"')]
+    body_ops = sum(1 for r in w.records if (r.module or "").startswith("body"))
+    assert f"<title>body: {body_ops} ops, 0 anomalies</title>" in pictures
+    outside = [r for r in w.records if not r.module]
+    assert f"<title>(outside any module): {len(outside)} ops, 6 anomalies</title>" in pictures
+    # Three training steps: two anomalies in each.
+    assert len(training_steps(w.records)) == 3
+    assert pictures.count("anomalies</title></rect>") == 3
+    assert pictures.count(": 2 anomalies</title></rect>") == 3
+
+
+def test_a_clean_run_says_so_and_draws_no_finding():
+    w = watched(buggy=False)
+    page = render_report(w)
+    assert not w.anomalies
+    assert "No anomalies" in page and '<article class="finding"' not in page
+    assert "&lt;/script&gt;" not in page  # no finding shows the line
+
+
+def test_one_forward_pass_has_no_steps_chart():
+    import torch
+
+    model = report_training.Regressor()
+    with opwatch.watch(warn=False) as w:
+        model(torch.randn(16, 2))
+    assert len(training_steps(w.records)) == 1
+    assert "Anomalies per training step" not in render_report(w)
+
+
+def test_a_saved_log_reports_the_same_findings(buggy_run):
+    w, folder = buggy_run
+    live = (folder / "report.html").read_text(encoding="utf-8")
+    old = os.getcwd()
+    os.chdir(os.path.dirname(report_training.__file__))
+    try:
+        saved = render_report(load(folder / "run.jsonl"))
+    finally:
+        os.chdir(old)
+
+    def findings(page):
+        return page[page.index('id="findings"') :]
+
+    assert findings(saved) == findings(live)
+
+
+def _cli(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(opwatch.__file__)), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "opwatch", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def test_the_command_line_writes_the_report_and_names_it(buggy_run, tmp_path):
+    _, folder = buggy_run
+    done = _cli("report", str(folder / "run.jsonl"), "-o", str(tmp_path / "out.html"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"opwatch: report written to {tmp_path / 'out.html'}\n"
+    assert "6 anomalies at 2 places" in (tmp_path / "out.html").read_text(encoding="utf-8")
+
+
+def test_without_o_the_report_is_named_after_the_log(buggy_run, tmp_path, monkeypatch, capsys):
+    _, folder = buggy_run
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(folder / "run.jsonl", "again.jsonl")
+    assert main(["report", "again.jsonl"]) == 0
+    assert capsys.readouterr().out == "opwatch: report written to again.html\n"
+    assert "6 anomalies at 2 places" in (tmp_path / "again.html").read_text(encoding="utf-8")
+
+
+def test_a_log_cut_short_is_refused_in_one_line(buggy_run, tmp_path, monkeypatch, capsys):
+    _, folder = buggy_run
+    monkeypatch.chdir(tmp_path)
+    lines = (folder / "run.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "cut.jsonl").write_text("".join(lines[: len(lines) // 2]), encoding="utf-8")
+    assert main(["report", "cut.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m opwatch report: error: cut.jsonl: the log is cut short") and err.count("\n") == 1
+    assert not (tmp_path / "cut.html").exists()
+    assert main(["report", "cut.jsonl", "--partial"]) == 0
+    assert (tmp_path / "cut.html").exists()
+
+
+# -- in a real browser --------------------------------------------------------------------------
+
+
+def _browser():
+    """playwright's sync API and chromium's path; a skip (a failure under CI) without them."""
+    missing = []
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+        missing.append("playwright (pip install playwright)")
+    if not os.path.exists(CHROMIUM):
+        missing.append(f"chromium at {CHROMIUM} (apt-get install chromium)")
+    if missing:
+        reason = "the browser test needs " + " and ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(reason + "; CI is set, so it must run")
+        pytest.skip(reason)
+    return sync_playwright
+
+
+def test_the_report_in_chromium_offline(buggy_run, tmp_path):
+    sync_playwright = _browser()
+    w, folder = buggy_run
+    with opwatch.watch(warn=False, max_records=3000) as big:  # several pages of ops
+        report_training.train(steps=60)
+    big.report_html(tmp_path / "big.html")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        context = browser.new_context(offline=True)
+        fetched = []
+        context.route("**/*", lambda route: (fetched.append(route.request.url), route.continue_()))
+        page = context.new_page()
+        errors = []
+        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((folder / "report.html").as_uri())
+        # The findings' words are on the page as a reader sees them.
+        broadcast = page.locator("article.finding", has_text="broadcast").first
+        problem = next(a for a in w.anomalies if a.kind == "broadcast").message.partition("  problem:  ")[2].partition("\n")[0]
+        assert problem in broadcast.inner_text()
+        assert broadcast.locator("mark").inner_text() == "y - pred"
+        # Clicking the button shows the ops around the finding, its own op marked.
+        box = broadcast.locator(".around-ops")
+        assert not box.is_visible()
+        broadcast.locator("button.around").click()
+        assert box.is_visible()
+        marked = box.locator("tr.this")
+        assert marked.count() == 1 and "aten.sub.Tensor" in marked.inner_text() and "f32[16, 16] cpu" in marked.inner_text()
+        assert box.locator("tbody tr").count() == 13  # six either side
+        # Another occurrence: its own op marked.
+        third = next(a.index for a in w.anomalies if a.kind == "broadcast" and a.index > 100)
+        box.locator("button", has_text=f"#{third}").click()
+        assert box.locator("tr.this td").first.inner_text() == str(third)
+        # The op table: newest first, filtered on demand.
+        rows = page.locator("#all-ops tr")
+        assert rows.count() == len(w.records)
+        page.fill("#filter", "aten.sqrt")
+        page.wait_for_function("document.querySelectorAll('#all-ops tr').length === 3")
+        page.check("#flagged")
+        page.wait_for_function("document.querySelectorAll('#all-ops tr').length === 3")
+        # A log of several pages draws one page of rows at first, and pages on.
+        page.goto((tmp_path / "big.html").as_uri())
+        assert rows.count() == 200 and rows.first.locator("td").first.inner_text() == str(big.records[-1].index)
+        page.click("#next")
+        assert rows.first.locator("td").first.inner_text() == str(big.records[-201].index)
+        browser.close()
+    assert not errors
+    assert all(url.startswith("file://") for url in fetched), fetched
