@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from ..core.records import BACKWARD, FORWARD
+from ..core.records import BACKWARD, FORWARD, M_IDENT, short_op_name
 from ..core.sites import location
 from .messages import message_parts
 from .summary import count_places
@@ -47,11 +47,11 @@ def render_report(source, *, title: str = "opwatch report") -> str:
     body = [f"<header><h1>{escape(title)}</h1>{_overview(records, groups, header)}</header>"]
     body.append('<nav><a href="#findings">findings</a> <a href="#pictures">pictures</a> <a href="#ops">every op</a></nav>')
     body.append('<main>')
-    number = 0
+    number, positions = 0, {record.index: i for i, record in enumerate(records)}
     for name, heading in _SECTIONS:
         if name != "anomalies" and not groups[name]:
             continue
-        section, number = _findings_section(name, heading, groups[name], number)
+        section, number = _findings_section(name, heading, groups[name], number, (records, positions))
         body.append(section)
     body.append('<section id="pictures"><h2>Where the ops ran</h2>')
     body.append(module_tree_svg(records, groups["anomalies"]))
@@ -117,7 +117,7 @@ def _places(anomalies: list) -> str:
     return count_places({key: (first, len(indices)) for key, (first, indices) in _grouped(anomalies).items()})
 
 
-def _findings_section(name: str, heading: str, anomalies: list, number: int) -> tuple[str, int]:
+def _findings_section(name: str, heading: str, anomalies: list, number: int, log: tuple) -> tuple[str, int]:
     html = [f'<section id="{"findings" if name == "anomalies" else name}" class="{name}"><h2>{escape(heading)}</h2>']
     if not anomalies:
         html.append('<p class="none">No anomalies: every op passed every check that ran.</p>')
@@ -125,12 +125,12 @@ def _findings_section(name: str, heading: str, anomalies: list, number: int) -> 
         html.append(f'<p class="counts">{escape(_places(anomalies))}</p>')
     for first, indices in _grouped(anomalies).values():
         number += 1
-        html.append(_finding(first, indices, number))
+        html.append(_finding(first, indices, number, log))
     html.append("</section>")
     return "\n".join(html), number
 
 
-def _finding(anomaly, indices: list, number: int) -> str:
+def _finding(anomaly, indices: list, number: int, log: tuple) -> str:
     record = anomaly.record
     parts = message_parts(anomaly.finding, record)
     count = f'<span class="count">x{len(indices)}</span>' if len(indices) > 1 else ""
@@ -150,6 +150,9 @@ def _finding(anomaly, indices: list, number: int) -> str:
         f"<dt>expected</dt><dd>{escape(parts.expected)}</dd>"
         f"<dt>fix</dt><dd>{escape(parts.fix)}</dd></dl>"
     )
+    way = _way(anomaly, *log)
+    if way:
+        lines.append(way)
     shown = len(indices) if len(indices) <= 50 else 50
     lines.append(
         f'<button class="around" type="button" aria-expanded="false" data-ops="{",".join(map(str, indices[:shown]))}">'
@@ -157,6 +160,32 @@ def _finding(anomaly, indices: list, number: int) -> str:
         '<div class="around-ops" hidden></div>'
     )
     return f'<article class="finding" id="finding-{number}">{"".join(lines)}</article>'
+
+
+def _way(anomaly, records: list, positions: dict) -> str:
+    """A nan/inf's way from the op that made it to the last op it reached by the check point
+    (the finding's ``spread`` and ``last`` facts), followed through the log: each op that read a
+    tensor the way had made. Empty for other findings, or when the origin left the log."""
+    facts = anomaly.finding.facts
+    spread, last = facts.get("spread"), facts.get("last")
+    start = positions.get(anomaly.index)
+    if not spread or last is None or start is None:
+        return ""
+    tainted = {meta[M_IDENT] for meta in records[start].outputs or ()}
+    way = [records[start]]
+    for record in records[start + 1 :]:
+        if len(way) > spread:
+            break
+        if any(meta[M_IDENT] in tainted for meta in record.inputs):
+            way.append(record)
+            tainted.update(meta[M_IDENT] for meta in record.outputs or ())
+            if (record.op, record.filename, record.lineno) == (last.op, last.filename, last.lineno):
+                break
+    steps = [
+        f'<li><code>#{record.index} {escape(short_op_name(record.func))}</code> <span class="field">{escape(location(record))}</span></li>'
+        for record in way
+    ]
+    return f'<div class="way"><b>its way</b>, from the op that made it to the last it reached<ol>{"".join(steps)}</ol></div>'
 
 
 def _field(name: str, value) -> str:
@@ -339,6 +368,8 @@ dl.words{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:
 dt{font-weight:600;color:var(--mute)} dd{margin:0;overflow-wrap:anywhere}
 button{font:inherit;font-size:13px;padding:2px 10px;border:1px solid var(--line);border-radius:4px;background:var(--soft);cursor:pointer}
 button:hover{background:#e8ecf2}
+.way{color:var(--mute);font-size:14px} .way b{color:var(--fg)} .way ol{display:flex;flex-wrap:wrap;gap:4px 0;list-style:none;padding:0;margin:4px 0 8px}
+.way li+li::before{content:"\\2192";margin:0 8px;color:var(--mute)} .way li:first-child code{color:var(--bad);font-weight:600}
 .around-ops{margin-top:8px;overflow-x:auto}
 .around-ops .occ{margin:4px 0;font-size:13px;color:var(--mute)} .around-ops .occ button{margin:0 2px;padding:0 6px}
 table.ops{border-collapse:collapse;width:100%} .ops th,.ops td{border-bottom:1px solid var(--line);padding:2px 8px;text-align:left;white-space:nowrap;vertical-align:top}

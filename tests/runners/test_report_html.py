@@ -66,6 +66,13 @@ def test_a_buggy_run_has_its_findings_first_with_their_words(buggy_run):
     assert "&lt;/script&gt;&lt;b&gt;not markup&lt;/b&gt; &amp; co" in findings
     assert "<b>not markup</b>" not in page
     assert "spread = <mark>(pred.var() - 1.0).sqrt()</mark>" in findings
+    # A nan's way from the op that made it to the last op it reached (the message names both).
+    nan = firsts[1]
+    way = findings.partition('<div class="way">')[2].partition("</div>")[0]
+    steps = re.findall(r"<code>#(\d+) ([\w.]+)</code>", way)
+    assert steps[0] == (str(nan.index), "aten.sqrt") and steps[-1][1] == "aten.add.Tensor"
+    assert len(steps) == nan.finding.facts["spread"] + 1
+    assert findings.count('<div class="way">') == 1  # a broadcast has no way
     # The findings come before the pictures and the op table.
     assert page.index('id="findings"') < page.index('id="pictures"') < page.index('id="ops"')
 
