@@ -328,8 +328,9 @@ def steps_svg(starts: list[int], records: list, anomalies: list) -> str:
     per_bar = -(-len(counts) // _STEP_BARS)
     bars = [sum(counts[i : i + per_bar]) for i in range(0, len(counts), per_bar)]
     most = max(max(bars), 1)
-    width, height, left, bottom = 720, 160, 40, 24
-    step_width = min((width - left) / len(bars), 28)
+    most_width, height, left, bottom = 720, 120, 40, 24
+    step_width = min((most_width - left) / len(bars), 28)
+    width = max(round(left + step_width * len(bars)), 240)
     parts = [f'<svg class="steps" width="{width}" height="{height + bottom}" role="img" aria-label="anomalies per training step">']
     parts.append(f'<line x1="{left}" y1="{height}" x2="{width}" y2="{height}"></line>')
     parts.append(f'<text x="{left - 6}" y="12" text-anchor="end">{most}</text><text x="{left - 6}" y="{height}" text-anchor="end">0</text>')
