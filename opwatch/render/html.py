@@ -26,7 +26,7 @@ from .messages import message_parts
 from .summary import count_places
 from .table import TABLE_HEADERS, table_row
 
-__all__ = ["render_report", "report_written", "module_tree_svg", "steps_svg", "training_steps"]
+__all__ = ["render_report", "report_written", "page", "module_tree_svg", "steps_svg", "training_steps"]
 
 _SECTIONS = (
     ("anomalies", "Findings"),
@@ -68,13 +68,22 @@ def render_report(source, *, title: str = "opwatch report") -> str:
         f'<table class="ops"><thead>{_header_row()}</thead><tbody id="all-ops"></tbody></table></section>'
     )
     body.append("</main>")
-    data = _json_for_script(_ops_data(records))
+    return page(title, "\n".join(body), data=_ops_data(records), script=_JS)
+
+
+def page(title: str, body: str, *, data=None, script: str = "") -> str:
+    """One self-contained HTML page: ``body`` (markup, its texts escaped), the style, ``data``
+    as JSON in ``<script id="opwatch-data">`` and ``script``, all inline."""
+    scripts = ""
+    if data is not None:
+        scripts += f'\n<script type="application/json" id="opwatch-data">{_json_for_script(data)}</script>'
+    if script:
+        scripts += f"\n<script>{script}</script>"
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
-        + "\n".join(body)
-        + f'\n<script type="application/json" id="opwatch-data">{data}</script>\n<script>{_JS}</script></body></html>\n'
+        f"{body}{scripts}</body></html>\n"
     )
 
 
@@ -375,6 +384,10 @@ button:hover{background:#e8ecf2}
 .around-ops .occ{margin:4px 0;font-size:13px;color:var(--mute)} .around-ops .occ button{margin:0 2px;padding:0 6px}
 table.ops{border-collapse:collapse;width:100%} .ops th,.ops td{border-bottom:1px solid var(--line);padding:2px 8px;text-align:left;white-space:nowrap;vertical-align:top}
 .ops th{background:var(--soft);position:sticky;top:0} .ops tr.flagged td{color:var(--bad)} .ops tr.this td{background:var(--mark)}
+.diff td.differs{background:#fde2e2} .diff tr.only td{color:var(--mute);font-style:italic} .diff tr.after td{color:var(--mute)}
+.diff thead tr+tr th{top:26px} .diff td{white-space:normal;font-size:12px}
+.diff td:nth-child(5),.diff td:nth-child(9){overflow-wrap:anywhere;min-width:14em}
+.diff td:nth-child(1),.diff td:nth-child(2),.diff td:nth-child(6),.diff td:nth-child(10),.diff td:nth-child(11){white-space:nowrap}
 .tools{margin:8px 0;display:flex;gap:10px;align-items:center;flex-wrap:wrap} #filter{width:320px;font:inherit;padding:2px 6px}
 #ops{overflow-x:auto}
 svg text{font:12px system-ui,sans-serif;fill:var(--fg)} svg .n{fill:var(--mute)} svg .bad,svg tspan.bad{fill:var(--bad);font-weight:600}

@@ -253,3 +253,50 @@ def test_the_report_in_chromium_offline(buggy_run, tmp_path):
         browser.close()
     assert not errors
     assert all(url.startswith("file://") for url in fetched), fetched
+
+
+# -- two runs side by side (opwatch.diff) --------------------------------------------------------
+
+
+def fingerprinted(scale: float):
+    """A clean run whose loss is scaled by ``scale``: two scales differ from the ``mul`` on."""
+    import torch
+
+    with opwatch.watch(warn=False, fingerprints=True) as w:
+        torch.manual_seed(0)
+        model = report_training.Regressor()
+        x, y = torch.randn(16, 2), torch.randn(16)
+        loss = ((y - model(x).squeeze(-1)) ** 2).mean() * scale
+        loss.backward()
+    return w
+
+
+def test_two_runs_that_differ_side_by_side_the_first_difference_marked(tmp_path, capsys):
+    a, b = fingerprinted(1.0), fingerprinted(2.0)
+    result = opwatch.diff(a, b)
+    assert result.first is not None and result.first.a.op == "aten.mul.Tensor"
+    a.export_jsonl(tmp_path / "a.jsonl")
+    b.export_jsonl(tmp_path / "b.jsonl")
+    status = main(["diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--html", str(tmp_path / "diff.html")])
+    assert status == 1
+    assert capsys.readouterr().out.endswith(f"opwatch: report written to {tmp_path / 'diff.html'}\n")
+    page = (tmp_path / "diff.html").read_text(encoding="utf-8")
+    assert not re.search(r"https?://|<script[^>]*\bsrc=|<link\b", page, re.I)
+    assert escape(str(opwatch.diff(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")))) in page  # the text report's words
+    first = page.partition('<tr id="first" class="this">')[2].partition("</tr>")[0]
+    assert first.count("aten.mul.Tensor") == 2 and "first difference" in first
+    assert first.count(f"test_report_html.py:{result.first.a.lineno}</td>") == 2
+    assert page.count('id="first"') == 1
+    # The rows before it are the same in both runs; the ones after it are greyed.
+    before = page.partition('<tr id="first"')[0].partition("<tbody>")[2]
+    assert before.count("<tr>") >= 5 and 'class="differs"' not in before and "same" in before
+    assert '<tr class="after">' in page
+
+
+def test_two_runs_that_agree_mark_no_difference(tmp_path):
+    result = opwatch.diff(fingerprinted(1.0), fingerprinted(1.0))
+    assert result.agree
+    result.report_html(tmp_path / "same.html")
+    page = (tmp_path / "same.html").read_text(encoding="utf-8")
+    assert "The runs agree" in page
+    assert 'id="first"' not in page and 'class="differs"' not in page and 'class="after"' not in page
