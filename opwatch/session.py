@@ -278,6 +278,12 @@ class Watch:
 
         write_jsonl(self, path)
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the counts, each place's first anomaly, the last 10 ops."""
+        from .render.html_repr import watch_html
+
+        return watch_html(self)
+
     def report_html(self, path) -> None:
         """Write the report to ``path``: one self-contained HTML page (nothing fetched, it
         opens offline) with the findings first, the ops around each, the module tree and every

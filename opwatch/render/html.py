@@ -98,7 +98,7 @@ def report_written(path) -> str:
 def _overview(records: list, groups: dict, header: dict) -> str:
     found = groups["anomalies"]
     facts = [f"{len(records)} ops recorded"]
-    facts.append(f"{_places(found)}" if found else "no anomalies")
+    facts.append(f"{count_of_places(found)}" if found else "no anomalies")
     if groups["contained"]:
         facts.append(f"{len(groups['contained'])} nan/inf origin(s) absorbed before they mattered")
     if groups["allowed"]:
@@ -110,7 +110,7 @@ def _overview(records: list, groups: dict, header: dict) -> str:
     return f'<p class="counts">{escape("; ".join(facts))}</p>{line}'
 
 
-def _grouped(anomalies: list) -> dict:
+def group_by_place(anomalies: list) -> dict:
     """``{key: [first anomaly, [op indices]]}``, keyed as the summary groups them."""
     groups: dict = {}
     for anomaly in anomalies:
@@ -122,8 +122,8 @@ def _grouped(anomalies: list) -> dict:
     return groups
 
 
-def _places(anomalies: list) -> str:
-    return count_places({key: (first, len(indices)) for key, (first, indices) in _grouped(anomalies).items()})
+def count_of_places(anomalies: list) -> str:
+    return count_places({key: (first, len(indices)) for key, (first, indices) in group_by_place(anomalies).items()})
 
 
 def _findings_section(name: str, heading: str, anomalies: list, number: int, log: tuple) -> tuple[str, int]:
@@ -131,8 +131,8 @@ def _findings_section(name: str, heading: str, anomalies: list, number: int, log
     if not anomalies:
         html.append('<p class="none">No anomalies: every op passed every check that ran.</p>')
     else:
-        html.append(f'<p class="counts">{escape(_places(anomalies))}</p>')
-    for first, indices in _grouped(anomalies).values():
+        html.append(f'<p class="counts">{escape(count_of_places(anomalies))}</p>')
+    for first, indices in group_by_place(anomalies).values():
         number += 1
         html.append(_finding(first, indices, number, log))
     html.append("</section>")
@@ -150,7 +150,7 @@ def _finding(anomaly, indices: list, number: int, log: tuple) -> str:
     )
     lines = [head]
     if parts.code:
-        lines.append(f'<pre class="code">{_marked(parts.code)}</pre>')
+        lines.append(f'<pre class="code">{marked_code(parts.code)}</pre>')
     if parts.note:
         lines.append(f'<p class="note">{escape(parts.note)}</p>')
     lines.append(
@@ -201,7 +201,7 @@ def _field(name: str, value) -> str:
     return f' <span class="field">{name} <b>{escape(str(value))}</b></span>' if value else ""
 
 
-def _marked(code: list) -> str:
+def marked_code(code: list) -> str:
     """The line's text (``code``'s first line) with the sub-expression under the carets of its
     second line in ``<mark>``, escaped."""
     text, under, *_ = [*code, ""]

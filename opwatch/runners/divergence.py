@@ -458,6 +458,13 @@ class Diff:
         start = max(0, centre - context)
         return [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the report's words and the aligned ops around the first
+        difference (5 either side), marked."""
+        from ..render.html_repr import diff_html
+
+        return diff_html(self, self.rows(5))
+
     def report_html(self, path, *, context: int = 20) -> None:
         """Write both runs side by side to ``path``, one self-contained HTML page: the report
         of :func:`str`, then ``context`` aligned ops either side of the first divergence,

@@ -300,3 +300,46 @@ def test_two_runs_that_agree_mark_no_difference(tmp_path):
     page = (tmp_path / "same.html").read_text(encoding="utf-8")
     assert "The runs agree" in page
     assert 'id="first"' not in page and 'class="differs"' not in page and 'class="after"' not in page
+
+
+# -- in a notebook (_repr_html_) ------------------------------------------------------------------
+
+NOTEBOOK_CELLS = [
+    "import sys\nsys.path[:0] = [{repo!r}, {scenarios!r}]\nimport opwatch, report_training",
+    "with opwatch.watch(warn=False) as w:\n    report_training.train(steps=2)\nw",
+    "w.anomalies[0]",
+    "with opwatch.watch(warn=False) as clean:\n    report_training.train(steps=2, buggy=False)\nclean",
+    "from test_report_html import fingerprinted\nopwatch.diff(fingerprinted(1.0), fingerprinted(2.0))",
+]
+
+
+def test_a_notebook_shows_watches_anomalies_and_diffs_as_html_and_their_text_unchanged(tmp_path):
+    nbformat = pytest.importorskip("nbformat", reason="the notebook test needs nbformat, nbclient and ipykernel (pip install -e '.[test]')")
+    nbclient = pytest.importorskip("nbclient", reason="the notebook test needs nbclient (pip install -e '.[test]')")
+    pytest.importorskip("ipykernel", reason="the notebook test needs ipykernel (pip install -e '.[test]')")
+    scenarios = os.path.dirname(report_training.__file__)
+    repo = os.path.dirname(os.path.dirname(opwatch.__file__))
+    cells = [cell.format(repo=repo, scenarios=scenarios) for cell in NOTEBOOK_CELLS]
+    cells[-1] = f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n" + cells[-1]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": scenarios}}).execute()
+    outputs = [cell.outputs for cell in notebook.cells]
+    assert not any(output.output_type == "error" for cell in outputs for output in cell), outputs
+
+    def shown(number):
+        (output,) = [o for o in outputs[number] if o.output_type == "execute_result"]
+        return output.data["text/html"], output.data["text/plain"]
+
+    html, text = shown(1)
+    assert "4 anomalies at 2 places" in html and "<mark" in html and "y - pred</mark>" in html
+    assert "the last 10 ops" in html and "aten.add_.Tensor" in html
+    assert "<script" not in html and "&lt;/script&gt;&lt;b&gt;" in html
+    assert text.startswith("<opwatch.session.Watch at ")  # the text repr is IPython's, as before
+    html, text = shown(2)
+    assert html.count("<span") == 1 and ">broadcast</span>" in html and "problem" in html and "fix" in html
+    assert text.startswith("<Anomaly broadcast aten.sub.Tensor at report_training.py:") and text.endswith("#22>")
+    html, _ = shown(3)
+    assert "no anomalies" in html and ">nan</span>" not in html and ">broadcast</span>" not in html
+    html, text = shown(4)
+    assert "The runs first differ at aten.mul.Tensor" in html and html.count("first difference") == 1
+    assert text.startswith("<Diff ") and "first at aten.mul.Tensor" in text
