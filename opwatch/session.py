@@ -278,6 +278,21 @@ class Watch:
 
         write_jsonl(self, path)
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the counts, each place's first anomaly, the last 10 ops."""
+        from .render.html_repr import watch_html
+
+        return watch_html(self)
+
+    def report_html(self, path) -> None:
+        """Write the report to ``path``: one self-contained HTML page (nothing fetched, it
+        opens offline) with the findings first, the ops around each, the module tree and every
+        op. ``w.report_html("report.html")``; for a saved log, ``python -m opwatch report run.jsonl``."""
+        from .render.html import render_report
+
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_report(self))
+
     def export_chrome_trace(self, path) -> None:
         """Write the log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
         ``chrome://tracing``): one event per op, module spans, arrows from backward ops to

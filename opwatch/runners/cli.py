@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(last=options.last)
         if options.script == "show" and not os.path.exists("show"):
             return run_show(options.args)
+        if options.script == "report" and not os.path.exists("report"):
+            from .cli_report import run_report
+
+            return run_report(options.args)
         if options.script == "diff" and not os.path.exists("diff"):
             from .cli_diff import run_diff
 

@@ -445,14 +445,35 @@ class Diff:
     def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
         """The aligned neighbourhood of the first divergence (``context`` ops either side; the
         start of both runs when they agree), both runs side by side."""
+        return render_diff_table(self.rows(context), tablefmt=tablefmt)
+
+    def rows(self, context: int = 5) -> list[tuple]:
+        """The rows of :meth:`table`: ``(number, record in a or None, record in b or None,
+        status)``, status one of ``"agreed"``, ``"first"``, ``"after"``, ``"only_a"``, ``"only_b"``."""
         if isinstance(context, bool) or not isinstance(context, int):
             raise TypeError(f"context must be an int, got {type(context).__name__}")
         if context < 0:
             raise ValueError(f"context must be 0 or more, got {context}")
         centre = self._first_pair if self._first_pair is not None else 0
         start = max(0, centre - context)
-        rows = [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
-        return render_diff_table(rows, tablefmt=tablefmt)
+        return [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the report's words and the aligned ops around the first
+        difference (5 either side), marked."""
+        from ..render.html_repr import diff_html
+
+        return diff_html(self, self.rows(5))
+
+    def report_html(self, path, *, context: int = 20) -> None:
+        """Write both runs side by side to ``path``, one self-contained HTML page: the report
+        of :func:`str`, then ``context`` aligned ops either side of the first divergence,
+        marked. ``opwatch.diff(a, b).report_html("diff.html")``."""
+        from ..render.html_diff import render_diff_report
+
+        rows = self.rows(context)
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_diff_report(self, rows))
 
     def _status(self, number: int) -> str:
         record_a, record_b = self.pairs[number]

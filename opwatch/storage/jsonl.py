@@ -361,6 +361,19 @@ class SavedLog:
 
         return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank)
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows, as for a watch."""
+        from ..render.html_repr import watch_html
+
+        return watch_html(self)
+
+    def report_html(self, path) -> None:
+        """Write the report, as :meth:`Watch.report_html` writes it."""
+        from ..render.html import render_report
+
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_report(self))
+
     def __repr__(self) -> str:
         return f"<SavedLog {len(self._records)} records, {len(self._anomalies)} anomalies, {len(self._contained)} contained, {len(self._allowed)} allowed>"
 
