@@ -20,8 +20,8 @@ from opwatch.render.html import render_report, training_steps
 from opwatch.storage.jsonl import load
 
 import report_training  # noqa: E402  (tests/scenarios)
+from support.browser import browser, launch
 
-CHROMIUM = "/usr/bin/chromium"
 
 
 def watched(steps=3, buggy=True, **options) -> opwatch.Watch:
@@ -187,33 +187,15 @@ def test_a_log_cut_short_is_refused_in_one_line(buggy_run, tmp_path, monkeypatch
 # -- in a real browser --------------------------------------------------------------------------
 
 
-def _browser():
-    """playwright's sync API and chromium's path; a skip (a failure under CI) without them."""
-    missing = []
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        sync_playwright = None
-        missing.append("playwright (pip install playwright)")
-    if not os.path.exists(CHROMIUM):
-        missing.append(f"chromium at {CHROMIUM} (apt-get install chromium)")
-    if missing:
-        reason = "the browser test needs " + " and ".join(missing)
-        if os.environ.get("CI"):
-            pytest.fail(reason + "; CI is set, so it must run")
-        pytest.skip(reason)
-    return sync_playwright
-
-
 def test_the_report_in_chromium_offline(buggy_run, tmp_path):
-    sync_playwright = _browser()
+    sync_playwright = browser()  # the skip (or CI failure) when chromium or playwright is missing
     w, folder = buggy_run
     with opwatch.watch(warn=False, max_records=3000) as big:  # several pages of ops
         report_training.train(steps=60)
     big.report_html(tmp_path / "big.html")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        context = browser.new_context(offline=True)
+        chromium = launch(playwright)
+        context = chromium.new_context(offline=True)
         fetched = []
         context.route("**/*", lambda route: (fetched.append(route.request.url), route.continue_()))
         page = context.new_page()
@@ -250,7 +232,7 @@ def test_the_report_in_chromium_offline(buggy_run, tmp_path):
         assert rows.count() == 200 and rows.first.locator("td").first.inner_text() == str(big.records[-1].index)
         page.click("#next")
         assert rows.first.locator("td").first.inner_text() == str(big.records[-201].index)
-        browser.close()
+        chromium.close()
     assert not errors
     assert all(url.startswith("file://") for url in fetched), fetched
 
