@@ -53,8 +53,8 @@ class _Hooks(WatchedSteps):
     reads none (torch's optimizers then move no weight, momentum, weight decay or step count,
     as for a step GradScaler skips); ``"raise"`` raises :class:`opwatch.AnomalyError` with the
     origin (``opwatch.runners.leave_on.GradientsNotFinite`` when no op of the batch made them);
-    ``"apply"`` lets the optimizer apply them. With manual optimization the batch is not run
-    again: the next batch is watched fully instead. ``callback.runner`` counts steps, audits,
+    ``"apply"`` lets the optimizer apply them. With manual optimization or gradient
+    accumulation the batch is not run again: the next batch is watched fully instead. ``callback.runner`` counts steps, audits,
     failures and skips (logged as ``opwatch/steps``, ``opwatch/audited``, ``opwatch/failed``);
     the summary at the end of fit says them. ``mode="watch"`` (default) watches every batch.
 
@@ -79,7 +79,7 @@ class _Hooks(WatchedSteps):
             # optimizer.step() only for finite gradients: torch's pre-hook is the check point.
             self.runner.pre_hook = getattr(trainer.precision_plugin, "scaler", None) is not None
             self.runner.know(pl_module)
-            if pl_module.automatic_optimization:
+            if pl_module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1:
                 self.runner.replay = lambda: self._replay(pl_module)
             self.runner.__enter__()
 

@@ -626,6 +626,9 @@ def test_guard_cli_checks_and_names_a_sparse_gradient(tmp_path):
     (tmp_path / "train.py").write_text(SPARSE)
     environment = dict(os.environ, PYTHONPATH=ROOT)
     result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
-    assert "optimizer step 4: the gradients about to be applied hold nan/inf: emb.weight (nan)" in result.stdout, result.stdout + result.stderr
+    assert "optimizer step 4: the gradients about to be applied hold nan/inf: emb.weight (nan)" in result.stderr, result.stdout + result.stderr
+    # The sparse gradient is checked and named; the step is skipped, and the next one (healthy) says it did not recur.
+    assert "stopped: opwatch: optimizer step 4: the gradients held nan/inf: emb.weight (nan)" in result.stdout
+    assert "the failure did not recur: step 5 ran under a full watch" in result.stdout
     assert "embedding finite: True" in result.stdout
-    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr
+    assert "5 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
