@@ -142,6 +142,7 @@ class _Hooks(WatchedSteps):
     def on_train_end(self, trainer, pl_module) -> None:
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         if self.runner is not None:
+            self.runner.replay, self._snapshots, self._batch = None, None, None  # the module is not kept alive by the callback
             self.runner.__exit__(None, None, None)
         else:
             self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)

@@ -201,6 +201,7 @@ def test_skip_names_the_origin_skips_both_bad_steps_and_keeps_the_weights_finite
         assert outcome.origin == (kind, line_of(marker, SCENARIO)), (runner, outcome)
         assert outcome.raised is None and outcome.skipped == len(bugs.BAD_STEPS), (runner, outcome)
         assert all(bool(torch.isfinite(value).all()) for value in outcome.weights.values()), runner
+        assert "weights hold" not in outcome.told and "min nan" not in outcome.told, (runner, outcome.told)
     same_weights(outcomes)
     # Skipping is not zeroing: momentum and weight decay would move the weights at a zeroed step.
     clean = run("guard", "broadcast", "skip", tmp_path)  # any other bug's weights differ
