@@ -155,12 +155,34 @@ def nothing_found(call, name, failure, buffers, allowed) -> str:
     )
 
 
-def skipped_unexplained(problem: str) -> str:
+def skipped_unexplained(problem: str, on_failure: str = "skip") -> str:
+    if on_failure == "apply":
+        return f"{problem}\nIts gradients were left for the optimizer (on_failure='apply')."
     return f"{problem}\nThe step was skipped."
 
 
-def skipped_step(message: str) -> str:
+def skipped_step(message: str, on_failure: str = "skip") -> str:
+    if on_failure == "apply":
+        return f"opwatch.guard let a failing step's gradients through (on_failure='apply'):\n{message}"
     return f"opwatch.guard skipped a step:\n{message}"
+
+
+def poisoned_weights(call: int, name: str, since, bad: str, on_failure: str) -> str:
+    """Call ``call`` failed and the parameters themselves hold nan/inf (``bad``: the named
+    ones); ``since``: the call whose failure was applied (on_failure='apply'), or ``None``."""
+    if since is not None:
+        head = f"opwatch.guard: call {call} of {name} failed and the weights hold nan/inf since call {since} (its gradients were applied, on_failure='apply'): {bad}."
+    else:
+        head = (
+            f"opwatch.guard: call {call} of {name} failed and the weights already hold nan/inf: {bad}. Code outside the guarded step wrote "
+            "them (the optimizer from finite gradients with a learning rate too large, or code that writes the weights)."
+        )
+    then = {
+        "raise": " The step is not replayed: every op that reads the weights would look like an origin.",
+        "skip": " The step is not replayed (every op that reads the weights would look like an origin) and is skipped, as are the next ones, warned no more.",
+        "apply": " The step is not replayed (every op that reads the weights would look like an origin); later failures are warned no more.",
+    }[on_failure]
+    return head + then
 
 
 def check_failed(type_name: str, text: str) -> str:

@@ -44,23 +44,34 @@ class _Hooks(WatchedSteps):
     default 8) run under the full watch until their optimizer step has run; the other batches
     run with no dispatch mode, and after each backward (``on_before_optimizer_step``) one fused
     check that the gradients are finite. A failing check names the step and the parameters
-    holding nan/inf; with ``strict=True`` it raises ``opwatch.runners.leave_on.GradientsNotFinite``
-    before the optimizer applies them, otherwise it warns and audits the next batch to name
-    the op that makes them. ``callback.runner`` counts steps, audits and failures (logged as
-    ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
-    watches every batch.
+    holding nan/inf, and the failing batch runs again from its start (the RNG states and the
+    buffers as the batch found them, no ``.grad``) under the full watch: the module's
+    ``training_step`` and the backward of its loss, which name the op and line that made the
+    first nan/inf. Then ``on_failure``: ``"skip"`` (default; ``"raise"`` with ``strict=True``)
+    skips the optimizer step: Lightning checks inside ``optimizer.step(closure)``, after the
+    closure, so every parameter's ``.grad`` is set to ``None`` there and the optimizer's update
+    reads none (torch's optimizers then move no weight, momentum, weight decay or step count,
+    as for a step GradScaler skips); ``"raise"`` raises :class:`opwatch.AnomalyError` with the
+    origin (``opwatch.runners.leave_on.GradientsNotFinite`` when no op of the batch made them);
+    ``"apply"`` lets the optimizer apply them. With manual optimization or gradient
+    accumulation the batch is not run again: the next batch is watched fully instead. ``callback.runner`` counts steps, audits,
+    failures and skips (logged as ``opwatch/steps``, ``opwatch/audited``, ``opwatch/failed``);
+    the summary at the end of fit says them. ``mode="watch"`` (default) watches every batch.
 
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
     ``last``, ``max_records``, ``warn``, ``file``); ``log=False`` logs no counts; ``mode``
-    (``"watch"`` or ``"guard"``); ``max_audits`` (guard mode).
+    (``"watch"`` or ``"guard"``); ``max_audits`` and ``on_failure`` (guard mode).
     """
 
-    def __init__(self, *, strict: bool = False, file=None, log: bool = True, mode: str = "watch", **watch_options):
+    def __init__(self, *, strict: bool = False, file=None, log: bool = True, mode: str = "watch", on_failure=None, **watch_options):
         if not isinstance(log, bool):
             raise TypeError(f"log must be True or False, got {log!r}")
-        self.runner = leave_on_runner(mode, strict=strict, file=file, pre_hook=False, **watch_options)
+        self.runner = leave_on_runner(mode, strict=strict, file=file, pre_hook=False, on_failure=on_failure, **watch_options)
         self._steps = self.runner if self.runner is not None else StepWatch(strict=strict, file=file, **watch_options)
         self._log = log
+        self._replay_options = {name: watch_options[name] for name in ("checks", "allow", "max_records") if name in watch_options}
+        self._batch = None  # (batch, batch_idx, what it started from) in guard mode
+        self._snapshots = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.runner is not None:
@@ -68,20 +79,54 @@ class _Hooks(WatchedSteps):
             # optimizer.step() only for finite gradients: torch's pre-hook is the check point.
             self.runner.pre_hook = getattr(trainer.precision_plugin, "scaler", None) is not None
             self.runner.know(pl_module)
+            if pl_module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1:
+                self.runner.replay = lambda: self._replay(pl_module)
             self.runner.__enter__()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.runner is not None:
-            self.runner.audit_batch(batch)
+            if not self.runner.audit_batch(batch) and self.runner.replay is not None:
+                if self._snapshots is None:  # the buffers and the RNG states: a batch's start
+                    from .guarded.snapshot import Snapshots
+
+                    self._snapshots = Snapshots([], pl_module)
+                self._batch = (batch, batch_idx, self._snapshots.take((), {}))
         else:
             self._steps.enter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.runner is not None and not self.runner.pre_hook:
-            self.runner.before_step(optimizer)
+        if self.runner is not None and not self.runner.pre_hook and self.runner.before_step(optimizer):
+            for group in optimizer.param_groups:  # the update after the closure reads no gradient
+                for parameter in group["params"]:
+                    parameter.grad = None
+
+    def _replay(self, pl_module):
+        """The failing batch again from its start under a full watch: ``(ran, origin)``."""
+        if self._batch is None:
+            return False, None
+        from .guarded import replay as replays
+
+        batch, batch_idx, start = self._batch
+        self._snapshots.restore(start)
+        for parameter in pl_module.parameters():
+            parameter.grad = None
+
+        def training_step():
+            output = pl_module.training_step(batch, batch_idx)
+            loss = output["loss"] if isinstance(output, dict) else output
+            loss.backward()
+            return loss
+
+        replay = replays.run(training_step, (), {}, keep_values=False, repro_max_bytes=0, **{
+            "checks": self._replay_options.get("checks"), "allow": self._replay_options.get("allow", ()),
+            "max_records": self._replay_options.get("max_records", 10_000)})
+        if replay.error is not None:
+            return False, None
+        return True, replays.explaining(replay.watch.anomalies, None, None, None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:
+            self._batch = None
             self.runner.end_batch()  # a batch that accumulated gradients without a step
         else:
             self._steps.exit()
@@ -97,6 +142,7 @@ class _Hooks(WatchedSteps):
     def on_train_end(self, trainer, pl_module) -> None:
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         if self.runner is not None:
+            self.runner.replay, self._snapshots, self._batch = None, None, None  # the module is not kept alive by the callback
             self.runner.__exit__(None, None, None)
         else:
             self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)

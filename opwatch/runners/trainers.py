@@ -20,18 +20,20 @@ __all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runn
 MODES = ("watch", "guard")
 
 
-def leave_on_runner(mode: str, *, strict: bool, file, **options):
+def leave_on_runner(mode: str, *, strict: bool, file, on_failure=None, **options):
     """``None`` for ``mode="watch"``; for ``mode="guard"`` the leave-on runner the callback
     drives (audits under a full watch, the fused gradient check before each optimizer step)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     if mode == "watch":
+        if on_failure is not None:
+            raise ValueError(f"on_failure is an option of mode='guard' (mode is {mode!r})")
         return None
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     from .leave_on import LeaveOn
 
-    return LeaveOn(strict_mode=strict, audit="manual", file=file, **options)
+    return LeaveOn(strict_mode=strict, on_failure=on_failure, audit="manual", file=file, **options)
 
 
 def lazy_callback(module_name: str, load_base, hooks):
@@ -138,8 +140,9 @@ def metrics(source) -> dict[str, int]:
       carry the total alone, 0);
     - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
     - guard mode (the leave-on runner, ``opwatch.runners.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
-      seen), ``opwatch/audited`` (of them, run under the full watch) and ``opwatch/failed``
-      (steps whose gradients held nan/inf).
+      seen), ``opwatch/audited`` (of them, run under the full watch), ``opwatch/failed``
+      (steps whose gradients held nan/inf) and ``opwatch/skipped`` (of those, the steps that
+      did not run).
 
     ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
     ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
@@ -160,5 +163,6 @@ def metrics(source) -> dict[str, int]:
     values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
     values["opwatch/contained"] = contained
     if isinstance(source, LeaveOn):
-        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed})
+        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed,
+                       "opwatch/skipped": source.skipped})
     return values

@@ -439,7 +439,7 @@ def test_an_exception_with_no_anomaly_keeps_its_type_and_gets_a_note():
 
 def test_options_are_checked():
     model, train_step, _ = make()
-    with pytest.raises(ValueError, match="on_failure must be one of 'raise', 'skip', got 'ignore'"):
+    with pytest.raises(ValueError, match="on_failure must be one of 'skip', 'raise', 'apply', got 'ignore'"):
         opwatch.guard(train_step, model, on_failure="ignore")
     with pytest.raises(ValueError, match="unknown check name"):
         opwatch.guard(train_step, model, checks=["nan"])

@@ -37,18 +37,19 @@ from collections import deque
 
 import torch
 
+from ...core.finite import nonfinite_kind
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
 from . import replay as replays
 from .audit import Audits
-from .check import FiniteCheck, Raised, not_finite
+from .check import FiniteCheck, Raised, not_finite, on_failure_option
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 
 __all__ = ["guard", "Guarded"]
 
-_ON_FAILURE = ("raise", "skip")
 # Exceptions a replay cannot explain: raised as they are.
 _NOT_REPLAYED = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()
 _Tensor = torch.Tensor
@@ -148,10 +149,16 @@ def guard(
         Anomalies the replay accepts (``opwatch.Allow`` entries, as ``watch(allow=...)``).
         ``guard(step, model, allow=[opwatch.Allow(kind="broadcast")])``.
     on_failure
-        ``"raise"`` (default), or ``"skip"``: a step that made nan/inf is undone (buffers and
-        ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave the
-        parameters alone, as a step GradScaler skips), warned once per origin line, kept in
-        ``.failures``, and the call returns ``None``. Steps that raise always raise.
+        What a step that made nan/inf does once its replay named the origin (the same words as
+        ``python -m opwatch --guard --on-failure`` and the trainers' guard modes): ``"raise"``
+        (default) raises :class:`~opwatch.AnomalyError`; ``"skip"`` undoes the step (buffers
+        and ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave
+        the parameters alone, as a step GradScaler skips), warns once per origin line, keeps
+        it in ``.failures``, and the call returns ``None``; ``"apply"`` warns the same way and
+        leaves the step's non-finite gradients for the optimizer (the call returns what the
+        step returned). Steps that raise always raise. Once the parameters themselves hold
+        nan/inf, a failing step is not replayed (every op that reads them would look like an
+        origin): that is said once, with the call whose gradients were applied.
         ``guard(step, model, on_failure="skip")``.
     repro
         Write a one-op repro of the origin. ``guard(step, model, repro=False)``.
@@ -210,6 +217,8 @@ class Guarded:
         self._allow = allow
         self._check_results = checks is None or "nonfinite" in checks
         self._on_failure = on_failure
+        self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
+        self._poisoned = False  # the parameters held nan/inf at a failure: told once
         self._repro = repro
         self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
         self._repro_max_bytes = repro_max_bytes
@@ -262,10 +271,12 @@ class Guarded:
             self._refuse_changed_parameters(start)
         if self._check_results and not self._checked(result):
             failure = not_finite(result, self._snapshots.params, self._parameter_names())
-            del result  # not kept alive through the replay
+            if self._on_failure != "apply":
+                del result  # not kept alive through the replay
+                result = None
             if audit is not None:
                 self._audited(audit, start, may_raise=False)  # the failure is what raises
-            return self._failed(start, args, kwargs, failure, audit=audit)
+            return self._failed(start, args, kwargs, failure, audit=audit, result=result)
         if audit is not None:
             self._audited(audit, start)
         return result
@@ -312,11 +323,14 @@ class Guarded:
 
     # -- a failing step ------------------------------------------------------------------------
 
-    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None):
+    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
-        (or skip). ``failure``: what went wrong (facts); ``error``: the step's exception."""
+        (or skip, or apply). ``failure``: what went wrong (facts); ``error``: the step's
+        exception; ``result``: what the step returned (kept for ``on_failure="apply"``)."""
         snapshots = self._snapshots
         name = self._name()
+        if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
+            return self._after_poisoned(start, result)
         found = audit is not None and error is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
         after = None
         if found:
@@ -335,33 +349,66 @@ class Guarded:
             self.last_replay = replay.watch
             anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
             context = StepContext(name, failure, len(start.buffers), False)
-        skip = error is None and self._on_failure == "skip"
-        # The optimizer never sees this step's gradients; the buffers are as one run left them,
-        # or as they were before it when the step is skipped.
-        snapshots.put_grads(start)
-        if skip:
+        # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
+        go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
+        # The optimizer never sees this step's gradients (unless on_failure="apply": those of
+        # the replay, a second run of the step from its start); the buffers are as one run left
+        # them, or as they were before it when the step is skipped.
+        if go_on != "apply":
+            snapshots.put_grads(start)
+        if go_on == "skip":
             snapshots.put_start_buffers(start)
         elif after is not None:
             put_buffers(*after)
+        if go_on == "apply":
+            self._applied_at = self.calls
         if anomaly is None:
             problem = self._not_found(replay, error, failure, len(start.buffers), repro)
-            if skip and replay.error is None:
-                self.skipped += 1
-                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem))), stacklevel=3)
-                return None
+            if go_on is not None and replay.error is None:
+                self.skipped += go_on == "skip"
+                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
+                return result
             raise problem
-        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), skip, error,
-                            audit.records if found else None)
+        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), go_on, error,
+                            audit.records if found else None, result)
 
-    def _report(self, replayed, skip, error, records):
-        self.failures.append(replayed)
-        if skip:
+    def _weights_poisoned(self, name) -> bool:
+        """Whether the parameters hold nan/inf themselves (read only after a failed check):
+        then no op of this step is the origin, and a replay would name the first that reads
+        them. Told once; ``on_failure="raise"`` raises."""
+        if self._poisoned:
+            return True
+        with torch.no_grad():
+            names = self._parameter_names()
+            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(param.detach()))
+                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(param.detach()).all()]
+        if not bad:
+            return False
+        self._poisoned = True
+        text = words.poisoned_weights(self.calls, name, self._applied_at, render_parameters(bad), self._on_failure)
+        if self._on_failure == "raise":
+            raise RuntimeError(text)
+        warnings.warn(OpwatchWarning(text), stacklevel=4)
+        return True
+
+    def _after_poisoned(self, start, result):
+        """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
+        or applied, counted, not replayed."""
+        if self._on_failure == "skip":
+            self._snapshots.put_grads(start)
+            self._snapshots.put_start_buffers(start)
             self.skipped += 1
+        return result
+
+    def _report(self, replayed, go_on, error, records, result=None):
+        self.failures.append(replayed)
+        if go_on is not None:
+            self.skipped += go_on == "skip"
             key = (replayed.kind, replayed.filename, replayed.lineno)
             if key not in self._warned:
                 self._warned.add(key)
-                _warn_at(OpwatchWarning(words.skipped_step(replayed.message)), replayed)
-            return None
+                _warn_at(OpwatchWarning(words.skipped_step(replayed.message, go_on)), replayed)
+            return result
         raised = AnomalyError(replayed)
         audited = records is not None
         note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
@@ -442,8 +489,7 @@ def _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max
         raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
     # Validates checks, allow and max_records as a watch does (never entered).
     Watch(strict=False, max_records=max_records, checks=checks, dump_on_error=False, last=0, file=None, warn=False, **allow_option(allow))
-    if on_failure not in _ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {', '.join(map(repr, _ON_FAILURE))}, got {on_failure!r}")
+    on_failure_option(on_failure, "raise")
     if not isinstance(repro, bool):
         raise TypeError(f"repro must be True or False, got {repro!r}")
     if not isinstance(strict, bool):
