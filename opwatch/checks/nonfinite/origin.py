@@ -26,10 +26,11 @@ from typing import NamedTuple
 
 import torch
 
+from ...core.finite import value_extremes
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import Finding, Place
-from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
+from .rules import HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
 
 __all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
 
@@ -219,11 +220,12 @@ def _finite_range(tensor):
     """The :class:`ValueRange` of a live input, ``None`` when it cannot be read or is not finite (its
     values were finite when the op ran: a non-finite range is another tensor's)."""
     try:
-        if not (tensor.numel() and type(tensor) in PLAIN_TYPES and tensor.layout is STRIDED and not tensor.is_meta):
+        if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
             return None
-        checked = torch.view_as_real(tensor.detach().resolve_conj()) if tensor.dtype in COMPLEX else tensor.detach()
-        low, high = torch.aminmax(checked)
-        low, high = low.item(), high.item()
-        return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None
+        extremes = value_extremes(tensor)
     except Exception:
         return None
+    if extremes is None:
+        return None
+    low, high = extremes
+    return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None
