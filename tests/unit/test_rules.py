@@ -46,7 +46,7 @@ def test_every_folder_is_a_floor():
 PUBLIC_PRIVATE_MODULES = {"torch.utils._python_dispatch"}
 # Private attributes every torch op tool reads (torch's own flop_counter and DebugMode do).
 TOLERATED_ATTRIBUTES = {"_schema", "_overloadname", "_get_current_dispatch_mode_stack"}
-PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states"}
+PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states", "hooks_dict_ref"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -174,6 +174,10 @@ def private_torch_uses(path: pathlib.Path) -> list[str]:
                 found.append(f"{path.name}:{node.lineno} {dotted}")
             elif node.attr in PRIVATE_OBJECT_ATTRIBUTES:
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and name.value in PRIVATE_OBJECT_ATTRIBUTES:
+                found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {name.value!r})")
     return found
 
 
@@ -390,3 +394,9 @@ def test_tuples_of_facts_are_read_by_name():
 )
 def test_the_subscript_detector_itself(source, names):
     assert [name for _, _, name in constant_subscripts(source)] == names
+
+
+def test_the_private_torch_detector_sees_getattr_by_name(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('ref = getattr(handle, "hooks_dict_ref", None)\nok = getattr(handle, "id", None)\n')
+    assert private_torch_uses(source) == ["m.py:1 getattr(..., 'hooks_dict_ref')"]
