@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..core.ops import facts_of
-from ..core.records import E_INDEX, E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ..core.records import E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
@@ -56,37 +56,22 @@ KINDS = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + nonfin
 class CheckContext:
     """What a check may ask beyond shapes, about the op being checked.
 
-    ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
+    ``site`` and ``phase`` are set by the interceptor for each op before its checks run. The
+    checks' trackers a check reads are here by name: ``shapes`` (the broadcast check's
+    :class:`~opwatch.checks.broadcast.ShapeProvenance`), ``handshakes`` (the collectives
+    check's); ``None`` when their check is off.
     """
 
-    __slots__ = ("site", "phase", "args", "handshakes", "_log", "_shapes", "_modules")
+    __slots__ = ("site", "phase", "args", "shapes", "handshakes", "_log", "_modules")
 
     def __init__(self, log, shapes: broadcast.ShapeProvenance | None, modules=None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
         self.args = ()  # the op's other arguments, flat: position or name, value, ...
+        self.shapes = shapes  # this watch's broadcast.ShapeProvenance when that check is on
         self.handshakes = None  # this watch's collectives.Handshakes when that check is on
         self._log = log
-        self._shapes = shapes
         self._modules = modules  # the ModuleStack, for where a stray tensor was made
-
-    def deliberate_dims(self, tensor: tuple) -> frozenset[int]:
-        """Size-1 dims of ``tensor`` (negative, counted from the right) that the program made on
-        purpose: by ``unsqueeze``/``None`` indexing, or inside the op's own decomposition."""
-        if self._shapes is None:
-            return frozenset()
-        return self._shapes.deliberate_dims(tensor, self.site)
-
-    def previous_expand(self) -> tuple | None:
-        """``(site, operand, result shape, op index)`` of the ``expand`` op logged just before
-        this op, for the broadcast check of ``broadcast_tensors`` pairs; ``None`` when the op
-        before was another one (the last expand of the same line one step earlier is no pair)."""
-        previous = self._shapes.previous_expand if self._shapes is not None else None
-        entries = self._log.entries
-        if previous is None or not entries:
-            return None
-        _, _, _, index = previous
-        return previous if entries[-1][E_INDEX] == index else None
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
@@ -224,7 +209,7 @@ class ActiveChecks:
     def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None, every_op_checked: bool = False):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
-        self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
+        self.shapes = broadcast.ShapeProvenance(table_limit, log) if broadcast.KIND in enabled else None
         # every_op_checked: each op is a check point (check_every=1, guard's replay): the nan/inf
         # tracker keeps every range it reads, for the inputs of an origin.
         self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None

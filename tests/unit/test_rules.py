@@ -302,14 +302,14 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.render.summary": 3,  # the first line of a message
     "opwatch.runners.cli": 5,  # sys.argv[0], string parts, the user's last frame
     "opwatch.findings.allow": 2,
-    "opwatch.checks.broadcast": 12,
+    "opwatch.checks.broadcast": 13,  # the last entry logged (entries[-1]) for a broadcast_tensors pair
     "opwatch.checks.device": 13,
     "opwatch.checks.dtype": 8,
     "opwatch.checks.fingerprints": 2,
     "opwatch.checks.module_calls": 3,
     "opwatch.checks.nonfinite.collectives": 8,
     "opwatch.checks.nonfinite.replay": 3,  # an op's first input fed (fed[0], twice) and its state
-    "opwatch.checks": 2,  # the last entry logged (entries[-1]); an op's first input (inputs[0])
+    "opwatch.checks": 1,  # an op's first input (inputs[0])
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
     "opwatch.core.collective_ops": 2,
