@@ -23,16 +23,22 @@ as ``observe(entry, inputs, outputs, metas)`` (the op's log entry, its inputs' a
 metadata, the output tensors), or ``None`` when the op does not concern it.
 
 :class:`ActiveChecks` is all the interceptor knows of the checks: which ones apply to an op,
-the observers to call, the context, and the nan/inf check points.
+the observers to call, the context, and the check points; their findings leave through one
+exit, :class:`~opwatch.checks.pipeline.FindingPipeline` (``ActiveChecks.exit_to(reporter)``),
+whose stages (a promotion's wait, where an odd operand was made, a nan/inf origin's
+containment) belong to their checks.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from ..core.ops import facts_of
 from ..core.records import E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
+from .pipeline import FindingPipeline
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
@@ -94,6 +100,16 @@ class CheckContext:
             made.update(meta[M_IDENT] for meta in entry_outputs(entry) or ())
             taken.extend(entry_inputs(entry))
         return frozenset(made), tuple(meta for meta in taken if meta[M_IDENT] not in made)
+
+    def with_provenance(self, finding: Finding) -> Finding:
+        """``finding`` with where each odd operand was made (``Finding.made``, one
+        :meth:`where_made` fact each, rendered after the problem), worked out once, when it is
+        reported (slow: never on a healthy op); unchanged when it has no odd operand or says
+        already."""
+        if not finding.odd or finding.made:
+            return finding
+        missing = "device" if finding.kind == device.KIND else "dtype"
+        return replace(finding, made=tuple(self.where_made(meta, missing=missing) for meta in finding.odd))
 
     def where_made(self, tensor: tuple, *, missing: str) -> tuple:
         """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
@@ -232,11 +248,6 @@ class ActiveChecks:
         bound = (tracker.for_op(func) for tracker in self._trackers)
         return tuple(observe for observe in bound if observe is not None)
 
-    def waits_for_use(self, finding: Finding) -> bool:
-        """Whether ``finding`` is judged where its op's result is used rather than now (a
-        promotion cast straight back is deliberate: :mod:`~opwatch.checks.promotions`)."""
-        return self.promotions is not None and self.promotions.takes(finding)
-
     def module_call(self, module, args) -> Finding | None:
         """The finding of calling ``module`` with ``args``, judged before its forward runs
         (:mod:`~opwatch.checks.module_calls`), when its kind is enabled."""
@@ -248,6 +259,11 @@ class ActiveChecks:
     def flags_wait_on(self, device) -> bool:
         """Whether nan/inf flags wait on ``device``: a host read there pays for a sync anyway."""
         return self.values is not None and self.values.pending_on(device)
+
+    def exit_to(self, reporter):
+        """The one exit of this watch's findings, in front of ``reporter``: a
+        :class:`~opwatch.checks.pipeline.FindingPipeline` (defer, provenance, containment)."""
+        return FindingPipeline(self, reporter)
 
     def resolve(self, log, since: int, *, reading=(), final: bool = False) -> list:
         """A nan/inf check point: the origins judged now

@@ -3,6 +3,8 @@
 - arrows one way: a module imports only modules of its own layer or below (``FLOORS``: the folders), and no
   import cycle, counting imports inside functions;
 - private torch APIs only in ``opwatch/core/compat.py``;
+- the hot path keeps its size: ``OpInterceptor`` at most 250 code lines, its
+  ``__torch_dispatch__`` at most 80;
 - every sentence a user reads is built in ``opwatch/render/``: no prose literal elsewhere,
   except where the rule says why (errors for bad arguments, raised where they are validated;
   command-line help).
@@ -324,13 +326,13 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.runners.trainers": 3,
     "opwatch.runners.transformers": 1,
     "opwatch.runners.leave_on": 6,
-    "opwatch.modes.interceptor": 8,
+    "opwatch.modes.interceptor": 6,  # the first and last tensor argument; the first item of a list argument
     "opwatch.modes.modules": 6,  # the innermost module call (self._stack[-1], 4); sys.exc_info()[0] (2)
     "opwatch.modes.reducer": 1,
     "opwatch.core.ops": 3,
     "opwatch.checks.accumulation": 8,  # self is an op's first tensor; the first odd operand
     "opwatch.runners.pytest_plugin": 3,
-    "opwatch.core.records": 1,
+    "opwatch.core.records": 3,  # the oldest entry; the last entry (twice: OpLog.complete)
     "opwatch.render.broadcast": 2,
     "opwatch.render.dtype": 5,
     "opwatch.render.guard": 4,
@@ -400,3 +402,50 @@ def test_the_private_torch_detector_sees_getattr_by_name(tmp_path):
     source = tmp_path / "m.py"
     source.write_text('ref = getattr(handle, "hooks_dict_ref", None)\nok = getattr(handle, "id", None)\n')
     assert private_torch_uses(source) == ["m.py:1 getattr(..., 'hooks_dict_ref')"]
+
+
+# -- sizes of the hot path ----------------------------------------------------------------------
+
+# The interceptor's class and its per-op function, in code lines (no docstring, comment or blank
+# line): past these, they hold two jobs (STYLE.md).
+HOT_PATH_LIMITS = {("opwatch.modes.interceptor", "OpInterceptor"): 250, ("opwatch.modes.interceptor", "OpInterceptor.__torch_dispatch__"): 80}
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """The lines of ``node`` holding code: docstrings (of the module, classes, functions),
+    comments and blank lines left out."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for owner in ast.walk(tree):
+        if isinstance(owner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and owner.body:
+            first = owner.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = source.splitlines()
+    counted = 0
+    for number in range(node.lineno, node.end_lineno + 1):
+        text = lines[number - 1].strip()
+        if text and not text.startswith("#") and number not in docstrings:
+            counted += 1
+    return counted
+
+
+def _unit(tree: ast.Module, dotted: str) -> ast.AST:
+    scope = tree
+    for name in dotted.split("."):
+        scope = next(node for node in scope.body if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name)
+    return scope
+
+
+@pytest.mark.parametrize("module, unit", list(HOT_PATH_LIMITS))
+def test_the_hot_path_keeps_its_size(module, unit):
+    source = modules()[module].read_text()
+    lines = code_lines(source, _unit(ast.parse(source), unit))
+    assert lines <= HOT_PATH_LIMITS[module, unit], f"{module}.{unit}: {lines} code lines, at most {HOT_PATH_LIMITS[module, unit]}"
+
+
+def test_the_code_line_counter_itself():
+    source = 'class A:\n    """Doc\n    string."""\n\n    # a comment\n    def f(self):\n        """Doc."""\n        return 1  # counted\n'
+    tree = ast.parse(source)
+    assert code_lines(source, _unit(tree, "A")) == 3  # class A, def f, return 1
+    assert code_lines(source, _unit(tree, "A.f")) == 2

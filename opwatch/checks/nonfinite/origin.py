@@ -32,7 +32,7 @@ from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDE
 from ..finding import Finding, Place
 from .rules import HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
 
-__all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
+__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
 
 
 # How to work out at report time a range the replay did not know (see ``replay._carry_range``):
@@ -62,6 +62,21 @@ def _place(record):
 def _signature(record) -> dict:
     """The record's signature parts, as facts."""
     return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
+
+
+class Verdict(NamedTuple):
+    """A judged origin (or risk) as the reporter takes it."""
+
+    finding: Finding
+    record: object  # the OpRecord of the op that made the value
+    contained: bool  # its values reached no sink: kept apart, not an anomaly
+
+
+def verdict(judged) -> Verdict:
+    """The verdict on an :class:`Origin` or :class:`OverflowRisk` judged at a check point
+    (``matters`` set): an origin that did not matter is contained."""
+    contained = not judged.matters
+    return Verdict(judged.finding(contained=contained), judged.record, contained)
 
 
 class Origin:
