@@ -449,3 +449,24 @@ def test_the_code_line_counter_itself():
     tree = ast.parse(source)
     assert code_lines(source, _unit(tree, "A")) == 3  # class A, def f, return 1
     assert code_lines(source, _unit(tree, "A.f")) == 2
+
+
+def test_the_interceptor_names_no_check():
+    """Findings leave the hot path by one exit (opwatch.checks.pipeline): the interceptor imports
+    no check and names none of their modules or internals."""
+    checks = {path.stem for path in (PACKAGE / "checks").iterdir() if path.stem != "__init__" and (path.suffix == ".py" or path.is_dir())}
+    checks -= {"pipeline", "finding", "__pycache__"}
+    path = modules()["opwatch.modes.interceptor"]
+    assert not {target for target in imports()["opwatch.modes.interceptor"] if target.startswith("opwatch.checks")}
+    # ``device`` and ``dtype`` are a tensor's too (its fields, a local variable); the checks'
+    # state and verdicts are theirs alone.
+    modules_named = checks - {"device", "dtype"}
+    internals = modules_named | {"matters", "handshakes", "prints", "waits_for_use", "where_made", "with_provenance"}
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and node.id in modules_named:
+            named.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in internals:
+            named.add(node.attr)
+    assert not named, f"the interceptor names checks: {sorted(named)}"
+    assert {"broadcast", "promotions", "nonfinite"} <= checks  # the detector sees the checks
