@@ -159,6 +159,7 @@ class OpInterceptor(TorchDispatchMode):
         # findings wait for an op that uses their result (FindingPipeline.waiting).
         self._detour = False
         self._window_start = first_index  # first op index not yet covered by a check point
+        self._check_at = first_index + self._check_every - 1  # the op index that is one at the latest
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
         self._site_tuples: dict = {}
@@ -272,7 +273,7 @@ class OpInterceptor(TorchDispatchMode):
         except Exception as error:
             self._internal_error(error)
             return out
-        if head[E_INDEX] - self._window_start >= self._check_every - 1:
+        if head[E_INDEX] >= self._check_at:
             self.check_point()
         return out
 
@@ -435,6 +436,7 @@ class OpInterceptor(TorchDispatchMode):
             return
         window_start = self._window_start
         self._window_start = self.next_index
+        self._check_at = self.next_index + self._check_every - 1
         try:
             error = self.findings.check_point(self._log, window_start, reading=reading, final=final, may_raise=may_raise)
             self._detour = self._inert or self.findings.waiting
