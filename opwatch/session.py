@@ -328,7 +328,7 @@ class Watch:
                 distributed=self._distributed,
             )
             modules.on_call = interceptor.module_called
-            functions = self._function_watch(interceptor, modules, active.context)
+            functions = self._function_watch(interceptor, modules)
             modules.install()
         except Exception as error:
             self._internal_error(error, traceback.format_exc())
@@ -353,7 +353,7 @@ class Watch:
         _steps_checked.hold(self)
         return self
 
-    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, context) -> FunctionWatch | None:
+    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack) -> FunctionWatch | None:
         """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when they
         were asked for (``checks=[..., "pre_dispatch"]``: opt-in, for its cost on every torch
         call); it judges the device and dtype rules that are asked for too, or both."""
@@ -362,8 +362,6 @@ class Watch:
         kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}
         return FunctionWatch(
             log=self._log,
-            reporter=self._reporter,
-            context=context,
             modules=modules,
             interceptor=interceptor,
             kinds=frozenset(kinds),

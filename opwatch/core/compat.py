@@ -35,6 +35,7 @@ __all__ = [
     "autograd_sequence_nr",
     "tensor_base",
     "is_zerotensor",
+    "hooks_dict_of",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -188,3 +189,12 @@ def _never_zerotensor(tensor) -> bool:
 # Whether a tensor is a ZeroTensor (autograd's lazy zeros, which hold no memory to reduce):
 # ``Tensor._is_zerotensor``, torch >= 1.11, called unbound as a C-level method. Fallback: none is.
 is_zerotensor = getattr(torch.Tensor, "_is_zerotensor", _never_zerotensor)
+
+
+def hooks_dict_of(handle):
+    """The hooks dict a ``torch.utils.hooks.RemovableHandle`` removes from: torch keeps a weak
+    reference to it in ``handle.hooks_dict_ref`` (torch >= 1.0, still in 2.13). Fallback:
+    ``None`` (the module tracker then leaves the global hooks' order alone and stops checking
+    whether its exit hook is still the last)."""
+    ref = getattr(handle, "hooks_dict_ref", None)
+    return ref() if ref is not None else None

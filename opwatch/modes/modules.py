@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..core.compat import current_autograd_node
+from ..core.compat import current_autograd_node, hooks_dict_of
 from ..core.sites import user_frame
 
 __all__ = ["ModuleStack"]
@@ -82,10 +82,10 @@ class ModuleStack:
         self._handles = [enter, exit_]
         # Global pre-hooks registered before the watch run after the entering hook, so that their
         # ops get the module's path. Only opwatch's own entry moves.
-        pre_hooks = _hooks_dict(enter)
+        pre_hooks = hooks_dict_of(enter)
         if pre_hooks is not None and hasattr(pre_hooks, "move_to_end"):
             pre_hooks.move_to_end(enter.id, last=False)
-        hooks = _hooks_dict(exit_)
+        hooks = hooks_dict_of(exit_)
         self._exit_hooks = hooks if hooks is not None else {}  # {}: never re-checked
         self._exit_id = exit_.id
         self._exit_hooks_len = len(self._exit_hooks)
@@ -271,8 +271,3 @@ def _owners_table(root: nn.Module) -> dict:
                     table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
     return table
 
-
-def _hooks_dict(handle):
-    """The hooks dict a ``RemovableHandle`` removes from (torch keeps a weak reference to it)."""
-    ref = getattr(handle, "hooks_dict_ref", None)
-    return ref() if ref is not None else None

@@ -309,3 +309,23 @@ def test_live_records_share_the_interface():
     assert record.signature().startswith(short_op_name(record.func) + "(")
     assert short_op_name("aten.mm.default") == short_op_name(torch.ops.aten.mm.default) == "aten.mm"
     assert short_op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+
+
+def test_an_entry_logged_before_its_kernel_is_completed_in_place():
+    from opwatch.core.records import E_END_NS, OpLog, op_entry
+
+    log = OpLog(4)
+    meta = ((4, 1), torch.float32, torch.device("cpu"), 7)
+    head = (0, log.func_id(torch.ops.aten.sub.Tensor), 0, None, "forward", -1, ())
+    record = log.add(op_entry(head, 10, -1, [meta, meta]))
+    assert record.outputs is None and record.inputs[0].shape == (4, 1)  # the kernel has not run
+    out = ((4, 4), torch.float32, torch.device("cpu"), 8)
+    log.complete(record, op_entry(head, 10, 12, [meta, meta], [out]))
+    assert len(log.entries) == 1 and log.entries[0][E_END_NS] == 12
+    assert [meta.shape for meta in record.outputs] == [(4, 4)] and log.records()[0].outputs == record.outputs
+    # Once a later op was logged, the record is completed alone (the log keeps its order).
+    later = log.add(op_entry((1, *head[1:]), 13, -1, [out]))
+    log.complete(later, op_entry((1, *head[1:]), 13, 14, [out], []))
+    log.entries.append(op_entry((2, *head[1:]), 15, 16, [out], [out]))
+    log.complete(record, op_entry(head, 10, 12, [meta, meta], []))
+    assert record.outputs == () and [entry[E_END_NS] for entry in log.entries] == [12, 14, 16]

@@ -26,12 +26,13 @@ from typing import NamedTuple
 
 import torch
 
+from ...core.finite import value_extremes
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import Finding, Place
-from .rules import COMPLEX, HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
+from .rules import HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
 
-__all__ = ["Origin", "OverflowRisk", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
+__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
 
 
 # How to work out at report time a range the replay did not know (see ``replay._carry_range``):
@@ -61,6 +62,21 @@ def _place(record):
 def _signature(record) -> dict:
     """The record's signature parts, as facts."""
     return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
+
+
+class Verdict(NamedTuple):
+    """A judged origin (or risk) as the reporter takes it."""
+
+    finding: Finding
+    record: object  # the OpRecord of the op that made the value
+    contained: bool  # its values reached no sink: kept apart, not an anomaly
+
+
+def verdict(judged) -> Verdict:
+    """The verdict on an :class:`Origin` or :class:`OverflowRisk` judged at a check point
+    (``matters`` set): an origin that did not matter is contained."""
+    contained = not judged.matters
+    return Verdict(judged.finding(contained=contained), judged.record, contained)
 
 
 class Origin:
@@ -219,11 +235,12 @@ def _finite_range(tensor):
     """The :class:`ValueRange` of a live input, ``None`` when it cannot be read or is not finite (its
     values were finite when the op ran: a non-finite range is another tensor's)."""
     try:
-        if not (tensor.numel() and type(tensor) in PLAIN_TYPES and tensor.layout is STRIDED and not tensor.is_meta):
+        if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
             return None
-        checked = torch.view_as_real(tensor.detach().resolve_conj()) if tensor.dtype in COMPLEX else tensor.detach()
-        low, high = torch.aminmax(checked)
-        low, high = low.item(), high.item()
-        return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None
+        extremes = value_extremes(tensor)
     except Exception:
         return None
+    if extremes is None:
+        return None
+    low, high = extremes
+    return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None
