@@ -1,0 +1,310 @@
+"""Compiled programs (issue 28): watching never un-compiles them (a counting backend's compiled
+code and inductor's ``CompiledFunctionBackward`` come back after every entry point, without a
+recompile), a watch says once that compiled code ran eagerly under it, and a failing compiled
+step under ``opwatch.guard`` gets a verdict: eager fails too, or only the compiled step does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import opwatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Counting:
+    """A torch.compile backend that runs the captured graph as it is and counts compiles and
+    runs of the compiled code."""
+
+    def __init__(self):
+        self.compiles = 0
+        self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def unique_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def train(model, compiled, steps, seen=None):
+    """``steps`` SGD steps of ``compiled`` (the compiled ``model``) on fresh batches; the type
+    of each forward output's grad_fn goes to ``seen``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        x = torch.randn(16, 6)
+        optimizer.zero_grad()
+        out = compiled(x)
+        if seen is not None:
+            seen.append(type(out.grad_fn).__name__)
+        loss = ((out - x.sum(-1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
+@pytest.fixture
+def counted():
+    backend = Counting()
+    model = Net()
+    compiled = torch.compile(model, backend=backend)
+    train(model, compiled, 2)
+    assert (backend.compiles, backend.runs) == (1, 2)
+    return backend, model, compiled
+
+
+@pytest.fixture(scope="module")
+def inductor():
+    """One inductor compile of a small model on CPU for the module (10-30 s)."""
+    model = Net()
+    compiled = torch.compile(model)
+    seen = []
+    train(model, compiled, 2, seen)
+    assert seen == ["CompiledFunctionBackward"] * 2, seen
+    return model, compiled
+
+
+@pytest.mark.parametrize("make", [opwatch.watch, opwatch.strict], ids=["watch", "strict"])
+def test_a_compiled_module_runs_its_compiled_code_again_after_a_watch_without_recompiling(counted, make):
+    backend, model, compiled = counted
+    graphs = unique_graphs()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with make():
+            train(model, compiled, 1)
+    assert backend.runs == 2  # under the watch: eagerly, op by op
+    train(model, compiled, 3)
+    assert (backend.compiles, backend.runs) == (1, 5)
+    assert unique_graphs() == graphs
+
+
+def test_the_users_own_stance_is_put_back_after_a_watch(counted):
+    backend, model, compiled = counted
+    with torch.compiler.set_stance("force_eager"):
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            with opwatch.watch():
+                train(model, compiled, 1)
+        train(model, compiled, 1)
+        assert backend.runs == 2  # still the user's force_eager
+    train(model, compiled, 1)
+    assert backend.runs == 3
+
+
+def test_inductor_code_comes_back_after_a_watch_and_guard_audits(inductor):
+    model, compiled = inductor
+    graphs = unique_graphs()
+    seen = []
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with opwatch.watch():
+            train(model, compiled, 1, seen)
+    assert seen == ["AddmmBackward0"]  # the watch ran it eagerly, and says so
+    seen.clear()
+    train(model, compiled, 2, seen)
+    assert seen == ["CompiledFunctionBackward"] * 2
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x):
+        out = compiled(x)
+        seen.append(type(out.grad_fn).__name__)
+        loss = ((out - x.sum(-1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, audit=3)
+    seen.clear()
+    for _ in range(6):
+        optimizer.zero_grad()
+        guarded(torch.randn(16, 6))
+        optimizer.step()
+    assert guarded.audits >= 2  # the first call and every third
+    assert seen[:2] == ["AddmmBackward0", "CompiledFunctionBackward"], seen  # audited eagerly, then compiled again
+    assert seen.count("AddmmBackward0") == guarded.audits and seen.count("CompiledFunctionBackward") == 6 - guarded.audits, seen
+    assert unique_graphs() == graphs
+
+
+def test_a_watch_says_once_which_compiled_code_ran_eagerly_under_it(counted):
+    backend, model, compiled = counted
+
+    @torch.compile(backend=backend)
+    def scaled(x):
+        return x * 2 + 1
+
+    w = opwatch.watch()
+    with pytest.warns(opwatch.OpwatchWarning) as caught:
+        for _ in range(2):  # one watch entered twice: one notice
+            with w:
+                train(model, compiled, 3)
+                scaled(torch.ones(3))
+    notices = [str(warning.message) for warning in caught if "compiled code" in str(warning.message)]
+    assert len(notices) == 1, notices
+    # told at the first block's end, with its counts; the watch's facts keep counting
+    assert "Net (compiled module, " in notices[0] and "test_compiled.py:" in notices[0] and ": 3 calls" in notices[0]
+    assert "scaled (" in notices[0] and ": 1 call" in notices[0]
+    assert "not the compiled kernels" in notices[0]
+    assert [(fact.name, fact.kind, fact.calls) for fact in w.compiled_eagerly] == [("Net", "module", 6), ("scaled", "function", 2)]
+    assert backend.runs == 2
+
+
+def test_a_watch_over_eager_code_says_nothing_about_compiled_code(counted):
+    backend, _, _ = counted
+    model = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opwatch.watch() as w:
+            train(model, model, 2)
+    assert w.compiled_eagerly == []
+    assert not [warning for warning in caught if "compiled" in str(warning.message)]
+
+
+def test_a_watch_with_warn_off_keeps_the_facts_and_says_nothing(counted):
+    backend, model, compiled = counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opwatch.watch(warn=False) as w:
+            train(model, compiled, 1)
+    assert [fact.calls for fact in w.compiled_eagerly] == [1]
+    assert not [warning for warning in caught if "compiled" in str(warning.message)]
+
+
+# -- the runners in a subprocess ---------------------------------------------------------------
+
+COUNTING = '''
+class Counting:
+    def __init__(self):
+        self.compiles = 0
+        self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+'''
+
+SCRIPT = COUNTING + '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+backend = Counting()
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+compiled = torch.compile(model, backend=backend)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    x = torch.randn(8, 4)
+    optimizer.zero_grad()
+    loss = ((compiled(x) - x.sum(-1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+print(f"compiles={backend.compiles} runs={backend.runs}")
+'''
+
+
+def environment():
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OPWATCH_")}
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+def test_guard_cli_on_a_compiled_script_audits_its_first_step_and_leaves_the_rest_compiled(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=environment(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "compiles=1 runs=5" in result.stdout, result.stdout + result.stderr  # step 1: the audit, eagerly
+    assert "0 failed" in result.stderr
+
+
+def test_pytest_opwatch_leaves_a_compiled_module_compiled_for_the_next_tests(tmp_path):
+    (tmp_path / "test_compiled_model.py").write_text(COUNTING + textwrap.dedent('''
+        import pytest
+        import torch
+
+        backend = Counting()
+        model = torch.compile(torch.nn.Linear(4, 2), backend=backend)
+
+
+        def test_first_call_watched():
+            model(torch.randn(3, 4)).sum().backward()
+
+
+        def test_second_call_watched():
+            model(torch.randn(3, 4)).sum().backward()
+
+
+        @pytest.mark.opwatch(False)
+        def test_compiled_code_runs_again():
+            model(torch.randn(3, 4)).sum().backward()
+            print(f"compiles={backend.compiles} runs={backend.runs}")
+    '''))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--opwatch", "-s", "-q", "test_compiled_model.py"],
+                            capture_output=True, text=True, cwd=tmp_path, env=environment(), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiles=1 runs=1" in result.stdout, result.stdout
+
+
+PLAIN_MODE = COUNTING + '''
+import sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import opwatch
+
+
+class Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+backend = Counting()
+model = torch.compile(torch.nn.Linear(4, 2), backend=backend)
+x = torch.randn(3, 4)
+model(x)
+with Passing() if sys.argv[1] == "plain" else opwatch.watch(warn=False):
+    model(x)
+model(x)
+model(x)
+print(f"compiles={backend.compiles} runs={backend.runs}")
+'''
+
+
+@pytest.mark.parametrize("mode, after", [("plain", "runs=1"), ("watch", "runs=3")])
+def test_a_plain_dispatch_mode_drops_the_compiled_code_for_good_and_a_watch_does_not(tmp_path, mode, after):
+    """What a watch protects against, in a process of its own (Dynamo marks the code of its
+    wrapper skipped, shared by every compiled module): a bare TorchDispatchMode around one call
+    leaves the compiled module running eagerly from then on."""
+    (tmp_path / "modes.py").write_text(PLAIN_MODE)
+    result = subprocess.run([sys.executable, "modes.py", mode], capture_output=True, text=True, cwd=tmp_path, env=environment(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"compiles=1 {after}" in result.stdout, result.stdout + result.stderr
