@@ -33,6 +33,7 @@ __all__ = [
     "SKIPS_DYNAMO_PER_CODE",
     "dynamo_loaded",
     "force_eager_stance",
+    "force_backend_stance",
     "count_compiled_calls",
     "pack_padded_sequence_function",
     "op_kernel",
@@ -180,6 +181,21 @@ def force_eager_stance():
     try:
         stance = set_stance("force_eager")  # sets it now; the object remembers the one before
     except RuntimeError:
+        return None
+    return lambda: stance.__exit__(None, None, None)
+
+
+def force_backend_stance(backend: str):
+    """Make every compiled function compile with ``backend`` (a registered backend's name)
+    instead of its own, until the returned callable puts the stance back
+    (``torch.compiler.set_stance("default", force_backend=...)``, torch >= 2.6): each compiles
+    once more per backend, kept beside its own compiled code. ``None`` where it cannot be set."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        stance = set_stance("default", force_backend=backend)
+    except (RuntimeError, TypeError):
         return None
     return lambda: stance.__exit__(None, None, None)
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import opwatch
+from support.helpers import line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -308,3 +309,115 @@ def test_a_plain_dispatch_mode_drops_the_compiled_code_for_good_and_a_watch_does
     result = subprocess.run([sys.executable, "modes.py", mode], capture_output=True, text=True, cwd=tmp_path, env=environment(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"compiles=1 {after}" in result.stdout, result.stdout + result.stderr
+
+
+# -- the verdict on a failing compiled step under opwatch.guard ---------------------------------
+
+
+class Smooth(nn.Module):
+    """sqrt(h^2 + 1), scaled by the square root of the batch's first column: finite while that
+    column is >= 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        scale = x[:, :1].sqrt()  # SCALE: nan for a negative first column
+        return self.fc2(torch.sqrt(h * h + 1)) * scale  # SQRT
+
+
+def log_of_negative(t):
+    return torch.log(-t)
+
+
+def miscompiling(gm, example_inputs):
+    """An honest miscompile: the graph's one sqrt computes log(-t) instead (nan for t > 0)."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.sqrt:
+            node.target = log_of_negative
+            changed += 1
+    assert changed == 1, gm.graph
+    gm.recompile()
+    return gm.forward
+
+
+def guarded_loop(model, compiled, batches, **options):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x):
+        loss = ((compiled(x) - x.sum(-1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, **options)
+    for x in batches:
+        optimizer.zero_grad()
+        guarded(x)
+        optimizer.step()
+    return guarded
+
+
+def batches(count, poison_at=None):
+    out = []
+    for index in range(count):
+        x = torch.rand(16, 6)
+        if index == poison_at:
+            x[3, 0] = -1.0
+        out.append(x)
+    return out
+
+
+def test_a_compiled_step_whose_eager_code_fails_too_gets_the_eager_origin(tmp_path):
+    backend = Counting()
+    model = Smooth()
+    compiled = torch.compile(model, backend=backend)
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        guarded_loop(model, compiled, batches(4, poison_at=2), repro_dir=tmp_path)
+    text = str(raised.value) + "\n".join(getattr(raised.value, "__notes__", []))
+    line = line_of("# SCALE", __file__)
+    assert "eager also fails: aten.sqrt.default at " in text and f"test_compiled.py:{line}. " in text, text
+    assert "Smooth" in text and "not from the compiler" in text
+    assert backend.runs == 2  # calls 2 and 3 ran compiled (call 1 was the audit); 3 made the nan
+
+
+def test_a_miscompiled_step_whose_eager_replay_is_finite_is_blamed_on_the_compiler_and_its_stage(tmp_path):
+    model = Smooth()
+    compiled = torch.compile(model, backend=miscompiling)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x):
+        loss = ((compiled(x) - x.sum(-1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, repro_dir=tmp_path)
+    x = batches(2)
+    guarded(x[0])  # the audit: eager, finite
+    optimizer.step()
+    optimizer.zero_grad()
+    weights = model.fc1.weight.detach().clone()
+    with pytest.raises(RuntimeError) as raised:
+        guarded(x[1])
+    text = str(raised.value)
+    assert "eager is finite on the same inputs: only the compiled step makes nan/inf" in text, text
+    assert "Smooth" in text
+    assert "eager: finite; aot_eager: finite; aot_eager_decomp_partition: finite" in text
+    assert "the step's own backend" in text
+    verdict = guarded.last_verdict
+    assert not verdict.eager_fails and [stage for stage, _ in verdict.stages] == ["eager", "aot_eager", "aot_eager_decomp_partition"]
+    # the start put back: no .grad for the optimizer, the weights as they were, all finite
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert torch.equal(model.fc1.weight, weights)
+
+
+def test_an_eager_step_that_fails_gets_no_compiled_verdict(tmp_path):
+    model = Smooth()
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        guarded_loop(model, model, batches(3, poison_at=1), repro_dir=tmp_path)
+    text = str(raised.value) + "\n".join(getattr(raised.value, "__notes__", []))
+    assert "aten.sqrt.default" in text
+    assert "compiled code" not in text and "eager also fails" not in text
