@@ -35,6 +35,7 @@ __all__ = [
     "force_eager_stance",
     "force_backend_stance",
     "count_compiled_calls",
+    "compiled_module_inner",
     "pack_padded_sequence_function",
     "op_kernel",
     "autograd_sequence_nr",
@@ -198,6 +199,15 @@ def force_backend_stance(backend: str):
     except (RuntimeError, TypeError):
         return None
     return lambda: stance.__exit__(None, None, None)
+
+
+def compiled_module_inner(module):
+    """The module a ``torch.compile(module)`` wraps (``OptimizedModule._orig_mod``, torch 2.0+),
+    or ``None`` for any other module. Read by type name: no Dynamo import."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 def _compile_wrapper_code(eval_frame):

@@ -11,7 +11,9 @@ again in the process. The stance keeps Dynamo from looking at the frame at all.
 from __future__ import annotations
 
 import functools
+import re
 import threading
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -45,12 +47,14 @@ class _Stance:
         self._undo = None
         self._compile = None  # torch.compile while it is wrapped (Dynamo not imported yet)
         self._compile_wrapper = None
+        self._quiet = None  # the warnings filter entry of _quiet_hooks_warning
         self._lock = threading.Lock()
 
     def hold(self, calls: dict) -> None:
         with self._lock:
             if not self._held:
                 self._set()
+                self._quiet = _quiet_hooks_warning()
             self._held.append((threading.get_ident(), calls))
 
     def release(self, calls: dict) -> None:
@@ -63,6 +67,9 @@ class _Stance:
                 return
             undo, restore, self._undo, self._restore = self._undo, self._restore, None, None
             compile_, self._compile = self._compile, None
+            quiet, self._quiet = self._quiet, None
+        if quiet in warnings.filters:
+            warnings.filters.remove(quiet)
         if compile_ is not None and torch.compile is self._compile_wrapper:
             torch.compile = compile_
         if undo is not None:
@@ -96,6 +103,19 @@ class _Stance:
         for held_by, calls in self._held:
             if held_by == thread:
                 calls[fn] = calls.get(fn, 0) + 1
+
+
+def _quiet_hooks_warning():
+    """Ignore, while watches are active, the warning torch gives at each call of a
+    ``torch.compile``d module while global module hooks exist (the watch's module paths are
+    such hooks; they name the compiled module's paths as the model's own). Returns the entry."""
+    entry = ("ignore", re.compile(_HOOKS_WARNING), UserWarning, None, 0)  # as warnings.filterwarnings makes it
+    warnings.filters.insert(0, entry)
+    return entry
+
+
+# The start of torch's warning (torch._dynamo.eval_frame.OptimizedModule.__call__), as a regex.
+_HOOKS_WARNING = "Using `torch\\.compile\\(module\\)`"
 
 
 _STANCE = _Stance()
