@@ -241,7 +241,7 @@ def only_compiled(call, name, failure, buffers, verdict) -> str:
     """The error of a failing step whose eager replay is finite while its compiled run was not."""
     return (
         f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}) running compiled code "
-        f"({_compiled_names(verdict)}); replayed eagerly from the same start ({restored(buffers)} restored) on the same "
-        f"inputs under a full watch, it is finite: eager is finite on the same inputs: only the compiled step makes "
-        f"nan/inf (a miscompile, or a fused kernel's precision)." + _stages(verdict)
+        f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)} restored) under "
+        f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
+        f"(a miscompile, or a fused kernel's precision)." + _stages(verdict)
     )

@@ -338,16 +338,18 @@ def log_of_negative(t):
     return torch.log(-t)
 
 
-def miscompiling(gm, example_inputs):
+class Miscompiling(Counting):
     """An honest miscompile: the graph's one sqrt computes log(-t) instead (nan for t > 0)."""
-    changed = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.sqrt:
-            node.target = log_of_negative
-            changed += 1
-    assert changed == 1, gm.graph
-    gm.recompile()
-    return gm.forward
+
+    def __call__(self, gm, example_inputs):
+        changed = 0
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.sqrt:
+                node.target = log_of_negative
+                changed += 1
+        assert changed == 1, gm.graph
+        gm.recompile()
+        return super().__call__(gm, example_inputs)
 
 
 def guarded_loop(model, compiled, batches, **options):
@@ -391,7 +393,8 @@ def test_a_compiled_step_whose_eager_code_fails_too_gets_the_eager_origin(tmp_pa
 
 def test_a_miscompiled_step_whose_eager_replay_is_finite_is_blamed_on_the_compiler_and_its_stage(tmp_path):
     model = Smooth()
-    compiled = torch.compile(model, backend=miscompiling)
+    backend = Miscompiling()
+    compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(x):
@@ -404,11 +407,12 @@ def test_a_miscompiled_step_whose_eager_replay_is_finite_is_blamed_on_the_compil
     guarded(x[0])  # the audit: eager, finite
     optimizer.step()
     optimizer.zero_grad()
+    graphs = unique_graphs()
     weights = model.fc1.weight.detach().clone()
     with pytest.raises(RuntimeError) as raised:
         guarded(x[1])
     text = str(raised.value)
-    assert "eager is finite on the same inputs: only the compiled step makes nan/inf" in text, text
+    assert "found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf" in text, text
     assert "Smooth" in text
     assert "eager: finite; aot_eager: finite; aot_eager_decomp_partition: finite" in text
     assert "the step's own backend" in text
@@ -417,6 +421,9 @@ def test_a_miscompiled_step_whose_eager_replay_is_finite_is_blamed_on_the_compil
     # the start put back: no .grad for the optimizer, the weights as they were, all finite
     assert all(parameter.grad is None for parameter in model.parameters())
     assert torch.equal(model.fc1.weight, weights)
+    # the stages compiled the step once each, beside its own code, which runs again after
+    assert unique_graphs() == graphs + 1 + 3 and (backend.compiles, backend.runs) == (1, 1)
+    assert not torch.isfinite(compiled(x[0])).all() and backend.runs == 2
 
 
 def test_an_eager_step_that_fails_gets_no_compiled_verdict(tmp_path):
