@@ -433,3 +433,42 @@ def test_an_eager_step_that_fails_gets_no_compiled_verdict(tmp_path):
     text = str(raised.value) + "\n".join(getattr(raised.value, "__notes__", []))
     assert "aten.sqrt.default" in text
     assert "compiled code" not in text and "eager also fails" not in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_inductor_and_cuda_graphs_run_compiled_again_after_a_watch_and_guard_audits(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).cuda()
+    compiled = torch.compile(model, mode=mode)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+    seen = []
+
+    def step():
+        out = compiled(x)
+        seen.append(type(out.grad_fn).__name__)
+        loss = ((out - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    def steps(run, count):
+        for _ in range(count):
+            optimizer.zero_grad()
+            run()
+            optimizer.step()
+
+    steps(step, 3)
+    graphs = unique_graphs()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with opwatch.watch() as w:
+            steps(step, 1)
+    steps(step, 2)
+    guarded = opwatch.guard(step, model)
+    steps(guarded, 3)
+    assert [fact.calls for fact in w.compiled_eagerly] == [1]
+    compiled_run = seen[0]
+    assert compiled_run == "CompiledFunctionBackward", seen
+    assert seen[3:] == ["AddmmBackward0", compiled_run, compiled_run, "AddmmBackward0", compiled_run, compiled_run], seen
+    assert unique_graphs() == graphs
