@@ -5,6 +5,7 @@ step under ``opwatch.guard`` gets a verdict: eager fails too, or only the compil
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -472,3 +473,41 @@ def test_cuda_inductor_and_cuda_graphs_run_compiled_again_after_a_watch_and_guar
     assert compiled_run == "CompiledFunctionBackward", seen
     assert seen[3:] == ["AddmmBackward0", compiled_run, compiled_run, "AddmmBackward0", compiled_run, compiled_run], seen
     assert unique_graphs() == graphs
+
+
+@pytest.mark.parametrize("mode, eager_steps", [("watch", 4), ("guard", 1)])
+def test_lightning_callback_leaves_a_compiled_network_compiled(tmp_path, mode, eager_steps):
+    """The trainers' callback: in watch mode every step runs eagerly under the watch (and the
+    compiled code is back after fit); in guard mode only the audited first step does."""
+    lightning = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opwatch.runners.lightning import OpwatchCallback
+
+    backend = Counting()
+
+    class Regression(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.compile(Net(), backend=backend)
+
+        def training_step(self, batch, batch_idx):
+            x, target = batch
+            return ((self.net(x) - target) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x = torch.randn(16, 6)
+    trainer = lightning.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, default_root_dir=tmp_path,
+        callbacks=[OpwatchCallback(mode=mode, warn=False, file=io.StringIO())],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Regression()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(TensorDataset(x, x.sum(-1, keepdim=True)), batch_size=4))
+    assert backend.runs == 4 - eager_steps
+    module.net(x)
+    assert backend.compiles == 1 and backend.runs == 5 - eager_steps
