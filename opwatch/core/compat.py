@@ -220,6 +220,28 @@ def _compile_wrapper_code(eval_frame):
     return None
 
 
+_ENTERING: dict = {}  # the wrapper's code -> its offsets (read once: dis takes milliseconds)
+
+
+def _entering_offsets(wrapper_code):
+    """Where in Dynamo's wrapper the call that enters the compiled function lies: the wrapper
+    calls ``_maybe_set_eval_frame(_callback_from_stance(...))`` entering, and the same global
+    again leaving (``finally``, on each return path). ``(from, to)`` instruction offsets, or
+    ``None``."""
+    if wrapper_code in _ENTERING:
+        return _ENTERING[wrapper_code]
+    import dis
+
+    loads = [(ins.offset, ins.argval) for ins in dis.get_instructions(wrapper_code) if ins.argval in ("_maybe_set_eval_frame", "_callback_from_stance")]
+    stance_at = min((offset for offset, name in loads if name == "_callback_from_stance"), default=None)
+    enter_from = enter_to = None
+    if stance_at is not None:
+        enter_from = max((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset < stance_at), default=None)
+        enter_to = min((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset > stance_at), default=sys.maxsize)
+    found = _ENTERING[wrapper_code] = None if enter_from is None else (enter_from, enter_to)
+    return found
+
+
 def count_compiled_calls(on_call):
     """Call ``on_call(fn)`` with the function behind each call of a ``torch.compile``d callable
     from now on (``fn``: the user's function, or the bound ``__call__`` of a compiled module).
@@ -232,19 +254,10 @@ def count_compiled_calls(on_call):
     wrapper_code = _compile_wrapper_code(eval_frame)
     if original is None or wrapper_code is None:
         return None
-    # The wrapper calls the global entering, ``_maybe_set_eval_frame(_callback_from_stance(...))``,
-    # and again leaving (``finally``, on each return path): a call is counted entering, told by
-    # the caller's instruction offset.
-    import dis
-
-    loads = [(ins.offset, ins.argval) for ins in dis.get_instructions(wrapper_code) if ins.argval in ("_maybe_set_eval_frame", "_callback_from_stance")]
-    stance_at = min((offset for offset, name in loads if name == "_callback_from_stance"), default=None)
-    if stance_at is None:
+    entering = _entering_offsets(wrapper_code)
+    if entering is None:
         return None
-    enter_from = max((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset < stance_at), default=None)
-    enter_to = min((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset > stance_at), default=sys.maxsize)
-    if enter_from is None:
-        return None
+    enter_from, enter_to = entering
     get_frame = sys._getframe
 
     def set_eval_frame(callback):
