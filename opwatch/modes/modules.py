@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..core.compat import current_autograd_node, hooks_dict_of
+from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
 from ..core.sites import user_frame
 
 __all__ = ["ModuleStack"]
@@ -116,7 +116,7 @@ class ModuleStack:
             else:
                 self._root = weakref.ref(module)
                 self._root_names = self._names_for_root(module)
-                path = type(module).__name__
+                path = type(compiled_module_inner(module) or module).__name__
         else:
             path = self._root_names.get(module) if self._root_names is not None else None
             root = self._root() if self._root is not None else None
@@ -237,7 +237,10 @@ class ModuleStack:
         names = self._names.get(root)
         if names is None:
             names = weakref.WeakKeyDictionary()
-            for name, child in root.named_modules(remove_duplicate=False):
+            inner = compiled_module_inner(root)
+            if inner is not None:  # torch.compile(model): paths as the model's own ("Net", "fc1")
+                names[inner] = type(inner).__name__
+            for name, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
                 if name and child not in names:
                     names[child] = name
             self._names[root] = names

@@ -223,3 +223,47 @@ def ops_note(records, index: int, *, audited: bool = False) -> str:
 
 def guarded_repr(step, calls: int, failures: int, audits: int) -> str:
     return f"<opwatch.guard of {step!r}: {calls} call(s), {audits} audit(s), {failures} failure(s)>"
+
+
+def _compiled_names(verdict) -> str:
+    return ", ".join(fact.name for fact in verdict.compiled)
+
+
+def compiled_verdict(verdict) -> str:
+    """The note of a failing step that runs compiled code when its eager replay fails too."""
+    op, where = verdict.origin
+    return (
+        f"compiled: the step runs compiled code ({_compiled_names(verdict)}); the failing run was compiled and the replay "
+        f"ran it eagerly: eager also fails: {op} at {where}. The nan/inf comes from the program, not from the compiler."
+    )
+
+
+def _stages(verdict) -> str:
+    ran = "; ".join(f"{backend}: {outcome}" for backend, outcome in verdict.stages)
+    if not verdict.stages:
+        return ""
+    *_, (backend, outcome) = verdict.stages  # the last stage run
+    if outcome == "finite":
+        first = "the step's own backend (inductor, or the one given to torch.compile) is the first stage that makes it"
+    elif outcome == "not run":
+        first = "torch.compiler.set_stance(force_backend=...) is missing in this torch, so the stages were not run"
+    else:
+        first = f"{backend} is the first stage that makes it ({_STAGE_MEANS.get(backend, backend)})"
+    return f" Run again from the same start with each compiler stage as the backend ({ran}): {first}."
+
+
+_STAGE_MEANS = {
+    "eager": "Dynamo's captured graph, run as it is: the capture itself differs from the Python code",
+    "aot_eager": "AOTAutograd's forward and backward graphs: functionalization or the traced backward differs",
+    "aot_eager_decomp_partition": "inductor's decompositions and the partitioner: a decomposition differs",
+}
+
+
+def only_compiled(call, name, failure, buffers, verdict) -> str:
+    """The error of a failing step whose eager replay is finite while its compiled run was not."""
+    return (
+        f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}) running compiled code "
+        f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)} restored) under "
+        f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
+        f"(a miscompile, or a fused kernel's precision)." + _stages(verdict)
+    )

@@ -42,6 +42,7 @@ from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
 from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
+from . import compiled as compiled_steps
 from . import replay as replays
 from .audit import Audits
 from .check import FiniteCheck, Raised, not_finite, on_failure_option
@@ -200,6 +201,9 @@ class Guarded:
         last_replay: the :class:`~opwatch.Watch` of the latest replay, or of the audit a
             failure was reported from (``table()``, ``records``, ``anomalies``), or ``None``.
         last_audit: the :class:`~opwatch.Watch` of the latest audit, or ``None``.
+        last_verdict: for the latest replayed failure of a step that runs ``torch.compile``d
+            code, a :class:`~opwatch.runners.guarded.compiled.CompiledVerdict` (eager fails
+            too, or only the compiled step; the compiler stages run), else ``None``.
     """
 
     def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
@@ -236,6 +240,7 @@ class Guarded:
         self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.last_replay: Watch | None = None
         self.last_audit: Watch | None = None
+        self.last_verdict = None
         functools.update_wrapper(self, train_step, updated=())
 
     @property
@@ -348,6 +353,7 @@ class Guarded:
                                  repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
             self.last_replay = replay.watch
             anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
+            self.last_verdict = self._compiled_verdict(replay, anomaly, error, start, args, kwargs)
             context = StepContext(name, failure, len(start.buffers), False)
         # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
         go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
@@ -414,6 +420,8 @@ class Guarded:
         note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
         if note:
             raised.add_note(note)
+        if not audited and self.last_verdict is not None:
+            raised.add_note(words.compiled_verdict(self.last_verdict))
         if error is not None:
             raise raised from error
         raise raised
@@ -433,10 +441,27 @@ class Guarded:
             mismatch = RuntimeError(words.replay_raised_instead(self.calls, self._name(), failure, type(replay.error).__name__))
             mismatch.__cause__ = replay.error
             return mismatch
+        if self.last_verdict is not None and not self.last_verdict.eager_fails:
+            return RuntimeError(words.only_compiled(self.calls, self._name(), failure, buffers, self.last_verdict))
         allowed_nonfinite = [anomaly for anomaly in allowed if anomaly.kind in NONFINITE]
         if allowed_nonfinite:
             return RuntimeError(words.only_allowed(self.calls, self._name(), failure, buffers, len(allowed_nonfinite), allowed_nonfinite[0].message))
         return RuntimeError(words.nothing_found(self.calls, self._name(), failure, buffers, len(allowed)))
+
+    def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
+        """For a step that made nan/inf and runs compiled code: eager fails too, or only the
+        compiled step (then the compiler's stages in turn, each from the step's start)."""
+        if error is not None or replay.error is not None:
+            return None
+        verdict = compiled_steps.verdict(replay.watch, anomaly)
+        if verdict is None or verdict.eager_fails:
+            return verdict
+        snapshots = self._snapshots
+        stages = compiled_steps.narrow(
+            self._step, args, kwargs, restore=lambda: snapshots.restore(start),
+            finite=lambda result: self._finite.all_finite(result, snapshots.params),
+        )
+        return verdict._replace(stages=stages)
 
     # -- refusals and notes ----------------------------------------------------------------------
 
