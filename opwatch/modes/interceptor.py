@@ -335,8 +335,10 @@ class OpInterceptor(TorchDispatchMode):
         other arguments. Also tells the check context the op's site and phase."""
         modules = self._modules
         # Frames 0-1: this method, __torch_dispatch__ (then, on older torch, Dynamo's wrappers
-        # around it, which the walk passes as torch's own frames).
-        code, lasti, reached_engine = user_frame(sys._getframe(2), modules.call_frame, modules.call_answer)
+        # around it, which the walk passes as torch's own frames). On a device's autograd thread
+        # (CUDA backward) __torch_dispatch__ is called from C++ with no Python frame above it:
+        # f_back is None there, where sys._getframe(2) would raise.
+        code, lasti, reached_engine = user_frame(sys._getframe(1).f_back, modules.call_frame, modules.call_answer)
         module = modules.current
         forward_func = -1
         node = current_autograd_node()
