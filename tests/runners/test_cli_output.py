@@ -41,7 +41,7 @@ def test_a_device_mix_prints_the_finding_first_and_once(mode):
     result = cli(*(["--strict"] if mode == "strict" else []), "device_mix_cli.py")
     assert result.returncode == 1 and result.stdout == ""
     err = result.stderr
-    header = "device_mismatch in aten.addmm.default at device_mix_cli.py:14, module 0 (forward)"
+    header = "device_mismatch in aten.addmm.default at device_mix_cli.py:14, module 0 (Linear) (forward)"
     # The finding comes first, in full once.
     assert err.startswith("opwatch: 1 anomaly at 1 place:\n\n" + header + "\n")
     assert err.count("  problem:  tensor arguments on different devices") == 1
