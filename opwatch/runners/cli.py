@@ -192,12 +192,13 @@ def run_script(
     out = out if out is not None else sys.stderr
     runner = None
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
-    # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
+    # before the traceback: the finding first, once, under --guard as under a watch.
     dump = _Held(out)
     if guard:
         from .leave_on import LeaveOn
 
-        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow, checks=checks)
+        # its file is its watch's (the dump); the runner's counts are printed below, to out
+        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=dump, allow=allow, checks=checks)
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     counts = _tensorboard_counts(tensorboard, runner if guard else w)
@@ -223,7 +224,7 @@ def run_script(
             counts.close()
         print(w.summary(), file=out)
         if guard:
-            runner.print_summary()
+            print(runner.summary(), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():
