@@ -217,7 +217,9 @@ def run_script(
             if isinstance(error, KeyboardInterrupt):
                 interrupt = error
         if jsonl:  # before printing: a closed stderr must not lose the log
-            w.export_jsonl(jsonl)
+            from ..storage.jsonl import write_jsonl
+
+            write_jsonl(w, jsonl, whole_script=True)  # the watch ran from the script's first line
         if trace:
             w.export_chrome_trace(trace)
         if counts is not None:
