@@ -154,9 +154,10 @@ def _input_health(finding) -> str:
     if not input_ranges:
         return ""
     parts = []
-    for meta, value_range in input_ranges:
+    made = finding.facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
+    for (meta, value_range), where in zip(input_ranges, made):
         if value_range is None:
-            parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+            parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where)})")
         elif value_range.within:  # carried through an op that kept some of its source's values
             parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
         else:
@@ -164,6 +165,19 @@ def _input_health(finding) -> str:
     text = "; ".join(parts)
     reason = _reason(finding)
     return f"{text} -> {reason}" if reason else text
+
+
+def _unknown_why(made) -> str:
+    """Why an input's range is unknown, from where it was made (``input_made``)."""
+    if made == "before_watch":
+        return "made before the watch, and no longer alive"
+    if made == "left_log":
+        return "made by an op that has left the bounded log (max_records), and no longer alive"
+    if made is None:
+        return "made before the watch or the last check point, and no longer alive"
+    # Made in the watch, in a window of ops whose values the check point found finite: opwatch
+    # reads their ranges only where a nan/inf is to be explained.
+    return f"made by {_at(_place(made))}; its range was not kept, and it was no longer alive at the check point"
 
 
 def _input_ranges(facts) -> list:
