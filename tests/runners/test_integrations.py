@@ -159,6 +159,16 @@ def test_lightning_strict_stops_in_validation(tmp_path):
     assert_closed(callback.watches["validation"])
 
 
+def test_lightning_guard_mode_watches_no_validation_batch(tmp_path):
+    from opwatch.runners.lightning import OpwatchCallback
+
+    out = io.StringIO()
+    callback = OpwatchCallback(mode="guard", file=out, warn=False)
+    _fit_with_validation(tmp_path, callback, broadcast_loss)
+    assert set(callback.watches) == {"train"} and callback.anomalies == []
+    assert "validation" not in out.getvalue() and callback.runner.steps == STEPS
+
+
 # -- Hugging Face transformers ------------------------------------------------------------------
 
 
