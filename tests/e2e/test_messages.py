@@ -414,7 +414,7 @@ def test_an_input_made_before_the_watch_and_dead_by_the_check_point_is_unknown()
         del x
         y.sum().item()
     (anomaly,) = w.anomalies
-    assert "range unknown (made before the watch, and no longer alive)" in anomaly.message
+    assert "range unknown (made before the watch; no longer alive)" in anomaly.message
     assert [value for _, value in anomaly.finding.facts["input_ranges"]] == [None]
     assert anomaly.finding.facts["input_made"] == ("before_watch",)
 
@@ -450,7 +450,7 @@ def test_an_input_made_on_the_same_line_in_the_watch_is_not_said_made_before_it(
 
 def test_an_input_whose_maker_left_the_log_is_said_so():
     _, anomaly = _log_of_a_sum_made_at_a_check_point(2)  # the log keeps 2 ops: the add is gone
-    assert "range unknown (made by an op that has left the bounded log (max_records), and no longer alive)" in anomaly.message
+    assert "range unknown (made by an op that has left the bounded log (max_records); no longer alive)" in anomaly.message
     assert anomaly.finding.facts["input_made"] == ("left_log",)
 
 
@@ -516,3 +516,18 @@ def test_a_buffer_replaced_between_steps_is_still_named_and_a_computed_tensor_is
     assert len(made) == 3
     assert made[0].detail == made[1].detail == ("from_module", "buffer", "Head", "class_w", "head")
     assert made[2].place.op == "aten.mul.Tensor" and made[2].detail is None
+
+
+def test_an_input_alive_with_nan_at_the_check_point_is_not_said_dead():
+    """A weight poisoned before the watch: still alive when the origin is reported, its values
+    unreadable (nan); the message does not say it died."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.bias[0] = float("nan")  # before the watch
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        model(torch.randn(5, 4)).sum().item()
+    (anomaly,) = [a for a in w.anomalies if a.op == "aten.addmm.default"]
+    assert "input f32[3] cpu: range unknown (made before the watch; alive, but it held nan/inf or could not be read at the check point)" in anomaly.message
+    assert "no longer alive" not in anomaly.message
+    assert anomaly.finding.facts["input_alive"] == (True, False, False)
