@@ -11,7 +11,6 @@ import shutil
 import sys
 import threading
 import traceback
-import warnings
 from collections.abc import Iterable
 
 from . import checks as _checks
@@ -23,6 +22,7 @@ from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .core.records import OpLog, OpRecord
+from .core.sites import warn_at_user
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.summary import render_disabled
 from .render.table import DUMP_WIDTH
@@ -445,10 +445,7 @@ class Watch:
         self._told_internal_error = True
         import torch
 
-        warnings.warn(
-            OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)),
-            stacklevel=2,
-        )
+        warn_at_user(OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)))
 
     def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
         failed = self._failed_record(interceptor, error)

@@ -182,6 +182,13 @@ class OpLog:
             oldest = self.entries[0][E_INDEX]
             self.flags = {known: kinds for known, kinds in self.flags.items() if known >= oldest}
 
+    @property
+    def lost_ops(self) -> bool:
+        """Whether the ring has dropped ops: the log no longer starts at the watch's first op."""
+        for entry in self.entries:
+            return entry[E_INDEX] > 0
+        return False
+
     def view(self, entry: tuple) -> OpRecord:
         return OpRecord(entry, self)
 
@@ -210,9 +217,12 @@ class OpLog:
                 break
         return None
 
-    def producer_of(self, ident: int) -> OpRecord | None:
-        """The latest logged op that output the tensor ``ident`` (slow: for messages only)."""
+    def producer_of(self, ident: int, *, before: int | None = None) -> OpRecord | None:
+        """The latest logged op (before op ``before``, when given) that output the tensor
+        ``ident`` (slow: for messages only)."""
         for entry in reversed(self.entries):
+            if before is not None and entry[E_INDEX] >= before:
+                continue
             outputs = entry_outputs(entry)
             if outputs and any(meta[M_IDENT] == ident for meta in outputs):
                 return OpRecord(entry, self)

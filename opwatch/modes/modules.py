@@ -35,6 +35,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
 from ..core.sites import user_frame
+from ..render.phrases import module_label, module_path
 
 __all__ = ["ModuleStack"]
 
@@ -128,7 +129,7 @@ class ModuleStack:
                 if path is None:
                     self._strangers.add(module)  # not a descendant: do not list again for it
             if path is None:
-                path = f"{self._stack[-1][_PATH]}.{type(module).__name__}"
+                path = f"{module_path(self._stack[-1][_PATH])}.{type(module).__name__}"
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
         held = None
@@ -242,7 +243,7 @@ class ModuleStack:
                 names[inner] = type(inner).__name__
             for name, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
                 if name and child not in names:
-                    names[child] = name
+                    names[child] = module_label(name, type(child).__name__)
             self._names[root] = names
         return names
 

@@ -154,9 +154,11 @@ def _input_health(finding) -> str:
     if not input_ranges:
         return ""
     parts = []
-    for meta, value_range in input_ranges:
+    made = finding.facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
+    alive = finding.facts.get("input_alive") or (False,) * len(input_ranges)
+    for (meta, value_range), where, living in zip(input_ranges, made, alive):
         if value_range is None:
-            parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+            parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
         elif value_range.within:  # carried through an op that kept some of its source's values
             parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
         else:
@@ -164,6 +166,23 @@ def _input_health(finding) -> str:
     text = "; ".join(parts)
     reason = _reason(finding)
     return f"{text} -> {reason}" if reason else text
+
+
+def _unknown_why(made, alive: bool = False) -> str:
+    """Why an input's range is unknown, from where it was made (``input_made``) and whether it
+    was alive at the check point (``input_alive``: its values could not be read then)."""
+    now = "alive, but it held nan/inf or could not be read at the check point" if alive else "no longer alive"
+    if made == "before_watch":
+        return f"made before the watch; {now}"
+    if made == "left_log":
+        return f"made by an op that has left the bounded log (max_records); {now}"
+    if made is None:
+        return "made before the watch or the last check point, and no longer alive"
+    # Made in the watch, in a window of ops whose values the check point found finite: opwatch
+    # reads their ranges only where a nan/inf is to be explained.
+    if alive:
+        return f"made by {_at(_place(made))}; its range was not kept, and it held nan/inf or could not be read at the check point"
+    return f"made by {_at(_place(made))}; its range was not kept, and it was no longer alive at the check point"
 
 
 def _input_ranges(facts) -> list:

@@ -207,7 +207,7 @@ def run_script(
     out = out if out is not None else sys.stderr
     runner = None
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
-    # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
+    # before the traceback: the finding first, once, under --guard as under a watch.
     dump = _Held(out)
     if guard:
         from .leave_on import LeaveOn
@@ -215,7 +215,8 @@ def run_script(
         from ..render.leave_on import full_watch_command
 
         rerun = full_watch_command(path, args, strict_mode=strict_mode)
-        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=out, allow=allow, checks=checks, rerun=rerun)
+        # its file is its watch's (the dump); the runner's counts are printed below, to out
+        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=rerun)
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     counts = _tensorboard_counts(tensorboard, runner if guard else w)
@@ -234,14 +235,16 @@ def run_script(
             if isinstance(error, KeyboardInterrupt):
                 interrupt = error
         if jsonl:  # before printing: a closed stderr must not lose the log
-            w.export_jsonl(jsonl)
+            from ..storage.jsonl import write_jsonl
+
+            write_jsonl(w, jsonl, whole_script=True)  # the watch ran from the script's first line
         if trace:
             w.export_chrome_trace(trace)
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
         if guard:
-            runner.print_summary()
+            print(runner.summary(), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():

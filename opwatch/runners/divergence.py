@@ -134,13 +134,18 @@ class Divergence:
         verdict: ``"made_here"`` (every input agreed, or it has none), ``"inputs_differ"``,
             ``"before_watch"`` (inputs made in the watch agreed, others were made before it),
             ``"unknown"``.
+        whole_script: both runs were watched from their script's first line (logs written by
+            ``python -m opwatch --jsonl``): an input "made before the watch" was made by an op
+            that left the bounded log, or outside the ops opwatch sees.
+        log_cut: a run's log lost its first ops (``max_records``).
     """
 
-    __slots__ = ("a", "b", "output", "reason", "print_a", "print_b", "inputs", "verdict")
+    __slots__ = ("a", "b", "output", "reason", "print_a", "print_b", "inputs", "verdict", "whole_script", "log_cut")
 
-    def __init__(self, a, b, output, reason, print_a, print_b, inputs, verdict):
+    def __init__(self, a, b, output, reason, print_a, print_b, inputs, verdict, whole_script=False, log_cut=False):
         self.a, self.b, self.output, self.reason = a, b, output, reason
         self.print_a, self.print_b, self.inputs, self.verdict = print_a, print_b, inputs, verdict
+        self.whole_script, self.log_cut = whole_script, log_cut
 
     @property
     def lines(self) -> tuple[str, str]:
@@ -164,8 +169,10 @@ class _Run:
     """One side: its records, fingerprints, alignment keys and the producer of each input."""
 
     def __init__(self, source, name: str):
-        self.label, self.torch, records, prints = _open(source, name)
+        # whole_script: watched from the script's first line (python -m opwatch --jsonl)
+        self.label, self.torch, records, prints, self.whole_script = _open(source, name)
         self.records = records
+        self.cut = bool(records) and records[0].index > 0  # the bounded log lost its first ops
         self.prints = prints
         self.keys = []
         self.loose = []
@@ -191,7 +198,8 @@ class _Run:
 
 
 def _open(source, name: str):
-    """``(label, torch version, records, fingerprints)`` of a Watch, a SavedLog or a path."""
+    """``(label, torch version, records, fingerprints, whole script)`` of a Watch, a SavedLog or
+    a path; ``whole script``: a log whose header says its watch ran from the script's first line."""
     if isinstance(source, (str, os.PathLike)):
         label, source = os.fspath(source), load(source)
     elif isinstance(source, SavedLog):
@@ -211,13 +219,15 @@ def _open(source, name: str):
             f"opwatch.diff: {name} ({label}) was recorded without fingerprints; record both runs with "
             "opwatch.watch(fingerprints=True) or python -m opwatch --fingerprints --jsonl PATH script.py"
         )
+    whole_script = False
     if isinstance(source, SavedLog):
         version = source.header.get("torch")
+        whole_script = bool(source.header.get("whole_script"))
     else:
         import torch
 
         version = torch.__version__
-    return label, version, source.records, prints
+    return label, version, source.records, prints, whole_script
 
 
 def _producers(records, prints) -> list[tuple]:
@@ -524,6 +534,9 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
         found = compare(run_a, run_b, i, j, tolerance) if first is None else None
         if found is not None:
             inputs, verdict = explain_inputs(run_a, run_b, i, j, tolerance)
-            first = Divergence(run_a.records[i], run_b.records[j], *found, inputs, verdict)
+            first = Divergence(
+                run_a.records[i], run_b.records[j], *found, inputs, verdict,
+                run_a.whole_script and run_b.whole_script, run_a.cut or run_b.cut,
+            )
             first_pair = number
     return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner", "metrics"]
+__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner", "metrics", "phase_metrics"]
 
 MODES = ("watch", "guard")
 
@@ -103,13 +103,17 @@ class StepWatch:
         else:
             self.watch.__exit__(type(error), error, error.__traceback__)
 
-    def print_summary(self, prefix: str = "") -> None:
+    def print_summary(self, prefix: str = "", *, phase: str | None = None) -> None:
+        """Print the summary; ``phase`` (``"validation"``...): a watch of evaluation batches,
+        named in its first line (``opwatch (validation): no anomalies.``)."""
+        from ..render.summary import in_phase, shown_of
+
         stream = self._file if self._file is not None else sys.stderr
         text = self.watch.summary()
         if self.anomaly_count > len(self.watch.anomalies):
-            from ..render.summary import shown_of
-
             text += shown_of(len(self.watch.anomalies), self.anomaly_count)
+        if phase is not None:
+            text = in_phase(text, phase)
         print(prefix + text, file=stream)
 
 
@@ -166,3 +170,10 @@ def metrics(source) -> dict[str, int]:
         values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed,
                        "opwatch/skipped": source.skipped})
     return values
+
+
+def phase_metrics(phase: str, watch) -> dict[str, int]:
+    """:func:`metrics` of the watch of one evaluation phase, named under it:
+    ``opwatch/validation/anomalies``, ``opwatch/validation/anomalies/<kind>``,
+    ``opwatch/validation/contained`` (``phase``: ``"validation"``, ``"test"``...)."""
+    return {f"opwatch/{phase}/{name.partition('/')[2]}": value for name, value in metrics(watch).items()}

@@ -315,7 +315,7 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
     "opwatch.core.collective_ops": 2,
-    "opwatch.runners.divergence": 1,
+    "opwatch.runners.divergence": 2,  # the first input, the first record
     "opwatch.examples.device_mix": 1,
     "opwatch.storage.jsonl": 3,  # the first/last line, a version string's part
     "opwatch.storage.chrome_trace": 2,  # the first record: the trace's time origin

@@ -15,7 +15,12 @@ ran, the forward op's short name, else ``None``), ``spread`` (later ops that car
 ``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
 ``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
 ``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
-None)`` per floating input). Of the third: ``op``, ``inputs``, ``outputs``, ``largest``.
+None)`` per floating input), ``input_made`` (per floating input whose range is unknown, where it
+was made: the :class:`Place` of the op that made it in the watch, ``"before_watch"``, or
+``"left_log"`` when that op has left the bounded log; ``None`` for a known range),
+``input_alive`` (per floating input, whether one of those was still alive at the check point,
+its values unreadable then: nan/inf, or a kind of tensor not measured). Of the
+third: ``op``, ``inputs``, ``outputs``, ``largest``.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters")
+    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters")
 
     def __init__(self, record, kind, from_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -92,6 +97,9 @@ class Origin:
         self.from_deliberate = from_deliberate
         # (tensor meta, (min, max) or None when unknown) of each floating input
         self.input_ranges: list = []
+        # where each input whose range stays unknown was made (see the module's docstring)
+        self.input_made: tuple = ()
+        self.input_alive: tuple = ()  # of those, the ones still alive at the check point
         self.masked_by = None  # a forward where/masked_fill that dropped its values
         self.back_in_backward = None  # then the first backward op its values reached
         self.spread = 0  # later ops that carried its values on
@@ -131,6 +139,8 @@ class Origin:
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
             from_deliberate=self.from_deliberate,
             input_ranges=tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges),
+            input_made=self.input_made,
+            input_alive=self.input_alive,
         )
         # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
         rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
@@ -199,8 +209,33 @@ def fill_unknown_ranges(origins, log) -> None:
                     found[id(candidate)] = candidate
         for ident, tensor in found.items():
             found[ident] = _finite_range(tensor)
+    alive = set(found)  # found, though its range could not be read (nan/inf now, say)
     for origin in origins:
-        origin.input_ranges = [(meta, _worked_out(value, found)) for meta, value in origin.input_ranges]
+        recipes = origin.input_ranges
+        origin.input_ranges = [(meta, _worked_out(value, found)) for meta, value in recipes]
+        if any(value is None for _, value in origin.input_ranges):
+            origin.input_made = tuple(
+                None if worked is not None else _made(value, log)
+                for (_, value), (_, worked) in zip(recipes, origin.input_ranges)
+            )
+            origin.input_alive = tuple(
+                worked is None and isinstance(value, LeafRecipe) and value.meta[M_IDENT] in alive
+                for (_, value), (_, worked) in zip(recipes, origin.input_ranges)
+            )
+
+
+def _made(value, log):
+    """Where an input whose range stays unknown was made: the :class:`Place` of the op that
+    made it in the watch (for a recipe, the op whose output it was), ``"left_log"`` when that
+    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch."""
+    record = None
+    if isinstance(value, MovedRecipe):
+        record = log.find(value.read_at)
+    elif isinstance(value, LeafRecipe):
+        record = log.producer_of(value.meta[M_IDENT], before=value.read_at)
+    if record is not None:
+        return Place.of(record)
+    return "left_log" if log.lost_ops else "before_watch"
 
 
 def _is_recipe(value) -> bool:
