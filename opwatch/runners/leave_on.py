@@ -28,7 +28,6 @@ from __future__ import annotations
 __tracebackhide__ = True
 
 import sys
-import warnings
 import weakref
 from typing import NamedTuple
 
@@ -37,7 +36,7 @@ import torch
 from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..core.compat import no_python_dispatch
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
-from ..core.sites import user_frame
+from ..core.sites import warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from ..render import leave_on as words
@@ -387,8 +386,4 @@ def _facts(origin):
 
 def _warn(text: str) -> None:
     """Warn, attributed to the user's line that called the optimizer step (or ended the run)."""
-    code, _, _ = user_frame(sys._getframe(1))
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code is not code:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(OpwatchWarning(text), stacklevel=level if frame is not None else 2)
+    warn_at_user(OpwatchWarning(text))

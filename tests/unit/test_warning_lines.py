@@ -53,8 +53,6 @@ def test_a_warning_from_an_optimizer_hook_is_at_the_step_line():
     assert through_trainer == [(__file__, line_of("# @trainer", __file__))]
 
 
-@pytest.mark.xfail(strict=True, reason="runners/leave_on.py's _warn still uses warnings.warn(stacklevel=4): "
-                   "its owner applies core.sites.warn_at_user there (then drop this mark)")
 def test_guard_cli_warns_at_the_scripts_step_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\
