@@ -239,9 +239,10 @@ class Watch:
             raise TypeError(f"raised must be an opwatch.AnomalyError or None, got {type(raised).__name__}")
         if not self.enabled:
             return render_disabled(DISABLE_VARIABLE, os.environ.get(DISABLE_VARIABLE, "").strip())
+        ran = tuple(name for name in _checks.CHECK_NAMES if name in self._checks)
         return render_summary(
             self._reporter.anomalies, self._reporter.contained, self._reporter.allowed, rank=self._log.rank,
-            raised=None if raised is None else raised.anomaly,
+            raised=None if raised is None else raised.anomaly, ran=ran, off=checks_off(self._checks),
         )
 
     def all_anomalies(self, *, timeout: float = DEFAULT_TIMEOUT) -> AllAnomalies:
@@ -537,6 +538,12 @@ def _disabled_by_environment() -> bool:
         on = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if v and not disabled)
         raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use {off} to turn opwatch off, {on} (or leave it unset) to watch")
     return _DISABLE_VALUES[key]
+
+
+def checks_off(checks) -> tuple[str, ...]:
+    """The default checks that ``checks`` (names) leaves out: a summary names them, as
+    anomalies of their kinds were not looked for."""
+    return tuple(name for name in _checks.DEFAULT_CHECK_NAMES if name not in checks)
 
 
 def _check_names(checks) -> frozenset[str]:

@@ -6,7 +6,7 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 
 from __future__ import annotations
 
-__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "full_watch_command", "summary"]
+__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "full_watch_command", "summary", "unjudged_end"]
 
 
 def parameters(bad: list) -> str:
@@ -119,4 +119,17 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
         f"{failed} failed (nan/inf in the gradients){tail}."
+    )
+
+
+def unjudged_end(step: int, rerun: str | None) -> str:
+    """The run went on after its last optimizer step (``step``) with no watch on, and no
+    gradient check followed: its summary cannot speak for those ops. ``rerun``: the command
+    that checks every op."""
+    after = f"after optimizer step {step}" if step else "before any optimizer step"
+    command = f": {rerun}" if rerun else " (opwatch.watch() or opwatch.strict())"
+    return (
+        f"opwatch guard: the run ended before opwatch judged its last ops: the model ran forward {after} and no optimizer step "
+        f"followed (a script that stops on a nan loss before backward() ends so), so no check saw them; "
+        f"a full watch checks every op{command}"
     )

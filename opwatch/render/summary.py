@@ -7,7 +7,7 @@ from ..core.records import BaseRecord
 from ..core.sites import location
 from .table import DUMP_WIDTH, render_table
 
-__all__ = ["in_phase", "render_summary", "render_disabled", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
+__all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
 
 
 def tagged(rank) -> str:
@@ -25,12 +25,16 @@ def in_phase(summary: str, phase: str) -> str:
     return f"{tag} ({phase}){colon}{rest}" if tag.startswith("opwatch") else f"{phase}: {summary}"
 
 
-def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None, raised=None) -> str:
+def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None, raised=None, ran=None, off=(), cut=None) -> str:
     """Distinct anomalies (one per kind, line, op and phase, with how often each fired), then a
     count of contained nan/inf origins and of allowed findings. ``rank``: the process's rank in
     a distributed job (``opwatch (rank 1): ...``). ``raised``: an anomaly whose message the
     reader has just seen in full (the ``AnomalyError`` of a strict watch): its group is its
-    first line only."""
+    first line only.
+
+    What was not looked at is said, never "no anomalies" alone: ``ran`` and ``off``, the check
+    names that ran and the default ones that were turned off (``checks=[...]``); ``cut``, for a
+    log cut short, ``(promised, read, cut_line)`` as :func:`render_cut_short` takes them."""
     groups: dict = {}
     shown = None
     for anomaly in anomalies:
@@ -42,10 +46,16 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None,
             groups[key] = [anomaly, 1]
         if anomaly is raised:
             shown = key
-    if not groups:
-        lines = [f"{tagged(rank)}: no anomalies."]
+    lines = [render_cut_short(*cut)] if cut is not None else []
+    among = " among what was read" if cut is not None else ""
+    if off and not ran:
+        lines.append(f"{tagged(rank)}: no check ran (off: {', '.join(off)}), so no anomaly could be found: the ops were only recorded.")
+    elif not groups and off:
+        lines.append(f"{tagged(rank)}: no anomalies{among} among the checks that ran ({', '.join(ran)}); off: {', '.join(off)}.")
+    elif not groups:
+        lines.append(f"{tagged(rank)}: no anomalies{among}.")
     else:
-        lines = [f"{tagged(rank)}: {count_places(groups)}:"]
+        lines.append(f"{tagged(rank)}: {count_places(groups)}{among}:")
         lines += group_messages(groups, shown=shown)
     if contained:
         lines.append("")
@@ -53,7 +63,30 @@ def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None,
     if allowed:
         lines.append("")
         lines.append(f"({len(allowed)} finding(s) matched an allow entry; see Watch.allowed)")
+    if groups and off:
+        lines.append("")
+        lines.append(f"(checks off: {', '.join(off)}; anomalies of their kinds were not looked for)")
     return "\n".join(lines)
+
+
+def render_cut_short(promised: dict, read: dict, cut_line: int | None) -> str:
+    """The first line of the summary of a log cut short (``show --partial``,
+    ``load(partial=True)``): ``promised`` and ``read`` count records, anomalies, contained and
+    allowed (``{"anomalies": 160, ...}``); ``cut_line``: the number of a last line cut in the
+    middle."""
+    order = sorted(promised, key=lambda name: name != "anomalies")  # the anomalies first
+    counts = [f"{read.get(name, 0)} of the {promised[name]} {name}" for name in order if isinstance(promised[name], int) and promised[name] != read.get(name, 0)]
+    where = "" if cut_line is None else f" (line {cut_line} cut in the middle)"
+    if not counts:
+        return f"opwatch: a partial log{where}: read every line its header counted."
+    first, *rest = counts
+    more = f" ({', '.join(rest)})" if rest else ""
+    return f"opwatch: a partial log{where}: read {first} its header promised{more}; what was not read is not in this summary."
+
+
+def every_check(command: str) -> str:
+    """The line after a summary of a run with checks turned off: the command that runs them."""
+    return f"opwatch: to run every check: {command}"
 
 
 def render_disabled(variable: str, value: str) -> str:

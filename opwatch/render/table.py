@@ -19,7 +19,7 @@ DUMP_WIDTH = 120
 _NEIGHBOURS = 2
 # Compact table: the columns that give up width when the table is too wide, and the narrowest
 # each may become.
-_SHRINK = {"code": 12, "module": 8, "inputs": 16, "outputs": 16, "op": 16}
+_SHRINK = {"code": 12, "module": 8, "inputs": 16, "outputs": 16, "op": 16, "where": 24}
 
 
 # -- the op table ---------------------------------------------------------------------------
@@ -102,13 +102,13 @@ def _fitted(headers: tuple, rows: list[tuple], width: int) -> tuple[tuple, list[
     """``headers`` and ``rows`` without their empty columns, the widest cells cut (``...``)
     until the table is at most ``width`` wide: the code first (the where column names its
     line), then the module and tensor columns (the failing op's tensors are in its exception),
-    then the code column goes, and the op names are cut last. Each column keeps a narrowest
-    width (``_SHRINK``) and the where column is never cut: below about 110 columns the table
-    is as narrow as it gets, not ``width``."""
+    then the code column goes, and the op names and places are cut last, a place keeping its
+    end (``.../unit/train.py:83``: a long absolute path). Each column keeps a narrowest width
+    (``_SHRINK``): below about 110 columns the table is as narrow as it gets, not ``width``."""
     keep = [i for i, header in enumerate(headers) if header in ("#", "op") or any(row[i] for row in rows)]
     headers = tuple(headers[i] for i in keep)
     rows = [tuple(row[i] for i in keep) for row in rows]
-    for names in (("code",), ("module", "inputs", "outputs"), None, ("op",)):
+    for names in (("code",), ("module", "inputs", "outputs"), None, ("op", "where")):
         widths = [max([len(header) + 2] + [len(row[i]) for row in rows]) for i, header in enumerate(headers)]  # tabulate pads headers by 2
         excess = sum(widths) + 2 * (len(widths) - 1) - width
         if excess <= 0:
@@ -127,7 +127,8 @@ def _fitted(headers: tuple, rows: list[tuple], width: int) -> tuple[tuple, list[
             widths[max(shrinkable, key=lambda i: widths[i])] -= 1
             excess -= 1
         # A list of tensors is cut at a tensor's end, often shorter than its column allows.
-        rows = [tuple(_cut(cell, widths[i]) if i in lowest else cell for i, cell in enumerate(row)) for row in rows]
+        place = headers.index("where") if "where" in headers else None
+        rows = [tuple((_cut_front if i == place else _cut)(cell, widths[i]) if i in lowest else cell for i, cell in enumerate(row)) for row in rows]
     return headers, rows
 
 
@@ -142,6 +143,18 @@ def _cut(cell: str, width: int) -> str:
         if len(shown) <= width:
             return shown
     return cell[: width - 3] + "..."
+
+
+def _cut_front(place: str, width: int) -> str:
+    """``place`` (``path:line``) in at most ``width`` characters: its end after ``...``, from a
+    folder's start where one fits (``.../unit/train.py:83``)."""
+    if len(place) <= width:
+        return place
+    tail = place[len(place) - (width - 3) :]
+    slash = tail.find("/")
+    if slash >= 0:  # start the shown part at a folder's or the file's name
+        tail = tail[slash:]
+    return "..." + tail
 
 
 def _items(cell: str) -> list[str]:

@@ -30,6 +30,7 @@ import importlib.util
 import io
 import os
 import runpy
+import shlex
 import sys
 import traceback
 import types
@@ -39,8 +40,8 @@ from importlib.machinery import SourceFileLoader
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
 from ..render.notices import DEMO_STORIES, post_mortem
-from ..render.summary import raised_above
-from ..session import _disabled_by_environment, strict, watch
+from ..render.summary import every_check, raised_above
+from ..session import _disabled_by_environment, checks_off, strict, watch
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_script(
             options.script,
             options.args,
+            prog=prog,
             strict_mode=options.strict,
             last=options.last,
             jsonl=options.jsonl,
@@ -197,13 +199,15 @@ def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[s
 
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
-    fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None,
+    fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None, prog: str | None = None,
 ) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
     :class:`opwatch.runners.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
     log to ``jsonl`` / ``trace`` and the counts to a TensorBoard log in ``tensorboard`` (after
-    each optimizer step and at the end) when given. Returns the exit status; an uncaught
-    ``KeyboardInterrupt`` is reported and then re-raised."""
+    each optimizer step and at the end) when given. Where the summary cannot speak for the
+    whole run (checks turned off, a ``--guard`` run that ended after ops no check saw), it is
+    followed by the command that checks the rest (``prog``: how opwatch was called). Returns
+    the exit status; an uncaught ``KeyboardInterrupt`` is reported and then re-raised."""
     out = out if out is not None else sys.stderr
     runner = None
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
@@ -243,8 +247,12 @@ def run_script(
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
+        prog = prog or _parser(console=False).prog
+        rerun = shlex.join([*prog.split(), *(["--strict"] if strict_mode else []), path, *args])
+        if checks is not None and checks_off(checks):
+            print(every_check(rerun), file=out)
         if guard:
-            print(runner.summary(), file=out)
+            print(runner.summary(rerun=shlex.join([*(prog or "python -m opwatch").split(), "--strict", path, *args])), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():

@@ -121,6 +121,11 @@ class LeaveOn:
         # watch: called at a failed step, returns (whether it ran, the origin anomaly or None).
         self.replay = None
         self._replayed_at: int | None = None
+        # audit="first" (the CLI): whether a module ran forward after the last optimizer step
+        # outside a full watch, seen by a one-shot hook armed after each step (one call a step).
+        self._after_last_step = None  # the hook's handle while armed
+        self._forward_after_step = False
+        self.unjudged_end = False  # set on exit: the run ended with ops that nothing checked
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -145,6 +150,11 @@ class LeaveOn:
             handle.remove()
         self._handles = []
         pending = self._pending_recheck()
+        self._disarm()
+        # The run's last ops ran after its last optimizer step with no watch on: no gradient
+        # check followed them (a script that stops on a nan loss before backward(), an
+        # evaluation pass), so this run's summary cannot speak for them.
+        self.unjudged_end = self._forward_after_step and not self._auditing
         self.end_audit(exc)
         if pending is not None and exc is None:
             self._recheck_of = None
@@ -226,6 +236,7 @@ class LeaveOn:
         if not self.watch.enabled:
             return False
         self.steps += 1
+        self._step_ended()  # what ran since the last step is judged here
         recheck = self._recheck_of
         if self._auditing:
             self.audited += 1
@@ -320,6 +331,21 @@ class LeaveOn:
         if self._told() and not audited_now:
             self._recheck_of = self.steps
             self.start_audit()
+        if self._audit_first and not self._auditing:
+            self._after_last_step = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_seen)
+
+    def _step_ended(self) -> None:
+        self._disarm()
+        self._forward_after_step = False
+
+    def _forward_seen(self, module, args) -> None:
+        self._forward_after_step = True
+        self._disarm()
+
+    def _disarm(self) -> None:
+        if self._after_last_step is not None:
+            self._after_last_step.remove()
+            self._after_last_step = None
 
     # -- names --------------------------------------------------------------------------------
 
@@ -330,12 +356,17 @@ class LeaveOn:
                 names.setdefault(id(parameter), name)
         return names
 
-    def summary(self) -> str:
-        return words.summary(self.steps, self.audited, self.failed, self.watch.enabled, self.skipped)
+    def summary(self, *, rerun: str | None = None) -> str:
+        """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a
+        line saying so, with ``rerun``, the command that checks every op."""
+        text = words.summary(self.steps, self.audited, self.failed, self.watch.enabled, self.skipped)
+        if self.unjudged_end:
+            text += "\n" + words.unjudged_end(self.steps, rerun)
+        return text
 
-    def print_summary(self, prefix: str = "", *, watch_summary: bool = False) -> None:
+    def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""
-        text = prefix + self.summary()
+        text = prefix + self.summary(rerun=rerun)
         if watch_summary:
             text = prefix + self.watch.summary() + "\n" + text
         print(text, file=self._file if self._file is not None else sys.stderr)

@@ -255,9 +255,10 @@ def load(path, *, partial: bool = False) -> SavedLog:
                 raise ValueError(f"unknown line type {kind!r}")
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path}:{number}: not a valid opwatch log line ({type(error).__name__}: {error})") from None
-    if not partial:
-        _check_complete(path, header, records, groups, cut_line)
-    return SavedLog(header, records, groups)
+    cut = _shortfall(header, records, groups, cut_line)
+    if cut is not None and not partial:
+        _check_complete(path, *cut)
+    return SavedLog(header, records, groups, cut=cut)
 
 
 def _is_json(text: str) -> bool:
@@ -268,12 +269,18 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _check_complete(path, header: dict, records: list, groups: dict, cut_line: int | None) -> None:
-    """Raise when the log holds fewer records or anomalies than its header counted."""
+def _shortfall(header: dict, records: list, groups: dict, cut_line: int | None) -> tuple | None:
+    """``(promised, read, cut_line)`` for a log that holds fewer records or anomalies than its
+    header counted, or whose last line is cut; ``None`` for a whole log."""
     read = {"records": len(records), **{name: len(group) for name, group in groups.items()}}
     promised = {name: header.get(name) for name in read}
     if cut_line is None and all(not isinstance(count, int) or count == read[name] for name, count in promised.items()):
-        return
+        return None
+    return promised, read, cut_line
+
+
+def _check_complete(path, promised: dict, read: dict, cut_line: int | None) -> None:
+    """Raise for a log cut short (:func:`_shortfall`)."""
     told = ", ".join(f"{count} {name}" for name, count in promised.items() if isinstance(count, int))
     got = ", ".join(f"{count} {name}" for name, count in read.items())
     raise ValueError(
@@ -313,10 +320,11 @@ class SavedLog:
         rank: the watch's rank, as :attr:`Watch.rank`.
     """
 
-    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed")
+    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed", "_cut")
 
-    def __init__(self, header: dict, records: list, groups: dict):
+    def __init__(self, header: dict, records: list, groups: dict, *, cut: tuple | None = None):
         self.header = header
+        self._cut = cut  # (promised, read, cut_line) of a log cut short, read with partial=True
         self._records = tuple(records)
         self._anomalies = tuple(groups["anomalies"])
         self._contained = tuple(groups["contained"])
@@ -365,10 +373,12 @@ class SavedLog:
         return render_table(records, tablefmt=tablefmt)
 
     def summary(self) -> str:
-        """The summary, as :meth:`Watch.summary` prints it."""
+        """The summary, as :meth:`Watch.summary` prints it; for a log cut short (read with
+        ``partial=True``), first a line saying so and how many of the anomalies its header
+        promised were read."""
         from ..render import render_summary
 
-        return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank)
+        return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank, cut=self._cut)
 
     def _repr_html_(self) -> str:
         """What a notebook shows, as for a watch."""

@@ -61,7 +61,7 @@ Skips (counted and printed in the summary at the end of the module):
 Crashes: a segfault kills the pytest process.  Run with ``-v`` to see the
 op's test id before it runs, and ``pytest -p faulthandler`` (default on)
 dumps the Python stack.  Before each run the op / dtype / sample index /
-mode is also written to ``BREADCRUMB`` (``$TMPDIR/opwatch_opinfo_breadcrumb.txt``)
+mode is also written to ``BREADCRUMB`` (``$TMPDIR/opwatch_opinfo_breadcrumb.txt``, ``...gw0.txt`` under xdist)
 so a crash can be attributed to a sample.  To reproduce one op verbosely in
 a fresh process::
 
@@ -113,7 +113,8 @@ UNINITIALIZED_OUTPUT_OPS = frozenset(
      "new_empty_strided", "resize_", "resize_as_"}
 )
 
-BREADCRUMB = os.path.join(tempfile.gettempdir(), "opwatch_opinfo_breadcrumb.txt")
+# One file a pytest-xdist worker (gw0, gw1, ...), so that parallel workers do not overwrite each other's.
+BREADCRUMB = os.path.join(tempfile.gettempdir(), f"opwatch_opinfo_breadcrumb{os.environ.get('PYTEST_XDIST_WORKER', '')}.txt")
 
 
 def op_id(op) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support import SCENARIOS, assert_golden, needs_columns
+from support.helpers import opwatch_frames
 
 REPO = Path(__file__).resolve().parent.parent.parent
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -56,8 +57,28 @@ def test_a_device_mix_prints_the_finding_first_and_once(mode):
     assert ">> " in dump and "device_mismatch" in dump
     assert max(map(len, dump.splitlines())) <= 120
     # No opwatch frame in the traceback.
-    assert "opwatch/" not in err[err.index(TRACEBACK) :].replace("opwatch/examples", "")
+    assert opwatch_frames(err[err.index(TRACEBACK) :]) == []
     assert_golden(f"cli_device_mix_{mode}.txt", opwatch_part(err))
+
+
+def test_opwatch_frames_names_opwatch_code_and_not_the_folder_of_a_clone_named_opwatch():
+    # What the two tests around say is absent: found in a traceback that holds opwatch's frames.
+    import traceback
+
+    import torch
+
+    import opwatch
+
+    try:
+        with opwatch.strict(warn=False, dump_on_error=False):
+            torch.ones(4) - torch.ones(4, 1)
+    except opwatch.AnomalyError as error:
+        text = "".join(traceback.format_exception(error))
+    frames = opwatch_frames(text)
+    assert frames and all(Path(opwatch.__file__).parent.name + "/" in frame for frame in frames)
+    clone = '  File "/home/me/opwatch/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1778\n'
+    assert opwatch_frames(clone + '  File "/home/me/opwatch/opwatch/examples/log_zero.py", line 21\n') == []
+    assert opwatch_frames(clone + '  File "/home/me/opwatch/opwatch/modes/interceptor.py", line 9\n') == ["/home/me/opwatch/opwatch/modes/interceptor.py"]
 
 
 def test_the_folded_dump_keeps_the_failing_op_and_its_neighbours(tmp_path):
@@ -116,7 +137,7 @@ def test_under_pytest_strict_no_opwatch_frame_or_local_shows_and_the_finding_is_
     out = result.stdout
     assert result.returncode == 1, out
     failure = out[out.index("test_mix ___") : out.index("Captured opwatch call")]
-    assert "opwatch/" not in failure and "interceptor" not in failure and "OpInterceptor" not in failure
+    assert opwatch_frames(failure) == [] and "interceptor" not in failure and "OpInterceptor" not in failure
     assert "finding = " not in failure and "record = " not in failure
     assert "E       opwatch.findings.anomaly.AnomalyError: device_mismatch in aten.addmm.default at test_mix.py:8" in failure
     # pytest's own short summary repeats the message (in full where CI is set): count before it

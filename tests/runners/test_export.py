@@ -347,7 +347,37 @@ def test_show_of_a_log_cut_short_exits_1_with_one_line(tmp_path, capsys):
     assert captured.err.startswith(f"python -m opwatch show: error: {path}: the log is cut short")
     assert "1 anomalies" in captured.err and "read 0 anomalies" not in captured.err and "0 anomalies" in captured.err
     assert main(["show", "--partial", str(path)]) == 0
-    assert "opwatch: no anomalies." in capsys.readouterr().out
+    out = capsys.readouterr().out
+    summary = out[out.index("opwatch: a partial log") :]
+    assert summary == (
+        "opwatch: a partial log: read 0 of the 1 anomalies its header promised; what was not read is not in this summary.\n"
+        "opwatch: no anomalies among what was read.\n"
+    )
+    # The whole log: no word of a part.
+    path.write_text("".join(lines))
+    assert main(["show", "--partial", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "partial" not in out and "among what was read" not in out and "opwatch: 1 anomaly at 1 place:" in out
+
+
+def test_show_partial_of_a_busy_log_counts_what_was_read_of_what_was_promised(tmp_path, capsys):
+    from opwatch.runners.cli import main
+
+    w = busy_watch()
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    text = path.read_text()
+    first_anomaly = text.index('{"type": "anomaly"')
+    second = text.index('{"type": "anomaly"', first_anomaly + 1)
+    path.write_text(text[: second + 30])  # one anomaly whole, the next cut in the middle
+    assert main(["show", "--partial", str(path)]) == 0
+    out = capsys.readouterr().out
+    cut_line = text[: second + 30].count("\n") + 1
+    assert (
+        f"opwatch: a partial log (line {cut_line} cut in the middle): read 1 of the {len(w.anomalies)} anomalies"
+        in out
+    ), out
+    assert "opwatch: 1 anomaly at 1 place among what was read:" in out and "opwatch: no anomalies" not in out
 
 
 def test_load_refuses_what_is_not_a_path():

@@ -172,6 +172,7 @@ BUG = os.environ.get("BUG", "")
 STEPS = int(os.environ.get("STEPS", "6"))
 NAN_AT = int(os.environ.get("NAN_AT", "0"))
 NAN_FROM = int(os.environ.get("NAN_FROM", "0"))
+STOP_AT = int(os.environ.get("STOP_AT", "0"))  # a batch with an inf; the loop stops on its loss
 REPAIR = os.environ.get("REPAIR") == "1"  # a loop that puts non-finite weights back to 0
 torch.manual_seed(0)
 
@@ -196,9 +197,14 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(1, STEPS + 1):
     x = torch.randn(8, 4)
     y = x.sum(-1) if BUG == "broadcast" else x.sum(-1, keepdim=True)
+    if step == STOP_AT:
+        x[0, 0] = float("inf")  # a bad batch
     optimizer.zero_grad()
     error = (model(x, poison=step == NAN_AT or 0 < NAN_FROM <= step) - y) ** 2  # LOSS: the broadcast
     loss = (error.mean(-1) * weights).mean()  # WEIGHTS: upcast to float64
+    if STOP_AT and not torch.isfinite(loss):
+        print("non-finite loss at step", step)
+        break
     loss.backward()
     optimizer.step()
     if REPAIR:
@@ -237,6 +243,26 @@ def test_guard_cli_healthy_run_reports_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
     assert "nan/inf" not in result.stderr.replace("0 failed (nan/inf", "")
+    assert "judged" not in result.stderr and "--strict" not in result.stderr
+    # Its end judged: an evaluation forward outside any step would not be.
+    assert result.stderr.count("\n") == 2
+
+
+def test_guard_cli_says_when_the_run_ended_before_it_judged_the_last_ops(tmp_path):
+    # The loop stops itself on a non-finite loss before backward(): no optimizer step, so no
+    # gradient check, ever sees the nan. Not "no anomalies ... 0 failed" alone.
+    result = run_guard(tmp_path, STOP_AT=4)
+    assert result.returncode == 0 and "non-finite loss at step 4" in result.stdout, result.stderr
+    assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr
+    assert (
+        "opwatch guard: the run ended before opwatch judged its last ops: the model ran forward after optimizer step 3 and no "
+        "optimizer step followed" in result.stderr
+    ), result.stderr
+    assert result.stderr.rstrip("\n").endswith("a full watch checks every op: python -m opwatch --strict train.py")
+    # The command it gives finds the nan, at its line.
+    environment = dict(os.environ, PYTHONPATH=ROOT, STOP_AT="4")
+    strict = subprocess.run([sys.executable, "-m", "opwatch", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+    assert strict.returncode == 1 and f"AnomalyError: nan in aten.addmm.default at train.py:{train_line('return self.fc2')}" in strict.stderr, strict.stderr
 
 
 def test_guard_cli_names_the_step_the_parameters_and_the_origin_of_a_nan_first_made_at_step_k(tmp_path):
@@ -643,3 +669,4 @@ def test_guard_cli_checks_and_names_a_sparse_gradient(tmp_path):
     assert "the failure did not recur: step 5 ran under a full watch" in result.stdout
     assert "embedding finite: True" in result.stdout
     assert "5 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
+    assert "judged" not in result.stderr  # the failing step's check judged what ran before it

@@ -11,6 +11,22 @@ from opwatch.checks.finding import Place
 PRODUCER = Place("aten.addmm.default", "model.py", 3, "forward")
 
 
+def opwatch_frames(text: str) -> list[str]:
+    """The places in ``text`` that lie in opwatch's own code (``opwatch/modes/interceptor.py``,
+    ``opwatch/session.py``, ...), the demo's scripts under ``opwatch/examples`` excepted: what a
+    traceback or debugger shown to a user must not name. Found by the package's own folder and
+    file names, so a clone's folder (``.../opwatch/.venv/...``) does not count."""
+    import re
+    from pathlib import Path
+
+    import opwatch
+
+    package = Path(opwatch.__file__).parent
+    names = sorted(entry.name for entry in package.iterdir() if entry.name not in ("examples", "__pycache__"))
+    pattern = r"opwatch[/\\](?:" + "|".join(map(re.escape, names)) + r")\b"
+    return re.findall(r"[^\s\"']*" + pattern + r"[^\s\"':]*", text)
+
+
 def line_of(marker: str, path: str) -> int:
     """The line of the file ``path`` that holds ``marker`` (exactly one; the ``line_of(...)``
     calls that look it up do not count)."""

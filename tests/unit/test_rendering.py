@@ -98,6 +98,46 @@ def test_the_compact_table_folds_repeats_and_fits_its_width():
     assert render_table(records, mark=mark).splitlines()[2:] and len(render_table(records).splitlines()) == len(full)
 
 
+LONG_PATH_TRAINING = """\
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(32, 8), torch.randn(32)
+for _ in range(3):
+    optimizer.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_the_compact_table_cuts_a_long_path_at_its_start_to_fit(tmp_path):
+    # A script outside the working directory is shown by its absolute path: in a clone under a
+    # long folder, that path alone is wider than the table may be.
+    import runpy
+
+    from opwatch.render.table import render_table
+
+    folder = tmp_path / ("a_very_long_folder_name_" * 4) / "opwatch" / "examples"
+    folder.mkdir(parents=True)
+    (folder / "train.py").write_text(LONG_PATH_TRAINING)
+    with opwatch.watch(warn=False) as w:
+        runpy.run_path(str(folder / "train.py"))
+    assert any(anomaly.kind == "broadcast" for anomaly in w.anomalies)
+    records = w.records
+    full = render_table(records)
+    assert str(folder / "train.py") in full  # the full table keeps the whole path
+    lines = render_table(records, mark=records[-1].index, width=120).splitlines()
+    assert max(map(len, lines)) <= 120, lines
+    # The end of the path is kept, from a folder's start: the file, its line, its folders.
+    places = [word for line in lines[2:] for word in line.split() if "train.py:" in word]
+    assert len(places) > 5 and all(place.startswith(".../") and "/examples/train.py:" in place for place in places), places
+    # Where the table has room, the path is whole.
+    assert str(folder / "train.py") in render_table(records, mark=records[-1].index, width=400)
+
+
 def test_summary_names_a_raised_anomaly_in_one_line():
     w = opwatch.strict(warn=False, dump_on_error=False)
     with pytest.raises(opwatch.AnomalyError) as caught:
