@@ -308,6 +308,13 @@ class LeaveOn:
         return len(self.failures) <= _TOLD_FAILURES
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        self._judge_step(optimizer)
+        if self._audit_first and not self._auditing:
+            # Armed after every step: a forward after the run's last step is seen (one call).
+            self._after_last_step = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_seen)
+
+    def _judge_step(self, optimizer) -> None:
+        """After the optimizer step: end an audit or re-check, and start the re-check of a failure."""
         failed_now = bool(self.failures) and self.failures[-1].step == self.steps
         auditing = self._auditing
         # A failure of a fully watched (or replayed) step was told with its origin.
@@ -331,8 +338,6 @@ class LeaveOn:
         if self._told() and not audited_now:
             self._recheck_of = self.steps
             self.start_audit()
-        if self._audit_first and not self._auditing:
-            self._after_last_step = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_seen)
 
     def _step_ended(self) -> None:
         self._disarm()
