@@ -420,7 +420,7 @@ class Watch:
             return
         self._told_compiled = True
         try:
-            warnings.warn(OpwatchWarning(compiled_ran_eagerly(self.compiled_eagerly)), stacklevel=3)
+            warn_at_user(OpwatchWarning(compiled_ran_eagerly(self.compiled_eagerly)))
         except OpwatchWarning:
             raise
         except Exception as error:

@@ -252,7 +252,7 @@ def run_script(
         if checks is not None and checks_off(checks):
             print(every_check(rerun), file=out)
         if guard:
-            print(runner.summary(rerun=shlex.join([*(prog or "python -m opwatch").split(), "--strict", path, *args])), file=out)
+            print(runner.summary(rerun=full_watch_command(path, args, strict_mode=True)), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():
