@@ -1,5 +1,6 @@
 """One anomaly as users read it: the header (kind, op, line, module, phase), the line's text
-with the sub-expression marked, then what is wrong, what was expected and a likely fix.
+with the sub-expression marked, then what is wrong, why (the ``cause:`` line, for the rules whose
+check decides one: a nan/inf origin's), what was expected and a likely fix.
 
 The three sentences come from the finding's facts: each rule's ``explain`` function, registered
 with :func:`opwatch.render.rules.explains`, is called as ``explain(finding) -> (problem,
@@ -13,7 +14,7 @@ from __future__ import annotations
 from ..core.notation import format_meta
 from ..core.records import BACKWARD, OpRecord, short_op_name
 from ..core.sites import location
-from .explanations import explainer
+from .explanations import cause_line, explainer
 from .phrases import where_made
 
 __all__ = ["render_message", "explain"]
@@ -47,6 +48,9 @@ def render_message(finding, record: OpRecord) -> str:
         lines.append(f"  (a backward op{of}: the line is the forward op whose gradient it computes)")
     problem, expected, fix = explain(finding)
     lines.append(f"  problem:  {problem}")
+    cause = cause_line(finding)
+    if cause is not None:
+        lines.append(f"  cause:    {cause}")
     lines.append(f"  expected: {expected}")
     lines.append(f"  fix:      {fix}")
     return "\n".join(lines)
