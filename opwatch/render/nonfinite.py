@@ -288,8 +288,9 @@ def explain_cause(finding) -> str | None:
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
         if cause.detail == "masked":
             return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
-        told = f": {reason}" if reason else ""
-        return f"undefined math: {name} is {what} in float64 too{told}"
+        if reason:
+            return f"undefined math: {reason}, in float64 too"
+        return f"undefined math: {name} is {what} in float64 too"
     if kind in (INPUT, WEIGHTS):
         which = "parameter" if kind == WEIGHTS else "input"
         text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
@@ -348,7 +349,7 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
-    if cause is not None and cause.kind == PRECISION:
+    if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
         return _wider_fix(cause)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
     return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
@@ -358,6 +359,9 @@ def _fix(finding) -> str:
 def explain_origin(finding) -> tuple[str, str, str]:
     what = finding.kind
     problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
+    cause = _cause(finding)
+    if cause is not None and cause.kind in (INPUT, WEIGHTS):
+        return problem, f"finite {'parameters' if cause.kind == WEIGHTS else 'inputs'}: this op passed on the {what} it was given", _fix(finding)
     return problem, "finite outputs from finite inputs", _fix(finding)
 
 
