@@ -309,11 +309,18 @@ def explain_cause(finding) -> str | None:
 
 def _cause_fix(finding, cause) -> str | None:
     what = finding.kind
+    if cause.kind == INPUT and cause.made is not None and cause.made.how == "buffer":
+        return (
+            f"the buffer was {what} before this op: a running statistic updated from a batch that held {what} "
+            "(check the training batches and the forward passes that updated it), or it was loaded so (check the checkpoint)"
+        )
     if cause.kind == INPUT:
+        before = cause.made is not None and cause.made.how == "before_watch"
         return (
             f"find where it became {what} before this op: check the data where it is made "
-            "(torch.isfinite(batch).all() in the dataset or collate_fn), or start the watch before it is made "
-            "(a DataLoader's batches are made outside the watch); nothing in this op is wrong"
+            "(torch.isfinite(batch).all() in the dataset or collate_fn)"
+            + (", or start the watch before it is made (a DataLoader's batches are made outside the watch)" if before else "")
+            + "; nothing in this op is wrong"
         )
     if cause.kind == WEIGHTS:
         return (
