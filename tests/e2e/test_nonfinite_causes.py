@@ -7,7 +7,8 @@ that must report nothing.
   attention scores that overflow before the softmax;
 - undefined math: ``log(0)`` in a hand-written negative log-likelihood;
 - input: a batch holding nan, made by a DataLoader before the watch;
-- weights: a Linear whose weight holds nan.
+- weights: a Linear whose weight holds nan; a BatchNorm buffer holding nan is an input, named;
+- unknown: an input made before the watch that is gone by the check point.
 
 The cause is a fact of the finding (``facts["cause"]``), rendered as the message's ``cause:``
 line, and survives the JSONL round trip.
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import opwatch
-from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, WEIGHTS, Cause
+from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause
 from opwatch.storage.jsonl import load
 
 
@@ -209,6 +210,41 @@ def test_a_linear_whose_weight_holds_nan_is_named_as_the_weights(tmp_path):
     (saved,) = [a for a in load(path).anomalies if a.kind in ("nan", "inf")]
     assert saved.finding.facts["cause"] == cause and isinstance(saved.finding.facts["cause"], Cause)
     assert saved.message == anomaly.message
+
+
+def test_a_batchnorm_buffer_holding_nan_is_named_as_the_buffer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)).eval()
+    model[1].running_var[2] = float("nan")  # a running statistic updated from a bad batch
+    w, _ = watched(lambda: model(torch.randn(5, 4)).sum().item())
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.made.how == "buffer" and cause.made.name == "running_var"
+    assert "it is the buffer running_var of BatchNorm1d" in cause_line(anomaly)
+    assert "running statistic" in anomaly.message
+
+
+def test_an_input_made_before_the_watch_and_gone_by_the_check_point_leaves_the_cause_unknown():
+    """Gradient accumulation watched as a whole, on the CPU (a host read there is no check
+    point; the optimizer step is): the first micro-batch, made before the watch and holding nan,
+    is gone when the step comes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pending = [torch.randn(8, 4) for _ in range(3)]
+    pending[0][3, 1] = float("nan")
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        while pending:
+            x = pending.pop(0)
+            (model(x).pow(2).mean() / 3).backward()
+        del x
+        optimizer.step()
+        optimizer.zero_grad()
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == UNKNOWN and tuple(cause.tensor.shape) == (8, 4)
+    assert "made nan from finite inputs" not in anomaly.message and "made nan from inputs not all known to be finite" in anomaly.message
+    assert "whether it already held nan cannot be told" in cause_line(anomaly)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...core.fact_tuples import fact_tuple
+from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
@@ -242,7 +243,7 @@ def _decide(origin, recipes, found, health, writes) -> Cause | None:
         if known is None:
             for leaf in _leaves(value):
                 if leaf[M_IDENT] not in found and writes.made_by(leaf[M_IDENT], index) is None:
-                    return Cause(UNKNOWN, tensor=leaf, made=BeforeWatch())
+                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
     return None
 
 
@@ -265,6 +266,7 @@ def _held(meta, through, index, found, health, writes, path) -> Cause | None:
     if known is None or known.held is None:
         return None
     tensor = found[ident]
+    meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
