@@ -83,13 +83,13 @@ def decide_causes(origins, log) -> None:
             for meta in origin.record.inputs:
                 if meta[M_DTYPE] in _FLOATING and not writes.after(meta[M_IDENT], index):
                     wanted[meta[M_IDENT]] = meta
-    found = _live(wanted)
+    found, modules = _live(wanted)
     health = {ident: _health(tensor) for ident, tensor in found.items()}
     for origin in origins:
         recipes = origin.input_ranges
         origin.input_ranges = [(meta, _worked_out(value, health)) for meta, value in recipes]
         if not facts_of(origin.record.func).is_collective:
-            origin.cause = _decide(origin, recipes, found, health, writes)
+            origin.cause = _decide(origin, recipes, found, health, writes, modules)
 
 
 _FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128))
@@ -141,16 +141,26 @@ def _want(value, wanted, writes) -> None:
         wanted[value.meta[M_IDENT]] = value.meta
 
 
-def _live(wanted) -> dict:
-    """ident -> tensor, for the ``wanted`` tensors still alive with the shape, dtype and device they had."""
-    found = {}
+def _live(wanted) -> tuple[dict, list]:
+    """ident -> tensor, for the ``wanted`` tensors still alive with the shape, dtype and device
+    they had; and the live modules (to name a parameter or buffer), from the same walk."""
+    found: dict = {}
+    modules: list = []
     if wanted:
+        is_module: dict = {}
         for candidate in gc.get_objects():
             if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
                 meta = wanted[id(candidate)]
                 if tuple(candidate.shape) == tuple(meta[M_SHAPE]) and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
                     found[id(candidate)] = candidate
-    return found
+                continue
+            kind = type(candidate)  # not isinstance: no __class__ lookups (deprecated objects warn)
+            known = is_module.get(kind)
+            if known is None:
+                known = is_module[kind] = issubclass(kind, torch.nn.Module)
+            if known:
+                modules.append(candidate)
+    return found, modules
 
 
 def fold_same_source(origins) -> list:
@@ -214,10 +224,10 @@ def _leaves(value):
 # -- the decision ---------------------------------------------------------------------------
 
 
-def _decide(origin, recipes, found, health, writes) -> Cause | None:
+def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     record = origin.record
     index = record.index
-    held = _held_input(origin, recipes, found, health, writes)
+    held = _held_input(origin, recipes, found, health, writes, modules)
     if held is not None:
         return held
     if origin.from_deliberate:
@@ -250,27 +260,27 @@ def _decide(origin, recipes, found, health, writes) -> Cause | None:
     return None
 
 
-def _held_input(origin, recipes, found, health, writes) -> Cause | None:
+def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None:
     """An input (or a tensor an input was viewed or copied from) that held nan/inf when the op
     ran: alive now, unwritten since, and not finite."""
     index = origin.record.index
     recipes = dict((meta[M_IDENT], value) for meta, value in recipes)
     for through in origin.record.inputs:
         for meta in [through, *_leaves(recipes.get(through[M_IDENT]))]:
-            found_held = _held(meta, through, index, found, health, writes, origin.record.module)
+            found_held = _held(meta, through, index, found, health, writes, origin.record.module, modules)
             if found_held is not None:
                 return found_held
     return None
 
 
-def _held(meta, through, index, found, health, writes, path) -> Cause | None:
+def _held(meta, through, index, found, health, writes, path, modules) -> Cause | None:
     ident = meta[M_IDENT]
     known = health.get(ident)
     if known is None or known.held is None:
         return None
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
-    owner = _owner(tensor, path)
+    owner = _owner(tensor, path, modules)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)
@@ -281,15 +291,13 @@ def _held(meta, through, index, found, health, writes, path) -> Cause | None:
     return Cause(INPUT, tensor=meta, held=known.held, made=made, through=through)
 
 
-def _owner(tensor, path) -> Owned | None:
-    """The module that holds ``tensor`` as a parameter or buffer (a walk of the live modules:
-    only when an input held nan/inf)."""
-    for candidate in gc.get_objects():
-        if issubclass(type(candidate), torch.nn.Module):  # not isinstance: no __class__ lookups
-            for how, named in (("parameter", candidate.named_parameters(recurse=False)), ("buffer", candidate.named_buffers(recurse=False))):
-                for name, held in named:
-                    if held is tensor:
-                        return Owned(how, path or "", name, type(candidate).__name__)
+def _owner(tensor, path, modules) -> Owned | None:
+    """The live module that holds ``tensor`` as a parameter or buffer (its own, not a child's)."""
+    for module in modules:
+        for how, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
+            for name, held in named:
+                if held is tensor:
+                    return Owned(how, path or "", name, type(module).__name__)
     return None
 
 
