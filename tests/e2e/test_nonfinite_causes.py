@@ -145,6 +145,23 @@ def test_log_of_zero_in_a_loss_is_undefined_math():
     assert cause_line(first) == "  cause:    undefined math: log(0) = -inf, in float64 too"
 
 
+def test_an_in_place_op_is_not_taken_for_an_input_that_already_held_its_result():
+    """``log_`` writes its inf into its own input: that input is not one that held it."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    with torch.no_grad():
+        model.weight[1] *= 400
+
+    def step(x):
+        probs = model(x).softmax(-1)
+        return probs.log_().mean().item()  # in place: probs holds the -inf now
+
+    w, _ = watched(step, torch.randn(6, 8))
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.log_.default"
+    assert anomaly.finding.facts["cause"].kind == MATH, anomaly.message
+
+
 # --------------------------------------------------------------------------------------------
 # an input, a parameter
 # --------------------------------------------------------------------------------------------

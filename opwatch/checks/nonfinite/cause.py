@@ -81,7 +81,8 @@ def decide_causes(origins, log) -> None:
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             for meta in origin.record.inputs:
-                if meta[M_DTYPE] in _FLOATING and not writes.after(meta[M_IDENT], index):
+                # Not written by the op itself either (``x.log_()``): it holds the result now.
+                if meta[M_DTYPE] in _FLOATING and not writes.after(meta[M_IDENT], index - 1):
                     wanted[meta[M_IDENT]] = meta
     found, modules = _live(wanted)
     health = {ident: _health(tensor) for ident, tensor in found.items()}
@@ -329,6 +330,8 @@ def _rerun(record, found):
     if not tensors or sum(tensor.numel() for tensor in tensors) > _MAX_RERUN_NUMEL:
         return None
     func = record.func
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return None  # random (dropout): running it again would draw from the program's generator
     call = _call_of(func, record, len(tensors))
     if call is None:
         return None
