@@ -387,6 +387,8 @@ def _call_of(func, record, count) -> _Call | None:
         elif type_name in ("Tensor", "Tensor?") and used < count and not arg.kwarg_only:
             value = _Slot(used)
             used += 1
+        elif type_name == "Tensor":
+            return None  # a tensor the log does not place
         else:
             positional = False  # left to its default
             continue
