@@ -279,10 +279,15 @@ def explain_cause(finding) -> str | None:
     kind = cause.kind
     if kind == PRECISION:
         limit = torch.finfo(cause.dtype).max
-        how = "its inputs' ranges bound its result by" if cause.bound else "its result reaches"
+        dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
+        if cause.bound:
+            return (
+                f"precision: {name} made {what} in {dtype}; its inputs' ranges bound its result by {cause.largest:.4g} "
+                f"in magnitude, finite in {wider}: it outgrew the largest {dtype} ({limit:.4g})"
+            )
         return (
-            f"precision: {name} made {what} in {format_dtype(cause.dtype)}, but not in {format_dtype(cause.wider)}: "
-            f"{how} {cause.largest:.4g} in magnitude, beyond the largest {format_dtype(cause.dtype)} ({limit:.4g})"
+            f"precision: {name} made {what} in {dtype}, but not in {wider}: "
+            f"its result reaches {cause.largest:.4g} in magnitude, beyond the largest {dtype} ({limit:.4g})"
         )
     if kind == MATH:
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
@@ -308,7 +313,7 @@ def explain_cause(finding) -> str | None:
 
 
 def _cause_fix(finding, cause) -> str | None:
-    what = finding.kind
+    what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
     if cause.kind == INPUT and cause.made is not None and cause.made.how == "buffer":
         return (
             f"the buffer was {what} before this op: a running statistic updated from a batch that held {what} "
