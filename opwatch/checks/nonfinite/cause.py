@@ -43,7 +43,6 @@ PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN = "precision", "math", "input", "weight
 
 # The largest inputs, in elements, an op is run again on (copied to float64: 128 MiB).
 _MAX_RERUN_NUMEL = 1 << 24
-_NARROW = frozenset((torch.float16, torch.bfloat16))
 
 
 @fact_tuple("nonfinite_cause")
@@ -164,11 +163,13 @@ def _live(wanted) -> tuple[dict, list]:
     return found, modules
 
 
-def fold_same_source(origins) -> list:
+def fold_same_source(origins) -> tuple[list, dict]:
     """Origins that an input which already held nan/inf explains, one per such tensor: the
-    later ones (its backward ``mm``, another layer that read it) are the first one's spread."""
+    later ones (its backward ``mm``, another layer that read it) are the first one's spread.
+    Returns the origins kept, and the folded ones by id: ``id(folded) -> the one kept``."""
     first: dict = {}
     kept = []
+    folded: dict = {}
     for origin in origins:
         cause = origin.cause
         if cause is None or cause.kind not in (INPUT, WEIGHTS):
@@ -182,7 +183,8 @@ def fold_same_source(origins) -> list:
         earlier.reached_gradient |= origin.reached_gradient
         earlier.reached_parameter |= origin.reached_parameter
         earlier.read_on_host |= origin.read_on_host
-    return kept
+        folded[id(origin)] = earlier
+    return kept, folded
 
 
 def _health(tensor) -> _Health:

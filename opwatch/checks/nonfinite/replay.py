@@ -120,6 +120,12 @@ class Origins:
                 alive[id(tensor)] = ref
         self.sentinels = alive
 
+    def fold(self, folded) -> None:
+        """Origins folded into others (``id(folded) -> kept``, see ``cause.fold_same_source``):
+        the values they left alive, and the sites they were remembered at, are the kept one's."""
+        self.carry = {ident: (kind, folded.get(id(origin), origin), ref) for ident, (kind, origin, ref) in self.carry.items()}
+        self._by_site = {site: folded.get(id(origin), origin) for site, origin in self._by_site.items()}
+
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges)

@@ -209,7 +209,9 @@ class NonFiniteTracker:
         new = origins.replay(window, flags, reading)
         if new:
             decide_causes(new, self._log)
-            new = fold_same_source(new)
+            new, folded = fold_same_source(new)
+            if folded:
+                origins.fold(folded)
         judged = origins.judge(new, final) + risks
         judged.sort(key=lambda found: found.record.index)
         return judged
