@@ -119,6 +119,24 @@ def test_float16_attention_scores_that_overflow_are_a_precision_cause():
     assert "precision:" in cause_line(first) and "made inf in f16" in cause_line(first)
 
 
+def test_a_float16_softmax_written_by_hand_overflows_in_exp():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 10).half()
+    features = torch.randn(4, 16).half() * 20  # logits up to a few tens: exp(12) passes 65504
+
+    def classify(x):
+        logits = head(x)
+        e = logits.exp()  # softmax by hand, without subtracting the max
+        return (e / e.sum(-1, keepdim=True)).float().sum().item()
+
+    w, _ = watched(classify, features)
+    first = nonfinite(w)[0]
+    assert first.op == "aten.exp.default"
+    cause = first.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.dtype == torch.float16 and cause.wider == torch.float32
+    assert "subtract the max" in first.message
+
+
 # --------------------------------------------------------------------------------------------
 # undefined math
 # --------------------------------------------------------------------------------------------
