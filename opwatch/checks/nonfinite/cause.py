@@ -251,7 +251,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         for wider in (torch.float32, torch.float64):
             if _rank(wider) > _rank(dtype) and bound < torch.finfo(wider).max:
                 return Cause(PRECISION, detail, dtype, wider, bound, bound=True)
-        return Cause(MATH, detail or "overflow")
+        # A bound beyond float64 tells nothing: the exact result may still be far below it.
     if detail is not None:
         return Cause(MATH, detail)
     # An input whose range is unknown, made before the watch and gone: it may have held it.
