@@ -342,8 +342,8 @@ def _rerun(record, found):
         return (None, None)  # non-finite in float64 already
     device = _first(tensors).device
     for candidate in wider:
-        copies = [tensor.detach().to(candidate, copy=True) if tensor.is_floating_point() else tensor.detach().clone() for tensor in tensors]
-        try:
+        try:  # out of memory (the copies, the result) included: then the ranges decide
+            copies = [tensor.detach().to(candidate, copy=True) if tensor.is_floating_point() else tensor.detach().clone() for tensor in tensors]
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 out = func(*_fill(call.args, copies), **_fill_kwargs(call.kwargs, copies))
         except Exception:
