@@ -5,7 +5,7 @@ inputs, and returns a zero-argument ``step()`` callable that runs one full
 training step (zero_grad, forward, loss, backward, optimizer step).  Building
 happens outside any contender, so only the steps themselves are measured.
 
-All workloads are CPU-only, deterministic (fixed seeds) and need no network:
+All workloads are CPU-only (``transformer_parts`` takes a device), deterministic (fixed seeds) and need no network:
 the GPT-2 model is built from a tiny ``GPT2Config`` with random weights.
 """
 
@@ -57,6 +57,13 @@ def transformer_step(d_model: int = 32, nhead: int = 4, dim_feedforward: int | N
     about 300 ATen ops (forward, backward and SGD update), the size of step
     the overhead targets are stated for.
     """
+    model, x, target = _encoder(d_model, nhead, dim_feedforward, batch, seq, num_layers)
+    return _training_step(model, lambda: nn.functional.mse_loss(model(x), target))
+
+
+def _encoder(d_model: int, nhead: int, dim_feedforward: int | None, batch: int, seq: int,
+             num_layers: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The seeded encoder (dropout off, training mode), its input and its target, on the CPU."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(
         d_model=d_model, nhead=nhead,
@@ -67,7 +74,42 @@ def transformer_step(d_model: int = 32, nhead: int = 4, dim_feedforward: int | N
     model.train()
     x = torch.randn(batch, seq, d_model)
     target = torch.randn(batch, seq, d_model)
-    return _training_step(model, lambda: nn.functional.mse_loss(model(x), target))
+    return model, x, target
+
+
+@dataclass
+class TrainParts:
+    """A training step taken apart, for benches that wrap its pieces (``bench.gpu``): the model,
+    its SGD optimizer, and ``loss(module)``, the loss of the fixed batch through ``module`` (the
+    model itself, or a ``torch.compile`` of it)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[nn.Module], torch.Tensor]
+
+
+def transformer_parts(d_model: int = 32, nhead: int = 4, dim_feedforward: int | None = None,
+                      batch: int = 8, seq: int = 16, num_layers: int = 2, device: str = "cpu",
+                      autocast: torch.dtype | None = None, lr: float = 1e-3) -> TrainParts:
+    """:func:`transformer_step`'s model and batch (the same seeded values) on ``device``; with
+    ``autocast`` (e.g. ``torch.bfloat16``) the forward runs under ``torch.autocast`` and the loss
+    is taken in float32, as mixed-precision training does."""
+    model, x, target = _encoder(d_model, nhead, dim_feedforward, batch, seq, num_layers)
+    model.to(device)
+    x, target = x.to(device), target.to(device)
+    device_type = torch.device(device).type
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        if autocast is None:
+            out = module(x)
+        else:
+            with torch.autocast(device_type=device_type, dtype=autocast):
+                out = module(x)
+        parts.last_grad_fn = type(out.grad_fn).__name__
+        return nn.functional.mse_loss(out.float(), target)
+
+    parts = TrainParts(model, torch.optim.SGD(model.parameters(), lr=lr), loss)
+    return parts
 
 
 def transformer32_step() -> Step:

@@ -45,6 +45,8 @@ napoleon_use_ivar = True  # "Attributes:" as fields: the properties are document
 nitpicky = True
 nitpick_ignore_regex = [(r"py:.*", r"(?!opwatch\b).*")]
 
-html_theme = "alabaster"
+# Furo: the theme PyTorch-ecosystem readers know (a sidebar, light and dark); its code blocks
+# scroll sideways inside their box instead of being cut at the page's edge.
+html_theme = "furo"
 html_title = f"opwatch {release}"
 html_static_path: list = []

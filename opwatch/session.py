@@ -11,21 +11,22 @@ import shutil
 import sys
 import threading
 import traceback
-import warnings
 from collections.abc import Iterable
 
 from . import checks as _checks
 from .findings.allow import Allow
 from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .modes.functions import FunctionWatch
+from .modes import compiled as _compiled
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .core.records import OpLog, OpRecord
+from .core.sites import warn_at_user
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.summary import render_disabled
 from .render.table import DUMP_WIDTH
-from .render.notices import internal_error
+from .render.notices import compiled_ran_eagerly, internal_error
 from .findings.report import Reporter
 
 __all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
@@ -173,6 +174,8 @@ class Watch:
         self._functions: FunctionWatch | None = None  # the pre-dispatch checks' function mode
         self._next_index = 0
         self._told_internal_error = False
+        self._compiled_calls: dict = {}  # compiled callable -> its calls run eagerly in the block
+        self._told_compiled = False
         self._thread = None  # the thread the watch is active on (the optimizer hook asks)
         # The job's view from this process (opwatch.findings.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
@@ -278,6 +281,21 @@ class Watch:
 
         write_jsonl(self, path)
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the counts, each place's first anomaly, the last 10 ops."""
+        from .render.html_repr import watch_html
+
+        return watch_html(self)
+
+    def report_html(self, path) -> None:
+        """Write the report to ``path``: one self-contained HTML page (nothing fetched, it
+        opens offline) with the findings first, the ops around each, the module tree and every
+        op. ``w.report_html("report.html")``; for a saved log, ``python -m opwatch report run.jsonl``."""
+        from .render.html import render_report
+
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_report(self))
+
     def export_chrome_trace(self, path) -> None:
         """Write the log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
         ``chrome://tracing``): one event per op, module spans, arrows from backward ops to
@@ -295,6 +313,7 @@ class Watch:
             return self
         try:
             keep_dynamo_out()
+            _compiled.hold(self._compiled_calls)
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
             active = _checks.ActiveChecks(
@@ -313,15 +332,17 @@ class Watch:
                 distributed=self._distributed,
             )
             modules.on_call = interceptor.module_called
-            functions = self._function_watch(interceptor, modules, active.context)
+            functions = self._function_watch(interceptor, modules)
             modules.install()
         except Exception as error:
+            _compiled.release(self._compiled_calls)
             self._internal_error(error, traceback.format_exc())
             return self  # the block runs unwatched
         try:
             interceptor.__enter__()
         except BaseException:
             modules.uninstall()
+            _compiled.release(self._compiled_calls)
             raise
         self._interceptor, self._modules = interceptor, modules
         # The function mode is entered after the dispatch mode and left before it: it logs into
@@ -338,7 +359,7 @@ class Watch:
         _steps_checked.hold(self)
         return self
 
-    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, context) -> FunctionWatch | None:
+    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack) -> FunctionWatch | None:
         """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when they
         were asked for (``checks=[..., "pre_dispatch"]``: opt-in, for its cost on every torch
         call); it judges the device and dtype rules that are asked for too, or both."""
@@ -347,8 +368,6 @@ class Watch:
         kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}
         return FunctionWatch(
             log=self._log,
-            reporter=self._reporter,
-            context=context,
             modules=modules,
             interceptor=interceptor,
             kinds=frozenset(kinds),
@@ -372,17 +391,39 @@ class Watch:
             self._modules.uninstall()
             self._modules = None
             self._next_index = interceptor.next_index
+            _compiled.release(self._compiled_calls)
         # The last check point; it must not hide the block's own exception.
         try:
             interceptor.check_point(may_raise=exc is None, final=True)
         finally:
             self._publish()
+        self._tell_compiled()
         if exc is not None and isinstance(exc, Exception):
             try:
                 self._tell_failure(interceptor, exc)
             except Exception as error:
                 self._internal_error(error, traceback.format_exc())
         return False
+
+    @property
+    def compiled_eagerly(self) -> list:
+        """The ``torch.compile``d functions and modules that ran under this watch, each with
+        ``name``, ``kind`` (``"module"`` or ``"function"``), ``where`` (``file:line``) and
+        ``calls``: a watch runs compiled code eagerly, op by op, to see its ops (and leaves the
+        compiled code to run again after the block); empty when none ran."""
+        return _compiled.eager_calls(self._compiled_calls)
+
+    def _tell_compiled(self) -> None:
+        """Warn once in the watch's life that compiled code ran uncompiled under it."""
+        if self._told_compiled or not self._warn or not self._compiled_calls:
+            return
+        self._told_compiled = True
+        try:
+            warnings.warn(OpwatchWarning(compiled_ran_eagerly(self.compiled_eagerly)), stacklevel=3)
+        except OpwatchWarning:
+            raise
+        except Exception as error:
+            self._internal_error(error, traceback.format_exc())
 
     def _before_optimizer_step(self) -> None:
         """A check point before an optimizer applies the gradients (the optimizer step
@@ -404,10 +445,7 @@ class Watch:
         self._told_internal_error = True
         import torch
 
-        warnings.warn(
-            OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)),
-            stacklevel=2,
-        )
+        warn_at_user(OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)))
 
     def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
         failed = self._failed_record(interceptor, error)

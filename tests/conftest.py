@@ -18,6 +18,17 @@ from support import SCENARIOS  # noqa: E402
 import pytest
 import torch
 
+def pytest_collection_modifyitems(config, items):
+    # Tests marked ``cuda`` need a CUDA device: skipped here without one, run on a GPU machine
+    # (bench/gpu_check.sh selects them with ``-m cuda``).
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _chdir_to_scenarios(monkeypatch):
     # Paths in messages are shown relative to the working directory: keep them stable.

@@ -42,6 +42,7 @@ CLI_PAGES = {
     "cli-main": ["--help"],
     "cli-show": ["show", "--help"],
     "cli-diff": ["diff", "--help"],
+    "cli-report": ["report", "--help"],
 }
 _AUTO = re.compile(r"^\.\. auto(?:function|class|exception|data|attribute|module)::\s*(\S+)", re.M)
 

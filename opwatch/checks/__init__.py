@@ -23,16 +23,22 @@ as ``observe(entry, inputs, outputs, metas)`` (the op's log entry, its inputs' a
 metadata, the output tensors), or ``None`` when the op does not concern it.
 
 :class:`ActiveChecks` is all the interceptor knows of the checks: which ones apply to an op,
-the observers to call, the context, and the nan/inf check points.
+the observers to call, the context, and the check points; their findings leave through one
+exit, :class:`~opwatch.checks.pipeline.FindingPipeline` (``ActiveChecks.exit_to(reporter)``),
+whose stages (a promotion's wait, where an odd operand was made, a nan/inf origin's
+containment) belong to their checks.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..core.ops import facts_of
-from ..core.records import E_INDEX, E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ..core.records import E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
+from .pipeline import FindingPipeline
 from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
@@ -56,37 +62,22 @@ KINDS = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + nonfin
 class CheckContext:
     """What a check may ask beyond shapes, about the op being checked.
 
-    ``site`` and ``phase`` are set by the interceptor for each op before its checks run.
+    ``site`` and ``phase`` are set by the interceptor for each op before its checks run. The
+    checks' trackers a check reads are here by name: ``shapes`` (the broadcast check's
+    :class:`~opwatch.checks.broadcast.ShapeProvenance`), ``handshakes`` (the collectives
+    check's); ``None`` when their check is off.
     """
 
-    __slots__ = ("site", "phase", "args", "handshakes", "_log", "_shapes", "_modules")
+    __slots__ = ("site", "phase", "args", "shapes", "handshakes", "_log", "_modules")
 
     def __init__(self, log, shapes: broadcast.ShapeProvenance | None, modules=None):
         self.site = 0  # source site id of the op (see OpLog.sites); 0 when unknown
         self.phase = "forward"  # "forward" or "backward"
         self.args = ()  # the op's other arguments, flat: position or name, value, ...
+        self.shapes = shapes  # this watch's broadcast.ShapeProvenance when that check is on
         self.handshakes = None  # this watch's collectives.Handshakes when that check is on
         self._log = log
-        self._shapes = shapes
         self._modules = modules  # the ModuleStack, for where a stray tensor was made
-
-    def deliberate_dims(self, tensor: tuple) -> frozenset[int]:
-        """Size-1 dims of ``tensor`` (negative, counted from the right) that the program made on
-        purpose: by ``unsqueeze``/``None`` indexing, or inside the op's own decomposition."""
-        if self._shapes is None:
-            return frozenset()
-        return self._shapes.deliberate_dims(tensor, self.site)
-
-    def previous_expand(self) -> tuple | None:
-        """``(site, operand, result shape, op index)`` of the ``expand`` op logged just before
-        this op, for the broadcast check of ``broadcast_tensors`` pairs; ``None`` when the op
-        before was another one (the last expand of the same line one step earlier is no pair)."""
-        previous = self._shapes.previous_expand if self._shapes is not None else None
-        entries = self._log.entries
-        if previous is None or not entries:
-            return None
-        _, _, _, index = previous
-        return previous if entries[-1][E_INDEX] == index else None
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
@@ -109,6 +100,16 @@ class CheckContext:
             made.update(meta[M_IDENT] for meta in entry_outputs(entry) or ())
             taken.extend(entry_inputs(entry))
         return frozenset(made), tuple(meta for meta in taken if meta[M_IDENT] not in made)
+
+    def with_provenance(self, finding: Finding) -> Finding:
+        """``finding`` with where each odd operand was made (``Finding.made``, one
+        :meth:`where_made` fact each, rendered after the problem), worked out once, when it is
+        reported (slow: never on a healthy op); unchanged when it has no odd operand or says
+        already."""
+        if not finding.odd or finding.made:
+            return finding
+        missing = "device" if finding.kind == device.KIND else "dtype"
+        return replace(finding, made=tuple(self.where_made(meta, missing=missing) for meta in finding.odd))
 
     def where_made(self, tensor: tuple, *, missing: str) -> tuple:
         """Where ``tensor`` came from, as a provenance fact tuple (slow: never on a healthy op;
@@ -224,7 +225,7 @@ class ActiveChecks:
     def __init__(self, enabled: frozenset[str], log, table_limit: int, modules=None, fingerprints: dict | None = None, every_op_checked: bool = False):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
-        self.shapes = broadcast.ShapeProvenance(table_limit) if broadcast.KIND in enabled else None
+        self.shapes = broadcast.ShapeProvenance(table_limit, log) if broadcast.KIND in enabled else None
         # every_op_checked: each op is a check point (check_every=1, guard's replay): the nan/inf
         # tracker keeps every range it reads, for the inputs of an origin.
         self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None
@@ -247,11 +248,6 @@ class ActiveChecks:
         bound = (tracker.for_op(func) for tracker in self._trackers)
         return tuple(observe for observe in bound if observe is not None)
 
-    def waits_for_use(self, finding: Finding) -> bool:
-        """Whether ``finding`` is judged where its op's result is used rather than now (a
-        promotion cast straight back is deliberate: :mod:`~opwatch.checks.promotions`)."""
-        return self.promotions is not None and self.promotions.takes(finding)
-
     def module_call(self, module, args) -> Finding | None:
         """The finding of calling ``module`` with ``args``, judged before its forward runs
         (:mod:`~opwatch.checks.module_calls`), when its kind is enabled."""
@@ -263,6 +259,11 @@ class ActiveChecks:
     def flags_wait_on(self, device) -> bool:
         """Whether nan/inf flags wait on ``device``: a host read there pays for a sync anyway."""
         return self.values is not None and self.values.pending_on(device)
+
+    def exit_to(self, reporter):
+        """The one exit of this watch's findings, in front of ``reporter``: a
+        :class:`~opwatch.checks.pipeline.FindingPipeline` (defer, provenance, containment)."""
+        return FindingPipeline(self, reporter)
 
     def resolve(self, log, since: int, *, reading=(), final: bool = False) -> list:
         """A nan/inf check point: the origins judged now

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from functools import partial
 from itertools import islice
+from typing import NamedTuple
 
 import torch
 
@@ -39,16 +40,14 @@ from ..core.ops import facts_of
 from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
 from .finding import Finding
 
-__all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance"]
+__all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance", "Expand"]
 
 KIND = "broadcast"
 
 _UNSQUEEZE = "aten::unsqueeze"
 _EXPAND = "aten::expand"
-# ShapeProvenance's entries: (shape, deliberate dims, site id); its previous_expand: (site id,
-# operand meta, result shape, op index).
+# ShapeProvenance's entries: (shape, deliberate dims, site id).
 _K_SHAPE, _K_DELIBERATE, _K_SITE = 0, 1, 2
-_X_SITE, _X_OPERAND, _X_TARGET, _X_INDEX = 0, 1, 2, 3
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
@@ -134,7 +133,7 @@ def check(func, tensors, context, *, made_by_broadcast_tensors: bool = False) ->
             implicit.append(meta)
         stretched = [d for d in range(-ndim, 0) if shape[d] == 1 and result[d] > 1]
         if stretched:
-            deliberate = context.deliberate_dims(meta)
+            deliberate = context.shapes.deliberate_dims(meta, context.site)
             undeliberate = [d for d in stretched if d not in deliberate]
             if undeliberate:
                 accidental.append((meta, undeliberate))
@@ -151,10 +150,10 @@ def _check_expand(func, tensors, context) -> Finding | None:
     judge the operands as they were, at the last of those ``expand`` ops."""
     if not tensors or context.site == 0:
         return None
-    previous = context.previous_expand()
-    if previous is None or previous[_X_SITE] != context.site:
+    previous = context.shapes.expand_before(context.site)
+    if previous is None:
         return None  # not the second expand of one call
-    first, target = previous[_X_OPERAND], previous[_X_TARGET]
+    first, target = previous.operand, previous.target
     second = tensors[0]
     if first[M_IDENT] == second[M_IDENT] or first[M_SHAPE] is None or second[M_SHAPE] is None:
         return None
@@ -193,6 +192,16 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context,
     return Finding(KIND, rule, facts, operands=tuple(tensors))
 
 
+class Expand(NamedTuple):
+    """An ``expand`` op as the tracker remembers it: the first half of a ``broadcast_tensors``
+    pair."""
+
+    site: int  # its source site id
+    operand: tuple  # its input's metadata
+    target: tuple  # the shape it expanded to
+    index: int  # its op index
+
+
 class ShapeProvenance:
     """The broadcast check's memory: how each live tensor with size-1 dims got them, and the
     last ``expand`` (the first half of a ``broadcast_tensors`` pair).
@@ -207,13 +216,13 @@ class ShapeProvenance:
     cost of ``max_records``.
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, log):
         # ident of a tensor with size-1 dims -> (shape, deliberate dims, site id of its op),
         # read with _K_SHAPE, _K_DELIBERATE, _K_SITE
         self._known: dict = {}
         self._limit = limit
-        # (site id, operand meta, result shape, op index) of the last expand op (_X_SITE, ...)
-        self.previous_expand = None
+        self._entries = log.entries  # the op log's entries: which op was logged last
+        self._last_expand: Expand | None = None
 
     def for_op(self, func):
         """The observer for ``func``'s outputs, called as ``observe(entry, inputs, outputs, metas)``."""
@@ -237,6 +246,15 @@ class ShapeProvenance:
             # Made inside the same call as this op (torch.outer reshapes internally).
             return frozenset(range(-len(meta[M_SHAPE]), 0))
         return frozenset(known[_K_DELIBERATE])
+
+    def expand_before(self, site: int) -> Expand | None:
+        """The ``expand`` op logged just before the op being checked, when it was issued at
+        ``site`` too (the first half of a ``broadcast_tensors`` pair); ``None`` when the op
+        before was another one (the last expand of the same line one step earlier is no pair)."""
+        last, entries = self._last_expand, self._entries
+        if last is None or not entries or last.site != site or entries[-1][E_INDEX] != last.index:
+            return None
+        return last
 
     def _entry(self, meta):
         known = self._known.get(meta[M_IDENT])
@@ -286,7 +304,7 @@ class ShapeProvenance:
     def _after_expand(self, entry, inputs, outputs, metas) -> None:
         self._after_view(entry, inputs, outputs, metas)
         if inputs and metas:
-            self.previous_expand = (entry[E_SITE], inputs[0], metas[0][M_SHAPE], entry[E_INDEX])
+            self._last_expand = Expand(entry[E_SITE], inputs[0], metas[0][M_SHAPE], entry[E_INDEX])
 
     def _after_other(self, entry, inputs, outputs, metas) -> None:
         known = self._known

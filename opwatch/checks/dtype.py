@@ -97,6 +97,15 @@ _ADVANCED_INDEXING = {
     "aten::_index_put_impl_", "aten::_unsafe_index_put",
 }
 _INDEXING_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8, torch.bool})
+# Arguments whose kernel needs the dtype of another argument: op -> (argument, the one it must
+# match). ``EmbeddingBag(...).half()`` given float32 ``per_sample_weights`` raises "Expected
+# tensor for argument #1 'weight' to have the same type as tensor for argument #1
+# 'per_sample_weights'".
+_MATCHING_ARGS = {
+    "aten::_embedding_bag": ("per_sample_weights", "weight"),
+    "aten::_embedding_bag_forward_only": ("per_sample_weights", "weight"),
+    "aten::embedding_bag": ("per_sample_weights", "weight"),
+}
 _CONCATENATIONS = {"aten::cat", "aten::stack"}
 # Elementwise losses seen as one op ``(input, target, ...)`` (what a target of another floating
 # dtype does in each is told in opwatch.render.dtype). l1_loss, kl_div, poisson_nll_loss and
@@ -134,6 +143,8 @@ def for_op(func):
         return partial(_check_class_target, func)
     if name in _ADVANCED_INDEXING:
         return partial(_check_indices, func, "put" in name)
+    if name in _MATCHING_ARGS:
+        return _matching_arg_check(func, *_MATCHING_ARGS[name])
     tensor_position = 0
     checks_args = name.startswith("aten::masked_") or name in _INDEX_ARG_OPS
     for arg in func._schema.arguments:
@@ -312,6 +323,30 @@ def _check_attention(func, tensors, context=None) -> Finding | None:
     if len(tensors) > _MASK_POSITION and tensors[_MASK_POSITION][M_DTYPE] in (torch.float32, torch.bool):
         return _check_same(func, tensors[:_MASK_POSITION], context)  # the mask is legal
     return _check_same(func, tensors, context)
+
+
+def _matching_arg_check(func, arg_name, other_name):
+    """The check that ``arg_name`` has the dtype of ``other_name`` (both tensor arguments before
+    any tensor list, so their positions among the op's tensors are fixed)."""
+    positions = {}
+    for arg in func._schema.arguments:
+        type_name = str(arg.type)
+        if type_name in ("Tensor", "Tensor?", "Optional[Tensor]"):
+            positions[arg.name] = len(positions)
+        elif "Tensor" in type_name:
+            break
+    if arg_name not in positions or other_name not in positions:
+        return None
+    return partial(_check_matching_arg, func, positions[arg_name], arg_name, positions[other_name])
+
+
+def _check_matching_arg(func, position, arg_name, other_position, tensors, context=None) -> Finding | None:
+    if position >= len(tensors) or other_position >= len(tensors):
+        return None
+    wanted = tensors[other_position][M_DTYPE]
+    if tensors[position][M_DTYPE] == wanted:
+        return None
+    return _check_arg(func, position, arg_name, (wanted,), frozenset((wanted,)), tensors, context)
 
 
 def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None) -> Finding | None:

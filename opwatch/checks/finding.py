@@ -144,13 +144,25 @@ class Finding:
 
 def tensor_names(func, count: int) -> list[str]:
     """Names for an op's ``count`` tensor arguments, in order, taken from its schema when each
-    tensor argument is a single tensor (``self``, ``mask``, ``source``); ``#1``, ``#2``, ...
-    otherwise (tensor lists, optional tensors left out)."""
+    tensor argument is a single tensor (``self``, ``mask``, ``source``), and optional ones come
+    after them and are either all given or one alone (``per_sample_weights`` of
+    ``_embedding_bag``); ``#1``, ``#2``, ... otherwise (tensor lists, optional tensors that
+    leave the positions unknown)."""
     schema = getattr(func, "_schema", None)
     if schema is not None:
-        names = [arg.name for arg in schema.arguments if str(arg.type) == "Tensor"]
-        others = [arg for arg in schema.arguments if "Tensor" in str(arg.type) and str(arg.type) != "Tensor"]
-        if len(names) == count and not others:
-            return names
+        names, optional, others = [], [], False
+        for arg in schema.arguments:
+            type_name = str(arg.type)
+            if type_name == "Tensor":
+                others = others or bool(optional)  # a required tensor after an optional one
+                names.append(arg.name)
+            elif type_name in ("Tensor?", "Optional[Tensor]"):
+                optional.append(arg.name)
+            elif "Tensor" in type_name:
+                others = True
+        if not others:
+            if len(names) == count:
+                return names
+            if len(names) + len(optional) == count or (len(optional) == 1 and len(names) + 1 == count):
+                return names + optional[: count - len(names)]
     return [f"#{i + 1}" for i in range(count)]
-

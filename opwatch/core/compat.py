@@ -7,6 +7,7 @@ The package supports ``torch >= 2.5``; an entry without a fallback exists in eve
 from __future__ import annotations
 
 import operator
+import sys
 
 import torch
 
@@ -30,11 +31,17 @@ __all__ = [
     "script_object_type",
     "skip_dynamo_for_code",
     "SKIPS_DYNAMO_PER_CODE",
+    "dynamo_loaded",
+    "force_eager_stance",
+    "force_backend_stance",
+    "count_compiled_calls",
+    "compiled_module_inner",
     "pack_padded_sequence_function",
     "op_kernel",
     "autograd_sequence_nr",
     "tensor_base",
     "is_zerotensor",
+    "hooks_dict_of",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -156,6 +163,121 @@ def skip_dynamo_for_code(code) -> None:
         set_code_exec_strategy(code, _SKIP_THIS_AND_CALLEES)
 
 
+def dynamo_loaded() -> bool:
+    """Whether TorchDynamo has been imported: ``torch.compile`` imports it, so without it no
+    compiled function exists yet (and opwatch does not pay its ~1 s import)."""
+    return "torch._dynamo.eval_frame" in sys.modules
+
+
+def force_eager_stance():
+    """Put TorchDynamo in the ``"force_eager"`` stance (``torch.compiler.set_stance``, public,
+    torch >= 2.6): compiled functions run their Python code eagerly and leave their compiled code
+    and its cache as they are. Returns the callable that puts the stance back, or ``None`` where
+    no stance could be set: an older torch, or a call from inside a region Dynamo is running
+    (``set_stance`` refuses there). Without it a dispatch mode seen by Dynamo's frame callback
+    marks the compiled frame's code "skip" for good (``ConvertFrameReturn``'s default), and the
+    function never runs compiled again in the process."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        stance = set_stance("force_eager")  # sets it now; the object remembers the one before
+    except RuntimeError:
+        return None
+    return lambda: stance.__exit__(None, None, None)
+
+
+def force_backend_stance(backend: str):
+    """Make every compiled function compile with ``backend`` (a registered backend's name)
+    instead of its own, until the returned callable puts the stance back
+    (``torch.compiler.set_stance("default", force_backend=...)``, torch >= 2.6): each compiles
+    once more per backend, kept beside its own compiled code. ``None`` where it cannot be set."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        stance = set_stance("default", force_backend=backend)
+    except (RuntimeError, TypeError):
+        return None
+    return lambda: stance.__exit__(None, None, None)
+
+
+def compiled_module_inner(module):
+    """The module a ``torch.compile(module)`` wraps (``OptimizedModule._orig_mod``, torch 2.0+),
+    or ``None`` for any other module. Read by type name: no Dynamo import."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def _compile_wrapper_code(eval_frame):
+    """The code object of the wrapper every ``torch.compile``d callable runs through
+    (``compile_wrapper`` inside ``_TorchDynamoContext.__call__``, torch 2.6-2.13), or ``None``."""
+    call = getattr(getattr(eval_frame, "_TorchDynamoContext", None), "__call__", None)
+    for constant in getattr(getattr(call, "__code__", None), "co_consts", ()):
+        if getattr(constant, "co_name", None) in ("compile_wrapper", "_fn"):
+            return constant
+    return None
+
+
+_ENTERING: dict = {}  # the wrapper's code -> its offsets (read once: dis takes milliseconds)
+
+
+def _entering_offsets(wrapper_code):
+    """Where in Dynamo's wrapper the call that enters the compiled function lies: the wrapper
+    calls ``_maybe_set_eval_frame(_callback_from_stance(...))`` entering, and the same global
+    again leaving (``finally``, on each return path). ``(from, to)`` instruction offsets, or
+    ``None``."""
+    if wrapper_code in _ENTERING:
+        return _ENTERING[wrapper_code]
+    import dis
+
+    loads = [(ins.offset, ins.argval) for ins in dis.get_instructions(wrapper_code) if ins.argval in ("_maybe_set_eval_frame", "_callback_from_stance")]
+    stance_at = min((offset for offset, name in loads if name == "_callback_from_stance"), default=None)
+    enter_from = enter_to = None
+    if stance_at is not None:
+        enter_from = max((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset < stance_at), default=None)
+        enter_to = min((offset for offset, name in loads if name == "_maybe_set_eval_frame" and offset > stance_at), default=sys.maxsize)
+    found = _ENTERING[wrapper_code] = None if enter_from is None else (enter_from, enter_to)
+    return found
+
+
+def count_compiled_calls(on_call):
+    """Call ``on_call(fn)`` with the function behind each call of a ``torch.compile``d callable
+    from now on (``fn``: the user's function, or the bound ``__call__`` of a compiled module).
+    Dynamo's wrapper looks up ``torch._dynamo.eval_frame._maybe_set_eval_frame`` at each call,
+    with the wrapper's frame as the caller: that global is wrapped here (torch 2.6-2.13).
+    Returns the callable that unwraps it, or ``None`` where torch's wrapper is not as expected
+    (no calls are counted then)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    original = getattr(eval_frame, "_maybe_set_eval_frame", None)
+    wrapper_code = _compile_wrapper_code(eval_frame)
+    if original is None or wrapper_code is None:
+        return None
+    entering = _entering_offsets(wrapper_code)
+    if entering is None:
+        return None
+    enter_from, enter_to = entering
+    get_frame = sys._getframe
+
+    def set_eval_frame(callback):
+        caller = get_frame(1)
+        if caller.f_code is wrapper_code and enter_from <= caller.f_lasti < enter_to:
+            fn = caller.f_locals.get("fn")
+            if fn is not None:
+                on_call(fn)
+        return original(callback)
+
+    eval_frame._maybe_set_eval_frame = set_eval_frame
+
+    def undo():
+        if eval_frame._maybe_set_eval_frame is set_eval_frame:
+            eval_frame._maybe_set_eval_frame = original
+
+    return undo
+
+
 def op_kernel(func):
     """The C++ op behind an ``OpOverload`` (``OpOverload._op``, torch 2.0+): calling it skips
     the Python frame of ``OpOverload.__call__``. Fallback: the overload itself."""
@@ -188,3 +310,12 @@ def _never_zerotensor(tensor) -> bool:
 # Whether a tensor is a ZeroTensor (autograd's lazy zeros, which hold no memory to reduce):
 # ``Tensor._is_zerotensor``, torch >= 1.11, called unbound as a C-level method. Fallback: none is.
 is_zerotensor = getattr(torch.Tensor, "_is_zerotensor", _never_zerotensor)
+
+
+def hooks_dict_of(handle):
+    """The hooks dict a ``torch.utils.hooks.RemovableHandle`` removes from: torch keeps a weak
+    reference to it in ``handle.hooks_dict_ref`` (torch >= 1.0, still in 2.13). Fallback:
+    ``None`` (the module tracker then leaves the global hooks' order alone and stops checking
+    whether its exit hook is still the last)."""
+    ref = getattr(handle, "hooks_dict_ref", None)
+    return ref() if ref is not None else None

@@ -19,8 +19,10 @@ import torch
 
 from .compat import amp_non_finite_check, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "CHECKED_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "value_extremes", "CHECKED_DTYPES"]
 
+# The dtypes whose values can be nan or inf, for every reader (the nan/inf check's tracker and
+# replay, guard, leave-on): the floating ones and the complex ones.
 CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
 
 
@@ -94,16 +96,33 @@ def finite_by_device(tensors) -> bool:
     return all(math.isfinite(found.item()) for found in founds)
 
 
-def nonfinite_kind(tensor) -> str | None:
-    """``"nan"`` or ``"inf"`` when ``tensor`` holds one (nan first), else ``None``: read after
-    a failed check to say what it found (a host read or two). Tensors of other dtypes and meta
-    tensors hold neither; sparse ones are read through their values."""
+def value_extremes(tensor) -> tuple[float, float] | None:
+    """The one reading of a tensor's values: ``(smallest, largest)`` as floats (real and
+    imaginary parts of complex values; the stored values of sparse ones), nan where any value is
+    nan (it carries through), in one host read. ``None`` for tensors that hold no checked value:
+    other dtypes, meta, empty."""
     if tensor.dtype not in CHECKED_DTYPES or tensor.device.type == "meta":
         return None
-    values = _values(tensor)
-    if bool(torch.isnan(values).any()):
+    values = _values(tensor).detach()
+    if values.numel() == 0:
+        return None
+    if values.is_complex():
+        values = torch.view_as_real(values.resolve_conj())
+    low, high = torch.aminmax(values)
+    return tuple(torch.stack((low, high)).tolist())
+
+
+def nonfinite_kind(tensor) -> str | None:
+    """``"nan"`` or ``"inf"`` when ``tensor`` holds one (nan first), else ``None``: read after
+    a failed check to say what it found (one host read, :func:`value_extremes`). Tensors of
+    other dtypes and meta tensors hold neither; sparse ones are read through their values."""
+    extremes = value_extremes(tensor)
+    if extremes is None:
+        return None
+    low, high = extremes
+    if math.isnan(low) or math.isnan(high):
         return "nan"
-    if bool(torch.isinf(values).any()):
+    if math.isinf(low) or math.isinf(high):
         return "inf"
     return None
 

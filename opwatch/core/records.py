@@ -24,6 +24,7 @@ __all__ = [
     "SharedShapes",
     "FORWARD",
     "BACKWARD",
+    "op_entry",
     "entry_inputs",
     "entry_outputs",
     "short_op_name",
@@ -54,6 +55,17 @@ M_SHAPE = 0  # a plain tuple of ints (interned); None for tensors without one (n
 M_DTYPE = 1
 M_DEVICE = 2
 M_IDENT = 3  # id() of the tensor object when the op saw it: follows data from op to op
+
+
+def op_entry(head: tuple, start_ns: int, end_ns: int, inputs, outputs=None) -> tuple:
+    """The one constructor of a log entry. ``head``: the values at ``E_INDEX`` .. ``E_ARGS``
+    (index, op id, site id, module path, phase, forward op id or -1, other arguments);
+    ``start_ns``/``end_ns``: the kernel's times (``end_ns`` -1 when it did not return);
+    ``inputs``/``outputs``: the tensors' metadata, ``outputs`` ``None`` while the kernel has not
+    returned (it raised, or it has not run yet)."""
+    if outputs is None:
+        return (*head, start_ns, end_ns, len(inputs), -1, *inputs)
+    return (*head, start_ns, end_ns, len(inputs), len(outputs), *inputs, *outputs)
 
 
 def entry_inputs(entry: tuple) -> tuple:
@@ -170,8 +182,29 @@ class OpLog:
             oldest = self.entries[0][E_INDEX]
             self.flags = {known: kinds for known, kinds in self.flags.items() if known >= oldest}
 
+    @property
+    def lost_ops(self) -> bool:
+        """Whether the ring has dropped ops: the log no longer starts at the watch's first op."""
+        for entry in self.entries:
+            return entry[E_INDEX] > 0
+        return False
+
     def view(self, entry: tuple) -> OpRecord:
         return OpRecord(entry, self)
+
+    def add(self, entry: tuple) -> OpRecord:
+        """Log ``entry`` (made by :func:`op_entry`) and return its record: for an op with a
+        finding, logged before its kernel runs (a strict raise dumps it as the failing op)."""
+        self.entries.append(entry)
+        return OpRecord(entry, self)
+
+    def complete(self, record: OpRecord, entry: tuple) -> None:
+        """Replace the entry of ``record`` (added before its kernel ran) by the complete
+        ``entry``, in the log (when still the last entry) and in the record."""
+        entries = self.entries
+        if entries and entries[-1] is record._entry:
+            entries[-1] = entry
+        record._entry = entry
 
     def records(self) -> list[OpRecord]:
         return [OpRecord(entry, self) for entry in self.entries]
@@ -184,9 +217,12 @@ class OpLog:
                 break
         return None
 
-    def producer_of(self, ident: int) -> OpRecord | None:
-        """The latest logged op that output the tensor ``ident`` (slow: for messages only)."""
+    def producer_of(self, ident: int, *, before: int | None = None) -> OpRecord | None:
+        """The latest logged op (before op ``before``, when given) that output the tensor
+        ``ident`` (slow: for messages only)."""
         for entry in reversed(self.entries):
+            if before is not None and entry[E_INDEX] >= before:
+                continue
             outputs = entry_outputs(entry)
             if outputs and any(meta[M_IDENT] == ident for meta in outputs):
                 return OpRecord(entry, self)

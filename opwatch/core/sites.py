@@ -11,13 +11,14 @@ import os
 import sys
 import sysconfig
 import types
+import warnings
 from functools import lru_cache
 
 import torch
 
 from .compat import engine_entry_code
 
-__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line"]
+__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "warn_at_user"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -114,6 +115,36 @@ def user_frame(frame, stop_frame=None, stop_answer=None):
             return None, 0, True
         frame = frame.f_back
     return None, 0, False
+
+
+def warn_at_user(warning: Warning, *, frame=None) -> None:
+    """Issue ``warning`` at the user's line, the way Python shows its own warnings: the
+    innermost frame from ``frame`` (the caller's by default) outwards that runs the program's
+    own code, not torch, opwatch, the standard library or an installed package (a trainer's
+    ``call.py``, ``torch/optim/optimizer.py``); when there is none, the innermost user frame as
+    ops are attributed (:func:`classify_code`), else the caller. Python's once-per-location
+    filters then apply to that line."""
+    start = frame if frame is not None else sys._getframe(1)
+    found = fallback = None
+    walk = start
+    while walk is not None:
+        code = walk.f_code
+        if classify_code(code) == USER:
+            if _top_level_package(code.co_filename) is None:
+                found = walk
+                break
+            fallback = fallback or walk
+        walk = walk.f_back
+    at = found or fallback or start
+    try:
+        context = at.f_globals
+        registry = context.setdefault("__warningregistry__", {})
+        warnings.warn_explicit(
+            warning, type(warning), at.f_code.co_filename, at.f_lineno,
+            module=context.get("__name__", "<string>"), registry=registry, module_globals=context,
+        )
+    finally:
+        del start, walk, at, found, fallback
 
 
 class Position:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from fnmatch import fnmatchcase
 
+from ..render.phrases import module_path
+
 __all__ = ["Allow", "parse_allow", "where_matches"]
 
 FIELDS = ("kind", "op", "module", "where")
@@ -23,7 +25,8 @@ class Allow:
         The op, as records name it (``"aten.sub.Tensor"``) or without its overload
         (``"aten.sub"``): ``Allow(op="aten.log*")``.
     module
-        The module path: ``Allow(module="encoder.*.attn")``.
+        The module path: ``Allow(module="encoder.*.attn")``; a module labelled ``net.0 (Linear)``
+        is matched by ``"net.0"`` too.
     where
         The user's line, ``FILE:LINE`` (``"train.py:42"``, ``"src/train.py:4?"``), or a file
         alone (``"src/train.py"``: any of its lines). ``FILE`` is matched against the end of
@@ -65,8 +68,11 @@ class Allow:
             op = anomaly.op
             if not (fnmatchcase(op, self.op) or fnmatchcase(op.rsplit(".", 1)[0], self.op)):
                 return False
-        if self.module is not None and not fnmatchcase(anomaly.module or "", self.module):
-            return False
+        if self.module is not None:
+            label = anomaly.module or ""
+            # The path alone (``net.0``) matches the module labelled ``net.0 (Linear)`` too.
+            if not (fnmatchcase(label, self.module) or fnmatchcase(module_path(label), self.module)):
+                return False
         if self.where is not None and not where_matches(self.where, anomaly.filename, anomaly.lineno, anomaly.where):
             return False
         return True

@@ -69,6 +69,14 @@ class BaseAnomaly:
     def __str__(self) -> str:
         return self.message
 
+    def _repr_html_(self) -> str | None:
+        """What a notebook shows: the message as a card (the text repr is unchanged)."""
+        from ..render.html_repr import anomaly_html
+
+        if getattr(self, "record", None) is None:  # another rank's anomaly: its text only
+            return None
+        return anomaly_html(self)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind} {self.op} at {self.where} #{self.index}>"
 

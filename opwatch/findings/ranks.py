@@ -22,11 +22,11 @@ import itertools
 import json
 import os
 import time
-import warnings
 from datetime import timedelta
 
 from .anomaly import BaseAnomaly, OpwatchWarning
 from ..core.collective_ops import RankState, store_prefix
+from ..core.sites import warn_at_user
 from ..modes.reducer import ReducerSites
 from ..render.ranks import collect_failed, publish_failed, render_combined_summary
 
@@ -91,7 +91,7 @@ def publish(state: DistributedWatch | None, anomalies, contained: int) -> None:
         state.publish(anomalies, contained)
     except Exception as error:
         state.exchange = None
-        warnings.warn(OpwatchWarning(publish_failed(error)), stacklevel=4)  # the user's ``with``
+        warn_at_user(OpwatchWarning(publish_failed(error)))  # the user's ``with``
 
 
 def all_anomalies(state: DistributedWatch | None, local, *, timeout: float, ended: bool) -> AllAnomalies:
@@ -115,7 +115,7 @@ def all_anomalies(state: DistributedWatch | None, local, *, timeout: float, ende
     try:
         found, missing = state.exchange.collect(timeout)
     except Exception as error:
-        warnings.warn(OpwatchWarning(collect_failed(error)), stacklevel=3)  # the user's call
+        warn_at_user(OpwatchWarning(collect_failed(error)))  # the user's call
         found, missing = {}, others
     anomalies = []
     for rank in range(state.world):

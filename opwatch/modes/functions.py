@@ -24,7 +24,6 @@ __tracebackhide__ = True
 
 import sys
 import traceback
-from dataclasses import replace
 from time import perf_counter_ns
 
 import torch
@@ -32,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
 from ..core.compat import current_autograd_node, skip_dynamo_for_code
-from ..core.records import BACKWARD, FORWARD, ModuleCall
+from ..core.records import BACKWARD, FORWARD, ModuleCall, op_entry
 from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
@@ -43,14 +42,13 @@ _Tensor = torch.Tensor
 class FunctionWatch(TorchFunctionMode):
     """Judges the calls of :func:`opwatch.checks.pre_dispatch.table`'s functions. ``interceptor``
     is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor` (its log index counter
-    ``next_index`` and ``inert``); ``kinds``: the anomaly kinds enabled."""
+    ``next_index``, ``inert`` and the exit of findings, ``findings``); ``kinds``: the anomaly
+    kinds enabled."""
 
-    def __init__(self, *, log, reporter, context, modules, interceptor, kinds: frozenset, on_internal_error):
+    def __init__(self, *, log, modules, interceptor, kinds: frozenset, on_internal_error):
         super().__init__()
         self._table = pre_dispatch.table()
         self._log = log
-        self._reporter = reporter
-        self._context = context
         self._modules = modules
         self._interceptor = interceptor
         self._kinds = kinds
@@ -78,8 +76,7 @@ class FunctionWatch(TorchFunctionMode):
                 return
             name, _ = entry  # (public name, judge): see pre_dispatch.table
             record = self._log_call(func, name, finding, caller)
-            finding = self._with_provenance(finding)
-            error = self._reporter.report(finding, record)
+            error = self._interceptor.findings.deliver(finding, record)  # where its odd tensor was made added
         except Exception as internal:
             self.inert = True
             self._on_internal_error(internal, traceback.format_exc())
@@ -98,12 +95,5 @@ class FunctionWatch(TorchFunctionMode):
         inputs = finding.operands
         index = self._interceptor.next_index
         self._interceptor.next_index = index + 1
-        entry = (index, log.func_id(callee), log.site_id(code, lasti), modules.current, phase, -1, (), perf_counter_ns(), -1, len(inputs), -1, *inputs)
-        log.entries.append(entry)
-        return log.view(entry)
-
-    def _with_provenance(self, finding):
-        """``finding`` with where each odd operand was made (``CheckContext.where_made``, one
-        provenance fact tuple each) in ``made``, rendered after the problem."""
-        missing = "device" if finding.rule == pre_dispatch.DEVICE_RULE else "dtype"
-        return replace(finding, made=tuple(self._context.where_made(meta, missing=missing) for meta in finding.odd))
+        head = (index, log.func_id(callee), log.site_id(code, lasti), modules.current, phase, -1, ())
+        return log.add(op_entry(head, perf_counter_ns(), -1, inputs))

@@ -5,18 +5,21 @@ The way of one op, in ``__torch_dispatch__``:
 1. its arguments are read into tensor metadata and a flat tuple of the other arguments;
    ``_head`` adds the index, the user's source site, the module path and the phase;
 2. the pre-kernel checks bound to the op (:class:`~opwatch.checks.ActiveChecks`) run on the
-   metadata; a finding goes to the :class:`~opwatch.findings.report.Reporter`, and in strict mode the
-   error it hands back is raised before the kernel runs;
+   metadata; a finding is logged (unfinished) and handed to the one exit of findings,
+   :class:`~opwatch.checks.pipeline.FindingPipeline` (``self.findings``), in front of the
+   :class:`~opwatch.findings.report.Reporter`; in strict mode the error it hands back is raised
+   before the kernel runs;
 3. the kernel runs; its own exceptions reach the program untouched;
-4. the complete log entry is appended and the checks' trackers observe the outputs (the
-   broadcast check's size-1 dims, the nan/inf check's sync-free reductions);
+4. the complete log entry (:func:`~opwatch.core.records.op_entry`) is appended and the checks'
+   trackers observe the outputs; the exit learns the outputs of an op with a finding;
 5. at check points (a host read where flags wait, every ``max_records`` ops, and when
-   :class:`~opwatch.session.Watch` asks) the nan/inf flags are resolved and reported.
+   :class:`~opwatch.session.Watch` asks) the exit reports what the checks judge there.
 
-A promotion finding (:mod:`opwatch.checks.promotions`) is not reported in step 2: it waits for
-the first use of the op's result. While one waits, every op takes a detour before step 1 (the
-switch the hot path tests anyway, also set when the watch is inert) where its arguments are
-matched against the waiting results; a healthy program never takes it.
+The interceptor knows no check: what a finding becomes (held until its result is used, told
+where its odd operand was made, contained) is decided by the exit's stages, each owned by its
+check. While findings wait for an op that uses their result, every op takes a detour before
+step 1 (the switch the hot path tests anyway, also set when the watch is inert) where the exit
+sees its arguments; a healthy program never takes it.
 
 Everything that does not change between calls of one ``OpOverload`` is worked out once and
 cached in an :class:`_OpPlan`. opwatch's own work runs inside one guard: whatever goes wrong in
@@ -55,10 +58,10 @@ from time import perf_counter_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, no_python_dispatch, op_kernel, skip_dynamo_for_code
+from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, op_kernel, skip_dynamo_for_code
 from ..core.collective_ops import collective_outputs, describe_script_object
 from ..core.ops import facts_of
-from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog
+from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog, op_entry
 from ..core.sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
@@ -116,10 +119,11 @@ class OpInterceptor(TorchDispatchMode):
     """Records every op into ``log``, runs the ``checks`` and hands their findings to
     ``reporter``. Errors of opwatch itself go to ``on_internal_error(error, traceback_text)``."""
 
-    # Longer than the ~250 lines a class should be, on purpose: this is the hot path, and every
-    # helper it calls per op is one more Python call on every op of the user's program. The
-    # per-op work is __torch_dispatch__ with its cached _OpPlan; what is not per op (check
-    # points, the log's head, exceptions) is split into the methods below.
+    # The per-op work is __torch_dispatch__ with its cached _OpPlan: every helper it calls per
+    # op is one more Python call on every op of the user's program. What is not per op (a new
+    # op, a finding, a failed kernel, check points) is in the methods below; what a finding
+    # becomes, in the exit (self.findings). tests/unit/test_rules.py keeps the class within
+    # 250 code lines and __torch_dispatch__ within 80.
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -134,7 +138,8 @@ class OpInterceptor(TorchDispatchMode):
         self._entries = log.entries
         self._checks = checks
         self._context = checks.context
-        self._reporter = reporter
+        # The one exit of findings (defer, provenance, containment), in front of the reporter.
+        self.findings = checks.exit_to(reporter)
         self._modules = modules
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
@@ -150,12 +155,11 @@ class OpInterceptor(TorchDispatchMode):
         self.next_index = first_index
         # True once opwatch broke (after one warning) or in a forked child: ops pass through.
         self._inert = False
-        # The one switch the hot path tests before its usual work: set while inert, or while a
-        # promotion finding waits for its result's first use (checks.promotions).
+        # The one switch the hot path tests before its usual work: set while inert, or while
+        # findings wait for an op that uses their result (FindingPipeline.waiting).
         self._detour = False
-        # A promotion finding of the op running now, to wait once its output exists.
-        self._awaiting = None
         self._window_start = first_index  # first op index not yet covered by a check point
+        self._check_at = first_index + self._check_every - 1  # the op index that is one at the latest
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
         self._site_tuples: dict = {}
@@ -171,7 +175,7 @@ class OpInterceptor(TorchDispatchMode):
     @inert.setter
     def inert(self, value: bool) -> None:
         self._inert = value
-        self._detour = value or bool(self._checks.promotions)
+        self._detour = value or self.findings.waiting
 
     def __enter__(self):
         result = super().__enter__()
@@ -185,24 +189,16 @@ class OpInterceptor(TorchDispatchMode):
     # -- the hot path -------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # One function on purpose: this runs for every op, and Python calls cost.
+        # One function on purpose: this runs for every op, and Python calls cost. What is not
+        # on every op (a new op, a finding, a failed kernel) is in the methods below it.
         if kwargs is None:
             kwargs = {}
         if self._detour:
             if self._inert:
                 return func(*args, **kwargs)
-            self._judge_use(func, args, kwargs)  # strict: raises before a consumer's kernel
-        plan = self._plans.get(id(func))
-        if plan is None:
-            try:
-                # The plan holds its op (through the log's table), so the id stays its.
-                plan = self._plans[id(func)] = _OpPlan(func, self._log.func_id(func), self._checks)
-                if plan.collective is not None and self._distributed is not None:
-                    self._collective_seen()
-            except Exception as error:
-                self._internal_error(error)
-                return func(*args, **kwargs)
-        if plan.is_ignored:
+            self._before(func, args, kwargs)  # strict: raises before a consumer's kernel
+        plan = self._plans.get(id(func)) or self._plan(func)
+        if plan is None or plan.is_ignored:
             return func(*args, **kwargs)
 
         # -- before the kernel: the op's arguments, source, module and phase; the checks.
@@ -234,39 +230,22 @@ class OpInterceptor(TorchDispatchMode):
                 if finding is not None:
                     break
             # A host read where flags wait is a free check point: the program syncs anyway.
-            is_check_point = (
-                plan.may_read_to_host
-                and inputs
-                and _reads_to_host(plan, inputs, kwargs)
-                and self._checks.flags_wait_on(inputs[-1][M_DEVICE])
-            )
+            is_check_point = plan.may_read_to_host and inputs and _reads_to_host(plan, inputs, kwargs) and self._checks.flags_wait_on(inputs[-1][M_DEVICE])
         except Exception as error:
             self._internal_error(error)
             return func(*args, **kwargs)
         if is_check_point:
             # strict: raises for an origin before this read runs
             self.check_point(reading=tuple(meta[M_IDENT] for meta in inputs))
-        record = None
-        if finding is not None:
-            # In the log before it is reported: a strict raise dumps it as the failing op.
-            unfinished = (*head, perf_counter_ns(), -1, len(inputs), -1, *inputs)
-            self._entries.append(unfinished)
-            record = log.view(unfinished)
-            if self._checks.waits_for_use(finding):
-                self._awaiting = finding  # judged where its result is used
-            else:
-                self._deliver(finding, record)  # strict: raises before the kernel runs
+        # In the log before it is reported: a strict raise dumps it as the failing op.
+        record = None if finding is None else self._found(finding, head, inputs)  # strict: raises
 
         # -- the kernel: its errors reach the program untouched.
         start = perf_counter_ns()
         try:
             out = plan.kernel(*args, **kwargs)
         except BaseException as error:
-            if record is None:
-                self._entries.append((*head, start, -1, len(inputs), -1, *inputs))
-            elif self._awaiting is not None:
-                self._report_now(record)  # no result to wait on; the kernel's error goes on
-            self.failure = (head[E_INDEX], id(error))
+            self._failed(head, start, inputs, record, error)
             raise
         end = perf_counter_ns()
 
@@ -283,28 +262,66 @@ class OpInterceptor(TorchDispatchMode):
             else:
                 outputs = ()
             metas = _metas(outputs, log.shapes)
-            entry = (*head, start, end, len(inputs), len(metas), *inputs, *metas)
+            entry = op_entry(head, start, end, inputs, metas)
             if record is None:
                 self._entries.append(entry)
             else:
-                if self._entries and self._entries[-1] is record._entry:
-                    self._entries[-1] = entry
-                record._entry = entry
-                if self._awaiting is not None:
-                    if self._checks.promotions.wait(_with_provenance(self._awaiting, self._context), record, outputs):
-                        self._awaiting = None
-                        self._detour = True
-                    else:
-                        self._report_now(record)  # no output to wait on (the op has run)
+                self._ran(record, entry, outputs)
             if outputs:
                 for observe in plan.observers:
                     observe(entry, inputs, outputs, metas)
         except Exception as error:
             self._internal_error(error)
             return out
-        if head[E_INDEX] - self._window_start >= self._check_every - 1:
+        if head[E_INDEX] >= self._check_at:
             self.check_point()
         return out
+
+    def _plan(self, func) -> _OpPlan | None:
+        """The first call of ``func``: its plan, kept; ``None`` when making it failed (the op
+        runs unwatched; the watch is inert)."""
+        try:
+            # The plan holds its op (through the log's table), so the id stays its.
+            plan = self._plans[id(func)] = _OpPlan(func, self._log.func_id(func), self._checks)
+            if plan.collective is not None and self._distributed is not None:
+                self._collective_seen()
+            return plan
+        except Exception as error:
+            self._internal_error(error)
+            return None
+
+    def _found(self, finding, head, inputs):
+        """A check found ``finding`` on the op about to run: log it (unfinished) and hand the
+        finding to the exit. Returns its record; strict: raises before the kernel runs."""
+        record = None
+        try:
+            record = self._log.add(op_entry(head, perf_counter_ns(), -1, inputs))
+            error = self.findings.found(finding, record)
+        except Exception as internal:
+            self._internal_error(internal)
+            return record
+        if error is not None:
+            raise error
+        return record
+
+    def _ran(self, record, entry, outputs) -> None:
+        """The op of a finding has run: its complete entry replaces the unfinished one, and
+        the exit learns its outputs (``None``: its kernel raised)."""
+        if entry is not None:
+            self._log.complete(record, entry)
+        self.findings.ran(record, outputs)
+        self._detour = self._inert or self.findings.waiting
+
+    def _failed(self, head, start, inputs, record, error) -> None:
+        """The kernel raised ``error``: the op is logged as it was when its kernel started."""
+        try:
+            if record is None:
+                self._entries.append(op_entry(head, start, -1, inputs))
+            else:
+                self._ran(record, None, None)  # no result to wait on; the kernel's error goes on
+        except Exception as internal:
+            self._internal_error(internal)
+        self.failure = (head[E_INDEX], id(error))
 
     def _collective_seen(self) -> None:
         """The first call of a collective op: the process group exists now (a script may create
@@ -318,8 +335,10 @@ class OpInterceptor(TorchDispatchMode):
         other arguments. Also tells the check context the op's site and phase."""
         modules = self._modules
         # Frames 0-1: this method, __torch_dispatch__ (then, on older torch, Dynamo's wrappers
-        # around it, which the walk passes as torch's own frames).
-        code, lasti, reached_engine = user_frame(sys._getframe(2), modules.call_frame, modules.call_answer)
+        # around it, which the walk passes as torch's own frames). On a device's autograd thread
+        # (CUDA backward) __torch_dispatch__ is called from C++ with no Python frame above it:
+        # f_back is None there, where sys._getframe(2) would raise.
+        code, lasti, reached_engine = user_frame(sys._getframe(1).f_back, modules.call_frame, modules.call_answer)
         module = modules.current
         forward_func = -1
         node = current_autograd_node()
@@ -388,45 +407,22 @@ class OpInterceptor(TorchDispatchMode):
             inputs = _metas(tensors, log.shapes)
             index = self.next_index
             self.next_index = index + 1
-            func_id = log.func_id(ModuleCall.of(type(module)))
-            entry = (index, func_id, log.site_id(code, lasti), modules.current, phase, -1, (), perf_counter_ns(), -1, len(inputs), -1, *inputs)
-            self._entries.append(entry)
-            record = log.view(entry)
-        except Exception as error:
-            self._internal_error(error)
+            head = (index, log.func_id(ModuleCall.of(type(module))), log.site_id(code, lasti), modules.current, phase, -1, ())
+            error = self.findings.deliver(finding, log.add(op_entry(head, perf_counter_ns(), -1, inputs)))
+        except Exception as internal:
+            self._internal_error(internal)
             return
-        self._deliver(finding, record)  # strict: raises before the module's forward runs
+        if error is not None:
+            raise error  # strict: before the module's forward runs
 
-    # -- promotions judged where their result is used (checks.promotions) --------------------
+    # -- findings waiting for an op that uses their result ---------------------------------
 
-    def _judge_use(self, func, args, kwargs) -> None:
-        """The detour of every op while a promotion finding waits: report (strict: raise) those
-        whose promoted result this op consumes without casting it back, before its kernel."""
-        promotions = self._checks.promotions
+    def _before(self, func, args, kwargs) -> None:
+        """The detour of every op while findings wait: the exit reports (strict: raises) those
+        whose result this op consumes, before its kernel."""
         try:
-            due = promotions.consumed_by(func, args, kwargs)
-            self._detour = bool(promotions)
-        except Exception as error:
-            self._internal_error(error)
-            return
-        for finding, record in due:
-            self._deliver(finding, record)
-
-    def _report_now(self, record) -> None:
-        """Report the promotion of the op just run at once, without raising: it has no result
-        to wait on (its kernel raised, or it returned no tensor)."""
-        finding, self._awaiting = self._awaiting, None
-        self._reporter.report(_with_provenance(finding, self._context) if finding.odd else finding, record, may_raise=False)
-
-    # -- reporting -------------------------------------------------------------------------
-
-    def _deliver(self, finding, record) -> None:
-        """Report one finding (telling where its odd operands were made); in strict mode raise
-        the error the reporter hands back."""
-        try:
-            if finding.odd and not finding.made:
-                finding = _with_provenance(finding, self._context)
-            error = self._reporter.report(finding, record)
+            error = self.findings.before(func, args, kwargs)
+            self._detour = self._inert or self.findings.waiting
         except Exception as internal:
             self._internal_error(internal)
             return
@@ -434,7 +430,7 @@ class OpInterceptor(TorchDispatchMode):
             raise error
 
     def check_point(self, *, may_raise: bool = True, reading=(), final: bool = False) -> None:
-        """Resolve queued nan/inf flags (one host read) and report the origins judged now. In
+        """Resolve queued nan/inf flags (one host read) and report what is judged now. In
         strict mode, raises for the first origin that matters (unless ``may_raise`` is false:
         another exception is already on its way). ``reading``: idents of the tensors a host read
         is about to read; ``final``: the program chose this point (see ``ActiveChecks.resolve``)."""
@@ -442,26 +438,15 @@ class OpInterceptor(TorchDispatchMode):
             return
         window_start = self._window_start
         self._window_start = self.next_index
-        first_error = None
+        self._check_at = self.next_index + self._check_every - 1
         try:
-            promotions = self._checks.promotions
-            if final and promotions:
-                # Promoted results never consumed and still alive leave the block in the wide dtype.
-                for finding, record in promotions.unused():
-                    first_error = first_error or self._reporter.report(finding, record, may_raise=may_raise)
-                self._detour = self._inert
-            with no_python_dispatch():
-                origins = self._checks.resolve(self._log, window_start, reading=reading, final=final)
-            for origin in origins:
-                contained = not origin.matters
-                finding = origin.finding(contained=contained)
-                error = self._reporter.report(finding, origin.record, contained=contained, may_raise=may_raise)
-                first_error = first_error or error
+            error = self.findings.check_point(self._log, window_start, reading=reading, final=final, may_raise=may_raise)
+            self._detour = self._inert or self.findings.waiting
         except Exception as internal:
             self._internal_error(internal)
             return
-        if first_error is not None:
-            raise first_error
+        if error is not None:
+            raise error
 
     def _internal_error(self, error: Exception) -> None:
         self.inert = True
@@ -469,15 +454,6 @@ class OpInterceptor(TorchDispatchMode):
             self._on_internal_error(error, traceback.format_exc())
         except Exception:
             pass  # telling about it failed too (warnings turned into errors): stay silent
-
-
-def _with_provenance(finding, context):
-    """``finding`` with where each odd operand was made (report time): ``Finding.made``, one
-    provenance fact tuple per odd operand, rendered after the problem."""
-    from dataclasses import replace
-
-    missing = "device" if finding.kind == "device_mismatch" else "dtype"
-    return replace(finding, made=tuple(context.where_made(meta, missing=missing) for meta in finding.odd))
 
 
 def keep_dynamo_out() -> None:

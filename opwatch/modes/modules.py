@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..core.compat import current_autograd_node
+from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
 from ..core.sites import user_frame
+from ..render.phrases import module_label, module_path
 
 __all__ = ["ModuleStack"]
 
@@ -82,10 +83,10 @@ class ModuleStack:
         self._handles = [enter, exit_]
         # Global pre-hooks registered before the watch run after the entering hook, so that their
         # ops get the module's path. Only opwatch's own entry moves.
-        pre_hooks = _hooks_dict(enter)
+        pre_hooks = hooks_dict_of(enter)
         if pre_hooks is not None and hasattr(pre_hooks, "move_to_end"):
             pre_hooks.move_to_end(enter.id, last=False)
-        hooks = _hooks_dict(exit_)
+        hooks = hooks_dict_of(exit_)
         self._exit_hooks = hooks if hooks is not None else {}  # {}: never re-checked
         self._exit_id = exit_.id
         self._exit_hooks_len = len(self._exit_hooks)
@@ -116,7 +117,7 @@ class ModuleStack:
             else:
                 self._root = weakref.ref(module)
                 self._root_names = self._names_for_root(module)
-                path = type(module).__name__
+                path = type(compiled_module_inner(module) or module).__name__
         else:
             path = self._root_names.get(module) if self._root_names is not None else None
             root = self._root() if self._root is not None else None
@@ -128,7 +129,7 @@ class ModuleStack:
                 if path is None:
                     self._strangers.add(module)  # not a descendant: do not list again for it
             if path is None:
-                path = f"{self._stack[-1][_PATH]}.{type(module).__name__}"
+                path = f"{module_path(self._stack[-1][_PATH])}.{type(module).__name__}"
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
         held = None
@@ -237,9 +238,12 @@ class ModuleStack:
         names = self._names.get(root)
         if names is None:
             names = weakref.WeakKeyDictionary()
-            for name, child in root.named_modules(remove_duplicate=False):
+            inner = compiled_module_inner(root)
+            if inner is not None:  # torch.compile(model): paths as the model's own ("Net", "fc1")
+                names[inner] = type(inner).__name__
+            for name, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
                 if name and child not in names:
-                    names[child] = name
+                    names[child] = module_label(name, type(child).__name__)
             self._names[root] = names
         return names
 
@@ -271,8 +275,3 @@ def _owners_table(root: nn.Module) -> dict:
                     table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
     return table
 
-
-def _hooks_dict(handle):
-    """The hooks dict a ``RemovableHandle`` removes from (torch keeps a weak reference to it)."""
-    ref = getattr(handle, "hooks_dict_ref", None)
-    return ref() if ref is not None else None

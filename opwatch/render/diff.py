@@ -104,7 +104,8 @@ def _render_inputs(first, tolerance) -> str:
     inputs = first.inputs
     if not inputs:
         return "It has no tensor inputs: the op itself made the difference (a random op differs when the runs are not seeded alike)."
-    made = "; ".join(_input_origin(position, record_a, record_b, state) for position, state, record_a, record_b in inputs)
+    whole = first.whole_script
+    made = "; ".join(_input_origin(position, record_a, record_b, state, whole) for position, state, record_a, record_b in inputs)
     if first.verdict == "made_here" and tolerance.reason == "dtypes":
         low, high = tolerance.dtypes
         return (
@@ -123,6 +124,23 @@ def _render_inputs(first, tolerance) -> str:
             "or made by an op one run only has: the difference grew here."
         )
     before = [position for position, state, _, _ in inputs if state == "before_watch"]
+    if first.verdict == "before_watch" and whole:
+        # python -m opwatch watched from line 1: starting the watch earlier is no advice.
+        which = "Its inputs were" if len(before) == len(inputs) else f"Its inputs made in the log agreed; input {_positions(before)} was"
+        if first.log_cut:
+            return (
+                f"{which} made by ops that left the bounded log ({made}; the watch ran from the script's first "
+                "line, and the log keeps its last max_records ops), so no fingerprint covers them: those inputs "
+                "differ between the runs, or the op is not deterministic. Watch the step that differs in both "
+                "runs (opwatch.watch(fingerprints=True) around it in the script, then Watch.export_jsonl), so "
+                "that the log holds the ops that made its inputs."
+            )
+        return (
+            f"{which} made where opwatch sees no op ({made}; the watch ran from the script's first line: "
+            "another thread or process, or an extension), so no fingerprint covers them: those inputs differ "
+            "between the runs, or the op is not deterministic. Compare those inputs directly (torch.save them "
+            "in both runs)."
+        )
     if first.verdict == "before_watch":
         if len(before) == len(inputs):
             return (
@@ -137,9 +155,9 @@ def _render_inputs(first, tolerance) -> str:
     return f"Input {_positions(unknown)} was made by an op without fingerprints ({made}): whether it agreed is not known."
 
 
-def _input_origin(position: int, record_a, record_b, state: str) -> str:
+def _input_origin(position: int, record_a, record_b, state: str, whole_script: bool = False) -> str:
     if state == "before_watch":
-        return f"input {position} made before the watch"
+        return f"input {position} made before the log's first op" if whole_script else f"input {position} made before the watch"
     if state == "no_values":
         return f"input {position} uninitialised memory"
     if record_a is not None and record_b is not None and location(record_a) == location(record_b) and record_a.op == record_b.op:

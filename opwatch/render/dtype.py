@@ -46,17 +46,37 @@ def explain_silent_upcast(finding) -> tuple[str, str, str]:
     names = sorted(_name(d) for d in dtypes) if len(dtypes) > 2 else [_name(first), _name(facts["second"])]
     problem = (
         f"silent promotion {' with '.join(names)} -> {_name(result)}: "
-        f"{named(facts['names'], finding.operands)}. The op runs in {_name(result)} and so does everything downstream."
+        f"{named(facts['names'], finding.operands)}. The op runs in {_name(result)}, and so does every op "
+        f"that uses its result until it is cast back."
     )
     expected = f"one floating dtype for all non-scalar operands (got {facts['count']} operands in {', '.join(names[:-1])} and {names[-1]})"
     # The dtype the rest of the program uses, whichever side the odd operand is on (logs
     # exported before the fact existed: the narrowest dtype mixed).
     common = facts.get("common") or min(dtypes, key=lambda d: d.itemsize)
-    fix = (
-        f"cast where the odd tensor is made, e.g. torch.from_numpy(a).to({_name(common)}) or "
+    return problem, expected, _upcast_fix(finding, _name(common))
+
+
+def _upcast_fix(finding, common: str) -> str:
+    """Where to cast, by where the odd operand came from: a module's own tensor, or elsewhere
+    (numpy, most often)."""
+    for made in finding.made or ():
+        how = getattr(made, "how", None)
+        detail = getattr(made, "detail", None)
+        if how in ("parameter", "buffer", "attribute"):
+            kind, owner = how, made
+        elif getattr(detail, "how", None) == "from_module":
+            kind, owner = detail.kind, detail
+        else:
+            continue
+        return (
+            f"the {kind} {owner.name} of {owner.path or owner.cls} is not in {common}: make it in the model's dtype "
+            f"(torch.FloatTensor(...) and dtype=torch.float32 make float32 whatever the model's dtype), "
+            f"or cast it where it is used (.to(other.dtype))"
+        )
+    return (
+        f"cast where the odd tensor is made, e.g. torch.from_numpy(a).to({common}) or "
         f".to(other.dtype); torch.set_default_dtype is not the cause when numpy made the array"
     )
-    return problem, expected, fix
 
 
 @explains("dtype.one_dtype")

@@ -155,12 +155,34 @@ def nothing_found(call, name, failure, buffers, allowed) -> str:
     )
 
 
-def skipped_unexplained(problem: str) -> str:
+def skipped_unexplained(problem: str, on_failure: str = "skip") -> str:
+    if on_failure == "apply":
+        return f"{problem}\nIts gradients were left for the optimizer (on_failure='apply')."
     return f"{problem}\nThe step was skipped."
 
 
-def skipped_step(message: str) -> str:
+def skipped_step(message: str, on_failure: str = "skip") -> str:
+    if on_failure == "apply":
+        return f"opwatch.guard let a failing step's gradients through (on_failure='apply'):\n{message}"
     return f"opwatch.guard skipped a step:\n{message}"
+
+
+def poisoned_weights(call: int, name: str, since, bad: str, on_failure: str) -> str:
+    """Call ``call`` failed and the parameters themselves hold nan/inf (``bad``: the named
+    ones); ``since``: the call whose failure was applied (on_failure='apply'), or ``None``."""
+    if since is not None:
+        head = f"opwatch.guard: call {call} of {name} failed and the weights hold nan/inf since call {since} (its gradients were applied, on_failure='apply'): {bad}."
+    else:
+        head = (
+            f"opwatch.guard: call {call} of {name} failed and the weights already hold nan/inf: {bad}. Code outside the guarded step wrote "
+            "them (the optimizer from finite gradients with a learning rate too large, or code that writes the weights)."
+        )
+    then = {
+        "raise": " The step is not replayed: every op that reads the weights would look like an origin.",
+        "skip": " The step is not replayed (every op that reads the weights would look like an origin) and is skipped, as are the next ones, warned no more.",
+        "apply": " The step is not replayed (every op that reads the weights would look like an origin); later failures are warned no more.",
+    }[on_failure]
+    return head + then
 
 
 def check_failed(type_name: str, text: str) -> str:
@@ -201,3 +223,47 @@ def ops_note(records, index: int, *, audited: bool = False) -> str:
 
 def guarded_repr(step, calls: int, failures: int, audits: int) -> str:
     return f"<opwatch.guard of {step!r}: {calls} call(s), {audits} audit(s), {failures} failure(s)>"
+
+
+def _compiled_names(verdict) -> str:
+    return ", ".join(fact.name for fact in verdict.compiled)
+
+
+def compiled_verdict(verdict) -> str:
+    """The note of a failing step that runs compiled code when its eager replay fails too."""
+    op, where = verdict.origin
+    return (
+        f"compiled: the step runs compiled code ({_compiled_names(verdict)}); the failing run was compiled and the replay "
+        f"ran it eagerly: eager also fails: {op} at {where}. The nan/inf comes from the program, not from the compiler."
+    )
+
+
+def _stages(verdict) -> str:
+    ran = "; ".join(f"{backend}: {outcome}" for backend, outcome in verdict.stages)
+    if not verdict.stages:
+        return ""
+    *_, (backend, outcome) = verdict.stages  # the last stage run
+    if outcome == "finite":
+        first = "the step's own backend (inductor, or the one given to torch.compile) is the first stage that makes it"
+    elif outcome == "not run":
+        first = "torch.compiler.set_stance(force_backend=...) is missing in this torch, so the stages were not run"
+    else:
+        first = f"{backend} is the first stage that makes it ({_STAGE_MEANS.get(backend, backend)})"
+    return f" Run again from the same start with each compiler stage as the backend ({ran}): {first}."
+
+
+_STAGE_MEANS = {
+    "eager": "Dynamo's captured graph, run as it is: the capture itself differs from the Python code",
+    "aot_eager": "AOTAutograd's forward and backward graphs: functionalization or the traced backward differs",
+    "aot_eager_decomp_partition": "inductor's decompositions and the partitioner: a decomposition differs",
+}
+
+
+def only_compiled(call, name, failure, buffers, verdict) -> str:
+    """The error of a failing step whose eager replay is finite while its compiled run was not."""
+    return (
+        f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}) running compiled code "
+        f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)} restored) under "
+        f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
+        f"(a miscompile, or a fused kernel's precision)." + _stages(verdict)
+    )

@@ -6,7 +6,7 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 
 from __future__ import annotations
 
-__all__ = ["parameters", "failure", "poisoned", "recheck", "summary"]
+__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "full_watch_command", "summary"]
 
 
 def parameters(bad: list) -> str:
@@ -15,22 +15,51 @@ def parameters(bad: list) -> str:
     return shown + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
 
 
-def failure(step: int, bad: list, *, strict_mode: bool, last: bool = False) -> str:
-    """The gradients about to be applied at ``step`` hold nan/inf; ``last``: the last failure told
-    one by one."""
-    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {parameters(bad)}."
-    if strict_mode:
-        return head + " The optimizer did not run: the weights are as they were before this step."
+_ACTIONS = {
+    "skip": " The optimizer step did not run (skipped, as GradScaler skips an overflow step): the weights are as they were.",
+    "raise": " The optimizer step did not run: the weights are as they were.",
+    "apply": " The optimizer applies them (on_failure='apply').",
+}
+
+
+def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False) -> str:
+    """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
+    ``audited``: the step ran under the full watch (``origin``: ``(kind, op, where, phase)`` of
+    the first nan/inf it made, or ``None``); ``replayed``: its batch ran again from its start
+    under the full watch; ``last``: the last failure told one by one."""
+    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {parameters(bad)}." + _ACTIONS[on_failure]
+    watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch"
+    if (audited or replayed) and origin is not None:
+        kind, op, where, phase = origin
+        then = f"{watched}: {kind} first made by {op} at {where} ({phase})."
+    elif audited or replayed:
+        then = f"{watched} and no op of it made them: they came in with the weights, the batch or the optimizer's state."
+    elif on_failure == "raise":
+        then = " The next step runs under a full watch to find the op that makes them; then opwatch raises."
+    else:
+        then = " The next step runs under a full watch to find the op that makes them."
     tail = " Later failures are only counted in the summary." if last else ""
-    return head + " The optimizer applies them as usual; the next step runs under a full watch to find the op that makes them." + tail
+    return head + then + tail
 
 
-def poisoned(step: int, bad: list) -> str:
-    """The optimizer of ``step`` wrote nan/inf into the weights: no later op can be named."""
-    return (
-        f"opwatch: optimizer step {step} wrote nan/inf into the weights: {parameters(bad)}. Every later step carries them, "
-        "so no later op can be named as their origin; run with --strict to stop before the optimizer applies them. "
-        "Later failures are only counted in the summary."
+def _kinds(bad: list) -> str:
+    kinds = {kind for _, kind in bad}
+    return "/".join(kind for kind in ("nan", "inf") if kind in kinds)
+
+
+def poisoned(step: int, bad: list, *, from_finite: bool) -> str:
+    """The weights hold nan/inf: written by the optimizer step ``step`` that applied non-finite
+    gradients, or (``from_finite``) found at step ``step + 1``, written from finite ones."""
+    if from_finite:
+        head = (
+            f"opwatch: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. An earlier optimizer step "
+            "wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or code that writes the weights)."
+        )
+    else:
+        head = f"opwatch: the weights hold {_kinds(bad)} since optimizer step {step}: {parameters(bad)} (it applied non-finite gradients, on_failure='apply')."
+    return head + (
+        " Every later step carries them, so no op of a later step is their origin: none is watched fully again, and later failures "
+        "are only counted in the summary. on_failure='skip' (the default) keeps non-finite gradients out of the weights."
     )
 
 
@@ -48,8 +77,46 @@ def recheck(failed_step: int, step: int, origin, *, failed_again: bool) -> str:
     return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
 
 
-def summary(steps: int, audited: int, failed: int, enabled: bool) -> str:
-    """The end-of-run line: steps run, audited and failed (or that the runner was off)."""
+def did_not_recur(failed_step: int, step: int, bad: list) -> str:
+    """``on_failure="raise"``: the fully watched step after a failure had finite gradients."""
+    return (
+        f"opwatch: optimizer step {failed_step}: the gradients held nan/inf: {parameters(bad)}. That step did not run, and the failure "
+        f"did not recur: step {step} ran under a full watch (every op's outputs checked for nan/inf, forward and backward) and its "
+        "gradients were finite, so no op can be named: the values of that one batch made them. The optimizer did not run on them: "
+        "the weights are as they were."
+    )
+
+
+def no_origin(step: int, bad: list, recheck: int | None) -> str:
+    """``on_failure="raise"``: a fully watched step failed and no op of it made the nan/inf."""
+    of = f" (the re-check of step {recheck})" if recheck is not None else ""
+    return (
+        f"opwatch: optimizer step {step}{of}: the gradients about to be applied hold nan/inf: {parameters(bad)}, and no op of this fully "
+        "watched step made them: they came in with the weights, the batch or the optimizer's state. The optimizer did not run on them."
+    )
+
+
+def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool) -> str:
+    """The program ended before the step after the failure of ``step`` could be watched."""
+    how = rerun or "run the program under a full watch (python -m opwatch SCRIPT, without --guard)"
+    then = " The optimizer did not run on them." if raising else ""
+    return (
+        f"opwatch: optimizer step {step}: the gradients held nan/inf: {parameters(bad)}, and the program's loop ended before another "
+        f"optimizer step could run under a full watch, so no op is named.{then} To find the op that made them: {how}."
+    )
+
+
+def full_watch_command(path: str, args: list, *, strict_mode: bool) -> str:
+    """The command that runs the script under a full watch (``--guard`` left out)."""
+    return " ".join(["python -m opwatch", *(["--strict"] if strict_mode else []), path, *args])
+
+
+def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0) -> str:
+    """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off)."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
-    return f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, {failed} failed (nan/inf in the gradients)."
+    tail = f", {skipped} of them skipped" if skipped else ""
+    return (
+        f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
+        f"{failed} failed (nan/inf in the gradients){tail}."
+    )

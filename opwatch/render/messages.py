@@ -11,13 +11,15 @@ Where each odd operand was made (``Finding.made``, provenance fact tuples, see
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..core.notation import format_meta
 from ..core.records import BACKWARD, OpRecord, short_op_name
 from ..core.sites import location
 from .explanations import cause_line, explainer
 from .phrases import where_made
 
-__all__ = ["render_message", "explain"]
+__all__ = ["render_message", "explain", "message_parts", "MessageParts"]
 
 
 def explain(finding) -> tuple[str, str, str]:
@@ -31,9 +33,21 @@ def explain(finding) -> tuple[str, str, str]:
     return problem, expected, fix
 
 
-def render_message(finding, record: OpRecord) -> str:
-    """An anomaly as users read it: kind, op, line (its text, the sub-expression marked),
-    module, phase, then what is wrong, what was expected and a likely fix."""
+class MessageParts(NamedTuple):
+    """An anomaly's message in its parts, for renderers that lay them out (the HTML report)."""
+
+    header: str  # kind, op, line, module, phase
+    code: list  # the line's text and a ``^^^`` line under the sub-expression (may be empty)
+    note: str | None  # for a backward op: the line is the forward op's
+    problem: str
+    expected: str
+    fix: str
+    cause: str | None = None  # why (the ``cause:`` line), for the rules whose check decides one
+
+
+def message_parts(finding, record: OpRecord) -> MessageParts:
+    """The parts of :func:`render_message`: header, code lines, backward note, problem,
+    expected, fix and cause (``None`` where the finding has none)."""
     position = record.position
     where = location(record) if position.filename or getattr(record, "label", None) else "an unknown line"
     header = f"{finding.kind} in {record.op} at {where}"
@@ -41,16 +55,26 @@ def render_message(finding, record: OpRecord) -> str:
         header += f", module {record.module}"
     rank = getattr(record, "rank", None)
     header += f" ({record.phase})" if rank is None else f" ({record.phase}, rank {rank})"
-    lines = [header]
-    lines += ["    " + line for line in position.caret_lines()]
+    note = None
     if record.phase == BACKWARD and position.filename:
         of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
-        lines.append(f"  (a backward op{of}: the line is the forward op whose gradient it computes)")
+        note = f"(a backward op{of}: the line is the forward op whose gradient it computes)"
     problem, expected, fix = explain(finding)
-    lines.append(f"  problem:  {problem}")
-    cause = cause_line(finding)
-    if cause is not None:
-        lines.append(f"  cause:    {cause}")
-    lines.append(f"  expected: {expected}")
-    lines.append(f"  fix:      {fix}")
+    return MessageParts(header, position.caret_lines(), note, problem, expected, fix, cause_line(finding))
+
+
+def render_message(finding, record: OpRecord) -> str:
+    """An anomaly as users read it: kind, op, line (its text, the sub-expression marked),
+    module, phase, then what is wrong, why (when the check decided it), what was expected and a
+    likely fix."""
+    parts = message_parts(finding, record)
+    lines = [parts.header]
+    lines += ["    " + line for line in parts.code]
+    if parts.note:
+        lines.append("  " + parts.note)
+    lines.append(f"  problem:  {parts.problem}")
+    if parts.cause is not None:
+        lines.append(f"  cause:    {parts.cause}")
+    lines.append(f"  expected: {parts.expected}")
+    lines.append(f"  fix:      {parts.fix}")
     return "\n".join(lines)

@@ -151,12 +151,27 @@ def _inputs(finding) -> str:
         cause = _cause(finding)
         if cause is not None and cause.kind in (INPUT, WEIGHTS):
             inputs = f"an input that already held {cause.held}"
-        elif any(value_range is None for _, value_range in _input_ranges(facts)):
+        elif _not_known_finite(facts):
             inputs = "inputs not all known to be finite"
         else:
             inputs = "finite inputs" if facts["inputs"] else "no tensor inputs"
     health = _input_health(finding)
     return f"{inputs} ({health})" if health else inputs
+
+
+def _not_known_finite(facts) -> bool:
+    """Whether an input's range is unknown and nothing shows it was finite: one made by an op in
+    the watch was checked there (its values were finite, or that op would be the origin); one
+    made before the watch, by an op that left the bounded log (it may be older than the watch),
+    where a log of an older opwatch does not say, or alive and unreadable at the check point,
+    is not known to be."""
+    input_ranges = _input_ranges(facts)
+    made = facts.get("input_made") or (None,) * len(input_ranges)
+    alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    return any(
+        value_range is None and (where is None or isinstance(where, str) or living is not False)
+        for (_, value_range), where, living in zip(input_ranges, made, alive)
+    )
 
 
 def _input_health(finding) -> str:
@@ -168,11 +183,13 @@ def _input_health(finding) -> str:
     parts = []
     cause = _cause(finding)
     held = _held_input(cause)
-    for meta, value_range in input_ranges:
+    made = finding.facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
+    alive = finding.facts.get("input_alive") or (False,) * len(input_ranges)
+    for (meta, value_range), where, living in zip(input_ranges, made, alive):
         if value_range is None and meta[M_IDENT] == held:
             parts.append(f"input {format_meta(meta)}: already held {cause.held}")
         elif value_range is None:
-            parts.append(f"input {format_meta(meta)}: range unknown (made before the watch or the last check point, and no longer alive)")
+            parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
         elif value_range.within:  # carried through an op that kept some of its source's values
             parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
         else:
@@ -188,6 +205,29 @@ def _held_input(cause):
         return None
     carried = cause.through if cause.through is not None else cause.tensor
     return carried[M_IDENT]
+
+
+def _unknown_why(made, alive: bool | None = False) -> str:
+    """Why an input's range is unknown, from where it was made (``input_made``) and whether it
+    was alive at the check point (``input_alive``: its values could not be read then; ``None``
+    when it was not looked for, at a step GradScaler skipped)."""
+    if alive is None:
+        now = "not looked for at a step GradScaler skipped"
+    else:
+        now = "alive, but it held nan/inf or could not be read at the check point" if alive else "no longer alive"
+    if made == "before_watch":
+        return f"made before the watch; {now}"
+    if made == "left_log":
+        return f"made by an op that has left the bounded log (max_records); {now}"
+    if made is None:
+        return "made before the watch or the last check point, and no longer alive"
+    # Made in the watch, in a window of ops whose values the check point found finite: opwatch
+    # reads their ranges only where a nan/inf is to be explained.
+    if alive is None:
+        return f"made by {_at(_place(made))}; its range was not kept, and it was {now}"
+    if alive:
+        return f"made by {_at(_place(made))}; its range was not kept, and it held nan/inf or could not be read at the check point"
+    return f"made by {_at(_place(made))}; its range was not kept, and it was no longer alive at the check point"
 
 
 def _input_ranges(facts) -> list:

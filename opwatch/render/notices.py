@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written"]
+__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly"]
 
 # The built-in demo: each example script of opwatch/examples with what it shows.
 DEMO_STORIES = (
@@ -45,3 +45,22 @@ def exchange_failed(publishing: bool, error: BaseException) -> str:
 def counts_not_written(error: BaseException) -> str:
     """The warning when opwatch's counts could not be written to TensorBoard (it stops trying)."""
     return f"opwatch could not write its counts to TensorBoard and stops writing them: {type(error).__name__}: {error}"
+
+
+def compiled_ran_eagerly(eager) -> str:
+    """The one notice of a watch under which ``torch.compile``d code ran: ``eager`` holds the
+    facts of each compiled callable (``name``, ``kind``, ``where``, ``calls``), most calls first."""
+    shown = eager[:5]
+    named = ", ".join(
+        f"{fact.name} ({'compiled module, ' if fact.kind == 'module' else ''}{fact.where}): "
+        f"{fact.calls} call{'s' if fact.calls != 1 else ''}"
+        for fact in shown
+    )
+    more = f" and {len(eager) - len(shown)} more" if len(eager) > len(shown) else ""
+    return (
+        f"opwatch ran compiled code uncompiled under this watch: {named}{more}. It ran their Python "
+        f"code eagerly, op by op (torch.compiler's force_eager stance), so it checked the ops eager "
+        f"PyTorch runs, not the compiled kernels: a nan/inf or an error that only the compiled code "
+        f"makes is not seen here (opwatch.guard replays a failing compiled step eagerly and says "
+        f"which one fails). The compiled code is kept and runs again after the watch, without recompiling."
+    )

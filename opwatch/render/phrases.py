@@ -12,7 +12,21 @@ from ..core.notation import format_meta
 from ..core.records import BACKWARD, short_op_name
 from ..core.sites import display_path
 
-__all__ = ["named", "place", "where_made"]
+__all__ = ["module_label", "module_path", "named", "place", "where_made"]
+
+
+def module_label(path: str, cls: str) -> str:
+    """A module as users know it: its path, with its class where the path ends in an index
+    (the children of ``nn.Sequential`` and ``nn.ModuleList``): ``0 (Linear)``,
+    ``blocks.3 (Block)``; a named one by its path alone (``encoder.attn``)."""
+    _, _, last = path.rpartition(".")
+    return f"{path} ({cls})" if last.isdigit() else path
+
+
+def module_path(label: str) -> str:
+    """The path of a :func:`module_label` (``blocks.3 (Block)`` -> ``blocks.3``)."""
+    path, _, _ = label.partition(" (")
+    return path
 
 
 def where_made(made) -> str:

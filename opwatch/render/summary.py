@@ -7,7 +7,7 @@ from ..core.records import BaseRecord
 from ..core.sites import location
 from .table import DUMP_WIDTH, render_table
 
-__all__ = ["render_summary", "render_disabled", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
+__all__ = ["in_phase", "render_summary", "render_disabled", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
 
 
 def tagged(rank) -> str:
@@ -16,6 +16,13 @@ def tagged(rank) -> str:
 
 
 # -- the summary ----------------------------------------------------------------------------
+
+
+def in_phase(summary: str, phase: str) -> str:
+    """The summary of a trainer's watch of ``phase`` batches (``validation``, ``test``,
+    ``predict``), its tag naming the phase: ``opwatch (validation): no anomalies.``."""
+    tag, colon, rest = summary.partition(":")
+    return f"{tag} ({phase}){colon}{rest}" if tag.startswith("opwatch") else f"{phase}: {summary}"
 
 
 def render_summary(anomalies, contained, allowed=(), *, rank: int | None = None, raised=None) -> str:

@@ -7,7 +7,7 @@ from ..core.notation import format_meta
 from ..core.records import BaseRecord, short_op_name
 from ..core.sites import location
 
-__all__ = ["TABLE_HEADERS", "DUMP_WIDTH", "render_table"]
+__all__ = ["TABLE_HEADERS", "DUMP_WIDTH", "render_table", "table_row"]
 
 TABLE_HEADERS = ("#", "op", "inputs", "outputs", "where", "code", "module", "phase", "flags")
 _MAX_TENSORS = 3  # per table cell; the rest are counted
@@ -41,26 +41,29 @@ def render_table(records: list[BaseRecord], *, mark: int | None = None, tablefmt
         raise ValueError(f"tablefmt must be one of tabulate's formats ({', '.join(sorted(tabulate_formats))}), got {tablefmt!r}")
     rows = []
     for record in records:
-        index = f">> {record.index}" if record.index == mark else str(record.index)
-        rows.append(
-            (
-                index,
-                short_op_name(record.func),
-                _tensors(record.inputs),
-                _outputs(record.outputs),
-                location(record),
-                _code(record),
-                record.module or "",
-                record.phase,
-                ",".join(record.flags),
-            )
-        )
+        row = table_row(record)
+        rows.append((f">> {row[_NUMBER]}" if record.index == mark else row[_NUMBER], *row[_OP:]))
     if width is None:
         return tabulate(rows, headers=TABLE_HEADERS, tablefmt=tablefmt, disable_numparse=True)
     marked = next((i for i, record in enumerate(records) if record.index == mark), None)
     folded = _folded(rows, marked)
     headers, rows = _fitted(TABLE_HEADERS, folded, width)
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+
+
+def table_row(record: BaseRecord) -> tuple:
+    """One record's cells, in the columns ``TABLE_HEADERS`` names (the HTML report's too)."""
+    return (
+        str(record.index),
+        short_op_name(record.func),
+        _tensors(record.inputs),
+        _outputs(record.outputs),
+        location(record),
+        _code(record),
+        record.module or "",
+        record.phase,
+        ",".join(record.flags),
+    )
 
 
 # A table row's columns, as TABLE_HEADERS names them: the number, the op, the inputs, the

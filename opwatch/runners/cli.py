@@ -1,6 +1,6 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--guard] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
+    python -m opwatch [--strict] [--guard [--on-failure skip|raise|apply]] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
     python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
     python -m opwatch demo
@@ -17,7 +17,8 @@ by SIGINT. The one difference is opwatch's report, printed to stderr at the end.
 
 ``--guard`` leaves opwatch on at eager speed for a long run (:mod:`opwatch.runners.leave_on`): a full
 watch until the first optimizer step has run, then one fused finiteness check of the gradients
-before each optimizer step.
+before each optimizer step; ``--on-failure`` says what a step whose gradients hold nan/inf does
+(``skip``, the default; ``raise``, the default with ``--strict``; ``apply``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.last < 0:
         parser.error("--last must be 0 or more")
+    if options.on_failure is not None and not options.guard:
+        parser.error("--on-failure says what --guard does with a step whose gradients hold nan/inf: give --guard too")
     if options.guard and options.fingerprints:
         parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
     if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(last=options.last)
         if options.script == "show" and not os.path.exists("show"):
             return run_show(options.args)
+        if options.script == "report" and not os.path.exists("report"):
+            from .cli_report import run_report
+
+            return run_report(options.args)
         if options.script == "diff" and not os.path.exists("diff"):
             from .cli_diff import run_diff
 
@@ -94,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             allow=allow,
             post_mortem=options.pdb,
             guard=options.guard,
+            on_failure=options.on_failure,
             fingerprints=options.fingerprints,
             tensorboard=options.tensorboard,
             checks=checks,
@@ -133,6 +141,13 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         "--guard",
         action="store_true",
         help="watch fully until the first optimizer step, then only check the gradients before each optimizer step (eager speed); a failure re-arms the full watch",
+    )
+    parser.add_argument(
+        "--on-failure",
+        choices=("skip", "raise", "apply"),
+        default=None,
+        help="with --guard, an optimizer step whose gradients hold nan/inf: skip it (default; as GradScaler skips an overflow step), "
+        "raise with the op that made them (default with --strict), or apply them",
     )
     parser.add_argument(
         "--checks",
@@ -182,7 +197,7 @@ def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[s
 
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
-    fingerprints: bool = False, tensorboard=None, checks=None,
+    fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None,
 ) -> int:
     """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
     :class:`opwatch.runners.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
@@ -192,12 +207,16 @@ def run_script(
     out = out if out is not None else sys.stderr
     runner = None
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
-    # before the traceback: the finding first, once. (--guard's runner prints as it goes.)
+    # before the traceback: the finding first, once, under --guard as under a watch.
     dump = _Held(out)
     if guard:
         from .leave_on import LeaveOn
 
-        runner = LeaveOn(strict_mode=strict_mode, warn=False, last=last, file=out, allow=allow, checks=checks)
+        from ..render.leave_on import full_watch_command
+
+        rerun = full_watch_command(path, args, strict_mode=strict_mode)
+        # its file is its watch's (the dump); the runner's counts are printed below, to out
+        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=rerun)
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     counts = _tensorboard_counts(tensorboard, runner if guard else w)
@@ -216,14 +235,16 @@ def run_script(
             if isinstance(error, KeyboardInterrupt):
                 interrupt = error
         if jsonl:  # before printing: a closed stderr must not lose the log
-            w.export_jsonl(jsonl)
+            from ..storage.jsonl import write_jsonl
+
+            write_jsonl(w, jsonl, whole_script=True)  # the watch ran from the script's first line
         if trace:
             w.export_chrome_trace(trace)
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
         if guard:
-            runner.print_summary()
+            print(runner.summary(), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():

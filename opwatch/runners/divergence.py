@@ -134,13 +134,18 @@ class Divergence:
         verdict: ``"made_here"`` (every input agreed, or it has none), ``"inputs_differ"``,
             ``"before_watch"`` (inputs made in the watch agreed, others were made before it),
             ``"unknown"``.
+        whole_script: both runs were watched from their script's first line (logs written by
+            ``python -m opwatch --jsonl``): an input "made before the watch" was made by an op
+            that left the bounded log, or outside the ops opwatch sees.
+        log_cut: a run's log lost its first ops (``max_records``).
     """
 
-    __slots__ = ("a", "b", "output", "reason", "print_a", "print_b", "inputs", "verdict")
+    __slots__ = ("a", "b", "output", "reason", "print_a", "print_b", "inputs", "verdict", "whole_script", "log_cut")
 
-    def __init__(self, a, b, output, reason, print_a, print_b, inputs, verdict):
+    def __init__(self, a, b, output, reason, print_a, print_b, inputs, verdict, whole_script=False, log_cut=False):
         self.a, self.b, self.output, self.reason = a, b, output, reason
         self.print_a, self.print_b, self.inputs, self.verdict = print_a, print_b, inputs, verdict
+        self.whole_script, self.log_cut = whole_script, log_cut
 
     @property
     def lines(self) -> tuple[str, str]:
@@ -164,8 +169,10 @@ class _Run:
     """One side: its records, fingerprints, alignment keys and the producer of each input."""
 
     def __init__(self, source, name: str):
-        self.label, self.torch, records, prints = _open(source, name)
+        # whole_script: watched from the script's first line (python -m opwatch --jsonl)
+        self.label, self.torch, records, prints, self.whole_script = _open(source, name)
         self.records = records
+        self.cut = bool(records) and records[0].index > 0  # the bounded log lost its first ops
         self.prints = prints
         self.keys = []
         self.loose = []
@@ -191,7 +198,8 @@ class _Run:
 
 
 def _open(source, name: str):
-    """``(label, torch version, records, fingerprints)`` of a Watch, a SavedLog or a path."""
+    """``(label, torch version, records, fingerprints, whole script)`` of a Watch, a SavedLog or
+    a path; ``whole script``: a log whose header says its watch ran from the script's first line."""
     if isinstance(source, (str, os.PathLike)):
         label, source = os.fspath(source), load(source)
     elif isinstance(source, SavedLog):
@@ -211,13 +219,15 @@ def _open(source, name: str):
             f"opwatch.diff: {name} ({label}) was recorded without fingerprints; record both runs with "
             "opwatch.watch(fingerprints=True) or python -m opwatch --fingerprints --jsonl PATH script.py"
         )
+    whole_script = False
     if isinstance(source, SavedLog):
         version = source.header.get("torch")
+        whole_script = bool(source.header.get("whole_script"))
     else:
         import torch
 
         version = torch.__version__
-    return label, version, source.records, prints
+    return label, version, source.records, prints, whole_script
 
 
 def _producers(records, prints) -> list[tuple]:
@@ -445,14 +455,35 @@ class Diff:
     def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
         """The aligned neighbourhood of the first divergence (``context`` ops either side; the
         start of both runs when they agree), both runs side by side."""
+        return render_diff_table(self.rows(context), tablefmt=tablefmt)
+
+    def rows(self, context: int = 5) -> list[tuple]:
+        """The rows of :meth:`table`: ``(number, record in a or None, record in b or None,
+        status)``, status one of ``"agreed"``, ``"first"``, ``"after"``, ``"only_a"``, ``"only_b"``."""
         if isinstance(context, bool) or not isinstance(context, int):
             raise TypeError(f"context must be an int, got {type(context).__name__}")
         if context < 0:
             raise ValueError(f"context must be 0 or more, got {context}")
         centre = self._first_pair if self._first_pair is not None else 0
         start = max(0, centre - context)
-        rows = [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
-        return render_diff_table(rows, tablefmt=tablefmt)
+        return [(number, *self.pairs[number], self._status(number)) for number in range(start, min(len(self.pairs), centre + context + 1))]
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the report's words and the aligned ops around the first
+        difference (5 either side), marked."""
+        from ..render.html_repr import diff_html
+
+        return diff_html(self, self.rows(5))
+
+    def report_html(self, path, *, context: int = 20) -> None:
+        """Write both runs side by side to ``path``, one self-contained HTML page: the report
+        of :func:`str`, then ``context`` aligned ops either side of the first divergence,
+        marked. ``opwatch.diff(a, b).report_html("diff.html")``."""
+        from ..render.html_diff import render_diff_report
+
+        rows = self.rows(context)
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_diff_report(self, rows))
 
     def _status(self, number: int) -> str:
         record_a, record_b = self.pairs[number]
@@ -503,6 +534,9 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
         found = compare(run_a, run_b, i, j, tolerance) if first is None else None
         if found is not None:
             inputs, verdict = explain_inputs(run_a, run_b, i, j, tolerance)
-            first = Divergence(run_a.records[i], run_b.records[j], *found, inputs, verdict)
+            first = Divergence(
+                run_a.records[i], run_b.records[j], *found, inputs, verdict,
+                run_a.whole_script and run_b.whole_script, run_a.cut or run_b.cut,
+            )
             first_pair = number
     return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared)

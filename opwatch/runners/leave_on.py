@@ -7,10 +7,15 @@ each optimizer step is preceded by one fused finiteness check of the gradients i
 apply (``opwatch.core.finite``, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
 so any ``torch.optim`` optimizer is seen, however the loop is written.
 
-A failing check names the step and the parameters that hold nan/inf. In strict mode it raises
-:class:`GradientsNotFinite` before the optimizer applies them (the weights stay as they were);
-otherwise it warns and watches the next step fully, so that a failure that recurs is reported
-with the op and line that made it, and says plainly when it did not recur.
+A failing check names the step and the parameters that hold nan/inf, then does what
+``on_failure`` says: ``"skip"`` (the default) skips that optimizer step (the weights stay as
+they were, as GradScaler skips an overflow step) and watches the next step fully, so that a
+failure that recurs is reported with the op and line that made it; ``"raise"`` (the default
+with ``strict``) skips it too, watches the next step fully and raises there:
+:class:`~opwatch.AnomalyError` with the origin when the failure recurs,
+:class:`GradientsNotFinite` saying it did not recur otherwise; ``"apply"`` lets the optimizer
+apply them. Once the weights hold nan/inf, every later step carries them and no op of a later
+step is their origin: the runner says since which step, and watches no step fully again.
 
 GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite: the steps it
 skips never reach the hooks, so they are not failures (and not counted as steps).
@@ -23,30 +28,34 @@ from __future__ import annotations
 __tracebackhide__ = True
 
 import sys
-import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 
-from ..findings.anomaly import OpwatchWarning
+from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..core.compat import no_python_dispatch
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
+from ..core.sites import warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
+from .guarded.check import ON_FAILURE, on_failure_option
 from ..render import leave_on as words
 from ..session import Watch, strict, watch
 
-__all__ = ["LeaveOn", "GradientsNotFinite", "signature", "nonfinite_names", "nonfinite_parameters"]
+__all__ = ["LeaveOn", "GradientsNotFinite", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
 
 _NONFINITE_KINDS = ("nan", "inf")
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
 
 
 class GradientsNotFinite(RuntimeError):
-    """Raised in strict mode before an optimizer applies gradients that hold nan/inf.
+    """Raised with ``on_failure="raise"`` (the default in strict mode) when no op can be named
+    as the origin of gradients that hold nan/inf: the failure did not recur in the fully
+    watched next step, the script ended first, or the weights already held nan/inf. The
+    optimizer step that had them did not run.
 
-    Attributes: ``step`` (1-based count of optimizer steps), ``parameters`` (``(name, kind)``
-    pairs, kind ``"nan"`` or ``"inf"``)."""
+    Attributes: ``step`` (the 1-based count of the optimizer step whose gradients held
+    nan/inf), ``parameters`` (``(name, kind)`` pairs, kind ``"nan"`` or ``"inf"``)."""
 
     def __init__(self, message: str, *, step: int, parameters: list):
         super().__init__(message)
@@ -69,17 +78,23 @@ class LeaveOn:
     :meth:`audit_batch`: the first batch and each new signature), and each audit ends after the
     next optimizer step (or at :meth:`end_audit`). ``pre_hook=False``: the caller calls
     :meth:`before_step` itself after the backward (Lightning runs the forward and backward
-    inside ``optimizer.step(closure)``, after torch's pre-hook). ``max_audits``: the most
-    distinct batch signatures audited. ``strict``, ``allow``, ``last``, ``file``, ``warn``,
-    ``checks``, ``max_records`` go to the watch (:func:`opwatch.watch`); the same watch is
-    re-entered for every audit, so its anomalies accumulate and warn once per line.
+    inside ``optimizer.step(closure)``, after torch's pre-hook) and skips the step when it
+    returns ``True``. ``max_audits``: the most distinct batch signatures audited.
+    ``on_failure``: ``"skip"`` (default), ``"raise"`` (default with ``strict_mode``) or
+    ``"apply"``: what a step whose gradients hold nan/inf does (the module's docstring).
+    ``rerun``: the command that runs the program under a full watch, named when the program
+    ends before a failure could be re-checked. ``strict``, ``allow``, ``last``, ``file``,
+    ``warn``, ``checks``, ``max_records`` go to the watch (:func:`opwatch.watch`); the same watch
+    is re-entered for every audit, so its anomalies accumulate and warn once per line.
     """
 
-    def __init__(self, *, strict_mode: bool = False, audit: str = "first", pre_hook: bool = True, max_audits: int = 8, file=None, **watch_options):
+    def __init__(self, *, strict_mode: bool = False, on_failure: str | None = None, audit: str = "first", pre_hook: bool = True,
+                 max_audits: int = 8, file=None, rerun: str | None = None, **watch_options):
         if audit not in ("first", "manual"):
             raise ValueError(f"audit must be 'first' or 'manual', got {audit!r}")
         if isinstance(max_audits, bool) or not isinstance(max_audits, int) or max_audits < 1:
             raise ValueError(f"max_audits must be an int of at least 1, got {max_audits!r}")
+        self.on_failure = on_failure_option(on_failure, "raise" if strict_mode else "skip")
         self.pre_hook = pre_hook  # read when the run starts
         self._max_audits = max_audits
         self._signatures: set = set()
@@ -87,10 +102,14 @@ class LeaveOn:
         self.watch: Watch = (strict if strict_mode else watch)(file=file, **watch_options)
         self._audit_first = audit == "first"
         self._file = file
-        self.steps = 0  # optimizer steps that ran (GradScaler's skipped ones never call it)
+        self._rerun = rerun
+        self.steps = 0  # optimizer steps called (GradScaler's skipped ones never call it)
         self.audited = 0  # of them, run under the full watch
         self.failed = 0  # of them, with nan/inf in the gradients about to be applied
+        self.skipped = 0  # of the failed ones, not run (on_failure "skip" or "raise")
         self.failures: list[Failure] = []
+        self.origins: list = []  # the nan/inf origins found (audits, re-checks, replays), as Anomaly objects
+        self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
         self._auditing = False
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
@@ -98,7 +117,10 @@ class LeaveOn:
         self._finite = FusedFiniteCheck()  # its flags kept from step to step
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
-        self._poisoned: list = []  # parameters that hold nan/inf themselves: told once
+        # Set by a trainer that can run the failing batch again from its start under a full
+        # watch: called at a failed step, returns (whether it ran, the origin anomaly or None).
+        self.replay = None
+        self._replayed_at: int | None = None
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -122,8 +144,21 @@ class LeaveOn:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        pending = self._pending_recheck()
         self.end_audit(exc)
+        if pending is not None and exc is None:
+            self._recheck_of = None
+            text = words.loop_ended(pending.step, pending.parameters, self._rerun, raising=self.on_failure == "raise")
+            if self.on_failure == "raise":
+                raise GradientsNotFinite(text, step=pending.step, parameters=pending.parameters)
+            _warn(text)
         return False
+
+    def _pending_recheck(self):
+        """The failure whose re-check never saw another optimizer step, or ``None``."""
+        if self._recheck_of is None or not self.failures or self.failures[-1].step != self._recheck_of:
+            return None
+        return self.failures[-1] if self.steps == self._recheck_of else None
 
     @property
     def auditing(self) -> bool:
@@ -143,8 +178,8 @@ class LeaveOn:
 
     def start_audit(self) -> None:
         """Run under the full watch until the next optimizer step has run."""
-        if self._auditing or not self.watch.enabled:
-            return
+        if self._auditing or not self.watch.enabled or self.poisoned_since is not None:
+            return  # weights that hold nan/inf would make every op that reads them look like an origin
         self._before_audit = {id(anomaly) for anomaly in self.watch.anomalies}
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_seen)
         self._auditing = True
@@ -178,52 +213,111 @@ class LeaveOn:
 
     # -- the optimizer hooks ------------------------------------------------------------------
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        self.before_step(optimizer)
+    def _before_step(self, optimizer, args, kwargs):
+        if self.before_step(optimizer):
+            # The step function runs on a stand-in with no parameter in its groups: no weight,
+            # momentum, weight decay or step count moves (GradScaler does not call the step).
+            return (_Skipped(optimizer), *args[1:]), kwargs
+        return None
 
-    def before_step(self, optimizer) -> None:
+    def before_step(self, optimizer) -> bool:
         """The check before ``optimizer`` applies its gradients (torch's step pre-hook, or the
-        trainer's hook after the backward)."""
+        trainer's hook after the backward); returns whether the step must not run."""
         if not self.watch.enabled:
-            return
+            return False
         self.steps += 1
-        if self._auditing and self._recheck_of is None:
+        recheck = self._recheck_of
+        if self._auditing:
+            self.audited += 1
             self.watch.check()  # the watch's own check point: names the origin, raises in strict
-            return
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            if self._finite(gradients(optimizer)):
-                return
+            finite = self._finite(gradients(optimizer))
+        if finite and recheck is not None and self.on_failure == "raise":
+            failed = self.failures[-1]
+            self.end_audit()
+            self._recheck_of = None
+            raise GradientsNotFinite(words.did_not_recur(failed.step, self.steps, failed.parameters), step=failed.step, parameters=failed.parameters)
+        if finite:
+            return False
         names = self._names()
         bad = nonfinite_names(optimizer, names)
         self.failed += 1
         self.failures.append(Failure(self.steps, bad))
-        if self.strict:
-            raise GradientsNotFinite(words.failure(self.steps, bad, strict_mode=True), step=self.steps, parameters=bad)
-        if self._recheck_of is not None:
-            # Weights that hold nan/inf make every later step fail: no op of this one is the origin.
-            self._poisoned = nonfinite_parameters(optimizer, names)
-        elif self._told():
-            _warn(words.failure(self.steps, bad, strict_mode=False, last=len(self.failures) == _TOLD_FAILURES))
+        if self.poisoned_since is not None:  # told once; every later step fails: only counted
+            return self._skips()
+        weights = nonfinite_parameters(optimizer, names)
+        if weights:  # an earlier optimizer step wrote them, from finite gradients
+            self.poisoned_since = self.steps - 1
+            self._stop_rechecking()
+            text = words.poisoned(self.steps - 1, weights, from_finite=True)
+            if self.on_failure == "raise":
+                self.skipped += 1
+                raise GradientsNotFinite(text, step=self.steps, parameters=bad)
+            _warn(text)
+            return self._skips()
+        origin = self._origin() if self._auditing else None
+        watched = self._auditing
+        if not watched and self.replay is not None and self._told():
+            watched, origin = self.replay()  # the batch again, from its start, under a full watch
+            if watched:
+                self._replayed_at = self.steps
+        if origin is not None:
+            self.origins.append(origin)
+        if self.on_failure == "raise" and watched:
+            # The step ran under the full watch: its origin is known now, or no op made them.
+            self._stop_rechecking()
+            self.skipped += 1
+            if origin is not None:
+                raise AnomalyError(origin)
+            raise GradientsNotFinite(words.no_origin(self.steps, bad, recheck), step=self.steps, parameters=bad)
+        if recheck is None and self._told():
+            last = len(self.failures) == _TOLD_FAILURES
+            _warn(words.failure(self.steps, bad, self.on_failure, audited=watched and self._auditing, replayed=watched and not self._auditing,
+                                origin=_facts(origin), last=last))
+        return self._skips()
+
+    def _skips(self) -> bool:
+        """Whether the failed step does not run (counted)."""
+        if self.on_failure == "apply":
+            return False
+        self.skipped += 1
+        return True
+
+    def _origin(self):
+        """The first nan/inf origin the running audit found, or ``None``."""
+        found = [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit and anomaly.kind in _NONFINITE_KINDS]
+        return found[0] if found else None
+
+    def _stop_rechecking(self) -> None:
+        self._recheck_of = None
+        self.end_audit()
 
     def _told(self) -> bool:
         """Whether the newest failure is one of those warned and re-checked one by one."""
         return len(self.failures) <= _TOLD_FAILURES
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if self._auditing:
-            self.audited += 1
-            found = self.end_audit()
+        failed_now = bool(self.failures) and self.failures[-1].step == self.steps
+        auditing = self._auditing
+        # A failure of a fully watched (or replayed) step was told with its origin.
+        audited_now = self._auditing or self._replayed_at == self.steps
+        if auditing:
             recheck, self._recheck_of = self._recheck_of, None
-            if recheck is not None and self._poisoned:
-                _warn(words.poisoned(recheck, self._poisoned))
-            elif recheck is not None:
-                origins = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS]
-                origin = None if not origins else (origins[0].kind, origins[0].op, origins[0].where, origins[0].phase)
-                failed_again = bool(self.failures) and self.failures[-1].step == self.steps
-                _warn(words.recheck(recheck, self.steps, origin, failed_again=failed_again))
-            elif any(anomaly.kind in _NONFINITE_KINDS for anomaly in found):
-                self.failed += 1
-        elif self.failures and self.failures[-1].step == self.steps and not self.strict and self._told() and not self._poisoned:
+            origin = self._origin() if recheck is not None else None
+            if origin is not None and not failed_now:  # a failing re-check kept it already
+                self.origins.append(origin)
+            self.end_audit()
+            if recheck is not None:
+                _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now))
+        if not failed_now or self.poisoned_since is not None:
+            return
+        if self.on_failure == "apply":
+            weights = nonfinite_parameters(optimizer, self._names())
+            if weights:  # from now on every step carries them: no op of a later step is the origin
+                self.poisoned_since = self.steps
+                _warn(words.poisoned(self.steps, weights, from_finite=False))
+                return
+        if self._told() and not audited_now:
             self._recheck_of = self.steps
             self.start_audit()
 
@@ -237,7 +331,7 @@ class LeaveOn:
         return names
 
     def summary(self) -> str:
-        return words.summary(self.steps, self.audited, self.failed, self.watch.enabled)
+        return words.summary(self.steps, self.audited, self.failed, self.watch.enabled, self.skipped)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""
@@ -272,5 +366,24 @@ def nonfinite_parameters(optimizer, names: dict) -> list:
     return nonfinite_names(optimizer, names, of=lambda parameter: parameter.detach())
 
 
+class _Skipped:
+    """What an optimizer's step function gets as ``self`` at a skipped step: the optimizer,
+    seen through groups that hold no parameter, so that its update touches nothing (a closure
+    passed to the step still runs)."""
+
+    def __init__(self, optimizer):
+        self.__dict__["_optimizer"] = optimizer
+        self.__dict__["param_groups"] = [{**group, "params": []} for group in optimizer.param_groups]
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_optimizer"], name)
+
+
+def _facts(origin):
+    """``(kind, op, where, phase)`` of an origin anomaly, or ``None``."""
+    return None if origin is None else (origin.kind, origin.op, origin.where, origin.phase)
+
+
 def _warn(text: str) -> None:
-    warnings.warn(OpwatchWarning(text), stacklevel=4)
+    """Warn, attributed to the user's line that called the optimizer step (or ended the run)."""
+    warn_at_user(OpwatchWarning(text))

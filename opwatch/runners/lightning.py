@@ -1,4 +1,5 @@
-"""opwatch for Lightning: ``OpwatchCallback`` watches each training batch of ``Trainer.fit``.
+"""opwatch for Lightning: ``OpwatchCallback`` watches each training batch of ``Trainer.fit``,
+and each validation, test and prediction batch, counted apart.
 
     from opwatch.runners.lightning import OpwatchCallback
 
@@ -14,25 +15,39 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
-from .trainers import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics
+from .trainers import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics, phase_metrics
 
 __all__ = ["OpwatchCallback"]
+
+# trainer.state.fn of a run of one evaluation phase alone (trainer.validate, test, predict)
+_ALONE = {"validation": "validate", "test": "test", "predict": "predict"}
 
 
 class _Hooks(WatchedSteps):
     """Watch each training batch of ``lightning.Trainer.fit``: its forward, backward and
-    optimizer step (from ``on_train_batch_start`` to ``on_train_batch_end``). Validation and
-    prediction batches are not watched.
+    optimizer step (from ``on_train_batch_start`` to ``on_train_batch_end``); and each
+    validation, test and prediction batch (``validation_step``, ``test_step``,
+    ``predict_step``, from ``on_validation_batch_start`` to ``on_validation_batch_end`` and
+    the like), in fit's validation, the sanity check, ``trainer.validate``, ``trainer.test``
+    and ``trainer.predict``. Each evaluation phase has a watch of its own, so its anomalies
+    are counted apart from training's.
 
-    - ``callback.anomalies`` / ``callback.contained`` / ``callback.watch``: what the watch
-      found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
+    - ``callback.anomalies`` / ``callback.contained`` / ``callback.watch``: what the training
+      watch found, and the :class:`opwatch.Watch` itself (its ``records`` are the last
       ``max_records`` ops of the latest batches; ``watch.table()``, ``watch.export_jsonl()``).
-    - At the end of fit the summary is printed (to ``file``, stderr by default).
+      ``callback.watches``: every phase's watch that ran, by phase (``"train"``,
+      ``"validation"``, ``"test"``, ``"predict"``); ``callback.watches["validation"].anomalies``.
+    - At the end of fit the summary is printed (to ``file``, stderr by default), then, when
+      validation ran, validation's (``opwatch (validation): ...``); ``trainer.validate``,
+      ``test`` and ``predict`` print their phase's summary at their end.
     - The running counts (:func:`opwatch.runners.trainers.metrics`: ``opwatch/anomalies``, one
       ``opwatch/anomalies/<kind>`` per kind found, ``opwatch/contained``) are logged each batch with
       ``LightningModule.log``, so they reach every logger of the trainer (TensorBoard, CSV,
       W&B; every ``log_every_n_steps``, like any metric logged on step), and once more at the
       end of fit, at the trainer's ``global_step`` (the final counts, whatever the interval).
+      Validation's and test's counts are logged once per epoch, under their phase's name
+      (``opwatch/validation/anomalies``, ``opwatch/test/anomalies/<kind>``, ...: running totals,
+      as training's); Lightning takes no log from prediction (``callback.watches["predict"]``).
     - ``strict=True``: fit stops at the first anomaly with :class:`opwatch.AnomalyError`
       (device, dtype and broadcast anomalies before the op runs; nan/inf at the next check
       point: the batch's end, or a value read on the host such as ``loss.item()``).
@@ -44,23 +59,105 @@ class _Hooks(WatchedSteps):
     default 8) run under the full watch until their optimizer step has run; the other batches
     run with no dispatch mode, and after each backward (``on_before_optimizer_step``) one fused
     check that the gradients are finite. A failing check names the step and the parameters
-    holding nan/inf; with ``strict=True`` it raises ``opwatch.runners.leave_on.GradientsNotFinite``
-    before the optimizer applies them, otherwise it warns and audits the next batch to name
-    the op that makes them. ``callback.runner`` counts steps, audits and failures (logged as
-    ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``); the summary at the end of fit says them. ``mode="watch"`` (default)
-    watches every batch.
+    holding nan/inf, and the failing batch runs again from its start (the RNG states and the
+    buffers as the batch found them, no ``.grad``) under the full watch: the module's
+    ``training_step`` and the backward of its loss, which name the op and line that made the
+    first nan/inf. Then ``on_failure``: ``"skip"`` (default; ``"raise"`` with ``strict=True``)
+    skips the optimizer step: Lightning checks inside ``optimizer.step(closure)``, after the
+    closure, so every parameter's ``.grad`` is set to ``None`` there and the optimizer's update
+    reads none (torch's optimizers then move no weight, momentum, weight decay or step count,
+    as for a step GradScaler skips); ``"raise"`` raises :class:`opwatch.AnomalyError` with the
+    origin (``opwatch.runners.leave_on.GradientsNotFinite`` when no op of the batch made them);
+    ``"apply"`` lets the optimizer apply them. With manual optimization or gradient
+    accumulation the batch is not run again: the next batch is watched fully instead. ``callback.runner`` counts steps, audits,
+    failures and skips (logged as ``opwatch/steps``, ``opwatch/audited``, ``opwatch/failed``);
+    the summary at the end of fit says them.
+    Guard mode watches no validation, test or prediction batch (they have no gradients to
+    check, and a full watch of each would cost what guard mode saves). ``mode="watch"``
+    (default) watches every batch.
 
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
     ``last``, ``max_records``, ``warn``, ``file``); ``log=False`` logs no counts; ``mode``
-    (``"watch"`` or ``"guard"``); ``max_audits`` (guard mode).
+    (``"watch"`` or ``"guard"``); ``max_audits`` and ``on_failure`` (guard mode).
     """
 
-    def __init__(self, *, strict: bool = False, file=None, log: bool = True, mode: str = "watch", **watch_options):
+    def __init__(self, *, strict: bool = False, file=None, log: bool = True, mode: str = "watch", on_failure=None, **watch_options):
         if not isinstance(log, bool):
             raise TypeError(f"log must be True or False, got {log!r}")
-        self.runner = leave_on_runner(mode, strict=strict, file=file, pre_hook=False, **watch_options)
+        self.runner = leave_on_runner(mode, strict=strict, file=file, pre_hook=False, on_failure=on_failure, **watch_options)
         self._steps = self.runner if self.runner is not None else StepWatch(strict=strict, file=file, **watch_options)
         self._log = log
+        self._replay_options = {name: watch_options[name] for name in ("checks", "allow", "max_records") if name in watch_options}
+        self._batch = None  # (batch, batch_idx, what it started from) in guard mode
+        self._snapshots = None
+        self._eval_options = dict(strict=strict, file=file, **watch_options)
+        self._phases: dict[str, StepWatch] = {}  # evaluation phase -> its StepWatch, once it ran
+
+    @property
+    def watches(self) -> dict:
+        """Each phase's :class:`opwatch.Watch` that ran so far, by phase: ``"train"`` (in
+        guard mode, the runner's), ``"validation"``, ``"test"``, ``"predict"``."""
+        watches = {"train": self._steps.watch}
+        watches.update((phase, steps.watch) for phase, steps in self._phases.items())
+        return watches
+
+    # -- validation, test and prediction batches --------------------------------------------
+
+    def _eval_enter(self, phase: str) -> None:
+        if self.runner is not None:
+            return  # guard mode: see the class docstring
+        steps = self._phases.get(phase)
+        if steps is None:
+            steps = self._phases[phase] = StepWatch(**self._eval_options)
+        steps.enter()
+
+    def _eval_exit(self, phase: str, pl_module) -> None:
+        steps = self._phases.get(phase)
+        if steps is None:
+            return
+        steps.exit()
+        if self._log and phase != "predict":  # Lightning takes no log in prediction
+            # Running totals: the epoch's value is the largest, the last batch's.
+            pl_module.log_dict(phase_metrics(phase, steps.watch), on_step=False, on_epoch=True, reduce_fx="max", batch_size=1)
+
+    def _eval_end(self, phase: str, trainer) -> None:
+        """The end of a validation, test or prediction run: alone (``trainer.validate``...),
+        its summary now; inside fit, at the end of fit."""
+        steps = self._phases.get(phase)
+        if steps is None:
+            return
+        steps.exit()
+        if trainer.state.fn == _ALONE[phase]:
+            steps.print_summary(_prefix(trainer), phase=phase)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_enter("validation")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_exit("validation", pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._eval_end("validation", trainer)
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_enter("test")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_exit("test", pl_module)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._eval_end("test", trainer)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_enter("predict")
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_exit("predict", pl_module)
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self._eval_end("predict", trainer)
+
+    # -- training batches -------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.runner is not None:
@@ -68,20 +165,54 @@ class _Hooks(WatchedSteps):
             # optimizer.step() only for finite gradients: torch's pre-hook is the check point.
             self.runner.pre_hook = getattr(trainer.precision_plugin, "scaler", None) is not None
             self.runner.know(pl_module)
+            if pl_module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1:
+                self.runner.replay = lambda: self._replay(pl_module)
             self.runner.__enter__()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.runner is not None:
-            self.runner.audit_batch(batch)
+            if not self.runner.audit_batch(batch) and self.runner.replay is not None:
+                if self._snapshots is None:  # the buffers and the RNG states: a batch's start
+                    from .guarded.snapshot import Snapshots
+
+                    self._snapshots = Snapshots([], pl_module)
+                self._batch = (batch, batch_idx, self._snapshots.take((), {}))
         else:
             self._steps.enter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.runner is not None and not self.runner.pre_hook:
-            self.runner.before_step(optimizer)
+        if self.runner is not None and not self.runner.pre_hook and self.runner.before_step(optimizer):
+            for group in optimizer.param_groups:  # the update after the closure reads no gradient
+                for parameter in group["params"]:
+                    parameter.grad = None
+
+    def _replay(self, pl_module):
+        """The failing batch again from its start under a full watch: ``(ran, origin)``."""
+        if self._batch is None:
+            return False, None
+        from .guarded import replay as replays
+
+        batch, batch_idx, start = self._batch
+        self._snapshots.restore(start)
+        for parameter in pl_module.parameters():
+            parameter.grad = None
+
+        def training_step():
+            output = pl_module.training_step(batch, batch_idx)
+            loss = output["loss"] if isinstance(output, dict) else output
+            loss.backward()
+            return loss
+
+        replay = replays.run(training_step, (), {}, keep_values=False, repro_max_bytes=0, **{
+            "checks": self._replay_options.get("checks"), "allow": self._replay_options.get("allow", ()),
+            "max_records": self._replay_options.get("max_records", 10_000)})
+        if replay.error is not None:
+            return False, None
+        return True, replays.explaining(replay.watch.anomalies, None, None, None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:
+            self._batch = None
             self.runner.end_batch()  # a batch that accumulated gradients without a step
         else:
             self._steps.exit()
@@ -89,23 +220,36 @@ class _Hooks(WatchedSteps):
             pl_module.log_dict(metrics(self), on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        for steps in self._phases.values():
+            steps.exit(exception)  # the batch open when it raised, if an evaluation one
         if self.runner is not None:
             self.runner.__exit__(type(exception), exception, exception.__traceback__)
         else:
             self._steps.exit(exception)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
+        prefix = _prefix(trainer)
         if self.runner is not None:
+            self.runner.replay, self._snapshots, self._batch = None, None, None  # the module is not kept alive by the callback
             self.runner.__exit__(None, None, None)
         else:
             self._steps.exit()  # a batch that ended without on_train_batch_end (should not happen)
+        validation = self._phases.get("validation")
         if self._log:
-            _log_final_counts(trainer, metrics(self))
+            counts = metrics(self)
+            if validation is not None:
+                counts.update(phase_metrics("validation", validation.watch))
+            _log_final_counts(trainer, counts)
         if self.runner is not None:
             self.runner.print_summary(prefix, watch_summary=True)
         else:
             self._steps.print_summary(prefix)
+        if validation is not None:
+            validation.print_summary(prefix, phase="validation")
+
+
+def _prefix(trainer) -> str:
+    return f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
 
 
 def _log_final_counts(trainer, counts: dict) -> None:

@@ -16,8 +16,8 @@ package) is imported only by :class:`OptimizerStepCounts`, never by ``import opw
 
 from __future__ import annotations
 
-import warnings
 
+from ..core.sites import warn_at_user
 from ..findings.anomaly import OpwatchWarning
 from ..render.notices import counts_not_written
 from .trainers import metrics
@@ -102,7 +102,7 @@ class OptimizerStepCounts:
             return write()
         except Exception as error:  # never an exception in the program's optimizer step
             self._failed = True
-            warnings.warn(OpwatchWarning(counts_not_written(error)), stacklevel=3)
+            warn_at_user(OpwatchWarning(counts_not_written(error)))  # the program's line, not torch's optimizer
             return None
 
     def close(self) -> None:

@@ -15,23 +15,25 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner", "metrics"]
+__all__ = ["StepWatch", "WatchedSteps", "lazy_callback", "MODES", "leave_on_runner", "metrics", "phase_metrics"]
 
 MODES = ("watch", "guard")
 
 
-def leave_on_runner(mode: str, *, strict: bool, file, **options):
+def leave_on_runner(mode: str, *, strict: bool, file, on_failure=None, **options):
     """``None`` for ``mode="watch"``; for ``mode="guard"`` the leave-on runner the callback
     drives (audits under a full watch, the fused gradient check before each optimizer step)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     if mode == "watch":
+        if on_failure is not None:
+            raise ValueError(f"on_failure is an option of mode='guard' (mode is {mode!r})")
         return None
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     from .leave_on import LeaveOn
 
-    return LeaveOn(strict_mode=strict, audit="manual", file=file, **options)
+    return LeaveOn(strict_mode=strict, on_failure=on_failure, audit="manual", file=file, **options)
 
 
 def lazy_callback(module_name: str, load_base, hooks):
@@ -101,13 +103,17 @@ class StepWatch:
         else:
             self.watch.__exit__(type(error), error, error.__traceback__)
 
-    def print_summary(self, prefix: str = "") -> None:
+    def print_summary(self, prefix: str = "", *, phase: str | None = None) -> None:
+        """Print the summary; ``phase`` (``"validation"``...): a watch of evaluation batches,
+        named in its first line (``opwatch (validation): no anomalies.``)."""
+        from ..render.summary import in_phase, shown_of
+
         stream = self._file if self._file is not None else sys.stderr
         text = self.watch.summary()
         if self.anomaly_count > len(self.watch.anomalies):
-            from ..render.summary import shown_of
-
             text += shown_of(len(self.watch.anomalies), self.anomaly_count)
+        if phase is not None:
+            text = in_phase(text, phase)
         print(prefix + text, file=stream)
 
 
@@ -138,8 +144,9 @@ def metrics(source) -> dict[str, int]:
       carry the total alone, 0);
     - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
     - guard mode (the leave-on runner, ``opwatch.runners.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
-      seen), ``opwatch/audited`` (of them, run under the full watch) and ``opwatch/failed``
-      (steps whose gradients held nan/inf).
+      seen), ``opwatch/audited`` (of them, run under the full watch), ``opwatch/failed``
+      (steps whose gradients held nan/inf) and ``opwatch/skipped`` (of those, the steps that
+      did not run).
 
     ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
     ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
@@ -160,5 +167,13 @@ def metrics(source) -> dict[str, int]:
     values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
     values["opwatch/contained"] = contained
     if isinstance(source, LeaveOn):
-        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed})
+        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed,
+                       "opwatch/skipped": source.skipped})
     return values
+
+
+def phase_metrics(phase: str, watch) -> dict[str, int]:
+    """:func:`metrics` of the watch of one evaluation phase, named under it:
+    ``opwatch/validation/anomalies``, ``opwatch/validation/anomalies/<kind>``,
+    ``opwatch/validation/contained`` (``phase``: ``"validation"``, ``"test"``...)."""
+    return {f"opwatch/{phase}/{name.partition('/')[2]}": value for name, value in metrics(watch).items()}

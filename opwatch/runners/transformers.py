@@ -58,20 +58,24 @@ class _Hooks(WatchedSteps):
     step runs under the full watch until its optimizer step has run; the others run with no
     dispatch mode and one fused check that the gradients are finite before each optimizer step
     (GradScaler's skipped steps never reach it). A failing check names the step and the
-    parameters holding nan/inf; with ``strict=True`` it raises
-    ``opwatch.runners.leave_on.GradientsNotFinite`` before the optimizer applies them, otherwise it
-    warns and watches the next step fully to name the op that makes them. The callback sees no
-    batch: to audit each new batch signature and replay a failing batch from its start, use
-    :func:`guard_trainer` as well. ``callback.runner`` counts steps, audits and failures
-    (logged as ``opwatch/steps``, ``opwatch/audited`` and ``opwatch/failed``).
+    parameters holding nan/inf, then ``on_failure``: ``"skip"`` (default; ``"raise"`` with
+    ``strict=True``) skips that optimizer step (the weights stay as they were) and watches the
+    next step fully to name the op that makes them; ``"raise"`` skips it too and raises at the
+    next step: :class:`opwatch.AnomalyError` with the origin when the failure recurs,
+    ``opwatch.runners.leave_on.GradientsNotFinite`` when it does not; ``"apply"`` lets the
+    optimizer apply them. The callback sees no batch: to audit each new batch signature and
+    replay a failing batch from its start (its origin named at once), use
+    :func:`guard_trainer` as well, which takes the callback's ``on_failure``.
+    ``callback.runner`` counts steps, audits, failures and skips (logged as ``opwatch/steps``,
+    ``opwatch/audited``, ``opwatch/failed`` and ``opwatch/skipped``).
 
     Options (keyword-only) are those of :func:`opwatch.watch` (``checks``, ``allow``,
-    ``last``, ``max_records``, ``warn``, ``file``), and ``mode`` (``"watch"``, default, or
-    ``"guard"``).
+    ``last``, ``max_records``, ``warn``, ``file``), ``mode`` (``"watch"``, default, or
+    ``"guard"``) and ``on_failure`` (guard mode).
     """
 
-    def __init__(self, *, strict: bool = False, file=None, mode: str = "watch", **watch_options):
-        self.runner = leave_on_runner(mode, strict=strict, file=file, **watch_options)
+    def __init__(self, *, strict: bool = False, file=None, mode: str = "watch", on_failure=None, **watch_options):
+        self.runner = leave_on_runner(mode, strict=strict, file=file, on_failure=on_failure, **watch_options)
         self._steps = self.runner if self.runner is not None else StepWatch(strict=strict, file=file, **watch_options)
 
     def close(self, error: BaseException | None = None) -> None:
@@ -126,16 +130,19 @@ class _Hooks(WatchedSteps):
         self._steps.print_summary(prefix)
 
 
-def guard_trainer(trainer, *, on_failure: str = "raise", **guard_options):
+def guard_trainer(trainer, *, on_failure=None, **guard_options):
     """Guard ``trainer.training_step`` (the forward and backward of each micro-batch) with
     :func:`opwatch.guard`: healthy batches run at eager speed with one fused finiteness check;
     a failing batch is replayed from its start (the trainer's own training step on the same
     batch; RNG states, buffers and ``.grad`` restored) under the full watch, which names the op
-    and line that made the first nan/inf; then it raises :class:`opwatch.AnomalyError`, or
-    with ``on_failure="skip"`` the batch's gradients are undone and its loss counts as nan (the
-    Trainer's ``logging_nan_inf_filter`` leaves it out of the logged loss). Other options are
-    those of :func:`opwatch.guard`; pass ``scaler=`` with fp16 training. Returns the guarded
-    step (``.failures``, ``.steps``); ``trainer.training_step`` is replaced by it. ::
+    and line that made the first nan/inf; then ``on_failure``: ``"skip"`` undoes the batch's
+    gradients (its loss counts as nan: the Trainer's ``logging_nan_inf_filter`` leaves it out
+    of the logged loss) and the optimizer step moves no weight; ``"raise"`` raises
+    :class:`opwatch.AnomalyError`; ``"apply"`` leaves its gradients for the optimizer. The
+    default is the ``on_failure`` of the trainer's ``OpwatchCallback(mode="guard")`` (whose
+    own default is ``"skip"``), else ``"skip"``. Other options are those of
+    :func:`opwatch.guard`; pass ``scaler=`` with fp16 training. Returns the guarded step
+    (``.failures``, ``.steps``, ``.skipped``); ``trainer.training_step`` is replaced by it. ::
 
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        callbacks=[OpwatchCallback(mode="guard")])
@@ -144,24 +151,43 @@ def guard_trainer(trainer, *, on_failure: str = "raise", **guard_options):
     """
     import opwatch
 
+    runner = _guard_runner(trainer)
+    if on_failure is None:
+        on_failure = runner.on_failure if runner is not None else "skip"
     step = trainer.training_step
 
     def training_step(model, inputs, *args, **kwargs):
         return step(model, inputs, *args, **kwargs)
 
     guarded = opwatch.guard(training_step, trainer.model, on_failure=on_failure, **guard_options)
+    explained = []  # origins of applied failures, told to the callback's check at the step
 
     def guarded_training_step(model, inputs, *args, **kwargs):
+        failures = len(guarded.failures)
         loss = guarded(model, inputs, *args, **kwargs)
+        if on_failure == "apply" and len(guarded.failures) > failures:
+            explained.append(next(reversed(guarded.failures)))  # the newest
         if loss is None:  # skipped: counted as nan, as the Trainer counts a nan loss
             import torch
 
             return torch.tensor(math.nan, device=trainer.args.device)
         return loss
 
+    if runner is not None:
+        # The callback's check at the optimizer step: a failure guard already replayed is
+        # told with the origin the replay found, not re-checked at the next step.
+        runner.replay = lambda: (True, explained.pop()) if explained else (False, None)
     guarded_training_step.guarded = guarded
     trainer.training_step = guarded_training_step
     return guarded
+
+
+def _guard_runner(trainer):
+    """The leave-on runner of the trainer's ``OpwatchCallback(mode="guard")``, or ``None``."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, _Hooks) and callback.runner is not None:
+            return callback.runner
+    return None
 
 
 def _move_to_front(callback) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ..core.notation import format_meta
 from ..core.records import short_op_name
+from ..render.phrases import module_path
 from .jsonl import anomaly_groups, rank_of_process
 
 __all__ = ["write_chrome_trace", "chrome_trace"]
@@ -140,7 +141,7 @@ def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
 
     for record, (ts, dur) in zip(records, times):
         module = record.module
-        parts = module.split(".") if module else []
+        parts = module_path(module).split(".") if module else []  # blocks.0 (Block) is span blocks.0
         paths = [".".join(parts[: depth + 1]) for depth in range(len(parts))]
         kept = 0
         while kept < len(open_spans) and kept < len(paths) and open_spans[kept][path_at] == paths[kept] and open_spans[kept][phase_at] == record.phase:

@@ -18,7 +18,9 @@ A ``site`` line comes before the first record that refers to it and carries the 
 the renderers show, so a saved log prints its table on a machine without the sources. An
 anomaly line says ``"in"`` which list the watch kept it in (``anomalies``, ``contained``,
 ``allowed``); one whose op has left the bounded log carries that record in its ``record``
-field. The header's ``rank`` is the watch's (``null`` outside a ``torch.distributed`` job).
+field. The header's ``rank`` is the watch's (``null`` outside a ``torch.distributed`` job);
+``"whole_script": true`` in a log written by ``python -m opwatch --jsonl`` (its watch ran from the
+script's first line).
 
 An anomaly stores its finding's FACTS, never its text: :func:`load` renders every message
 again from them with the same code as the live watch, so a saved anomaly reads as the live one
@@ -54,9 +56,11 @@ _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its 
 # -- writing JSON Lines ---------------------------------------------------------------------
 
 
-def write_jsonl(watch, path) -> None:
+def write_jsonl(watch, path, *, whole_script: bool = False) -> None:
     """Write ``watch``'s log to ``path``: a header, then its records, anomalies, contained
-    nan/inf origins and allowed findings, one JSON object a line (see the module's docstring)."""
+    nan/inf origins and allowed findings, one JSON object a line (see the module's docstring).
+    ``whole_script``: the watch ran from a script's first line (``python -m opwatch``); the
+    header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it."""
     records = watch.records
     groups = anomaly_groups(watch)
     sites = _SiteTable()
@@ -72,7 +76,12 @@ def write_jsonl(watch, path) -> None:
         # With watch(fingerprints=True) the header says so and each record line carries its
         # outputs' fingerprints, for opwatch.diff.
         prints = getattr(watch, "fingerprints", None)
-        put({**_header(watch, len(records), groups), **({} if prints is None else {"fingerprints": True})})
+        header = _header(watch, len(records), groups)
+        if prints is not None:
+            header["fingerprints"] = True
+        if whole_script:
+            header["whole_script"] = True
+        put(header)
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
@@ -360,6 +369,19 @@ class SavedLog:
         from ..render import render_summary
 
         return render_summary(self._anomalies, self._contained, self._allowed, rank=self.rank)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows, as for a watch."""
+        from ..render.html_repr import watch_html
+
+        return watch_html(self)
+
+    def report_html(self, path) -> None:
+        """Write the report, as :meth:`Watch.report_html` writes it."""
+        from ..render.html import render_report
+
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(render_report(self))
 
     def __repr__(self) -> str:
         return f"<SavedLog {len(self._records)} records, {len(self._anomalies)} anomalies, {len(self._contained)} contained, {len(self._allowed)} allowed>"

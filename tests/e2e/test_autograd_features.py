@@ -157,9 +157,9 @@ def test_checkpoint_of_a_submodule_keeps_module_paths():
     line = line_of("# @ckpt-module", HERE)
     addmm = [(r.module, r.lineno, r.phase) for r in w.records if r.op == "aten.addmm.default"]
     # forward: block.0 and head; recomputation in backward: block.0 again, same line and path.
-    assert addmm == [("block.0", line, "forward"), ("head", line + 1, "forward"), ("block.0", line, "backward")]
+    assert addmm == [("block.0 (Linear)", line, "forward"), ("head", line + 1, "forward"), ("block.0 (Linear)", line, "backward")]
     tanh = [(r.module, r.phase) for r in w.records if r.op == "aten.tanh.default"]
-    assert tanh == [("block.1", "forward"), ("block.1", "backward")]
+    assert tanh == [("block.1 (Tanh)", "forward"), ("block.1 (Tanh)", "backward")]
 
 
 # --------------------------------------------------------------------------------------------

@@ -419,7 +419,7 @@ def test_tagger_with_a_float64_initial_state_is_diagnosed(cell):
 
 def test_conv_net_fed_float64_numpy_images_is_diagnosed_at_the_first_conv():
     found_calls = Calls().run(rules.classify_numpy_images, expect_error=RuntimeError)
-    assert found_calls == [("dtype_mismatch", "stem.0", line_of("features = self.stage(self.stem(images))"))]
+    assert found_calls == [("dtype_mismatch", "stem.0 (Conv2d)", line_of("features = self.stage(self.stem(images))"))]
 
 
 @pytest.mark.parametrize(
@@ -463,3 +463,41 @@ def test_module_call_checks_follow_the_enabled_kinds():
         with pytest.raises(RuntimeError):
             rules.tag(nn.LSTM, lambda h: h.to("meta"))
     assert w.anomalies == []
+
+
+# == arguments that must match another argument's dtype ============================================
+
+
+def test_unit_embedding_bag_weights_must_match_the_table():
+    func = aten._embedding_bag.default
+    finding = run(dtype, func, t(50, 8, dtype=torch.float16), t(8, dtype=I64), t(3, dtype=I64), t(8))
+    assert finding is not None and finding.rule == "dtype.arg_dtype"
+    assert finding.facts["arg"] == "per_sample_weights" and finding.facts["accepted"] == [torch.float16]
+    assert run(dtype, func, t(50, 8, dtype=torch.float16), t(8, dtype=I64), t(3, dtype=I64), t(8, dtype=torch.float16)) is None
+    assert run(dtype, func, t(50, 8, dtype=torch.float16), t(8, dtype=I64), t(3, dtype=I64)) is None  # no weights
+
+
+def test_half_embedding_bag_given_float_weights_is_flagged_before_the_kernel_raises():
+    w = watched(rules.recommend_half_with_float_dwell, expect_error=RuntimeError)
+    assert found(w) == [("dtype_mismatch", "aten._embedding_bag.default", line_of("return self.head(self.items(clicks, offsets, per_sample_weights=dwell))"), "forward")]
+    message = w.anomalies[0].message
+    assert "argument 'per_sample_weights' is f32 but _embedding_bag needs f16" in message
+    assert "weight=f16[50, 8] cpu" in message and "per_sample_weights=f32[8] cpu" in message
+
+
+def test_half_embedding_bag_with_matching_weights_is_not_flagged():
+    strictly(rules.recommend_half_with_half_dwell)
+
+
+def test_a_float32_codebook_in_a_half_model_is_named_as_the_parameter_it_is():
+    w = watched(rules.quantize_half_with_float_codebook)
+    assert found(w) == [("dtype_mismatch", "aten.mul.Tensor", line_of("vectors = probs.unsqueeze(-1) * self.codevectors"), "forward")]
+    message = w.anomalies[0].message
+    assert "until it is cast back" in message and "everything downstream" not in message
+    assert "the parameter codevectors of CodebookQuantizer is not in f16" in message
+    assert "numpy" not in message.split("fix:")[1]
+
+
+def test_a_float64_array_from_numpy_keeps_the_numpy_advice():
+    w = watched(rules.side_features_numpy, expect_error=RuntimeError)  # the head's addmm raises next
+    assert w.anomalies and "torch.from_numpy(a).to(f32)" in w.anomalies[0].message.split("fix:")[1]

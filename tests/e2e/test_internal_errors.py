@@ -56,6 +56,8 @@ def test_an_internal_error_becomes_one_warning_and_the_program_carries_on(monkey
     assert eq.diff(expected, got) is None, eq.diff(expected, got)
     assert len(warned) == 1, warned
     (message,) = warned
+    (warning,) = [found for found in caught if issubclass(found.category, opwatch.OpwatchWarning)]
+    assert warning.filename == __file__  # the program's line, not opwatch's
     assert "internal error" in message and "report" in message and "issue tracker" in message
     assert "SimulatedBug: simulated opwatch bug" in message
     assert torch.__version__ in message

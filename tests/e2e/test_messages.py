@@ -14,6 +14,7 @@ from torch import nn
 import opwatch
 from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
+from support.helpers import line_of
 
 
 def watched(program, **options):
@@ -413,8 +414,44 @@ def test_an_input_made_before_the_watch_and_dead_by_the_check_point_is_unknown()
         del x
         y.sum().item()
     (anomaly,) = w.anomalies
-    assert "range unknown (made before the watch" in anomaly.message
+    assert "range unknown (made before the watch; no longer alive)" in anomaly.message
     assert [value for _, value in anomaly.finding.facts["input_ranges"]] == [None]
+    assert anomaly.finding.facts["input_made"] == ("before_watch",)
+
+
+def _log_of_a_sum_made_at_a_check_point(max_records):
+    """``log(zeros + 0)`` with its ``add`` the last op of a window (every ``max_records`` ops
+    is a check point, which finds that window finite and keeps no range): the sum is made on
+    the same line inside the watch, and dead by the next check point."""
+    with opwatch.watch(warn=False, dump_on_error=False, max_records=max_records) as w:
+        for _ in range(3):  # 6 ops: aten.ones and aten.add
+            torch.ones(2) + 1
+        y = torch.log(torch.zeros(3) + 0)  # @same-line
+        y.sum().item()
+    (anomaly,) = w.anomalies
+    return w, anomaly
+
+
+def test_an_input_made_on_the_same_line_in_the_watch_is_not_said_made_before_it(tmp_path):
+    w, anomaly = _log_of_a_sum_made_at_a_check_point(8)
+    line = line_of("# @same-line", __file__)
+    assert anomaly.op == "aten.log.default" and anomaly.lineno == line
+    health = _health(anomaly.message)
+    assert "before the watch" not in health
+    assert health.startswith("input f32[3] cpu: range unknown (made by aten.add.Tensor at ")
+    assert health.endswith(f"test_messages.py:{line}; its range was not kept, and it was no longer alive at the check point)")
+    (made,) = anomaly.finding.facts["input_made"]
+    assert (made.op, made.lineno) == ("aten.add.Tensor", line)
+    # A saved log says the same.
+    w.export_jsonl(tmp_path / "run.jsonl")
+    (saved,) = opwatch.load(tmp_path / "run.jsonl").anomalies
+    assert saved.message == anomaly.message
+
+
+def test_an_input_whose_maker_left_the_log_is_said_so():
+    _, anomaly = _log_of_a_sum_made_at_a_check_point(2)  # the log keeps 2 ops: the add is gone
+    assert "range unknown (made by an op that has left the bounded log (max_records); no longer alive)" in anomaly.message
+    assert anomaly.finding.facts["input_made"] == ("left_log",)
 
 
 def test_healthy_training_with_moved_tensors_stays_quiet():
@@ -479,3 +516,21 @@ def test_a_buffer_replaced_between_steps_is_still_named_and_a_computed_tensor_is
     assert len(made) == 3
     assert made[0].detail == made[1].detail == ("from_module", "buffer", "Head", "class_w", "head")
     assert made[2].place.op == "aten.mul.Tensor" and made[2].detail is None
+
+
+def test_an_input_alive_with_nan_at_the_check_point_is_not_said_dead():
+    """A weight poisoned before the watch: still alive when the origin is reported, its values
+    unreadable (nan); the message does not say it died, it says what the weight held (the
+    weights cause, opwatch.checks.nonfinite.cause)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.bias[0] = float("nan")  # before the watch
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        model(torch.randn(5, 4)).sum().item()
+    (anomaly,) = [a for a in w.anomalies if a.op == "aten.addmm.default"]
+    assert "input f32[3] cpu: already held nan;" in anomaly.message
+    assert "cause:    weights: parameter f32[3] cpu already held nan when addmm ran; it is the parameter bias of Linear" in anomaly.message
+    assert "no longer alive" not in anomaly.message and "range unknown" not in anomaly.message
+    assert anomaly.finding.facts["input_made"] == ("before_watch", None, None)
+    assert anomaly.finding.facts["input_alive"] == (True, False, False)

@@ -86,10 +86,15 @@ def test_stft_window_left_on_the_cpu_flags_at_the_users_line_with_where_it_came_
 
 
 def test_stft_window_as_a_buffer_moves_with_the_model_and_does_not_flag():
-    front = SpectrogramFrontEnd(as_buffer=True)
-    wave = torch.randn(2, 400)
-    with opwatch.strict(checks=WITH_PRE_DISPATCH):
-        front(wave).mean()
+    # The flagged case above with its window registered as a buffer: .to() moves it along.
+    front = SpectrogramFrontEnd(as_buffer=True).to("meta")
+    wave = torch.randn(2, 400, device="meta")
+    with opwatch.strict(checks=WITH_PRE_DISPATCH) as w:
+        power = front(wave).mean()
+    assert front.window.device.type == "meta" and power.device.type == "meta"
+    stft_ops = [record for record in w.records if record.lineno == line_of("# stft call", HERE)]
+    assert any(record.op == "aten._fft_r2c.default" for record in stft_ops)  # the call ran watched
+    assert not w.anomalies, [str(a) for a in w.anomalies]
 
 
 def test_stft_window_made_on_another_device_names_the_factory_line():
@@ -158,8 +163,13 @@ def test_functional_conv_with_a_float64_input_flags_and_a_float32_one_does_not()
 
 def test_conv_under_autocast_mixing_is_legal():
     model = SmallConvNet()
-    with opwatch.strict(checks=WITH_PRE_DISPATCH), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(torch.randn(2, 3, 8, 8)).float().sum()
+    with opwatch.strict(checks=WITH_PRE_DISPATCH) as w, torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(torch.randn(2, 3, 8, 8))  # float32 input and weights, cast by autocast
+    assert logits.dtype == torch.bfloat16
+    (conv,) = [record for record in w.records if record.op == "aten.convolution.default"]
+    assert [meta.dtype for meta in conv.inputs] == [torch.bfloat16] * 3  # autocast's casts, not a mismatch
+    assert conv.lineno == line_of("# conv net call", HERE)
+    assert not w.anomalies, [str(a) for a in w.anomalies]
 
 
 # -- packed sequences: the lengths stay on the CPU ---------------------------------------------------

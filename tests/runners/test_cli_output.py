@@ -36,12 +36,13 @@ def opwatch_part(stderr: str) -> str:
 
 
 @needs_columns
-@pytest.mark.parametrize("mode", ["watch", "strict"])
+@pytest.mark.parametrize("mode", ["watch", "strict", "guard"])
 def test_a_device_mix_prints_the_finding_first_and_once(mode):
-    result = cli(*(["--strict"] if mode == "strict" else []), "device_mix_cli.py")
+    """The finding first, then the dump, then the traceback: in every mode (``--guard`` too)."""
+    result = cli(*({"strict": ["--strict"], "guard": ["--guard"]}.get(mode, [])), "device_mix_cli.py")
     assert result.returncode == 1 and result.stdout == ""
     err = result.stderr
-    header = "device_mismatch in aten.addmm.default at device_mix_cli.py:14, module 0 (forward)"
+    header = "device_mismatch in aten.addmm.default at device_mix_cli.py:14, module 0 (Linear) (forward)"
     # The finding comes first, in full once.
     assert err.startswith("opwatch: 1 anomaly at 1 place:\n\n" + header + "\n")
     assert err.count("  problem:  tensor arguments on different devices") == 1
@@ -49,6 +50,7 @@ def test_a_device_mix_prints_the_finding_first_and_once(mode):
     if mode == "strict":
         assert err.rstrip("\n").endswith(f"opwatch.findings.anomaly.AnomalyError: {header} (in full in opwatch's report above)")
     # The dump: the 4 parameter copies of model.to() folded into one row; every line fits.
+    assert err.index(header) < err.index("opwatch: the watched block raised") < err.index(TRACEBACK)
     dump = err[err.index("opwatch: the watched block raised") : err.index(TRACEBACK)]
     assert "aten._to_copy x6" in dump and dump.count("aten._to_copy") == 1
     assert ">> " in dump and "device_mismatch" in dump

@@ -339,9 +339,38 @@ def test_inputs_made_before_the_watch_are_named():
     b = step(torch.randn(8))  # another draw, before the watch
     result = opwatch.diff(a, b)
     assert result.first.a.op == "aten.mul.Tensor" and result.first.verdict == "before_watch"
-    assert "the inputs made before the watch differ" in str(result)
+    assert "the inputs made before the watch differ" in str(result) and "Start the watch before they are made" in str(result)
+    assert not result.first.whole_script
     same = torch.randn(8)
     assert opwatch.diff(step(same), step(same.clone())).agree
+
+
+def test_under_the_cli_an_input_made_by_an_op_that_left_the_log_gets_true_advice(tmp_path):
+    """python -m opwatch watches from the script's first line: "start the watch before they
+    are made" is no advice there. An input made before the log's first op was made by an op
+    that left the bounded log (10,000 ops): watch the step in both runs."""
+    script = write(tmp_path, """\
+        import os
+        import torch
+
+        torch.manual_seed(int(os.environ["DATA_SEED"]))
+        x = torch.randn(8)
+        count = torch.zeros(())
+        for _ in range(10_001):  # more ops than the log keeps
+            count.add_(1)
+        y = torch.tanh(x * 2.0).sum()  # the op
+        """)
+    a = record(script, tmp_path / "a.jsonl", DATA_SEED="1")
+    b = record(script, tmp_path / "b.jsonl", DATA_SEED="2")
+    result = opwatch.diff(a, b)
+    first = result.first
+    assert first.a.op == "aten.mul.Tensor" and first.verdict == "before_watch"
+    assert first.whole_script and first.log_cut
+    text = str(result)
+    assert "Start the watch before" not in text and "made before the watch" not in text
+    assert "Its inputs were made by ops that left the bounded log (input 0 made before the log's first op; the watch ran from the script's first line" in text
+    assert "Watch the step that differs in both runs" in text
+    assert opwatch.diff(opwatch.load(a), opwatch.load(b)).first.whole_script  # read from the header
 
 
 def test_a_loop_with_an_op_inserted_in_one_step_aligns_every_other_step():

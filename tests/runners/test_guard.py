@@ -161,7 +161,7 @@ def test_a_returned_tensor_that_is_not_a_cpu_scalar_joins_the_fused_check():
     }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_on_cuda_the_loss_joins_the_fused_check_and_a_step_reads_the_host_once():
     model, train_step, _ = make()
     model.cuda()
@@ -439,7 +439,7 @@ def test_an_exception_with_no_anomaly_keeps_its_type_and_gets_a_note():
 
 def test_options_are_checked():
     model, train_step, _ = make()
-    with pytest.raises(ValueError, match="on_failure must be one of 'raise', 'skip', got 'ignore'"):
+    with pytest.raises(ValueError, match="on_failure must be one of 'skip', 'raise', 'apply', got 'ignore'"):
         opwatch.guard(train_step, model, on_failure="ignore")
     with pytest.raises(ValueError, match="unknown check name"):
         opwatch.guard(train_step, model, checks=["nan"])

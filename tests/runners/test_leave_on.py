@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 import opwatch
+from opwatch.runners.leave_on import LeaveOn
 from support.helpers import line_of
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its opwatch in the subprocesses
 
 
 class Regressor(nn.Module):
@@ -239,37 +240,151 @@ def test_guard_cli_healthy_run_reports_nothing(tmp_path):
 
 
 def test_guard_cli_names_the_step_the_parameters_and_the_origin_of_a_nan_first_made_at_step_k(tmp_path):
-    result = run_guard(tmp_path, NAN_FROM=4, REPAIR=1)
+    result = run_guard(tmp_path, NAN_FROM=4)
     assert result.returncode == 0, result.stderr
     assert "optimizer step 4: the gradients about to be applied hold nan/inf: fc1.weight (nan), fc1.bias (nan)" in result.stderr, result.stderr
+    assert "The optimizer step did not run (skipped, as GradScaler skips an overflow step)" in result.stderr
     assert f"the failure of step 4 recurred at step 5: " in result.stderr
     assert f"first made by aten.log.default at train.py:{train_line('POISON')}" in result.stderr
-    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed (nan/inf in the gradients), 3 of them skipped" in result.stderr
+    assert "weights finite: True" in result.stdout
 
 
-def test_guard_cli_says_when_the_optimizer_wrote_the_nan_into_the_weights(tmp_path):
-    result = run_guard(tmp_path, NAN_AT=4)
+def test_guard_cli_apply_says_since_when_the_weights_hold_nan_and_names_no_false_origin(tmp_path):
+    result = run_guard(tmp_path, "--on-failure", "apply", NAN_AT=4)
     assert result.returncode == 0, result.stderr
-    assert "optimizer step 4 wrote nan/inf into the weights: fc1.weight (nan)" in result.stderr, result.stderr
-    assert "recurred" not in result.stderr and "weights finite: False" in result.stdout
-    assert "6 optimizer steps ran, 2 audited under a full watch, 3 failed" in result.stderr
+    assert "the weights hold nan since optimizer step 4: fc1.weight (nan)" in result.stderr, result.stderr
+    # Weights that hold nan make every op that reads them look like an origin: none is named.
+    assert "recurred" not in result.stderr and "min nan" not in result.stderr and "first made by" not in result.stderr
+    assert "weights finite: False" in result.stdout
+    assert "6 optimizer steps ran, 1 audited under a full watch, 3 failed" in result.stderr
 
 
 def test_guard_cli_says_plainly_when_a_failure_did_not_recur(tmp_path):
-    result = run_guard(tmp_path, NAN_AT=3, REPAIR=1)
+    result = run_guard(tmp_path, NAN_AT=3)
     assert "optimizer step 3: the gradients about to be applied hold nan/inf" in result.stderr, result.stderr
     assert "the failure of step 3 did not recur: step 4 ran under a full watch" in result.stderr
-    assert "6 optimizer steps ran, 2 audited under a full watch, 1 failed" in result.stderr
-
-
-def test_guard_cli_strict_raises_before_the_optimizer_and_leaves_the_weights_finite(tmp_path):
-    script = TRAIN.replace("    optimizer.step()\n", "    try:\n        optimizer.step()\n    except RuntimeError as error:\n        print('stopped:', type(error).__name__); break\n")
-    (tmp_path / "train.py").write_text(script)
-    environment = dict(os.environ, PYTHONPATH=ROOT, NAN_AT="4")
-    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
-    assert "stopped: GradientsNotFinite" in result.stdout, result.stdout + result.stderr
+    assert "6 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
     assert "weights finite: True" in result.stdout
-    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr
+
+
+STOPPED = "    try:\n        optimizer.step()\n    except RuntimeError as error:\n        print('stopped:', type(error).__name__); break\n"
+
+
+def run_strict(tmp_path, **env):
+    (tmp_path / "train.py").write_text(TRAIN.replace("    optimizer.step()\n", STOPPED))
+    environment = dict(os.environ, PYTHONPATH=ROOT, **{key: str(value) for key, value in env.items()})
+    return subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
+
+
+def test_guard_cli_strict_names_the_origin_of_a_failure_that_recurs_and_keeps_the_weights_finite(tmp_path):
+    result = run_strict(tmp_path, NAN_FROM=4)
+    assert "stopped: AnomalyError" in result.stdout, result.stdout + result.stderr
+    assert f"in aten.log.default at train.py:{train_line('POISON')}" in result.stderr
+    assert "weights finite: True" in result.stdout
+    assert "5 optimizer steps ran, 2 audited under a full watch, 1 failed" in result.stderr  # step 4 skipped, step 5 raised
+
+
+def test_guard_cli_strict_says_what_it_checked_when_the_failure_did_not_recur(tmp_path):
+    result = run_strict(tmp_path, NAN_AT=4)
+    assert "stopped: GradientsNotFinite" in result.stdout, result.stdout + result.stderr
+    assert "loop ended" not in result.stderr and "weights hold" not in result.stderr
+    assert "weights finite: True" in result.stdout
+    assert "5 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
+
+
+def test_guard_cli_strict_names_the_command_when_the_loop_ends_before_the_recheck(tmp_path):
+    result = run_strict(tmp_path, NAN_AT=6)
+    assert result.returncode == 1
+    assert "GradientsNotFinite: opwatch: optimizer step 6: the gradients held nan/inf" in result.stderr, result.stderr
+    assert "the program's loop ended before another optimizer step could run under a full watch" in result.stderr
+    assert "To find the op that made them: python -m opwatch --strict train.py." in result.stderr
+
+
+DATA_GLITCH = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+for step in range(1, 31):
+    x = torch.randn(64, 20)
+    y = x.sum(-1, keepdim=True)
+    scale = torch.tensor(0.0 if step in (10, 11) else 1.0)
+    x = x / scale  # BAD DATA: a zero scale at steps 10 and 11
+    optimizer.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+print("weights finite:", all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+"""
+
+
+@pytest.mark.parametrize("on_failure", [None, "apply"])
+def test_guard_cli_a_two_step_data_glitch_in_a_30_step_momentum_run(tmp_path, on_failure):
+    (tmp_path / "train.py").write_text(DATA_GLITCH)
+    option = ["--on-failure", on_failure] if on_failure else []
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", *option, "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert result.returncode == 0, result.stderr
+    if on_failure is None:  # skip: the two bad steps never reach the weights
+        assert "weights finite: True" in result.stdout
+        assert "the failure of step 10 recurred at step 11: inf first made by aten.div.Tensor at train.py:11" in result.stderr, result.stderr
+        assert "30 optimizer steps ran, 2 audited under a full watch, 2 failed (nan/inf in the gradients), 2 of them skipped" in result.stderr
+    else:  # as asked: the weights take the nan and keep it
+        assert "weights finite: False" in result.stdout
+        assert "the weights hold nan since optimizer step 10" in result.stderr
+        assert "30 optimizer steps ran, 1 audited under a full watch, 21 failed (nan/inf in the gradients)." in result.stderr
+
+
+def test_on_failure_is_checked_everywhere_with_the_same_words(tmp_path):
+    from opwatch.runners.lightning import OpwatchCallback
+
+    expected = "on_failure must be one of 'skip', 'raise', 'apply', got 'ignore'"
+    with pytest.raises(ValueError, match=expected):
+        LeaveOn(on_failure="ignore")
+    with pytest.raises(ValueError, match=expected):
+        OpwatchCallback(mode="guard", on_failure="ignore")
+    with pytest.raises(ValueError, match=expected):
+        opwatch.guard(lambda: None, nn.Linear(2, 2), on_failure="ignore")
+    with pytest.raises(ValueError, match="on_failure is an option of mode='guard'"):
+        OpwatchCallback(on_failure="skip")
+    result = run_guard(tmp_path, "--on-failure", "ignore")
+    assert result.returncode == 2 and "--on-failure: invalid choice: 'ignore'" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("make", [
+    lambda parameters: torch.optim.SGD(parameters, lr=0.1, momentum=0.9, weight_decay=0.01),
+    lambda parameters: torch.optim.AdamW(parameters, lr=0.1, weight_decay=0.01),
+], ids=["sgd-momentum", "adamw"])
+def test_a_skipped_step_moves_no_weight_and_no_optimizer_state_where_a_zeroed_one_would(make):
+    """Skipping is not zeroing the gradients: momentum and weight decay move the weights at a
+    step whose gradients are zero."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = make(model.parameters())
+    x = torch.randn(8, 4)
+
+    def state():
+        return [(key, value.clone() if torch.is_tensor(value) else value) for p in model.parameters() for key, value in optimizer.state[p].items()]
+
+    with warnings.catch_warnings(), LeaveOn(warn=False, file=io.StringIO()) as runner:
+        warnings.simplefilter("ignore")
+        for scale in (1.0, 1.0, 0.0):
+            optimizer.zero_grad()
+            model(x / scale).pow(2).mean().backward()
+            before, before_state = [parameter.detach().clone() for parameter in model.parameters()], state()
+            optimizer.step()
+    assert (runner.steps, runner.failed, runner.skipped) == (3, 1, 1)
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+    assert all(key == other and (torch.equal(value, new) if torch.is_tensor(value) else value == new)
+               for (key, value), (other, new) in zip(before_state, state()))
+    optimizer.zero_grad()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()  # a zeroed step, for contrast
+    assert not all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
 
 
 # -- item 4: the trainers' guard mode --------------------------------------------------------
@@ -339,24 +454,29 @@ def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
     assert not callback.anomalies
 
 
-def test_lightning_guard_names_a_nan_first_made_at_step_k_and_strict_keeps_the_weights(tmp_path):
+def test_lightning_guard_strict_replays_the_failing_batch_and_raises_its_origin(tmp_path):
     from opwatch.runners.lightning import OpwatchCallback
-    from opwatch.runners.leave_on import GradientsNotFinite
 
     callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
-    with pytest.raises(GradientsNotFinite) as raised:
-        module = lightning_guard(tmp_path, callback, nan_at=2)
-    assert raised.value.step == 2 and ("net.fc1.weight", "nan") in raised.value.parameters
-    assert "optimizer step 2" in str(raised.value)
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        lightning_guard(tmp_path, callback, nan_at=2)
+    anomaly = raised.value.anomaly
+    assert (anomaly.filename, anomaly.lineno) == (__file__, line_of("BUG backward", __file__))
+    assert (callback.runner.steps, callback.runner.failed, callback.runner.skipped) == (2, 1, 1)
 
 
-def test_lightning_guard_without_strict_names_the_origin_at_the_next_step(tmp_path):
+def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_its_step(tmp_path):
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
-    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: the gradients about to be applied hold nan/inf"):
-        lightning_guard(tmp_path, callback, nan_at=2, steps=4)
-    assert callback.runner.failed >= 1 and callback.runner.audited == 2
+    with pytest.warns(opwatch.OpwatchWarning) as told:
+        module = lightning_guard(tmp_path, callback, nan_at=2, steps=4)
+    text = "\n".join(str(warning.message) for warning in told)
+    assert "optimizer step 2: the gradients about to be applied hold nan/inf" in text
+    assert f"ran again from its start (RNG states, buffers and .grad restored) under a full watch: inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
+    runner = callback.runner
+    assert (runner.steps, runner.audited, runner.failed, runner.skipped) == (4, 1, 1, 1)  # no re-check: the replay named it
+    assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 
 def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
@@ -415,10 +535,10 @@ def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
     assert raised.value.step == 2
 
 
-def test_guard_trainer_replays_the_failing_batch_and_names_the_origin(tmp_path):
+def test_guard_trainer_replays_the_failing_batch_and_raises_its_origin_with_the_callbacks_on_failure(tmp_path):
     from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
-    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    callback = OpwatchCallback(mode="guard", on_failure="raise", warn=False, file=io.StringIO())
     with pytest.raises(opwatch.AnomalyError) as raised:
         hf_guard(tmp_path, callback, bad_sample=5, guard=guard_trainer)
     anomaly = raised.value.anomaly
@@ -517,6 +637,9 @@ def test_guard_cli_checks_and_names_a_sparse_gradient(tmp_path):
     (tmp_path / "train.py").write_text(SPARSE)
     environment = dict(os.environ, PYTHONPATH=ROOT)
     result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--strict", "train.py"], capture_output=True, text=True, cwd=tmp_path, env=environment, timeout=300)
-    assert "optimizer step 4: the gradients about to be applied hold nan/inf: emb.weight (nan)" in result.stdout, result.stdout + result.stderr
+    assert "optimizer step 4: the gradients about to be applied hold nan/inf: emb.weight (nan)" in result.stderr, result.stdout + result.stderr
+    # The sparse gradient is checked and named; the step is skipped, and the next one (healthy) says it did not recur.
+    assert "stopped: opwatch: optimizer step 4: the gradients held nan/inf: emb.weight (nan)" in result.stdout
+    assert "the failure did not recur: step 5 ran under a full watch" in result.stdout
     assert "embedding finite: True" in result.stdout
-    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in result.stderr
+    assert "5 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr

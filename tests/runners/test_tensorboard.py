@@ -16,6 +16,7 @@ import torch
 
 import opwatch
 from support import hf_models
+from support.helpers import line_of
 from support.trainers import STEPS, broadcast_loss, lightning_fit, matched_loss, transformers_train
 
 pytest.importorskip("tensorboard")
@@ -127,10 +128,12 @@ def test_a_writer_that_fails_is_told_once_and_the_program_goes_on():
         with opwatch.watch(warn=False) as w, OptimizerStepCounts(FullDisk(), w) as counts:
             for _ in range(STEPS):
                 model(torch.randn(4, 2)).sum().backward()
-                optimizer.step()
+                optimizer.step()  # @step
         counts.close()
-    told = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
-    assert told == ["opwatch could not write its counts to TensorBoard and stops writing them: OSError: No space left on device"]
+    told = [warning for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    assert [str(warning.message) for warning in told] == ["opwatch could not write its counts to TensorBoard and stops writing them: OSError: No space left on device"]
+    # At the program's line that ran the step, not in torch/optim/optimizer.py.
+    assert (told[0].filename, told[0].lineno) == (__file__, line_of("# @step", __file__))
     assert counts.steps == STEPS
 
 

@@ -358,3 +358,72 @@ def classify_under_autocast(steps=2):
         loss.backward()
         optimizer.step()
     return loss
+
+
+class BagRecommender(nn.Module):
+    """Items a user clicked, pooled by an EmbeddingBag weighted by dwell time, scored by a head."""
+
+    def __init__(self, items=50, dim=8):
+        super().__init__()
+        self.items = nn.EmbeddingBag(items, dim, mode="sum")
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, clicks, offsets, dwell):
+        return self.head(self.items(clicks, offsets, per_sample_weights=dwell)).squeeze(-1)
+
+
+def _clicks():
+    clicks = torch.tensor([1, 7, 3, 9, 9, 4, 12, 30])
+    offsets = torch.tensor([0, 3, 5])
+    return clicks, offsets
+
+
+def recommend_half_with_float_dwell(steps=1):
+    """A half-precision recommender given dwell times as float32 (torch raises at the bag)."""
+    torch.manual_seed(0)
+    model = BagRecommender().half()
+    clicks, offsets = _clicks()
+    dwell = torch.rand(8)  # float32 from the logging pipeline
+    for _ in range(steps):
+        scores = model(clicks, offsets, dwell)
+    return scores
+
+
+def recommend_half_with_half_dwell(steps=2):
+    """The healthy twin: dwell times cast to the model's dtype, trained for a few steps."""
+    torch.manual_seed(0)
+    model = BagRecommender().half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clicks, offsets = _clicks()
+    dwell = torch.rand(8).half()
+    target = torch.ones(3, dtype=torch.half)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(clicks, offsets, dwell), target)
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
+class CodebookQuantizer(nn.Module):
+    """wav2vec2's quantizer in small: a codebook parameter made with torch.FloatTensor, mixed
+    with the half-precision model's probabilities, cast back two lines later."""
+
+    def __init__(self, groups=2, codes=4, dim=6):
+        super().__init__()
+        self.codevectors = nn.Parameter(torch.FloatTensor(1, groups * codes, dim).uniform_())
+        self.proj = nn.Linear(dim, groups * codes)
+        self.groups, self.codes = groups, codes
+
+    def forward(self, hidden):
+        probs = self.proj(hidden).softmax(-1)
+        vectors = probs.unsqueeze(-1) * self.codevectors
+        vectors = vectors.view(hidden.shape[0], self.groups, self.codes, -1).sum(-2)
+        return vectors.flatten(1).type_as(hidden)
+
+
+def quantize_half_with_float_codebook():
+    torch.manual_seed(0)
+    model = CodebookQuantizer()
+    model.proj.half()  # the model runs in half; the codebook stayed float32
+    return model(torch.randn(3, 6, dtype=torch.half))

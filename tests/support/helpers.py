@@ -26,8 +26,8 @@ class StubContext:
     check runs on plain metadata with no mode and no op log.
 
     ``deliberate`` maps a tensor's ident to its size-1 dims made on purpose (negative, counted
-    from the right); other tensors have none. A tensor with ident 0 has no producer; any other
-    was made by :data:`PRODUCER`.
+    from the right); other tensors have none (the broadcast tracker ``shapes`` answers from
+    it). A tensor with ident 0 has no producer; any other was made by :data:`PRODUCER`.
     """
 
     site = 0  # no source site: the same-call rules never apply
@@ -35,16 +35,24 @@ class StubContext:
     args = ()
 
     def __init__(self, deliberate: dict | None = None):
-        self.deliberate = deliberate or {}
-
-    def previous_expand(self):
-        return None
-
-    def deliberate_dims(self, meta) -> frozenset[int]:
-        return frozenset(self.deliberate.get(meta[3], ()))
+        self.shapes = StubShapes(deliberate or {})
 
     def producer(self, meta) -> Place | None:
         return PRODUCER if meta[3] else None
+
+
+class StubShapes:
+    """The broadcast check's tracker (``opwatch.checks.broadcast.ShapeProvenance``) answered
+    from a table of deliberate dims; no expand was logged before."""
+
+    def __init__(self, deliberate: dict):
+        self.deliberate = deliberate
+
+    def expand_before(self, site):
+        return None
+
+    def deliberate_dims(self, meta, site) -> frozenset[int]:
+        return frozenset(self.deliberate.get(meta[3], ()))
 
 
 class MLP(nn.Module):

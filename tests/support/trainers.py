@@ -24,12 +24,10 @@ def matched_loss(pred, target):
     return ((target - pred.squeeze(-1)) ** 2).mean()  # (4,) - (4,): the fix
 
 
-def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logger=None, log_every_n_steps=1):
-    """``lightning.Trainer.fit`` for ``steps`` batches of 4, logging every ``log_every_n_steps``
-    to ``logger`` (a ``CSVLogger`` in ``tmp_path`` by default)."""
+def lightning_module(loss=broadcast_loss, eval_loss=None):
+    """The regression as a ``LightningModule``; with ``eval_loss``, its ``validation_step``,
+    ``test_step`` and ``predict_step`` (which returns the loss) compute it."""
     lightning = pytest.importorskip("lightning")
-    from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader, TensorDataset
 
     class Regression(lightning.LightningModule):
         def __init__(self):
@@ -43,7 +41,23 @@ def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logge
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    trainer = lightning.Trainer(
+    if eval_loss is not None:
+
+        def evaluation_step(self, batch, batch_idx):
+            x, target = batch
+            return eval_loss(self.layer(x), target)
+
+        Regression.validation_step = Regression.test_step = Regression.predict_step = evaluation_step
+    return Regression()
+
+
+def lightning_trainer(tmp_path, callback, steps=STEPS, *, logger=None, log_every_n_steps=1, **options):
+    """A ``lightning.Trainer`` on the CPU for ``steps`` batches, logging every
+    ``log_every_n_steps`` to ``logger`` (a ``CSVLogger`` in ``tmp_path`` by default)."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    return lightning.Trainer(
         max_steps=steps,
         accelerator="cpu",
         logger=logger if logger is not None else CSVLogger(tmp_path),
@@ -53,8 +67,22 @@ def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logge
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
-    trainer.fit(Regression(), DataLoader(TensorDataset(*regression_data()), batch_size=4))
+
+
+def regression_loader(count=4 * STEPS):
+    """The regression's data in batches of 4."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return DataLoader(TensorDataset(*regression_data(count)), batch_size=4)
+
+
+def lightning_fit(tmp_path, callback, steps=STEPS, *, loss=broadcast_loss, logger=None, log_every_n_steps=1):
+    """``lightning.Trainer.fit`` for ``steps`` batches of 4, logging every ``log_every_n_steps``
+    to ``logger`` (a ``CSVLogger`` in ``tmp_path`` by default)."""
+    trainer = lightning_trainer(tmp_path, callback, steps, logger=logger, log_every_n_steps=log_every_n_steps)
+    trainer.fit(lightning_module(loss), regression_loader())
     return trainer
 
 

@@ -84,3 +84,18 @@ def test_nonfinite_kind_says_nan_before_inf_and_reads_sparse_values():
     assert nonfinite_kind(torch.arange(3)) is None and nonfinite_kind(torch.empty(2, device="meta")) is None
     assert nonfinite_kind(torch.sparse_coo_tensor([[0]], [float("inf")], (2,))) == "inf"
     assert nonfinite_kind(torch.tensor([[0.0, float("nan")]]).to_sparse_csr()) == "nan"
+    assert nonfinite_kind(torch.tensor([1 + 1j, complex(0, float("inf"))])) == "inf"
+    assert nonfinite_kind(torch.tensor([], dtype=torch.float16)) is None
+
+
+def test_value_extremes_is_the_one_reading_of_values_nan_carrying_through():
+    from opwatch.checks.nonfinite.rules import CHECKED_DTYPES as checked_by_the_check
+    from opwatch.core.finite import CHECKED_DTYPES, value_extremes
+
+    assert checked_by_the_check is CHECKED_DTYPES  # one list of checked dtypes
+    assert value_extremes(torch.tensor([3.0, -2.0, 0.5], dtype=torch.float16)) == (-2.0, 3.0)
+    assert value_extremes(torch.tensor([2 - 5j, -1 + 4j])) == (-5.0, 4.0)  # real and imaginary parts
+    low, high = value_extremes(torch.tensor([1.0, float("-inf"), float("nan")]))
+    assert low != low and high != high  # nan wins over inf, on both sides
+    assert value_extremes(torch.tensor([1.0, float("inf")])) == (1.0, float("inf"))
+    assert value_extremes(torch.arange(4)) is None and value_extremes(torch.empty(0)) is None

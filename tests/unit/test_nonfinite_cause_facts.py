@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from opwatch.checks.finding import BeforeWatch, Finding, Owned
+from opwatch.checks.finding import BeforeWatch, Finding, Owned, Place
 from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, _bound, _call_of, _Slot
 from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.core.notation import TensorMeta
@@ -116,3 +116,24 @@ def test_an_origin_without_a_cause_has_no_cause_line_and_keeps_its_fix():
     assert cause_line(finding) is None
     problem, _, fix = explain(finding)
     assert "made nan from finite inputs" in problem and fix.startswith("guard the inputs of this op")
+
+
+@pytest.mark.parametrize("made, alive, health, inputs", [
+    # made by an op in the watch: that op was checked, so the input was finite
+    (Place("aten.add.Tensor", "train.py", 5, "forward"), False,
+     "range unknown (made by aten.add.Tensor at train.py:5; its range was not kept, and it was no longer alive at the check point)", "from finite inputs"),
+    ("before_watch", False, "range unknown (made before the watch; no longer alive)", "from inputs not all known to be finite"),
+    ("before_watch", True, "range unknown (made before the watch; alive, but it held nan/inf or could not be read at the check point)", "from inputs not all known to be finite"),
+    ("left_log", False, "range unknown (made by an op that has left the bounded log (max_records); no longer alive)", "from inputs not all known to be finite"),
+    # a step GradScaler skipped: no walk of the live objects, so whether it was alive is not said
+    ("before_watch", None, "range unknown (made before the watch; not looked for at a step GradScaler skipped)", "from inputs not all known to be finite"),
+    (None, False, "range unknown (made before the watch or the last check point, and no longer alive)", "from inputs not all known to be finite"),  # an older log
+])
+def test_an_input_whose_range_is_unknown_is_told_where_it_was_made_and_whether_it_was_alive(made, alive, health, inputs):
+    finding = origin(None)
+    finding.facts.update(input_made=(None, made, None), input_alive=(False, alive, False))
+    if made is None:  # a log of an opwatch before these facts has neither
+        del finding.facts["input_made"], finding.facts["input_alive"]
+    problem, _, _ = explain(finding)
+    assert f"input f32[3, 4] cpu: {health}" in problem, problem
+    assert f"made nan {inputs} (" in problem, problem

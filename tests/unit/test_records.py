@@ -57,8 +57,9 @@ def test_indices_are_consecutive_from_zero():
 def test_module_paths_are_relative_to_the_outermost_module():
     w = watched_step()
     modules = {r.module for r in w.records if r.phase == "forward"}
-    # The outermost module is named by its class; modules are dotted state_dict paths.
-    assert {"Net", "blocks.0.proj", "blocks.0.norm", "blocks.0", "blocks.1.norm", "head"} <= modules
+    # The outermost module is named by its class; modules are dotted state_dict paths, with
+    # the class of a module named by an index (the children of nn.Sequential, nn.ModuleList).
+    assert {"Net", "blocks.0.proj", "blocks.0.norm", "blocks.0 (Block)", "blocks.1.norm", "head"} <= modules
     squeeze = next(r for r in w.records if r.op == "aten.squeeze.dim")
     assert squeeze.module == "Net"
     loss_sub = next(r for r in w.records if r.op == "aten.sub.Tensor" and r.phase == "forward")
@@ -309,3 +310,53 @@ def test_live_records_share_the_interface():
     assert record.signature().startswith(short_op_name(record.func) + "(")
     assert short_op_name("aten.mm.default") == short_op_name(torch.ops.aten.mm.default) == "aten.mm"
     assert short_op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+
+
+def test_an_entry_logged_before_its_kernel_is_completed_in_place():
+    from opwatch.core.records import E_END_NS, OpLog, op_entry
+
+    log = OpLog(4)
+    meta = ((4, 1), torch.float32, torch.device("cpu"), 7)
+    head = (0, log.func_id(torch.ops.aten.sub.Tensor), 0, None, "forward", -1, ())
+    record = log.add(op_entry(head, 10, -1, [meta, meta]))
+    assert record.outputs is None and record.inputs[0].shape == (4, 1)  # the kernel has not run
+    out = ((4, 4), torch.float32, torch.device("cpu"), 8)
+    log.complete(record, op_entry(head, 10, 12, [meta, meta], [out]))
+    assert len(log.entries) == 1 and log.entries[0][E_END_NS] == 12
+    assert [meta.shape for meta in record.outputs] == [(4, 4)] and log.records()[0].outputs == record.outputs
+    # Once a later op was logged, the record is completed alone (the log keeps its order).
+    later = log.add(op_entry((1, *head[1:]), 13, -1, [out]))
+    log.complete(later, op_entry((1, *head[1:]), 13, 14, [out], []))
+    log.entries.append(op_entry((2, *head[1:]), 15, 16, [out], [out]))
+    log.complete(record, op_entry(head, 10, 12, [meta, meta], []))
+    assert record.outputs == () and [entry[E_END_NS] for entry in log.entries] == [12, 14, 16]
+
+
+class _Centered(torch.nn.Module):
+    def forward(self, x):
+        return x - x.mean(-1)  # [5, 1] - [5]: a broadcast (the keepdim forgotten)
+
+
+def test_sequential_children_are_named_by_path_and_class():
+    """The children of nn.Sequential are named as users know them (``3 (_Centered)``, not
+    ``3``), in records and messages; an allow entry may still name the path alone."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1), _Centered())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    for allow in ((), [opwatch.Allow(module="3")]):
+        with opwatch.watch(warn=False, allow=allow) as w:
+            optimizer.zero_grad()
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+        modules = {r.module for r in w.records if r.phase == "forward"}
+        assert {"0 (Linear)", "1 (ReLU)", "2 (Linear)", "3 (_Centered)"} <= modules
+        (anomaly,) = w.anomalies + w.allowed
+        assert anomaly.module == "3 (_Centered)" and ", module 3 (_Centered) (forward)" in anomaly.message.partition("\n")[0]
+        assert len(w.allowed) == len(allow)
+
+
+def test_named_modules_keep_their_paths():
+    named = {r.module for r in watched_step().records}
+    assert {"Net", "blocks.0.proj", "blocks.1.norm", "head"} <= named
+    assert {m for m in named if m and "(" in m} == {"blocks.0 (Block)", "blocks.1 (Block)"}  # indexed: the class too

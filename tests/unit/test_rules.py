@@ -3,6 +3,8 @@
 - arrows one way: a module imports only modules of its own layer or below (``FLOORS``: the folders), and no
   import cycle, counting imports inside functions;
 - private torch APIs only in ``opwatch/core/compat.py``;
+- the hot path keeps its size: ``OpInterceptor`` at most 250 code lines, its
+  ``__torch_dispatch__`` at most 80;
 - every sentence a user reads is built in ``opwatch/render/``: no prose literal elsewhere,
   except where the rule says why (errors for bad arguments, raised where they are validated;
   command-line help).
@@ -46,7 +48,7 @@ def test_every_folder_is_a_floor():
 PUBLIC_PRIVATE_MODULES = {"torch.utils._python_dispatch"}
 # Private attributes every torch op tool reads (torch's own flop_counter and DebugMode do).
 TOLERATED_ATTRIBUTES = {"_schema", "_overloadname", "_get_current_dispatch_mode_stack"}
-PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states"}
+PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states", "hooks_dict_ref"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -174,6 +176,10 @@ def private_torch_uses(path: pathlib.Path) -> list[str]:
                 found.append(f"{path.name}:{node.lineno} {dotted}")
             elif node.attr in PRIVATE_OBJECT_ATTRIBUTES:
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and name.value in PRIVATE_OBJECT_ATTRIBUTES:
+                found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {name.value!r})")
     return found
 
 
@@ -298,18 +304,18 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.render.summary": 3,  # the first line of a message
     "opwatch.runners.cli": 5,  # sys.argv[0], string parts, the user's last frame
     "opwatch.findings.allow": 2,
-    "opwatch.checks.broadcast": 12,
+    "opwatch.checks.broadcast": 13,  # the last entry logged (entries[-1]) for a broadcast_tensors pair
     "opwatch.checks.device": 13,
     "opwatch.checks.dtype": 8,
     "opwatch.checks.fingerprints": 2,
     "opwatch.checks.module_calls": 3,
     "opwatch.checks.nonfinite.collectives": 8,
     "opwatch.checks.nonfinite.replay": 3,  # an op's first input fed (fed[0], twice) and its state
-    "opwatch.checks": 2,  # the last entry logged (entries[-1]); an op's first input (inputs[0])
+    "opwatch.checks": 1,  # an op's first input (inputs[0])
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
     "opwatch.core.collective_ops": 2,
-    "opwatch.runners.divergence": 1,
+    "opwatch.runners.divergence": 2,  # the first input, the first record
     "opwatch.examples.device_mix": 1,
     "opwatch.storage.jsonl": 3,  # the first/last line, a version string's part
     "opwatch.storage.chrome_trace": 2,  # the first record: the trace's time origin
@@ -320,13 +326,13 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.runners.trainers": 3,
     "opwatch.runners.transformers": 1,
     "opwatch.runners.leave_on": 6,
-    "opwatch.modes.interceptor": 8,
+    "opwatch.modes.interceptor": 6,  # the first and last tensor argument; the first item of a list argument
     "opwatch.modes.modules": 6,  # the innermost module call (self._stack[-1], 4); sys.exc_info()[0] (2)
     "opwatch.modes.reducer": 1,
     "opwatch.core.ops": 3,
     "opwatch.checks.accumulation": 8,  # self is an op's first tensor; the first odd operand
     "opwatch.runners.pytest_plugin": 3,
-    "opwatch.core.records": 1,
+    "opwatch.core.records": 3,  # the oldest entry; the last entry (twice: OpLog.complete)
     "opwatch.render.broadcast": 2,
     "opwatch.render.dtype": 5,
     "opwatch.render.guard": 4,
@@ -390,3 +396,77 @@ def test_tuples_of_facts_are_read_by_name():
 )
 def test_the_subscript_detector_itself(source, names):
     assert [name for _, _, name in constant_subscripts(source)] == names
+
+
+def test_the_private_torch_detector_sees_getattr_by_name(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('ref = getattr(handle, "hooks_dict_ref", None)\nok = getattr(handle, "id", None)\n')
+    assert private_torch_uses(source) == ["m.py:1 getattr(..., 'hooks_dict_ref')"]
+
+
+# -- sizes of the hot path ----------------------------------------------------------------------
+
+# The interceptor's class and its per-op function, in code lines (no docstring, comment or blank
+# line): past these, they hold two jobs (STYLE.md).
+HOT_PATH_LIMITS = {("opwatch.modes.interceptor", "OpInterceptor"): 250, ("opwatch.modes.interceptor", "OpInterceptor.__torch_dispatch__"): 80}
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """The lines of ``node`` holding code: docstrings (of the module, classes, functions),
+    comments and blank lines left out."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for owner in ast.walk(tree):
+        if isinstance(owner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and owner.body:
+            first = owner.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = source.splitlines()
+    counted = 0
+    for number in range(node.lineno, node.end_lineno + 1):
+        text = lines[number - 1].strip()
+        if text and not text.startswith("#") and number not in docstrings:
+            counted += 1
+    return counted
+
+
+def _unit(tree: ast.Module, dotted: str) -> ast.AST:
+    scope = tree
+    for name in dotted.split("."):
+        scope = next(node for node in scope.body if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name)
+    return scope
+
+
+@pytest.mark.parametrize("module, unit", list(HOT_PATH_LIMITS))
+def test_the_hot_path_keeps_its_size(module, unit):
+    source = modules()[module].read_text()
+    lines = code_lines(source, _unit(ast.parse(source), unit))
+    assert lines <= HOT_PATH_LIMITS[module, unit], f"{module}.{unit}: {lines} code lines, at most {HOT_PATH_LIMITS[module, unit]}"
+
+
+def test_the_code_line_counter_itself():
+    source = 'class A:\n    """Doc\n    string."""\n\n    # a comment\n    def f(self):\n        """Doc."""\n        return 1  # counted\n'
+    tree = ast.parse(source)
+    assert code_lines(source, _unit(tree, "A")) == 3  # class A, def f, return 1
+    assert code_lines(source, _unit(tree, "A.f")) == 2
+
+
+def test_the_interceptor_names_no_check():
+    """Findings leave the hot path by one exit (opwatch.checks.pipeline): the interceptor imports
+    no check and names none of their modules or internals."""
+    checks = {path.stem for path in (PACKAGE / "checks").iterdir() if path.stem != "__init__" and (path.suffix == ".py" or path.is_dir())}
+    checks -= {"pipeline", "finding", "__pycache__"}
+    path = modules()["opwatch.modes.interceptor"]
+    assert not {target for target in imports()["opwatch.modes.interceptor"] if target.startswith("opwatch.checks")}
+    # ``device`` and ``dtype`` are a tensor's too (its fields, a local variable); the checks'
+    # state and verdicts are theirs alone.
+    modules_named = checks - {"device", "dtype"}
+    internals = modules_named | {"matters", "handshakes", "prints", "waits_for_use", "where_made", "with_provenance"}
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and node.id in modules_named:
+            named.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in internals:
+            named.add(node.attr)
+    assert not named, f"the interceptor names checks: {sorted(named)}"
+    assert {"broadcast", "promotions", "nonfinite"} <= checks  # the detector sees the checks

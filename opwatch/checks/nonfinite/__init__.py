@@ -53,8 +53,8 @@ that judges origins), :mod:`.collectives` (collectives' outputs until read, rece
 
 from __future__ import annotations
 
-from .origin import Origin, OverflowRisk
+from .origin import Origin, OverflowRisk, Verdict, verdict
 from .rules import HEADROOM_FACTOR, KINDS, NAME, RISK_KIND
 from .tracker import NonFiniteTracker
 
-__all__ = ["NAME", "KINDS", "RISK_KIND", "HEADROOM_FACTOR", "NonFiniteTracker", "Origin", "OverflowRisk"]
+__all__ = ["NAME", "KINDS", "RISK_KIND", "HEADROOM_FACTOR", "NonFiniteTracker", "Origin", "OverflowRisk", "Verdict", "verdict"]

@@ -30,12 +30,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ...core.fact_tuples import fact_tuple
+from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .origin import LeafRecipe, MovedRecipe
-from .rules import COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
 __all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN"]
 
@@ -65,34 +66,75 @@ class Cause(NamedTuple):
 
 def decide_causes(origins, log) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
-    recipes (see ``replay._carry_range``) and each origin's :class:`Cause` (``origin.cause``).
-    The tensors needed (recipes' leaves, the origin ops' own inputs) are looked up among the
-    live objects in one walk of the garbage collector's list, and only those that no op wrote
-    after the origin's op read them (else they hold other values now). Never on a healthy step."""
+    recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
+    and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
+    :mod:`.origin`), and each origin's :class:`Cause` (``origin.cause``). The tensors needed
+    (recipes' leaves, the origin ops' own inputs) are looked up among the live objects in one
+    walk of the garbage collector's list, and only those that no op wrote after the origin's op
+    read them (else they hold other values now); each is read once
+    (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
     wanted: dict = {}
     writes = _Writes(log)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
-    origins = [origin for origin in origins if not origin.skipped_by_grad_scaler]
-    for origin in origins:
+    decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
+    for origin in decided:
         for _, value in origin.input_ranges:
             _want(value, wanted, writes)
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             for meta in origin.record.inputs:
                 # Not written by the op itself either (``x.log_()``): it holds the result now.
-                if meta[M_DTYPE] in _FLOATING and not writes.after(meta[M_IDENT], index - 1):
+                if meta[M_DTYPE] in CHECKED_DTYPES and not writes.after(meta[M_IDENT], index - 1):
                     wanted[meta[M_IDENT]] = meta
     found, modules = _live(wanted)
     health = {ident: _health(tensor) for ident, tensor in found.items()}
     for origin in origins:
         recipes = origin.input_ranges
         origin.input_ranges = [(meta, _worked_out(value, health)) for meta, value in recipes]
-        if not facts_of(origin.record.func).is_collective:
+        _where_made(origin, recipes, found, wanted, writes, log)
+        if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, modules)
 
 
-_FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128))
+def _where_made(origin, recipes, found, wanted, writes, log) -> None:
+    """``input_made`` and ``input_alive`` of an origin with an input whose range stays unknown:
+    where it was made (:func:`_made`), and whether it was alive at the check point (found, its
+    values unreadable: nan/inf, or a kind of tensor not measured). ``None`` for alive when it
+    was not looked for (a step GradScaler skipped: no walk of the live objects)."""
+    if all(known is not None for _, known in origin.input_ranges):
+        return
+    pairs = list(zip(recipes, origin.input_ranges))
+    origin.input_made = tuple(None if known is not None else _made(value, log) for (_, value), (_, known) in pairs)
+    looked = not origin.skipped_by_grad_scaler
+    origin.input_alive = tuple(_alive(value, found, wanted, writes, looked) if known is None else False for (_, value), (_, known) in pairs)
+
+
+def _alive(value, found, wanted, writes, looked) -> bool | None:
+    """Whether the tensor of an input whose range stays unknown was alive at the check point
+    (found, but unreadable); ``None`` when it was not looked for and may be."""
+    if not isinstance(value, LeafRecipe):
+        return False
+    ident = value.meta[M_IDENT]
+    if ident in found:
+        return True
+    if looked or ident in wanted or writes.after(ident, value.read_at - 1):
+        return False  # not found, or its id is a later tensor's: dead
+    return None
+
+
+def _made(value, log):
+    """Where an input whose range stays unknown was made: the :class:`Place` of the op that
+    made it in the watch (for a recipe, the op whose output it was), ``"left_log"`` when that
+    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch."""
+    record = None
+    if isinstance(value, MovedRecipe):
+        record = log.find(value.read_at)
+    elif isinstance(value, LeafRecipe):
+        record = log.producer_of(value.meta[M_IDENT], before=value.read_at)
+    if record is not None:
+        return Place.of(record)
+    return "left_log" if log.lost_ops else "before_watch"
 
 
 class _Health(NamedTuple):
@@ -124,12 +166,12 @@ class _Writes:
 
     def made_by(self, ident, index):
         """The latest op before op ``index`` that output ``ident``, or ``None``."""
-        for entry in reversed(self._log.entries):
-            if entry[E_INDEX] >= index:
-                continue
-            if any(meta[M_IDENT] == ident for meta in entry_outputs(entry) or ()):
-                return self._log.view(entry)
-        return None
+        return self._log.producer_of(ident, before=index)
+
+    @property
+    def lost_ops(self) -> bool:
+        """Whether ops have left the bounded log (then "made by no logged op" is not "made before the watch")."""
+        return self._log.lost_ops
 
 
 def _want(value, wanted, writes) -> None:
@@ -189,13 +231,14 @@ def fold_same_source(origins) -> tuple[list, dict]:
 
 def _health(tensor) -> _Health:
     try:
-        if not (tensor.numel() and type(tensor) in PLAIN_TYPES and tensor.layout is STRIDED and not tensor.is_meta):
+        if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
             return _Health(None, None)
-        checked = torch.view_as_real(tensor.detach().resolve_conj()) if tensor.dtype in COMPLEX else tensor.detach()
-        low, high = torch.aminmax(checked)
-        low, high = low.item(), high.item()
+        extremes = value_extremes(tensor)
     except Exception:
         return _Health(None, None)
+    if extremes is None:
+        return _Health(None, None)
+    low, high = extremes
     if math.isnan(low) or math.isnan(high):
         return _Health(None, "nan")
     if math.isinf(low) or math.isinf(high):
@@ -258,7 +301,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     for (_, value), (_, known) in zip(recipes, origin.input_ranges):
         if known is None:
             for leaf in _leaves(value):
-                if leaf[M_IDENT] not in found and writes.made_by(leaf[M_IDENT], index) is None:
+                if leaf[M_IDENT] not in found and writes.made_by(leaf[M_IDENT], index) is None and not writes.lost_ops:
                     return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
     return None
 
@@ -290,7 +333,10 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
     if isinstance(tensor, torch.nn.Parameter):
         return Cause(WEIGHTS, tensor=meta, held=known.held, through=through)
     maker = writes.made_by(ident, index)
-    made = BeforeWatch() if maker is None else MadeBy("made_by", Place.of(maker))
+    if maker is not None:
+        made = MadeBy("made_by", Place.of(maker))
+    else:  # no logged op made it: before the watch, unless its maker left the bounded log
+        made = None if writes.lost_ops else BeforeWatch()
     return Cause(INPUT, tensor=meta, held=known.held, made=made, through=through)
 
 
@@ -352,9 +398,12 @@ def _rerun(record, found):
         floating = [result for result in results if result.is_floating_point()]
         if not floating or any(result.dtype != candidate for result in floating):
             return None  # the op chose its dtype itself (a cast): its dtype is the question
-        first = _first(floating)
-        if bool(torch.isfinite(first).all()):
-            return candidate, float(first.abs().max()) if first.numel() else 0.0
+        extremes = value_extremes(_first(floating))
+        if extremes is None:
+            return candidate, 0.0  # empty: nothing in it is not finite
+        low, high = extremes
+        if math.isfinite(low) and math.isfinite(high):
+            return candidate, max(abs(low), abs(high))
     return (None, None)
 
 

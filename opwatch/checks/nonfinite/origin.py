@@ -15,9 +15,15 @@ ran, the forward op's short name, else ``None``), ``spread`` (later ops that car
 ``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
 ``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
 ``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
-None)`` per floating input), ``cause`` (a :class:`~.cause.Cause` or ``None``: precision, undefined
-math, an input or a parameter that already held it), ``absorbed`` (a forward overflow reported
-although its values died before a sink: what they fed is finite and wrong). Of the third: ``op``, ``inputs``, ``outputs``, ``largest``.
+None)`` per floating input), ``input_made`` (per floating input whose range is unknown, where it
+was made: the :class:`Place` of the op that made it in the watch, ``"before_watch"``, or
+``"left_log"`` when that op has left the bounded log; ``None`` for a known range),
+``input_alive`` (per floating input, whether one of those was still alive at the check point,
+its values unreadable then: nan/inf, or a kind of tensor not measured), ``cause`` (a
+:class:`~.cause.Cause` or ``None``: precision, undefined math, an input or a parameter that
+already held it), ``absorbed`` (a forward overflow reported although its values died before a
+sink: what they fed is finite and wrong). Of the third: ``op``, ``inputs``, ``outputs``,
+``largest``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from ...core.records import BACKWARD, E_INDEX, E_PHASE
 from ..finding import Finding, Place
 from .rules import HEADROOM_LIMIT, RISK_KIND, SENTINELS
 
-__all__ = ["Origin", "OverflowRisk", "headroom_risks", "LeafRecipe", "MovedRecipe"]
+__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "LeafRecipe", "MovedRecipe"]
 
 
 # How to work out at report time a range the replay did not know (see ``replay._carry_range``;
@@ -63,11 +69,26 @@ def _signature(record) -> dict:
     return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
 
 
+class Verdict(NamedTuple):
+    """A judged origin (or risk) as the reporter takes it."""
+
+    finding: Finding
+    record: object  # the OpRecord of the op that made the value
+    contained: bool  # its values reached no sink: kept apart, not an anomaly
+
+
+def verdict(judged) -> Verdict:
+    """The verdict on an :class:`Origin` or :class:`OverflowRisk` judged at a check point
+    (``matters`` set): an origin that did not matter is contained."""
+    contained = not judged.matters
+    return Verdict(judged.finding(contained=contained), judged.record, contained)
+
+
 class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed")
+    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed")
 
     def __init__(self, record, kind, from_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -76,6 +97,9 @@ class Origin:
         self.from_deliberate = from_deliberate
         # (tensor meta, (min, max) or None when unknown) of each floating input
         self.input_ranges: list = []
+        # where each input whose range stays unknown was made (see the module's docstring)
+        self.input_made: tuple = ()
+        self.input_alive: tuple = ()  # of those, the ones still alive at the check point
         self.masked_by = None  # a forward where/masked_fill that dropped its values
         self.back_in_backward = None  # then the first backward op its values reached
         self.spread = 0  # later ops that carried its values on
@@ -117,6 +141,8 @@ class Origin:
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
             from_deliberate=self.from_deliberate,
             input_ranges=tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges),
+            input_made=self.input_made,
+            input_alive=self.input_alive,
             cause=self.cause,
             absorbed=self.absorbed,
         )

@@ -237,7 +237,7 @@ class Origins:
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
-            # A range, or a recipe to work it out at report time (fill_unknown_ranges).
+            # A range, or a recipe to work it out at report time (cause.decide_causes).
             origin.input_ranges = [
                 (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, entry[E_INDEX]))
                 for meta in entry_inputs(entry)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ...core.compat import is_zerotensor
+from ...core.finite import CHECKED_DTYPES
 from ...core.fact_tuples import fact_tuple
 from ...core.records import E_ARGS
 
@@ -27,9 +28,8 @@ NAME = "nonfinite"
 RISK_KIND = "overflow_risk"
 KINDS = ("nan", "inf", RISK_KIND)
 
-_REAL = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 COMPLEX = frozenset((torch.complex64, torch.complex128))
-CHECKED_DTYPES = frozenset(_REAL | COMPLEX)
+_REAL = CHECKED_DTYPES - COMPLEX  # CHECKED_DTYPES: opwatch.core.finite's, the one list
 PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 STRIDED = torch.strided
 FLOAT16 = torch.float16

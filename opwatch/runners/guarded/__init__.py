@@ -37,18 +37,20 @@ from collections import deque
 
 import torch
 
+from ...core.finite import nonfinite_kind
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
+from . import compiled as compiled_steps
 from . import replay as replays
 from .audit import Audits
-from .check import FiniteCheck, Raised, not_finite
+from .check import FiniteCheck, Raised, not_finite, on_failure_option
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 
 __all__ = ["guard", "Guarded"]
 
-_ON_FAILURE = ("raise", "skip")
 # Exceptions a replay cannot explain: raised as they are.
 _NOT_REPLAYED = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()
 _Tensor = torch.Tensor
@@ -148,10 +150,16 @@ def guard(
         Anomalies the replay accepts (``opwatch.Allow`` entries, as ``watch(allow=...)``).
         ``guard(step, model, allow=[opwatch.Allow(kind="broadcast")])``.
     on_failure
-        ``"raise"`` (default), or ``"skip"``: a step that made nan/inf is undone (buffers and
-        ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave the
-        parameters alone, as a step GradScaler skips), warned once per origin line, kept in
-        ``.failures``, and the call returns ``None``. Steps that raise always raise.
+        What a step that made nan/inf does once its replay named the origin (the same words as
+        ``python -m opwatch --guard --on-failure`` and the trainers' guard modes): ``"raise"``
+        (default) raises :class:`~opwatch.AnomalyError`; ``"skip"`` undoes the step (buffers
+        and ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave
+        the parameters alone, as a step GradScaler skips), warns once per origin line, keeps
+        it in ``.failures``, and the call returns ``None``; ``"apply"`` warns the same way and
+        leaves the step's non-finite gradients for the optimizer (the call returns what the
+        step returned). Steps that raise always raise. Once the parameters themselves hold
+        nan/inf, a failing step is not replayed (every op that reads them would look like an
+        origin): that is said once, with the call whose gradients were applied.
         ``guard(step, model, on_failure="skip")``.
     repro
         Write a one-op repro of the origin. ``guard(step, model, repro=False)``.
@@ -193,6 +201,9 @@ class Guarded:
         last_replay: the :class:`~opwatch.Watch` of the latest replay, or of the audit a
             failure was reported from (``table()``, ``records``, ``anomalies``), or ``None``.
         last_audit: the :class:`~opwatch.Watch` of the latest audit, or ``None``.
+        last_verdict: for the latest replayed failure of a step that runs ``torch.compile``d
+            code, a :class:`~opwatch.runners.guarded.compiled.CompiledVerdict` (eager fails
+            too, or only the compiled step; the compiler stages run), else ``None``.
     """
 
     def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
@@ -210,6 +221,8 @@ class Guarded:
         self._allow = allow
         self._check_results = checks is None or "nonfinite" in checks
         self._on_failure = on_failure
+        self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
+        self._poisoned = False  # the parameters held nan/inf at a failure: told once
         self._repro = repro
         self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
         self._repro_max_bytes = repro_max_bytes
@@ -227,6 +240,7 @@ class Guarded:
         self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.last_replay: Watch | None = None
         self.last_audit: Watch | None = None
+        self.last_verdict = None
         functools.update_wrapper(self, train_step, updated=())
 
     @property
@@ -262,10 +276,12 @@ class Guarded:
             self._refuse_changed_parameters(start)
         if self._check_results and not self._checked(result):
             failure = not_finite(result, self._snapshots.params, self._parameter_names())
-            del result  # not kept alive through the replay
+            if self._on_failure != "apply":
+                del result  # not kept alive through the replay
+                result = None
             if audit is not None:
                 self._audited(audit, start, may_raise=False)  # the failure is what raises
-            return self._failed(start, args, kwargs, failure, audit=audit)
+            return self._failed(start, args, kwargs, failure, audit=audit, result=result)
         if audit is not None:
             self._audited(audit, start)
         return result
@@ -312,11 +328,14 @@ class Guarded:
 
     # -- a failing step ------------------------------------------------------------------------
 
-    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None):
+    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
-        (or skip). ``failure``: what went wrong (facts); ``error``: the step's exception."""
+        (or skip, or apply). ``failure``: what went wrong (facts); ``error``: the step's
+        exception; ``result``: what the step returned (kept for ``on_failure="apply"``)."""
         snapshots = self._snapshots
         name = self._name()
+        if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
+            return self._after_poisoned(start, result)
         found = audit is not None and error is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
         after = None
         if found:
@@ -334,39 +353,75 @@ class Guarded:
                                  repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
             self.last_replay = replay.watch
             anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
+            self.last_verdict = self._compiled_verdict(replay, anomaly, error, start, args, kwargs)
             context = StepContext(name, failure, len(start.buffers), False)
-        skip = error is None and self._on_failure == "skip"
-        # The optimizer never sees this step's gradients; the buffers are as one run left them,
-        # or as they were before it when the step is skipped.
-        snapshots.put_grads(start)
-        if skip:
+        # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
+        go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
+        # The optimizer never sees this step's gradients (unless on_failure="apply": those of
+        # the replay, a second run of the step from its start); the buffers are as one run left
+        # them, or as they were before it when the step is skipped.
+        if go_on != "apply":
+            snapshots.put_grads(start)
+        if go_on == "skip":
             snapshots.put_start_buffers(start)
         elif after is not None:
             put_buffers(*after)
+        if go_on == "apply":
+            self._applied_at = self.calls
         if anomaly is None:
             problem = self._not_found(replay, error, failure, len(start.buffers), repro)
-            if skip and replay.error is None:
-                self.skipped += 1
-                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem))), stacklevel=3)
-                return None
+            if go_on is not None and replay.error is None:
+                self.skipped += go_on == "skip"
+                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
+                return result
             raise problem
-        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), skip, error,
-                            audit.records if found else None)
+        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), go_on, error,
+                            audit.records if found else None, result)
 
-    def _report(self, replayed, skip, error, records):
-        self.failures.append(replayed)
-        if skip:
+    def _weights_poisoned(self, name) -> bool:
+        """Whether the parameters hold nan/inf themselves (read only after a failed check):
+        then no op of this step is the origin, and a replay would name the first that reads
+        them. Told once; ``on_failure="raise"`` raises."""
+        if self._poisoned:
+            return True
+        with torch.no_grad():
+            names = self._parameter_names()
+            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(param.detach()))
+                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(param.detach()).all()]
+        if not bad:
+            return False
+        self._poisoned = True
+        text = words.poisoned_weights(self.calls, name, self._applied_at, render_parameters(bad), self._on_failure)
+        if self._on_failure == "raise":
+            raise RuntimeError(text)
+        warnings.warn(OpwatchWarning(text), stacklevel=4)
+        return True
+
+    def _after_poisoned(self, start, result):
+        """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
+        or applied, counted, not replayed."""
+        if self._on_failure == "skip":
+            self._snapshots.put_grads(start)
+            self._snapshots.put_start_buffers(start)
             self.skipped += 1
+        return result
+
+    def _report(self, replayed, go_on, error, records, result=None):
+        self.failures.append(replayed)
+        if go_on is not None:
+            self.skipped += go_on == "skip"
             key = (replayed.kind, replayed.filename, replayed.lineno)
             if key not in self._warned:
                 self._warned.add(key)
-                _warn_at(OpwatchWarning(words.skipped_step(replayed.message)), replayed)
-            return None
+                _warn_at(OpwatchWarning(words.skipped_step(replayed.message, go_on)), replayed)
+            return result
         raised = AnomalyError(replayed)
         audited = records is not None
         note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
         if note:
             raised.add_note(note)
+        if not audited and self.last_verdict is not None:
+            raised.add_note(words.compiled_verdict(self.last_verdict))
         if error is not None:
             raise raised from error
         raise raised
@@ -386,10 +441,27 @@ class Guarded:
             mismatch = RuntimeError(words.replay_raised_instead(self.calls, self._name(), failure, type(replay.error).__name__))
             mismatch.__cause__ = replay.error
             return mismatch
+        if self.last_verdict is not None and not self.last_verdict.eager_fails:
+            return RuntimeError(words.only_compiled(self.calls, self._name(), failure, buffers, self.last_verdict))
         allowed_nonfinite = [anomaly for anomaly in allowed if anomaly.kind in NONFINITE]
         if allowed_nonfinite:
             return RuntimeError(words.only_allowed(self.calls, self._name(), failure, buffers, len(allowed_nonfinite), allowed_nonfinite[0].message))
         return RuntimeError(words.nothing_found(self.calls, self._name(), failure, buffers, len(allowed)))
+
+    def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
+        """For a step that made nan/inf and runs compiled code: eager fails too, or only the
+        compiled step (then the compiler's stages in turn, each from the step's start)."""
+        if error is not None or replay.error is not None:
+            return None
+        verdict = compiled_steps.verdict(replay.watch, anomaly)
+        if verdict is None or verdict.eager_fails:
+            return verdict
+        snapshots = self._snapshots
+        stages = compiled_steps.narrow(
+            self._step, args, kwargs, restore=lambda: snapshots.restore(start),
+            finite=lambda result: self._finite.all_finite(result, snapshots.params),
+        )
+        return verdict._replace(stages=stages)
 
     # -- refusals and notes ----------------------------------------------------------------------
 
@@ -442,8 +514,7 @@ def _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max
         raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
     # Validates checks, allow and max_records as a watch does (never entered).
     Watch(strict=False, max_records=max_records, checks=checks, dump_on_error=False, last=0, file=None, warn=False, **allow_option(allow))
-    if on_failure not in _ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {', '.join(map(repr, _ON_FAILURE))}, got {on_failure!r}")
+    on_failure_option(on_failure, "raise")
     if not isinstance(repro, bool):
         raise TypeError(f"repro must be True or False, got {repro!r}")
     if not isinstance(strict, bool):

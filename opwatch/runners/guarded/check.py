@@ -21,6 +21,19 @@ from .snapshot import leaves
 _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
+# What a runner does with a step whose gradients hold nan/inf: one option, the same words in
+# guard(), python -m opwatch --guard and the trainers' guard modes.
+ON_FAILURE = ("skip", "raise", "apply")
+
+
+def on_failure_option(value, default: str) -> str:
+    """``value`` checked (``None``: ``default``): one of :data:`ON_FAILURE`."""
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(map(repr, ON_FAILURE))}, got {value!r}")
+    return value
+
 
 class FiniteCheck:
     """Checks steps' results and gradients (:class:`opwatch.core.finite.FusedFiniteCheck`, its

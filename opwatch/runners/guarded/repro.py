@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...core.compat import SKIPS_DYNAMO_PER_CODE, no_python_dispatch, skip_dynamo_for_code
-from ...core.finite import CHECKED_DTYPES
+from ...core.finite import nonfinite_kind
 from ...core.notation import format_meta
 
 __all__ = ["InputCapture", "SavedCall", "write_repro"]
@@ -246,16 +246,17 @@ def _tensors_in(value) -> list:
 
 
 def _nonfinite_kind(tensors) -> str | None:
-    """``"nan"`` if any of the checkable ``tensors`` holds nan, else ``"inf"`` if any holds inf,
-    else ``None``. One host read per tensor: for replays only."""
+    """``"nan"`` if any of the checkable ``tensors`` (plain, dense) holds nan, else ``"inf"`` if
+    any holds inf, else ``None`` (:func:`opwatch.core.finite.nonfinite_kind` of each). One host
+    read per tensor: for replays only."""
     kind = None
     for tensor in tensors:
-        if type(tensor) not in _PLAIN_TYPES or tensor.layout != torch.strided or tensor.dtype not in CHECKED_DTYPES or tensor.device.type == "meta":
+        if type(tensor) not in _PLAIN_TYPES or tensor.layout != torch.strided:
             continue
-        if not bool(torch.isfinite(tensor).all()):
-            if bool(torch.isnan(tensor).any()):
-                return "nan"
-            kind = "inf"
+        found = nonfinite_kind(tensor)
+        if found == "nan":
+            return "nan"
+        kind = kind or found
     return kind
 
 

@@ -1,0 +1,201 @@
+"""On a CUDA device: the host syncs guard, leave-on and watch add to a training step, counted by
+torch itself (``torch.cuda.set_sync_debug_mode("warn")`` warns at every synchronizing call),
+and their findings on real CUDA kernels. Marked ``cuda``: skipped without a CUDA device
+(tests/conftest.py); ``bench/gpu_check.sh`` runs them on a GPU machine."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import opwatch
+from opwatch.runners.leave_on import LeaveOn
+from support.helpers import line_of
+
+pytestmark = pytest.mark.cuda
+CUDA = torch.device("cuda")
+
+
+class SyncCount:
+    """``with SyncCount() as counted: ...``; ``counted.n``: the synchronizing CUDA calls inside."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self._caught = warnings.catch_warnings(record=True)
+        self._records = self._caught.__enter__()
+        warnings.simplefilter("always")
+        self._previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self._previous)
+        self._caught.__exit__(None, None, None)
+        self.n = sum("synchroniz" in str(record.message) for record in self._records)
+        self.others = [record for record in self._records if "synchroniz" not in str(record.message)]
+        return False
+
+
+class Regressor(nn.Module):
+    """Linear, LayerNorm, ReLU, Linear on the GPU; ``bug`` switches on one bug."""
+
+    def __init__(self, bug=None):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 1)
+        self.bug = bug
+        self.stray = torch.zeros(32)  # not a buffer: .cuda() leaves it on the CPU
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.fc1(x)))
+        if self.bug == "device":
+            h = h + self.stray  # BUG device: a CPU tensor meets the GPU's
+        if self.bug == "scale":
+            h = h / x[:, :1].abs().round()  # BUG inf: nan or inf in a row whose first feature rounds to 0
+        if self.bug == "backward nan":
+            h = h + (h * 0).sqrt()  # BUG backward: sqrt'(0) * 0 = nan; forward adds 0
+        return self.fc2(h).squeeze(-1)
+
+
+def setup(bug=None):
+    torch.manual_seed(0)
+    model = Regressor(bug).to(CUDA)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def batches(count, size=16, first=2.0):
+    """Batches on the GPU; every first feature is at least ``first`` in magnitude (scale bug off)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        x = torch.randn(size, 16, generator=generator)
+        x[:, 0] = x[:, 0].sign() * (x[:, 0].abs() + first)
+        yield x.to(CUDA), x.sum(-1).to(CUDA)
+
+
+def forward_backward(model):
+    def train_step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return train_step
+
+
+def test_a_healthy_guarded_step_syncs_once_and_trains_as_eager_does():
+    model, optimizer = setup()
+    reference, reference_optimizer = setup()
+    step = opwatch.guard(forward_backward(model), model)  # the first call is the audit
+    eager = forward_backward(reference)
+    syncs = []
+    for number, (x, y) in enumerate(batches(6)):
+        optimizer.zero_grad(set_to_none=True)
+        reference_optimizer.zero_grad(set_to_none=True)
+        with SyncCount() as counted:
+            loss = step(x, y)
+        syncs.append(counted.n)
+        optimizer.step()
+        assert torch.equal(loss, eager(x, y)), number
+        reference_optimizer.step()
+    assert syncs[1:] == [1] * 5  # the fused check's one host read; the loss on the GPU joins it
+    assert step.audits == 1 and not step.failures and not step.anomalies
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_cuda_inf_is_replayed_and_named_with_its_line(tmp_path):
+    model, optimizer = setup("scale")
+    step = opwatch.guard(forward_backward(model), model, repro_dir=tmp_path)
+    x, y = next(batches(1))
+    optimizer.zero_grad(set_to_none=True)
+    step(x, y)  # every first feature rounds away from 0: finite
+    optimizer.step()
+    x[3, 0] = 0.2  # rounds to 0
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad(set_to_none=True)
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        step(x, y)
+    anomaly = caught.value.anomaly
+    assert anomaly.kind in ("nan", "inf") and anomaly.op == "aten.div.Tensor"  # 0/0 or h/0
+    assert anomaly.lineno == line_of("# BUG inf", __file__)
+    assert "cuda" in str(caught.value)
+    assert all(p.grad is None for p in model.parameters())  # the optimizer never sees them
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_cpu_tensor_in_a_cuda_step_is_named_as_a_device_mix():
+    model, _ = setup("device")
+    x, y = next(batches(1))
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        opwatch.guard(forward_backward(model), model, audit="never", repro=False)(x, y)
+    anomaly = caught.value.anomaly
+    assert (anomaly.kind, anomaly.op, anomaly.lineno) == ("device_mismatch", "aten.add.Tensor", line_of("# BUG device", __file__))
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_leave_on_checks_each_cuda_step_with_one_sync_and_names_a_nan_gradient():
+    model, optimizer = setup()
+    syncs = []
+    with LeaveOn(audit="first") as run:
+        for x, y in batches(5):
+            with SyncCount() as counted:
+                optimizer.zero_grad(set_to_none=True)
+                ((model(x) - y) ** 2).mean().backward()
+                optimizer.step()
+            syncs.append(counted.n)
+    assert (run.steps, run.audited, run.failed) == (5, 1, 0)
+    assert syncs[1:] == [1] * 4  # after the audited first step: the fused check's read
+
+    model, optimizer = setup("backward nan")
+    with pytest.warns(opwatch.OpwatchWarning, match="fc1.weight"):
+        with LeaveOn(audit="manual") as run:  # no audit: the check alone must catch it
+            run.know(model)  # the trainers' way to name the parameters
+            for x, y in batches(2):
+                optimizer.zero_grad(set_to_none=True)
+                ((model(x) - y) ** 2).mean().backward()
+                optimizer.step()
+    assert run.failures[0].step == 1 and ("fc1.weight", "nan") in run.failures[0].parameters
+
+
+def test_watch_checks_a_healthy_cuda_step_with_at_most_one_sync_and_names_a_nan_origin():
+    model, _ = setup()
+    x, y = next(batches(1))
+    with opwatch.watch() as w:
+        ((model(x) - y) ** 2).mean().backward()
+        with SyncCount() as counted:
+            w.check()  # a check point: the nan/inf flags read at most once
+    assert counted.n <= 1 and not w.anomalies
+
+    model, _ = setup("backward nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        with opwatch.watch() as w:
+            ((model(x) - y) ** 2).mean().backward()
+            found = w.check()
+    assert found and found[0].kind in ("nan", "inf") and found[0].lineno == line_of("# BUG backward", __file__)
+
+
+def test_a_compiled_cuda_step_under_guard_stays_compiled_and_syncs_once():
+    model, optimizer = setup()
+    compiled = torch.compile(model)
+    outputs = []
+
+    def train_step(x, y):
+        out = compiled(x)
+        outputs.append(type(out.grad_fn).__name__)
+        loss = ((out - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    step = opwatch.guard(train_step, model, audit="never")
+    syncs = []
+    for x, y in batches(4):
+        optimizer.zero_grad(set_to_none=True)
+        with SyncCount() as counted:
+            step(x, y)
+        syncs.append(counted.n)
+        optimizer.step()
+    assert syncs[1:] == [1] * 3
+    assert outputs == ["CompiledFunctionBackward"] * 4
