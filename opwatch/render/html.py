@@ -2,8 +2,8 @@
 or a saved log, built from its records and findings with the same renderers as the text.
 
 - the findings first, grouped by place as the summary groups them (kind, line, op, phase) with
-  their counts: the line's text with the sub-expression marked, the problem, what was expected,
-  a likely fix (:func:`opwatch.render.messages.message_parts`); a button under each shows the
+  their counts: the line's text with the sub-expression marked, the problem, its cause (where
+  the check decided one), what was expected, a likely fix (:func:`opwatch.render.messages.message_parts`); a button under each shows the
   ops around it;
 - two pictures: the module tree (ops and anomalies per module) and, when the log holds more
   than one training step, the anomalies per step;
@@ -156,7 +156,8 @@ def _finding(anomaly, indices: list, number: int, log: tuple) -> str:
     lines.append(
         '<dl class="words">'
         f"<dt>problem</dt><dd>{escape(parts.problem)}</dd>"
-        f"<dt>expected</dt><dd>{escape(parts.expected)}</dd>"
+        + (f"<dt>cause</dt><dd>{escape(parts.cause)}</dd>" if parts.cause is not None else "")
+        + f"<dt>expected</dt><dd>{escape(parts.expected)}</dd>"
         f"<dt>fix</dt><dd>{escape(parts.fix)}</dd></dl>"
     )
     way = _way(anomaly, *log)

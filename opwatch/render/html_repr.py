@@ -25,7 +25,8 @@ _MARK = "background:#ffe08a"
 
 
 def anomaly_html(anomaly, count: int = 1) -> str:
-    """One anomaly as a card: kind, op, line (the sub-expression marked), problem, expected, fix."""
+    """One anomaly as a card: kind, op, line (the sub-expression marked), problem, cause (where
+    the check decided one), expected, fix."""
     record = anomaly.record
     parts = message_parts(anomaly.finding, record)
     times = f" <b>x{count}</b>" if count > 1 else ""
@@ -33,7 +34,8 @@ def anomaly_html(anomaly, count: int = 1) -> str:
     code = marked_code(parts.code).replace("<mark>", f'<mark style="{_MARK}">') if parts.code else ""
     rows = "".join(
         f'<tr><td style="{_LABEL}">{name}</td><td>{escape(text)}</td></tr>'
-        for name, text in (("problem", parts.problem), ("expected", parts.expected), ("fix", parts.fix))
+        for name, text in (("problem", parts.problem), ("cause", parts.cause), ("expected", parts.expected), ("fix", parts.fix))
+        if text is not None
     )
     return (
         f'<div style="{_BOX};{_CARD}"><div><span style="{_KIND}">{escape(anomaly.kind)}</span> '

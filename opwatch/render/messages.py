@@ -1,5 +1,6 @@
 """One anomaly as users read it: the header (kind, op, line, module, phase), the line's text
-with the sub-expression marked, then what is wrong, what was expected and a likely fix.
+with the sub-expression marked, then what is wrong, why (the ``cause:`` line, for the rules whose
+check decides one: a nan/inf origin's), what was expected and a likely fix.
 
 The three sentences come from the finding's facts: each rule's ``explain`` function, registered
 with :func:`opwatch.render.rules.explains`, is called as ``explain(finding) -> (problem,
@@ -15,7 +16,7 @@ from typing import NamedTuple
 from ..core.notation import format_meta
 from ..core.records import BACKWARD, OpRecord, short_op_name
 from ..core.sites import location
-from .explanations import explainer
+from .explanations import cause_line, explainer
 from .phrases import where_made
 
 __all__ = ["render_message", "explain", "message_parts", "MessageParts"]
@@ -41,11 +42,12 @@ class MessageParts(NamedTuple):
     problem: str
     expected: str
     fix: str
+    cause: str | None = None  # why (the ``cause:`` line), for the rules whose check decides one
 
 
 def message_parts(finding, record: OpRecord) -> MessageParts:
     """The parts of :func:`render_message`: header, code lines, backward note, problem,
-    expected and fix."""
+    expected, fix and cause (``None`` where the finding has none)."""
     position = record.position
     where = location(record) if position.filename or getattr(record, "label", None) else "an unknown line"
     header = f"{finding.kind} in {record.op} at {where}"
@@ -57,18 +59,22 @@ def message_parts(finding, record: OpRecord) -> MessageParts:
     if record.phase == BACKWARD and position.filename:
         of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
         note = f"(a backward op{of}: the line is the forward op whose gradient it computes)"
-    return MessageParts(header, position.caret_lines(), note, *explain(finding))
+    problem, expected, fix = explain(finding)
+    return MessageParts(header, position.caret_lines(), note, problem, expected, fix, cause_line(finding))
 
 
 def render_message(finding, record: OpRecord) -> str:
     """An anomaly as users read it: kind, op, line (its text, the sub-expression marked),
-    module, phase, then what is wrong, what was expected and a likely fix."""
+    module, phase, then what is wrong, why (when the check decided it), what was expected and a
+    likely fix."""
     parts = message_parts(finding, record)
     lines = [parts.header]
     lines += ["    " + line for line in parts.code]
     if parts.note:
         lines.append("  " + parts.note)
     lines.append(f"  problem:  {parts.problem}")
+    if parts.cause is not None:
+        lines.append(f"  cause:    {parts.cause}")
     lines.append(f"  expected: {parts.expected}")
     lines.append(f"  fix:      {parts.fix}")
     return "\n".join(lines)

@@ -6,23 +6,24 @@ values and fp16 headroom."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
 from ..checks.finding import Place
+from ..checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, range_cause
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..core.notation import format_dtype, format_meta
-from ..core.records import BACKWARD, M_DTYPE
+from ..core.records import BACKWARD, M_DTYPE, M_IDENT
 from ..core.sites import display_path
-from .rules import explains
+from .phrases import where_made
+from .rules import causes, explains
 
-__all__ = ["explain_origin", "explain_received", "explain_overflow_risk"]
+__all__ = ["explain_origin", "explain_received", "explain_overflow_risk", "explain_cause"]
 
 _DEFAULT_FIX = "guard the inputs of this op (clamp, add an epsilon, or mask before rather than after), or lower the learning rate if values grew over steps"
-# What made a non-finite value, by cause: the fix for it. A cause is found from the inputs'
-# ranges (:func:`_cause`), else from the op and the kind (:data:`_CAUSE_OF`): log of a negative
-# number is nan, log(0) is -inf, and each gets the fix for what it is.
+# What made a non-finite value, by what the inputs' ranges show (a cause's ``detail``, decided
+# by the check: :mod:`opwatch.checks.nonfinite.cause`), else by the op and the kind
+# (:data:`_CAUSE_OF`): log of a negative number is nan, log(0) is -inf; each its own fix.
 _CAUSE_FIXES = {
     "log_negative": "{name} of a negative number is nan: its input must be positive; find where it goes below 0 (a difference, a noisy estimate), or make it positive by construction (softplus, exp, x.abs() + eps) rather than clamping a wrong value",
     "log_zero": "{name}(0) = -inf: clamp the input (x.clamp_min(eps).{name}()) or use log_softmax/logsigmoid",
@@ -133,6 +134,11 @@ def _story(finding) -> str:
         story += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
     elif facts["contained"]:
         story += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
+    elif facts.get("absorbed"):
+        story += (
+            f"; a later op absorbed the {what} (rsqrt(inf) = 0, 1 / inf = 0, exp(-inf) = 0): "
+            "what it fed is finite but wrong, so it is reported"
+        )
     return story
 
 
@@ -142,9 +148,30 @@ def _inputs(finding) -> str:
     if facts["from_deliberate"]:
         inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
     else:
-        inputs = "finite inputs" if facts["inputs"] else "no tensor inputs"
+        cause = _cause(finding)
+        if cause is not None and cause.kind in (INPUT, WEIGHTS):
+            inputs = f"an input that already held {cause.held}"
+        elif _not_known_finite(facts):
+            inputs = "inputs not all known to be finite"
+        else:
+            inputs = "finite inputs" if facts["inputs"] else "no tensor inputs"
     health = _input_health(finding)
     return f"{inputs} ({health})" if health else inputs
+
+
+def _not_known_finite(facts) -> bool:
+    """Whether an input's range is unknown and nothing shows it was finite: one made by an op in
+    the watch was checked there (its values were finite, or that op would be the origin); one
+    made before the watch, by an op that left the bounded log (it may be older than the watch),
+    where a log of an older opwatch does not say, or alive and unreadable at the check point,
+    is not known to be."""
+    input_ranges = _input_ranges(facts)
+    made = facts.get("input_made") or (None,) * len(input_ranges)
+    alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    return any(
+        value_range is None and (where is None or isinstance(where, str) or living is not False)
+        for (_, value_range), where, living in zip(input_ranges, made, alive)
+    )
 
 
 def _input_health(finding) -> str:
@@ -154,10 +181,14 @@ def _input_health(finding) -> str:
     if not input_ranges:
         return ""
     parts = []
+    cause = _cause(finding)
+    held = _held_input(cause)
     made = finding.facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
     alive = finding.facts.get("input_alive") or (False,) * len(input_ranges)
     for (meta, value_range), where, living in zip(input_ranges, made, alive):
-        if value_range is None:
+        if value_range is None and meta[M_IDENT] == held:
+            parts.append(f"input {format_meta(meta)}: already held {cause.held}")
+        elif value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
         elif value_range.within:  # carried through an op that kept some of its source's values
             parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
@@ -168,10 +199,22 @@ def _input_health(finding) -> str:
     return f"{text} -> {reason}" if reason else text
 
 
-def _unknown_why(made, alive: bool = False) -> str:
+def _held_input(cause):
+    """The ident of the op's input that carried a nan/inf it already held, else ``None``."""
+    if cause is None or cause.kind not in (INPUT, WEIGHTS):
+        return None
+    carried = cause.through if cause.through is not None else cause.tensor
+    return carried[M_IDENT]
+
+
+def _unknown_why(made, alive: bool | None = False) -> str:
     """Why an input's range is unknown, from where it was made (``input_made``) and whether it
-    was alive at the check point (``input_alive``: its values could not be read then)."""
-    now = "alive, but it held nan/inf or could not be read at the check point" if alive else "no longer alive"
+    was alive at the check point (``input_alive``: its values could not be read then; ``None``
+    when it was not looked for, at a step GradScaler skipped)."""
+    if alive is None:
+        now = "not looked for at a step GradScaler skipped"
+    else:
+        now = "alive, but it held nan/inf or could not be read at the check point" if alive else "no longer alive"
     if made == "before_watch":
         return f"made before the watch; {now}"
     if made == "left_log":
@@ -180,6 +223,8 @@ def _unknown_why(made, alive: bool = False) -> str:
         return "made before the watch or the last check point, and no longer alive"
     # Made in the watch, in a window of ops whose values the check point found finite: opwatch
     # reads their ranges only where a nan/inf is to be explained.
+    if alive is None:
+        return f"made by {_at(_place(made))}; its range was not kept, and it was {now}"
     if alive:
         return f"made by {_at(_place(made))}; its range was not kept, and it held nan/inf or could not be read at the check point"
     return f"made by {_at(_place(made))}; its range was not kept, and it was no longer alive at the check point"
@@ -195,78 +240,141 @@ def _input_ranges(facts) -> list:
 
 
 def _reason(finding) -> str | None:
-    """What in the inputs' ranges explains a non-finite result, for the common ops."""
-    found = _cause(finding)
-    return found.reason if found is not None else None
-
-
-class _Cause(NamedTuple):
-    """What in the inputs' ranges made a result non-finite."""
-
-    key: str  # of _CAUSE_FIXES
-    reason: str  # the sentence that says it
-
-
-def _cause(finding) -> _Cause | None:
-    """What in the inputs' ranges made the result non-finite, for the common ops; ``None``
-    when the ranges do not tell. The cause must fit the kind: log of a negative number is
-    nan, log(0) is -inf. A range carried through indexing or cat (``within``) bounds the
-    values: its ends are read as they are."""
+    """What in the inputs' ranges explains a non-finite result (the cause's ``detail``)."""
+    detail = _detail(finding)
+    if detail is None:
+        return None
     facts = finding.facts
-    name, kind = facts["op_name"], finding.kind
-    ranges = [value_range for _, value_range in _input_ranges(facts)]
-    first, second = (ranges + [None, None])[:2]
-    if name == "div" and _holds_zero(second):
-        if kind == "nan" and _holds_zero(first):
-            return _Cause("div_zero_zero", "the divisor holds 0, and so does the dividend: 0 / 0 = nan")
-        if kind == "inf":
-            return _Cause("div_zero", "the divisor holds 0: x / 0 = inf")
-    if first is None:
+    name = facts["op_name"]
+    if detail in ("exp_overflow", "overflow"):
+        return _overflow_reason(detail, name, facts)
+    return _REASONS.get(detail, "").format(name=name) or None
+
+
+_REASONS = {
+    "div_zero_zero": "the divisor holds 0, and so does the dividend: 0 / 0 = nan",
+    "div_zero": "the divisor holds 0: x / 0 = inf",
+    "log_negative": "{name} of a negative number is nan",
+    "log_zero": "{name}(0) = -inf",
+    "log1p_low": "log1p(-1) = -inf, and below -1 it is nan",
+    "sqrt_negative": "sqrt of a negative number is nan",
+    "rsqrt_negative": "rsqrt of a negative number is nan",
+    "rsqrt_zero": "rsqrt(0) = inf",
+    "pow_negative_base": "a negative base to a fractional power is nan",
+    "pow_zero_base": "the base holds 0, and 0 to a negative power is inf",
+    "domain_unit": "{name} of a value outside [-1, 1] is nan",
+    "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan",
+}
+
+
+def _overflow_reason(detail, name, facts) -> str | None:
+    dtype = next((meta[M_DTYPE] for meta in facts["outputs"]), None)
+    if dtype is None or not dtype.is_floating_point:
         return None
-    low, high = first.low, first.high
-    if name in ("log", "log2", "log10"):
-        if kind == "nan" and low < 0:
-            return _Cause("log_negative", f"{name} of a negative number is nan")
-        if kind == "inf" and low <= 0 <= high:
-            return _Cause("log_zero", f"{name}(0) = -inf")
-    if name == "log1p" and low <= -1:
-        return _Cause("log1p_low", "log1p(-1) = -inf, and below -1 it is nan")
-    if name == "sqrt" and kind == "nan" and low < 0:
-        return _Cause("sqrt_negative", "sqrt of a negative number is nan")
-    if name == "rsqrt":
-        if kind == "nan" and low < 0:
-            return _Cause("rsqrt_negative", "rsqrt of a negative number is nan")
-        if kind == "inf" and low <= 0 <= high:
-            return _Cause("rsqrt_zero", "rsqrt(0) = inf")
-    if name == "pow":
-        if kind == "nan" and low < 0:
-            return _Cause("pow_negative_base", "a negative base to a fractional power is nan")
-        if kind == "inf" and low <= 0 <= high and max(abs(low), abs(high)) <= 1:
-            return _Cause("pow_zero_base", "the base holds 0, and 0 to a negative power is inf")
-    if name in ("acos", "asin") and kind == "nan" and (low < -1 or high > 1):
-        return _Cause("domain_unit", f"{name} of a value outside [-1, 1] is nan")
-    if name == "atanh" and (low <= -1 or high >= 1):
-        return _Cause("atanh_unit", "atanh(+-1) = +-inf, and outside [-1, 1] it is nan")
-    if kind != "inf":
-        return None
-    return _overflow_cause(name, facts["outputs"], ranges, high)
-
-
-def _holds_zero(value_range) -> bool:
-    return value_range is not None and value_range.low <= 0 <= value_range.high
-
-
-def _overflow_cause(name, outputs, ranges, high) -> _Cause | None:
-    """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
-    dtype = next((meta[M_DTYPE] for meta in outputs), None)
-    if dtype is not None and dtype.is_floating_point:
-        limit = torch.finfo(dtype).max
+    limit = torch.finfo(dtype).max
+    if detail == "exp_overflow":
         bound = math.log2(limit) if name == "exp2" else math.log(limit)
-        if name in ("exp", "exp2", "expm1") and high > bound:
-            return _Cause("exp_overflow", f"{name} overflows {format_dtype(dtype)} above {bound:.4g}")
-        largest = max(max(abs(known.low), abs(known.high)) for known in ranges if known is not None)
-        if largest > limit:
-            return _Cause("overflow", f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})")
+        return f"{name} overflows {format_dtype(dtype)} above {bound:.4g}"
+    ranges = [value_range for _, value_range in _input_ranges(facts) if value_range is not None]
+    if not ranges:
+        return None
+    largest = max(max(abs(known.low), abs(known.high)) for known in ranges)
+    return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
+
+
+def _cause(finding):
+    """The finding's :class:`~opwatch.checks.nonfinite.cause.Cause`: its fact; a log saved
+    before causes were facts has none, and then what the inputs' ranges show is read by the
+    check's :func:`~opwatch.checks.nonfinite.cause.range_cause`."""
+    facts = finding.facts
+    if "cause" in facts:
+        cause = facts["cause"]
+        return cause if cause is None or isinstance(cause, Cause) else Cause(*cause)
+    detail = range_cause(facts["op_name"], finding.kind, facts["outputs"], [value_range for _, value_range in _input_ranges(facts)])
+    return None if detail is None else Cause(MATH, detail)
+
+
+def _detail(finding) -> str | None:
+    cause = _cause(finding)
+    return cause.detail if cause is not None and cause.kind in (MATH, PRECISION) else None
+
+
+def _wider_fix(cause) -> str:
+    if cause.wider == torch.float32:
+        return (
+            "compute this op in float32, as LlamaRMSNorm does (x.to(torch.float32) before it, the result "
+            ".to(x.dtype) after); or run the model in bfloat16 (the range of float32) or in float32"
+        )
+    return "compute this op in float64, or scale its inputs down (normalise before it) so that its result fits"
+
+
+@causes("nonfinite.origin")
+def explain_cause(finding) -> str | None:
+    """The ``cause:`` line of a nan/inf origin: what kind of cause, and the facts that show it."""
+    cause = _cause(finding)
+    if cause is None:
+        return None
+    what = finding.kind
+    name = finding.facts["op_name"]
+    kind = cause.kind
+    if kind == PRECISION:
+        limit = torch.finfo(cause.dtype).max
+        dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
+        if cause.bound:
+            return (
+                f"precision: {name} made {what} in {dtype}; its inputs' ranges bound its result by {cause.largest:.4g} "
+                f"in magnitude, finite in {wider}: it outgrew the largest {dtype} ({limit:.4g})"
+            )
+        return (
+            f"precision: {name} made {what} in {dtype}, but not in {wider}: "
+            f"its result reaches {cause.largest:.4g} in magnitude, beyond the largest {dtype} ({limit:.4g})"
+        )
+    if kind == MATH:
+        reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
+        if cause.detail == "masked":
+            return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
+        if reason:
+            return f"undefined math: {reason}, in float64 too"
+        return f"undefined math: {name} is {what} in float64 too"
+    if kind in (INPUT, WEIGHTS):
+        which = "parameter" if kind == WEIGHTS else "input"
+        text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
+        if cause.through is not None and cause.through[M_IDENT] != cause.tensor[M_IDENT]:
+            text += f" (its input {format_meta(cause.through)} was taken from it)"
+        if cause.made is not None:
+            text += f"; {where_made(cause.made)}"
+        return text + f"; {name} did not make it"
+    if kind == UNKNOWN:
+        return (
+            f"unknown: input {format_meta(cause.tensor)} was made before the watch and is gone by the check point, "
+            f"so whether it already held {what} cannot be told"
+        )
+    return None
+
+
+def _cause_fix(finding, cause) -> str | None:
+    what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
+    if cause.kind == INPUT and cause.made is not None and cause.made.how == "buffer":
+        return (
+            f"the buffer was {what} before this op: a running statistic updated from a batch that held {what} "
+            "(check the training batches and the forward passes that updated it), or it was loaded so (check the checkpoint)"
+        )
+    if cause.kind == INPUT:
+        before = cause.made is not None and cause.made.how == "before_watch"
+        return (
+            f"find where it became {what} before this op: check the data where it is made "
+            "(torch.isfinite(batch).all() in the dataset or collate_fn)"
+            + (", or start the watch before it is made (a DataLoader's batches are made outside the watch)" if before else "")
+            + "; nothing in this op is wrong"
+        )
+    if cause.kind == WEIGHTS:
+        return (
+            f"the parameter was {what} before this step: an earlier optimizer step wrote it (a {what} gradient, "
+            "a too-high learning rate: watch the step that updated it), or it was loaded so (check the checkpoint: "
+            "all(p.isfinite().all() for p in model.parameters()))"
+        )
+    if cause.kind == UNKNOWN:
+        return "start the watch before that input is made, or check it (torch.isfinite(x).all()) where it is made"
     return None
 
 
@@ -281,6 +389,10 @@ def _fix(finding) -> str:
         )
     if facts["contained"] and facts["skipped_by_grad_scaler"]:
         return _GRAD_SCALER_FIX
+    cause = _cause(finding)
+    told = _cause_fix(finding, cause) if cause is not None else None
+    if told is not None:
+        return told
     if facts["from_deliberate"]:
         return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX)
     forward = facts["forward_op_name"]
@@ -289,15 +401,19 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
-    found = _cause(finding)
-    cause = found.key if found is not None else _CAUSE_OF.get((name, finding.kind))
-    return _CAUSE_FIXES[cause].format(name=name) if cause is not None else _DEFAULT_FIX
+    if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
+        return _wider_fix(cause)
+    detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
+    return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
 
 
 @explains("nonfinite.origin")
 def explain_origin(finding) -> tuple[str, str, str]:
     what = finding.kind
     problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
+    cause = _cause(finding)
+    if cause is not None and cause.kind in (INPUT, WEIGHTS):
+        return problem, f"finite {'parameters' if cause.kind == WEIGHTS else 'inputs'}: this op passed on the {what} it was given", _fix(finding)
     return problem, "finite outputs from finite inputs", _fix(finding)
 
 

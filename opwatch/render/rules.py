@@ -6,9 +6,10 @@ imports them all, once, when the first message is rendered.
 
 from __future__ import annotations
 
-__all__ = ["explains", "EXPLAIN"]
+__all__ = ["explains", "causes", "EXPLAIN", "CAUSES"]
 
 EXPLAIN: dict = {}  # rule -> explain(finding) -> (problem, expected, fix)
+CAUSES: dict = {}  # rule -> cause(finding) -> the ``cause:`` line, or None
 
 
 def explains(*rules: str):
@@ -19,6 +20,20 @@ def explains(*rules: str):
             if rule in EXPLAIN:
                 raise ValueError(f"rule {rule!r} is explained twice")
             EXPLAIN[rule] = function
+        return function
+
+    return register
+
+
+def causes(*rules: str):
+    """Register the decorated ``cause(finding) -> str | None``, the ``cause:`` line of a
+    message (why the value is wrong, when the check decided it), for ``rules``."""
+
+    def register(function):
+        for rule in rules:
+            if rule in CAUSES:
+                raise ValueError(f"rule {rule!r} has its cause registered twice")
+            CAUSES[rule] = function
         return function
 
     return register

@@ -520,7 +520,8 @@ def test_a_buffer_replaced_between_steps_is_still_named_and_a_computed_tensor_is
 
 def test_an_input_alive_with_nan_at_the_check_point_is_not_said_dead():
     """A weight poisoned before the watch: still alive when the origin is reported, its values
-    unreadable (nan); the message does not say it died."""
+    unreadable (nan); the message does not say it died, it says what the weight held (the
+    weights cause, opwatch.checks.nonfinite.cause)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     with torch.no_grad():
@@ -528,6 +529,8 @@ def test_an_input_alive_with_nan_at_the_check_point_is_not_said_dead():
     with opwatch.watch(warn=False, dump_on_error=False) as w:
         model(torch.randn(5, 4)).sum().item()
     (anomaly,) = [a for a in w.anomalies if a.op == "aten.addmm.default"]
-    assert "input f32[3] cpu: range unknown (made before the watch; alive, but it held nan/inf or could not be read at the check point)" in anomaly.message
-    assert "no longer alive" not in anomaly.message
+    assert "input f32[3] cpu: already held nan;" in anomaly.message
+    assert "cause:    weights: parameter f32[3] cpu already held nan when addmm ran; it is the parameter bias of Linear" in anomaly.message
+    assert "no longer alive" not in anomaly.message and "range unknown" not in anomaly.message
+    assert anomaly.finding.facts["input_made"] == ("before_watch", None, None)
     assert anomaly.finding.facts["input_alive"] == (True, False, False)

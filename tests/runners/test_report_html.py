@@ -61,6 +61,15 @@ def test_a_buggy_run_has_its_findings_first_with_their_words(buggy_run):
         assert problem and escape(problem) in findings
         assert escape(fix) in findings
         assert f"report_training.py:{anomaly.lineno}" in findings
+    # The nan's cause (sqrt of a negative shift: undefined math) is shown between its problem
+    # and what was expected, as the text puts it; the broadcast has none.
+    cause = firsts[1].message.partition("  cause:    ")[2].partition("\n")[0]
+    assert cause.startswith("undefined math: ") and "  cause:    " not in firsts[0].message
+    assert findings.count("<dt>cause</dt>") == 1
+    assert f"<dt>cause</dt><dd>{escape(cause)}</dd><dt>expected</dt>" in findings
+    card = firsts[1]._repr_html_()
+    assert escape(cause) in card and card.index(">problem<") < card.index(">cause<") < card.index(">expected<")
+    assert ">cause<" not in firsts[0]._repr_html_()
     # The sub-expression is marked in the line's text, which is escaped.
     assert "loss = ((<mark>y - pred</mark>) ** 2).mean()" in findings
     assert "&lt;/script&gt;&lt;b&gt;not markup&lt;/b&gt; &amp; co" in findings

@@ -38,12 +38,16 @@ returns (see :mod:`.collectives`). A nan/inf in a collective's output whose inpu
 were finite was **received** from another rank: reported as received through that
 collective, never as an origin (the combined summary names the rank that made it).
 
-Inputs made before the watch or outside torch ops (``torch.from_numpy``) are assumed finite.
+Every origin gets a cause (:mod:`.cause`), decided when its check point is read: an input or a
+parameter that already held the value (a batch made before the watch, a tensor from
+``torch.from_numpy``, a poisoned weight), precision (finite when the op runs in float32/float64)
+or undefined math (``log(0)``, ``0 / 0``). A forward overflow with a precision cause matters
+even when a later op absorbs it (``rsqrt(inf) = 0``).
 
 The package, one job a module: :mod:`.rules` (what is checked, deliberate values, headroom),
 :mod:`.tracker` (the flags on the hot path, read at a check point), :mod:`.replay` (the replay
 that judges origins), :mod:`.collectives` (collectives' outputs until read, received values),
-:mod:`.origin` (origins and risks as facts). Every sentence is made in
+:mod:`.origin` (origins and risks as facts), :mod:`.cause` (why an origin's values are not finite). Every sentence is made in
 :mod:`opwatch.render.nonfinite`.
 """
 

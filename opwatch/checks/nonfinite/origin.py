@@ -19,28 +19,28 @@ None)`` per floating input), ``input_made`` (per floating input whose range is u
 was made: the :class:`Place` of the op that made it in the watch, ``"before_watch"``, or
 ``"left_log"`` when that op has left the bounded log; ``None`` for a known range),
 ``input_alive`` (per floating input, whether one of those was still alive at the check point,
-its values unreadable then: nan/inf, or a kind of tensor not measured). Of the
-third: ``op``, ``inputs``, ``outputs``, ``largest``.
+its values unreadable then: nan/inf, or a kind of tensor not measured), ``cause`` (a
+:class:`~.cause.Cause` or ``None``: precision, undefined math, an input or a parameter that
+already held it), ``absorbed`` (a forward overflow reported although its values died before a
+sink: what they fed is finite and wrong). Of the third: ``op``, ``inputs``, ``outputs``,
+``largest``.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 from typing import NamedTuple
 
-import torch
-
-from ...core.finite import value_extremes
 from ...core.ops import facts_of
-from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ...core.records import BACKWARD, E_INDEX, E_PHASE
 from ..finding import Finding, Place
-from .rules import HEADROOM_LIMIT, PLAIN_TYPES, RISK_KIND, SENTINELS, STRIDED, ValueRange, moved_range
+from .rules import HEADROOM_LIMIT, RISK_KIND, SENTINELS
 
-__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "fill_unknown_ranges", "LeafRecipe", "MovedRecipe"]
+__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "LeafRecipe", "MovedRecipe"]
 
 
-# How to work out at report time a range the replay did not know (see ``replay._carry_range``):
+# How to work out at report time a range the replay did not know (see ``replay._carry_range``;
+# worked out by :func:`.cause.decide_causes`):
 class LeafRecipe(NamedTuple):
     """The range of the tensor ``meta`` as it was when op ``read_at`` read it."""
 
@@ -88,7 +88,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters")
+    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed")
 
     def __init__(self, record, kind, from_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -111,6 +111,8 @@ class Origin:
         # Born in backward and found by GradScaler's overflow check, which skips the step.
         self.skipped_by_grad_scaler = False
         self.matters = True
+        self.cause = None  # why its values are not finite (a cause.Cause), decided at report time
+        self.absorbed = False  # a forward overflow whose values died before a sink: reported all the same
 
     def carried_by(self, record, kind=None) -> None:
         self.spread += 1
@@ -141,6 +143,8 @@ class Origin:
             input_ranges=tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges),
             input_made=self.input_made,
             input_alive=self.input_alive,
+            cause=self.cause,
+            absorbed=self.absorbed,
         )
         # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
         rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
@@ -186,96 +190,7 @@ def headroom_risks(window, half, ranges, log) -> list[OverflowRisk]:
     return risks
 
 
-def fill_unknown_ranges(origins, log) -> None:
-    """Work out the ranges of an origin's inputs that the replay did not know: it left a
-    recipe (see ``replay._carry_range``) naming the tensors they came from, and the tensors
-    still alive among those are measured (made before the watch, such as parameters, or in a
-    window whose ranges were not read). Found at report time, once per check point, by one
-    walk over the garbage collector's objects, then one reduction each. Never on a healthy
-    step. A tensor is looked for only when no op after the one that read it made a tensor
-    under its id (then it died, and its id is another tensor's now); one found must have the
-    shape, dtype and device it had. What cannot be worked out is ``None``."""
-    wanted: dict = {}
-    producers: dict = {}
-    for origin in origins:
-        for _, value in origin.input_ranges:
-            _want(value, wanted, producers, log)
-    found = {}
-    if wanted:
-        for candidate in gc.get_objects():
-            if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
-                meta = wanted[id(candidate)]
-                if tuple(candidate.shape) == meta[M_SHAPE] and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
-                    found[id(candidate)] = candidate
-        for ident, tensor in found.items():
-            found[ident] = _finite_range(tensor)
-    alive = set(found)  # found, though its range could not be read (nan/inf now, say)
-    for origin in origins:
-        recipes = origin.input_ranges
-        origin.input_ranges = [(meta, _worked_out(value, found)) for meta, value in recipes]
-        if any(value is None for _, value in origin.input_ranges):
-            origin.input_made = tuple(
-                None if worked is not None else _made(value, log)
-                for (_, value), (_, worked) in zip(recipes, origin.input_ranges)
-            )
-            origin.input_alive = tuple(
-                worked is None and isinstance(value, LeafRecipe) and value.meta[M_IDENT] in alive
-                for (_, value), (_, worked) in zip(recipes, origin.input_ranges)
-            )
-
-
-def _made(value, log):
-    """Where an input whose range stays unknown was made: the :class:`Place` of the op that
-    made it in the watch (for a recipe, the op whose output it was), ``"left_log"`` when that
-    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch."""
-    record = None
-    if isinstance(value, MovedRecipe):
-        record = log.find(value.read_at)
-    elif isinstance(value, LeafRecipe):
-        record = log.producer_of(value.meta[M_IDENT], before=value.read_at)
-    if record is not None:
-        return Place.of(record)
-    return "left_log" if log.lost_ops else "before_watch"
-
-
 def _is_recipe(value) -> bool:
     return isinstance(value, _RECIPES)
 
 
-def _want(value, wanted, producers, log) -> None:
-    """Note the live tensors a recipe needs."""
-    if isinstance(value, MovedRecipe):
-        for part in value.parts:
-            _want(part, wanted, producers, log)
-    elif isinstance(value, LeafRecipe):
-        ident = value.meta[M_IDENT]
-        if ident not in producers:
-            producers[ident] = log.producer_of(ident)
-        producer = producers[ident]
-        if producer is None or producer.index < value.read_at:
-            wanted[ident] = value.meta
-
-
-def _worked_out(value, found):
-    """A recipe's range, from the live tensors ``found``; ``None`` when a part is unknown."""
-    if isinstance(value, LeafRecipe):
-        return found.get(value.meta[M_IDENT])
-    if isinstance(value, MovedRecipe):
-        ranges = [_worked_out(part, found) for part in value.parts]
-        return None if None in ranges else moved_range(value.facts, ranges)
-    return value
-
-
-def _finite_range(tensor):
-    """The :class:`ValueRange` of a live input, ``None`` when it cannot be read or is not finite (its
-    values were finite when the op ran: a non-finite range is another tensor's)."""
-    try:
-        if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
-            return None
-        extremes = value_extremes(tensor)
-    except Exception:
-        return None
-    if extremes is None:
-        return None
-    low, high = extremes
-    return ValueRange(low, high) if math.isfinite(low) and math.isfinite(high) else None

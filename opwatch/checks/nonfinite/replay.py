@@ -21,6 +21,7 @@ from torch.nn import Parameter
 
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from .cause import PRECISION
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -118,6 +119,12 @@ class Origins:
             if tensor is not None:
                 alive[id(tensor)] = ref
         self.sentinels = alive
+
+    def fold(self, folded) -> None:
+        """Origins folded into others (``id(folded) -> kept``, see ``cause.fold_same_source``):
+        the values they left alive, and the sites they were remembered at, are the kept one's."""
+        self.carry = {ident: (kind, folded.get(id(origin), origin), ref) for ident, (kind, origin, ref) in self.carry.items()}
+        self._by_site = {site: folded.get(id(origin), origin) for site, origin in self._by_site.items()}
 
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
@@ -230,7 +237,7 @@ class Origins:
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
-            # A range, or a recipe to work it out at report time (fill_unknown_ranges).
+            # A range, or a recipe to work it out at report time (cause.decide_causes).
             origin.input_ranges = [
                 (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, entry[E_INDEX]))
                 for meta in entry_inputs(entry)
@@ -257,7 +264,9 @@ class Origins:
         host read. One whose values are still alive waits, unless ``final``: the program may yet
         drop them (autograd keeps a softmax output until backward), use them, or hand them to
         GradScaler. Then, or once they died: GradScaler's skipped steps are contained; values
-        accumulated into a ``.grad`` or alive at the end matter; others were absorbed."""
+        accumulated into a ``.grad`` or alive at the end matter; a forward overflow of its dtype
+        (a ``precision`` cause) matters even when absorbed later (``rsqrt(inf) = 0`` silently
+        zeroes what it scaled); others were absorbed."""
         alive = {id(origin) for _, origin, _ in self.carry.values() if origin is not None}
         judged = []
         waiting = []
@@ -265,6 +274,10 @@ class Origins:
             is_alive = id(origin) in alive
             if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
                 origin.matters = True
+            elif _overflowed_in_forward(origin) and not is_alive:
+                # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
+                # finite and wrong, so it matters all the same.
+                origin.matters = origin.absorbed = True
             elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
                 waiting.append(origin)
                 continue
@@ -274,6 +287,13 @@ class Origins:
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def _overflowed_in_forward(origin) -> bool:
+    """A forward op whose inf is an overflow of its dtype (finite in a wider one), not a
+    deliberate constant: absorbed later, it still made wrong values."""
+    cause = origin.cause
+    return origin.kind == "inf" and cause is not None and cause.kind == PRECISION and origin.record.phase != BACKWARD
 
 
 def _step_lift(state, entry, outputs) -> None:

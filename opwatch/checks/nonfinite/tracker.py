@@ -20,7 +20,8 @@ from ...core.compat import dispatch_modes_outside, inference_mode_enabled, is_ze
 from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
 from ...core.records import E_INDEX, M_DEVICE, M_DTYPE
 from .collectives import CollectiveReads
-from .origin import Origin, fill_unknown_ranges, headroom_risks
+from .cause import decide_causes, fold_same_source
+from .origin import Origin, headroom_risks
 from .replay import Flags, Origins
 from .rules import CHECKED_DTYPES, COMPLEX, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
 
@@ -206,7 +207,11 @@ class NonFiniteTracker:
             origins.forget_ranges()  # this window's ops were not followed
             return risks
         new = origins.replay(window, flags, reading)
-        fill_unknown_ranges(new, self._log)
+        if new:
+            decide_causes(new, self._log)
+            new, folded = fold_same_source(new)
+            if folded:
+                origins.fold(folded)
         judged = origins.judge(new, final) + risks
         judged.sort(key=lambda found: found.record.index)
         return judged

@@ -1,0 +1,594 @@
+"""Why an origin's values are not finite: its :class:`Cause`, a fact of its finding, decided
+at report time (once per check point that found origins, never on a healthy step).
+
+The causes, tried in this order:
+
+- ``input`` / ``weights``: an input already held nan/inf when the op ran: a tensor made
+  before the watch (a batch from a DataLoader worker, a buffer) or not checked when it was made
+  (``torch.empty``), or an ``nn.Parameter`` (``weights``). Found by looking up the op's input
+  tensors, and the tensors its inputs were only viewed or copied from, among the live objects
+  (they must not have been written since the op ran);
+- ``precision``: the op's result is not finite in its dtype, but is when the op runs in a
+  wider one (float32, else float64): decided by running the op again on its inputs, copied
+  to the wider dtype, when they are all still alive and small enough; else from the inputs'
+  ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a cast);
+- ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
+  a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
+  show, when they do);
+- ``unknown``: an input made before the watch is no longer alive: whether it held the value
+  cannot be told (``tensor`` names it).
+
+Where none applies the finding has no cause (``None``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ...core.fact_tuples import fact_tuple
+from ...core.finite import value_extremes
+from ...core.notation import TensorMeta
+from ...core.ops import facts_of
+from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ..finding import BeforeWatch, MadeBy, Owned, Place
+from .origin import LeafRecipe, MovedRecipe
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
+
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN"]
+
+PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN = "precision", "math", "input", "weights", "unknown"
+
+# The largest inputs, in elements, an op is run again on (copied to float64: 128 MiB).
+_MAX_RERUN_NUMEL = 1 << 24
+
+
+@fact_tuple("nonfinite_cause")
+class Cause(NamedTuple):
+    """Why an origin's values are not finite (see the module's docstring for each ``kind``)."""
+
+    kind: str  # PRECISION, MATH, INPUT, WEIGHTS or UNKNOWN
+    # MATH / PRECISION: what the inputs' ranges show (``log_zero``, ``div_zero``, ``overflow``,
+    # ``exp_overflow``, ``masked``, ...; the keys of render.nonfinite's fixes), or None
+    detail: str | None = None
+    dtype: Any = None  # PRECISION: the op's dtype
+    wider: Any = None  # PRECISION: the dtype in which its result is finite
+    largest: float | None = None  # PRECISION: the largest magnitude of that result (or a bound of it)
+    bound: bool = False  # PRECISION: ``largest`` is a bound worked out from the inputs' ranges
+    tensor: Any = None  # INPUT / WEIGHTS / UNKNOWN: the tensor (its meta)
+    held: str | None = None  # INPUT / WEIGHTS: "nan" or "inf"
+    made: Any = None  # INPUT / WEIGHTS / UNKNOWN: where it came from (Owned, MadeBy, BeforeWatch)
+    through: Any = None  # INPUT / WEIGHTS: the op's input that carried it (``tensor`` or a view or copy of it)
+
+
+def decide_causes(origins, log) -> None:
+    """Work out, for the origins found at a check point, the input ranges the replay left as
+    recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
+    and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
+    :mod:`.origin`), and each origin's :class:`Cause` (``origin.cause``). The tensors needed
+    (recipes' leaves, the origin ops' own inputs) are looked up among the live objects in one
+    walk of the garbage collector's list, and only those that no op wrote after the origin's op
+    read them (else they hold other values now); each is read once
+    (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
+    wanted: dict = {}
+    writes = _Writes(log)
+    # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
+    # and no walk of the live objects at every skipped step of a float16 run.
+    decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
+    for origin in decided:
+        for _, value in origin.input_ranges:
+            _want(value, wanted, writes)
+        if not facts_of(origin.record.func).is_collective:
+            index = origin.record.index
+            for meta in origin.record.inputs:
+                # Not written by the op itself either (``x.log_()``): it holds the result now.
+                if meta[M_DTYPE] in CHECKED_DTYPES and not writes.after(meta[M_IDENT], index - 1):
+                    wanted[meta[M_IDENT]] = meta
+    found, modules = _live(wanted)
+    health = {ident: _health(tensor) for ident, tensor in found.items()}
+    for origin in origins:
+        recipes = origin.input_ranges
+        origin.input_ranges = [(meta, _worked_out(value, health)) for meta, value in recipes]
+        _where_made(origin, recipes, found, wanted, writes, log)
+        if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
+            origin.cause = _decide(origin, recipes, found, health, writes, modules)
+
+
+def _where_made(origin, recipes, found, wanted, writes, log) -> None:
+    """``input_made`` and ``input_alive`` of an origin with an input whose range stays unknown:
+    where it was made (:func:`_made`), and whether it was alive at the check point (found, its
+    values unreadable: nan/inf, or a kind of tensor not measured). ``None`` for alive when it
+    was not looked for (a step GradScaler skipped: no walk of the live objects)."""
+    if all(known is not None for _, known in origin.input_ranges):
+        return
+    pairs = list(zip(recipes, origin.input_ranges))
+    origin.input_made = tuple(None if known is not None else _made(value, log) for (_, value), (_, known) in pairs)
+    looked = not origin.skipped_by_grad_scaler
+    origin.input_alive = tuple(_alive(value, found, wanted, writes, looked) if known is None else False for (_, value), (_, known) in pairs)
+
+
+def _alive(value, found, wanted, writes, looked) -> bool | None:
+    """Whether the tensor of an input whose range stays unknown was alive at the check point
+    (found, but unreadable); ``None`` when it was not looked for and may be."""
+    if not isinstance(value, LeafRecipe):
+        return False
+    ident = value.meta[M_IDENT]
+    if ident in found:
+        return True
+    if looked or ident in wanted or writes.after(ident, value.read_at - 1):
+        return False  # not found, or its id is a later tensor's: dead
+    return None
+
+
+def _made(value, log):
+    """Where an input whose range stays unknown was made: the :class:`Place` of the op that
+    made it in the watch (for a recipe, the op whose output it was), ``"left_log"`` when that
+    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch."""
+    record = None
+    if isinstance(value, MovedRecipe):
+        record = log.find(value.read_at)
+    elif isinstance(value, LeafRecipe):
+        record = log.producer_of(value.meta[M_IDENT], before=value.read_at)
+    if record is not None:
+        return Place.of(record)
+    return "left_log" if log.lost_ops else "before_watch"
+
+
+class _Health(NamedTuple):
+    """A live tensor's values now: its range when finite, else which non-finite kind it holds."""
+
+    range: ValueRange | None
+    held: str | None  # "nan", "inf" or None
+
+
+class _Writes:
+    """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked)."""
+
+    def __init__(self, log):
+        self._log = log
+        self._last = None
+
+    def after(self, ident, index) -> bool:
+        """Whether an op after op ``index`` wrote (or made, the id reused) the tensor ``ident``."""
+        if self._last is None:
+            self._last = {}
+            for entry in self._log.entries:
+                at = entry[E_INDEX]
+                for meta in entry_outputs(entry) or ():
+                    self._last[meta[M_IDENT]] = at
+                if facts_of(self._log.funcs[entry[E_FUNC]]).mutated_args and not entry_outputs(entry):
+                    for meta in entry_inputs(entry):
+                        self._last[meta[M_IDENT]] = at
+        return self._last.get(ident, -1) > index
+
+    def made_by(self, ident, index):
+        """The latest op before op ``index`` that output ``ident``, or ``None``."""
+        return self._log.producer_of(ident, before=index)
+
+    @property
+    def lost_ops(self) -> bool:
+        """Whether ops have left the bounded log (then "made by no logged op" is not "made before the watch")."""
+        return self._log.lost_ops
+
+
+def _want(value, wanted, writes) -> None:
+    """Note the live tensors a recipe needs."""
+    if isinstance(value, MovedRecipe):
+        for part in value.parts:
+            _want(part, wanted, writes)
+    elif isinstance(value, LeafRecipe) and not writes.after(value.meta[M_IDENT], value.read_at - 1):
+        wanted[value.meta[M_IDENT]] = value.meta
+
+
+def _live(wanted) -> tuple[dict, list]:
+    """ident -> tensor, for the ``wanted`` tensors still alive with the shape, dtype and device
+    they had; and the live modules (to name a parameter or buffer), from the same walk."""
+    found: dict = {}
+    modules: list = []
+    if wanted:
+        is_module: dict = {}
+        for candidate in gc.get_objects():
+            if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
+                meta = wanted[id(candidate)]
+                if tuple(candidate.shape) == tuple(meta[M_SHAPE]) and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
+                    found[id(candidate)] = candidate
+                continue
+            kind = type(candidate)  # not isinstance: no __class__ lookups (deprecated objects warn)
+            known = is_module.get(kind)
+            if known is None:
+                known = is_module[kind] = issubclass(kind, torch.nn.Module)
+            if known:
+                modules.append(candidate)
+    return found, modules
+
+
+def fold_same_source(origins) -> tuple[list, dict]:
+    """Origins that an input which already held nan/inf explains, one per such tensor: the
+    later ones (its backward ``mm``, another layer that read it) are the first one's spread.
+    Returns the origins kept, and the folded ones by id: ``id(folded) -> the one kept``."""
+    first: dict = {}
+    kept = []
+    folded: dict = {}
+    for origin in origins:
+        cause = origin.cause
+        if cause is None or cause.kind not in (INPUT, WEIGHTS):
+            kept.append(origin)
+            continue
+        earlier = first.setdefault(cause.tensor[M_IDENT], origin)
+        if earlier is origin:
+            kept.append(origin)
+            continue
+        earlier.spread += 1 + origin.spread
+        earlier.reached_gradient |= origin.reached_gradient
+        earlier.reached_parameter |= origin.reached_parameter
+        earlier.read_on_host |= origin.read_on_host
+        folded[id(origin)] = earlier
+    return kept, folded
+
+
+def _health(tensor) -> _Health:
+    try:
+        if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
+            return _Health(None, None)
+        extremes = value_extremes(tensor)
+    except Exception:
+        return _Health(None, None)
+    if extremes is None:
+        return _Health(None, None)
+    low, high = extremes
+    if math.isnan(low) or math.isnan(high):
+        return _Health(None, "nan")
+    if math.isinf(low) or math.isinf(high):
+        return _Health(None, "inf")
+    return _Health(ValueRange(low, high), None)
+
+
+def _worked_out(value, health):
+    """A recipe's range, from the live tensors' ``health``; ``None`` when a part is unknown
+    (or not finite: then the cause says so)."""
+    if isinstance(value, LeafRecipe):
+        known = health.get(value.meta[M_IDENT])
+        return None if known is None else known.range
+    if isinstance(value, MovedRecipe):
+        ranges = [_worked_out(part, health) for part in value.parts]
+        return None if None in ranges else moved_range(value.facts, ranges)
+    return value
+
+
+def _leaves(value):
+    """The tensors (metas) a recipe's range would be read from."""
+    if isinstance(value, LeafRecipe):
+        yield value.meta
+    elif isinstance(value, MovedRecipe):
+        for part in value.parts:
+            yield from _leaves(part)
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
+    record = origin.record
+    index = record.index
+    held = _held_input(origin, recipes, found, health, writes, modules)
+    if held is not None:
+        return held
+    if origin.from_deliberate:
+        return Cause(MATH, "masked")
+    ranges = [value_range for _, value_range in origin.input_ranges]
+    detail = range_cause(facts_of(record.func).name, origin.kind, record.outputs or (), ranges)
+    rerun = _rerun(record, found)
+    if rerun is not None:
+        wider, largest = rerun
+        if wider is None:
+            return Cause(MATH, detail)
+        return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
+    if detail is not None and detail not in _OVERFLOWS:
+        return Cause(MATH, detail)
+    bound = _bound(record, origin.kind, ranges)
+    if bound is not None:
+        dtype = _dtype_of(record)
+        for wider in (torch.float32, torch.float64):
+            if _rank(wider) > _rank(dtype) and bound < torch.finfo(wider).max:
+                return Cause(PRECISION, detail, dtype, wider, bound, bound=True)
+        # A bound beyond float64 tells nothing: the exact result may still be far below it.
+    if detail is not None:
+        return Cause(MATH, detail)
+    # An input whose range is unknown, made before the watch and gone: it may have held it.
+    for (_, value), (_, known) in zip(recipes, origin.input_ranges):
+        if known is None:
+            for leaf in _leaves(value):
+                if leaf[M_IDENT] not in found and writes.made_by(leaf[M_IDENT], index) is None and not writes.lost_ops:
+                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
+    return None
+
+
+def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None:
+    """An input (or a tensor an input was viewed or copied from) that held nan/inf when the op
+    ran: alive now, unwritten since, and not finite."""
+    index = origin.record.index
+    recipes = dict((meta[M_IDENT], value) for meta, value in recipes)
+    for through in origin.record.inputs:
+        for meta in [through, *_leaves(recipes.get(through[M_IDENT]))]:
+            found_held = _held(meta, through, index, found, health, writes, origin.record.module, modules)
+            if found_held is not None:
+                return found_held
+    return None
+
+
+def _held(meta, through, index, found, health, writes, path, modules) -> Cause | None:
+    ident = meta[M_IDENT]
+    known = health.get(ident)
+    if known is None or known.held is None:
+        return None
+    tensor = found[ident]
+    meta, through = TensorMeta(*meta), TensorMeta(*through)
+    owner = _owner(tensor, path, modules)
+    if owner is not None:
+        kind = WEIGHTS if owner.how == "parameter" else INPUT
+        return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)
+    if isinstance(tensor, torch.nn.Parameter):
+        return Cause(WEIGHTS, tensor=meta, held=known.held, through=through)
+    maker = writes.made_by(ident, index)
+    if maker is not None:
+        made = MadeBy("made_by", Place.of(maker))
+    else:  # no logged op made it: before the watch, unless its maker left the bounded log
+        made = None if writes.lost_ops else BeforeWatch()
+    return Cause(INPUT, tensor=meta, held=known.held, made=made, through=through)
+
+
+def _owner(tensor, path, modules) -> Owned | None:
+    """The live module that holds ``tensor`` as a parameter or buffer (its own, not a child's)."""
+    for module in modules:
+        for how, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
+            for name, held in named:
+                if held is tensor:
+                    return Owned(how, path or "", name, type(module).__name__)
+    return None
+
+
+def _dtype_of(record):
+    return next((meta[M_DTYPE] for meta in record.outputs or () if meta[M_DTYPE].is_floating_point), None)
+
+
+def _rank(dtype) -> int:
+    return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}.get(dtype, 0)
+
+
+# -- running the op again -------------------------------------------------------------------
+
+
+def _rerun(record, found):
+    """Run the op again on its inputs copied to float32, then float64 (wider than its dtype):
+    ``(wider, largest)`` for the first whose result is finite, ``(None, None)`` when none is,
+    ``None`` when it cannot be run again (an input is gone, too large, or its call cannot be
+    rebuilt from the log)."""
+    dtype = _dtype_of(record)
+    if dtype is None or dtype in COMPLEX:
+        return None
+    tensors = []
+    for meta in record.inputs:
+        tensor = found.get(meta[M_IDENT])
+        if tensor is None:
+            return None
+        tensors.append(tensor)
+    if not tensors or sum(tensor.numel() for tensor in tensors) > _MAX_RERUN_NUMEL:
+        return None
+    func = record.func
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return None  # random (dropout): running it again would draw from the program's generator
+    call = _call_of(func, record, len(tensors))
+    if call is None:
+        return None
+    wider = [candidate for candidate in (torch.float32, torch.float64) if _rank(candidate) > _rank(dtype)]
+    if not wider:
+        return (None, None)  # non-finite in float64 already
+    device = _first(tensors).device
+    for candidate in wider:
+        try:  # out of memory (the copies, the result) included: then the ranges decide
+            copies = [tensor.detach().to(candidate, copy=True) if tensor.is_floating_point() else tensor.detach().clone() for tensor in tensors]
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out = func(*_fill(call.args, copies), **_fill_kwargs(call.kwargs, copies))
+        except Exception:
+            return None
+        results = [out] if isinstance(out, torch.Tensor) else [item for item in out if isinstance(item, torch.Tensor)] if isinstance(out, (tuple, list)) else []
+        floating = [result for result in results if result.is_floating_point()]
+        if not floating or any(result.dtype != candidate for result in floating):
+            return None  # the op chose its dtype itself (a cast): its dtype is the question
+        extremes = value_extremes(_first(floating))
+        if extremes is None:
+            return candidate, 0.0  # empty: nothing in it is not finite
+        low, high = extremes
+        if math.isfinite(low) and math.isfinite(high):
+            return candidate, max(abs(low), abs(high))
+    return (None, None)
+
+
+class _Call(NamedTuple):
+    args: tuple  # values, or _Slot(n) for the n-th tensor input
+    kwargs: dict
+
+
+class _Slot(NamedTuple):
+    number: int
+
+
+def _call_of(func, record, count) -> _Call | None:
+    """The op's call, rebuilt from its schema and the log's non-tensor arguments: tensors fill
+    the single ``Tensor`` arguments in order. ``None`` for a tensor list or a tensor passed by
+    keyword (the log does not keep where they sat)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    given = dict(record.args)  # by argument name
+    args, kwargs = [], {}
+    used = 0
+    positional = True
+    for arg in schema.arguments:
+        type_name = str(arg.type)
+        if "Tensor" in type_name and type_name not in ("Tensor", "Tensor?"):
+            return None  # a list of tensors
+        if arg.name in given:
+            value = given[arg.name]
+            if isinstance(value, str) and value.startswith(("<", "ProcessGroup")):
+                return None  # summarised in the log
+        elif type_name in ("Tensor", "Tensor?") and used < count and not arg.kwarg_only:
+            value = _Slot(used)
+            used += 1
+        elif type_name == "Tensor":
+            return None  # a tensor the log does not place
+        else:
+            positional = False  # left to its default
+            continue
+        if positional and not arg.kwarg_only:
+            args.append(value)
+        else:
+            kwargs[arg.name] = value
+    if used != count:
+        return None
+    return _Call(tuple(args), kwargs)
+
+
+def _fill(values, tensors):
+    return [tensors[value.number] if type(value) is _Slot else value for value in values]
+
+
+def _fill_kwargs(values, tensors):
+    return {name: tensors[value.number] if type(value) is _Slot else value for name, value in values.items()}
+
+
+# -- what the inputs' ranges show ------------------------------------------------------------
+
+_OVERFLOWS = frozenset(("overflow", "exp_overflow", "pow_overflow"))
+
+
+def range_cause(name, kind, outputs, ranges) -> str | None:
+    """What in the inputs' ranges (``ValueRange`` or ``None`` each, floating inputs in order)
+    made the result of op ``name`` non-finite, for the common ops, as a key (``log_zero``,
+    ``div_zero``, ...); ``None`` when the ranges do not tell. The cause must fit the kind: log
+    of a negative number is nan, log(0) is -inf. A range carried through indexing or cat
+    (``within``) bounds the values: its ends are read as they are."""
+    first, second, *_ = [*ranges, None, None]
+    if name == "div" and _holds_zero(second):
+        if kind == "nan" and _holds_zero(first):
+            return "div_zero_zero"
+        if kind == "inf":
+            return "div_zero"
+    if first is None:
+        return None
+    low, high = first.low, first.high
+    if name in ("log", "log2", "log10"):
+        if kind == "nan" and low < 0:
+            return "log_negative"
+        if kind == "inf" and low <= 0 <= high:
+            return "log_zero"
+    if name == "log1p" and low <= -1:
+        return "log1p_low"
+    if name == "sqrt" and kind == "nan" and low < 0:
+        return "sqrt_negative"
+    if name == "rsqrt":
+        if kind == "nan" and low < 0:
+            return "rsqrt_negative"
+        if kind == "inf" and low <= 0 <= high:
+            return "rsqrt_zero"
+    if name == "pow":
+        if kind == "nan" and low < 0:
+            return "pow_negative_base"
+        if kind == "inf" and low <= 0 <= high and max(abs(low), abs(high)) <= 1:
+            return "pow_zero_base"
+    if name in ("acos", "asin") and kind == "nan" and (low < -1 or high > 1):
+        return "domain_unit"
+    if name == "atanh" and (low <= -1 or high >= 1):
+        return "atanh_unit"
+    if kind != "inf":
+        return None
+    return _overflow_cause(name, outputs, ranges, high)
+
+
+def _holds_zero(value_range) -> bool:
+    return value_range is not None and value_range.low <= 0 <= value_range.high
+
+
+def _overflow_cause(name, outputs, ranges, high) -> str | None:
+    """Inputs beyond what the output's dtype holds (``high``: the first input's max)."""
+    dtype = next((meta[M_DTYPE] for meta in outputs), None)
+    if dtype is not None and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        bound = math.log2(limit) if name == "exp2" else math.log(limit)
+        if name in ("exp", "exp2", "expm1") and high > bound:
+            return "exp_overflow"
+        largest = max(max(abs(known.low), abs(known.high)) for known in ranges if known is not None)
+        if largest > limit:
+            return "overflow"
+    return None
+
+
+def _largest(value_range) -> float:
+    return max(abs(value_range.low), abs(value_range.high))
+
+
+def _bound(record, kind, ranges) -> float | None:
+    """A bound of the magnitude of an overflowing op's exact result, from its inputs' ranges,
+    for the ops whose result they bound; ``None`` otherwise (or when a range is unknown)."""
+    if kind != "inf" or not ranges or None in ranges:
+        return None
+    name = facts_of(record.func).name
+    largest = [_largest(known) for known in ranges]
+    first, *rest = largest
+    args = dict(record.args)
+    scalar = args.get("other")
+    scalar = abs(scalar) if isinstance(scalar, (int, float)) else None
+    try:
+        if name in ("_to_copy", "to", "copy", "clone", "abs", "neg"):
+            return first
+        if name == "square":
+            return first**2
+        exponent = args.get("exponent")
+        if name == "pow" and not rest and isinstance(exponent, (int, float)) and exponent > 0:
+            return first**exponent
+        if name == "mul":
+            return math.prod(largest) * (scalar if scalar is not None else 1.0)
+        if name in ("add", "sub"):
+            alpha = args.get("alpha", 1)
+            return sum(largest) * max(1.0, abs(alpha)) + (scalar or 0.0)
+        if name in ("exp", "expm1"):
+            return math.exp(max(known.high for known in ranges))
+        if name == "exp2":
+            return 2.0 ** max(known.high for known in ranges)
+        inner = _inner_size(record)
+        if name in ("mm", "bmm", "matmul") and len(rest) == 1 and inner is not None:
+            return inner * math.prod(largest)
+        if name == "addmm" and len(rest) == 2 and inner is not None:
+            return first + inner * math.prod(rest)
+        if name == "sum" and not rest:
+            return _summed(record) * first
+    except (OverflowError, TypeError):
+        return math.inf
+    return None
+
+
+def _inner_size(record) -> int | None:
+    """The contracted size of a matrix product: the last dim of its first matrix."""
+    inputs = record.inputs
+    if len(inputs) < 2:
+        return None
+    *_, first_matrix, _second = inputs
+    if not first_matrix[M_SHAPE]:
+        return None
+    *_, size = first_matrix[M_SHAPE]
+    return size
+
+
+def _first(items):
+    return next(iter(items))
+
+
+def _summed(record) -> int:
+    """How many input values each output value of a sum adds up."""
+    source = _first(record.inputs)
+    results = record.outputs or ()
+    total = math.prod(source[M_SHAPE])
+    return total // max(1, math.prod(_first(results)[M_SHAPE])) if results else total

@@ -1,0 +1,324 @@
+"""A cause for every nan/inf origin (issue 30), on realistic code: each cause with a case that
+must show it, and healthy training loops (float32, bfloat16 autocast, float16 + GradScaler)
+that must report nothing.
+
+- precision: a hand-written float16 RMSNorm whose ``x.pow(2)`` overflows (and whose
+  ``rsqrt(inf) = 0`` then silently zeroes the tokens: reported, not contained); float16
+  attention scores that overflow before the softmax;
+- undefined math: ``log(0)`` in a hand-written negative log-likelihood;
+- input: a batch holding nan, made by a DataLoader before the watch;
+- weights: a Linear whose weight holds nan; a BatchNorm buffer holding nan is an input, named;
+- unknown: an input made before the watch that is gone by the check point.
+
+The cause is a fact of the finding (``facts["cause"]``), rendered as the message's ``cause:``
+line, and survives the JSONL round trip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import opwatch
+from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause
+from opwatch.storage.jsonl import load
+
+
+def watched(step, *args):
+    w = opwatch.watch(warn=False, dump_on_error=False)
+    with w:
+        result = step(*args)
+    return w, result
+
+
+def nonfinite(w):
+    return [a for a in w.anomalies if a.kind in ("nan", "inf")]
+
+
+def cause_line(anomaly) -> str:
+    (line,) = [line for line in anomaly.message.splitlines() if line.startswith("  cause:")]
+    return line
+
+
+class HandRMSNorm(nn.Module):
+    """RMSNorm as often written by hand: the variance in the input's dtype (LlamaRMSNorm
+    computes it in float32)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+        self.norm = HandRMSNorm(dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.up(x)))
+
+
+# --------------------------------------------------------------------------------------------
+# precision
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_float16_rmsnorm_written_by_hand_overflows_and_is_reported_though_rsqrt_absorbs_it():
+    torch.manual_seed(0)
+    block = Block().half()
+    tokens = torch.randn(10, 16).half() * 400  # activations of several hundred: x.pow(2) passes 65504
+
+    def forward(x):
+        out = block(x)
+        return out.float().sum().item()
+
+    w, total = watched(forward, tokens)
+    assert math.isfinite(total)  # nothing non-finite reached the result: the tokens were zeroed
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.pow.Tensor_Scalar" and anomaly.kind == "inf"
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.dtype == torch.float16 and cause.wider == torch.float32
+    assert cause.largest > torch.finfo(torch.float16).max
+    assert anomaly.finding.facts["absorbed"] and not w.contained
+    assert "precision: pow made inf in f16, but not in f32" in cause_line(anomaly)
+    assert "LlamaRMSNorm" in anomaly.message and "absorbed" in anomaly.message
+
+
+def test_the_same_rmsnorm_in_float32_reports_nothing():
+    torch.manual_seed(0)
+    block = Block()
+    w, total = watched(lambda x: block(x).sum().item(), torch.randn(10, 16) * 400)
+    assert math.isfinite(total) and w.anomalies == [] and w.contained == []
+
+
+def test_float16_attention_scores_that_overflow_are_a_precision_cause():
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 32).half() * 60
+    k = torch.randn(2, 8, 32).half() * 60
+    v = torch.randn(2, 8, 32).half()
+
+    def attention(q, k, v):
+        scores = q @ k.transpose(-1, -2)  # not scaled by 1/sqrt(d): overflows float16
+        return (scores.softmax(-1) @ v).float().mean().item()
+
+    w, _ = watched(attention, q, k, v)
+    first = nonfinite(w)[0]
+    assert first.kind == "inf" and first.finding.facts["cause"].kind == PRECISION
+    assert "precision:" in cause_line(first) and "made inf in f16" in cause_line(first)
+
+
+def test_a_float16_softmax_written_by_hand_overflows_in_exp():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 10).half()
+    features = torch.randn(4, 16).half() * 20  # logits up to a few tens: exp(12) passes 65504
+
+    def classify(x):
+        logits = head(x)
+        e = logits.exp()  # softmax by hand, without subtracting the max
+        return (e / e.sum(-1, keepdim=True)).float().sum().item()
+
+    w, _ = watched(classify, features)
+    first = nonfinite(w)[0]
+    assert first.op == "aten.exp.default"
+    cause = first.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.dtype == torch.float16 and cause.wider == torch.float32
+    assert "subtract the max" in first.message
+
+
+# --------------------------------------------------------------------------------------------
+# undefined math
+# --------------------------------------------------------------------------------------------
+
+
+def test_log_of_zero_in_a_loss_is_undefined_math():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x = torch.randn(6, 8)
+    target = torch.tensor([0, 0, 2, 0, 2, 1])
+    with torch.no_grad():
+        model.weight[1] *= 400  # confident logits: a softmax probability underflows to 0
+
+    def step():
+        probs = model(x).softmax(-1)
+        loss = -probs.gather(1, target[:, None]).log().mean()  # the likelihood by hand: log(p[target])
+        loss.backward()
+        return loss.item()
+
+    w, _ = watched(step)
+    first = nonfinite(w)[0]
+    assert first.op == "aten.log.default"
+    assert first.finding.facts["cause"] == Cause(MATH, "log_zero")
+    assert cause_line(first) == "  cause:    undefined math: log(0) = -inf, in float64 too"
+
+
+def test_an_in_place_op_is_not_taken_for_an_input_that_already_held_its_result():
+    """``log_`` writes its inf into its own input: that input is not one that held it."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    with torch.no_grad():
+        model.weight[1] *= 400
+
+    def step(x):
+        probs = model(x).softmax(-1)
+        return probs.log_().mean().item()  # in place: probs holds the -inf now
+
+    w, _ = watched(step, torch.randn(6, 8))
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.log_.default"
+    assert anomaly.finding.facts["cause"].kind == MATH, anomaly.message
+
+
+# --------------------------------------------------------------------------------------------
+# an input, a parameter
+# --------------------------------------------------------------------------------------------
+
+
+def loader_with_a_nan():
+    torch.manual_seed(0)
+    features = torch.randn(32, 4)
+    features[5, 2] = float("nan")  # a broken row in the data set
+    return DataLoader(TensorDataset(features, torch.randn(32, 1)), batch_size=8)
+
+
+def test_a_batch_holding_nan_from_the_data_loader_is_named_as_the_input():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    found = []
+    for x, y in loader_with_a_nan():  # batches made outside the watch, as a trainer's are
+        with opwatch.watch(warn=False, dump_on_error=False) as w:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        found.append(nonfinite(w))
+    # One story per step, not one per op: the nan of the first batch, then the weights it poisoned
+    # (its gradient went through the optimizer into every parameter).
+    assert [len(anomalies) for anomalies in found] == [1, 1, 1, 1]
+    assert [anomalies[0].finding.facts["cause"].kind for anomalies in found] == [INPUT, WEIGHTS, WEIGHTS, WEIGHTS]
+    (anomaly,) = found[0]
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.held == "nan" and tuple(cause.tensor.shape) == (8, 4)
+    assert cause.made.how == "before_watch"
+    assert "from finite inputs" not in anomaly.message and "lower the learning rate" not in anomaly.message
+    assert "input: input f32[8, 4] cpu already held nan when addmm ran" in cause_line(anomaly)
+    assert "check the data" in anomaly.message
+
+
+def test_a_clean_loader_reports_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for x, y in data:
+            F.mse_loss(model(x), y).backward()
+    assert w.anomalies == [] and w.contained == []
+
+
+def test_a_linear_whose_weight_holds_nan_is_named_as_the_weights(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[2].weight[1, 3] = float("nan")  # loaded from a broken checkpoint
+    x = torch.randn(5, 4)
+    w, _ = watched(lambda: model(x).sum().backward())
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == WEIGHTS and cause.held == "nan"
+    assert cause.made.how == "parameter" and cause.made.name == "weight" and cause.made.cls == "Linear"
+    assert "weights: parameter f32[2, 8] cpu already held nan" in cause_line(anomaly)
+    assert "checkpoint" in anomaly.message
+    # The cause is a fact: saved and read back, the message is rendered again the same.
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    (saved,) = [a for a in load(path).anomalies if a.kind in ("nan", "inf")]
+    assert saved.finding.facts["cause"] == cause and isinstance(saved.finding.facts["cause"], Cause)
+    assert saved.message == anomaly.message
+
+
+def test_a_batchnorm_buffer_holding_nan_is_named_as_the_buffer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)).eval()
+    model[1].running_var[2] = float("nan")  # a running statistic updated from a bad batch
+    w, _ = watched(lambda: model(torch.randn(5, 4)).sum().item())
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.made.how == "buffer" and cause.made.name == "running_var"
+    assert "it is the buffer running_var of BatchNorm1d" in cause_line(anomaly)
+    assert "running statistic" in anomaly.message
+
+
+def test_an_input_made_before_the_watch_and_gone_by_the_check_point_leaves_the_cause_unknown():
+    """Gradient accumulation watched as a whole, on the CPU (a host read there is no check
+    point; the optimizer step is): the first micro-batch, made before the watch and holding nan,
+    is gone when the step comes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pending = [torch.randn(8, 4) for _ in range(3)]
+    pending[0][3, 1] = float("nan")
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        while pending:
+            x = pending.pop(0)
+            (model(x).pow(2).mean() / 3).backward()
+        del x
+        optimizer.step()
+        optimizer.zero_grad()
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == UNKNOWN and tuple(cause.tensor.shape) == (8, 4)
+    assert "made nan from finite inputs" not in anomaly.message and "made nan from inputs not all known to be finite" in anomaly.message
+    assert "whether it already held nan cannot be told" in cause_line(anomaly)
+
+
+# --------------------------------------------------------------------------------------------
+# healthy training: nothing
+# --------------------------------------------------------------------------------------------
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def batches(count=4):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16 autocast", "float16 + GradScaler"])
+def test_a_healthy_training_loop_reports_nothing(mode):
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode.startswith("float16") else None
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for x, y in batches():
+            if mode == "bfloat16 autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), y)
+            elif scaler is not None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+            else:
+                loss = F.cross_entropy(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad()
+            assert math.isfinite(loss.item())
+    assert nonfinite(w) == []
