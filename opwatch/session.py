@@ -76,8 +76,7 @@ def watch(
         process group's store: off by default, turn it on on every rank), ``"pre_dispatch"``
         (torch functions that reject a device or dtype before dispatching, such as the window of
         ``torch.stft``, judged from their arguments by a function mode every torch call goes
-        through: off by default). ``None`` (default) runs all but ``"collective_mismatch"`` and
-        ``"pre_dispatch"``; ``()`` only records.
+        through). ``None`` (default) runs all but ``"collective_mismatch"``; ``()`` only records.
         ``watch(checks=["broadcast", "nonfinite"])``.
     allow
         Anomalies you know about and accept, as :class:`Allow` entries (each field a glob
@@ -362,8 +361,7 @@ class Watch:
 
     def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack) -> FunctionWatch | None:
         """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when they
-        were asked for (``checks=[..., "pre_dispatch"]``: opt-in, for its cost on every torch
-        call); it judges the device and dtype rules that are asked for too, or both."""
+        are on (by default, or named in ``checks=``); it judges the device and dtype rules that are asked for too, or both."""
         if _checks.pre_dispatch.NAME not in self._checks:
             return None
         kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}

@@ -50,10 +50,11 @@ PRE_KERNEL_CHECKS = (device, dtype, accumulation, broadcast, collectives)
 # Names accepted by ``watch(checks=...)``.
 CHECK_NAMES = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + (nonfinite.NAME, pre_dispatch.NAME)
 
-# The checks ``watch(checks=None)`` runs: all but those that cost something on every call of
-# their ops (collective_mismatch: a store round trip per collective; pre_dispatch: a function
-# mode that every torch function call goes through).
-DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name not in (collectives.KIND, pre_dispatch.NAME))
+# The checks ``watch(checks=None)`` runs: all but collective_mismatch (a store round trip per
+# collective, and every rank must turn it on). pre_dispatch (a function mode every torch
+# function call goes through) is on: the device and dtype bugs it names raise inside torch's
+# own Python before any op is dispatched, where no other check can see them.
+DEFAULT_CHECK_NAMES = tuple(name for name in CHECK_NAMES if name != collectives.KIND)
 
 # Anomaly kinds, as ``Anomaly.kind`` reports them.
 KINDS = tuple(dict.fromkeys(check.KIND for check in PRE_KERNEL_CHECKS)) + nonfinite.KINDS

@@ -156,7 +156,7 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         metavar="NAME,...",
         help="the checks to run, comma-separated, as watch(checks=...): "
         + ", ".join(_check_names())
-        + " (default: all but collective_mismatch and pre_dispatch; 'none': only record)",
+        + " (default: all but collective_mismatch; 'none': only record)",
     )
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
     parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")

@@ -72,7 +72,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store",
         default=None,
         metavar="NAMES",
-        help="comma-separated checks to run: device_mismatch, dtype_mismatch, broadcast, nonfinite, collective_mismatch, pre_dispatch (default: the first four)",
+        help="comma-separated checks to run: device_mismatch, dtype_mismatch, broadcast, nonfinite, collective_mismatch, pre_dispatch (default: all but collective_mismatch)",
     )
     group.addoption("--opwatch-last", action="store", default=None, metavar="N", help="ops shown when a watched test raises (default 20)")
     parser.addini("opwatch", "watch each test: off (default), on or strict", default="")

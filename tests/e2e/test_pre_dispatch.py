@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import opwatch
+from opwatch.checks import DEFAULT_CHECK_NAMES
 from opwatch.checks import pre_dispatch
 from opwatch.render.messages import explain
 from support.helpers import line_of
@@ -338,12 +339,20 @@ def test_a_healthy_call_adds_no_entry_and_no_op():
     assert [record.op for record in w.records] == plain.ops
 
 
-def test_the_function_mode_runs_only_when_asked_for_and_leaves_on_exit():
+def test_the_function_mode_runs_only_when_on_and_leaves_on_exit():
     window = torch.hann_window(64, device="meta")
-    for without in (["broadcast"], None):  # not asked for, or the default checks
+    without_it = [name for name in DEFAULT_CHECK_NAMES if name != "pre_dispatch"]
+    for without in (["broadcast"], without_it):  # not asked for, or turned off
         w, error = _watched(lambda: torch.stft(torch.randn(400), 64, window=window, return_complex=True), checks=without)
         assert isinstance(error, RuntimeError) and not w.anomalies
     depth = torch._C._len_torch_function_stack()
+    for checks in (None, WITH_PRE_DISPATCH):  # on by default, and when named
+        with pytest.raises(RuntimeError):
+            with opwatch.watch(warn=False, dump_on_error=False, checks=checks) as w:
+                assert torch._C._len_torch_function_stack() == depth + 1
+                torch.stft(torch.randn(400), 64, window=window, return_complex=True)
+        assert [a.kind for a in w.anomalies] == ["device_mismatch"]
+    assert torch._C._len_torch_function_stack() == depth
     with pytest.raises(RuntimeError):
         with opwatch.watch(warn=False, dump_on_error=False, checks=WITH_PRE_DISPATCH):
             assert torch._C._len_torch_function_stack() == depth + 1

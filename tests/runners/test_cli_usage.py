@@ -74,7 +74,7 @@ def test_checks_choose_what_runs(train):
     assert "broadcast in" in both.stderr and "inf in aten.log.default" in both.stderr
     none = cli("--checks", "none", "--strict", "train.py", cwd=train)
     assert none.returncode == 0 and none.stderr == (
-        "opwatch: no check ran (off: device_mismatch, dtype_mismatch, broadcast, nonfinite), so no anomaly could be found: the ops were only recorded.\n"
+        "opwatch: no check ran (off: device_mismatch, dtype_mismatch, broadcast, nonfinite, pre_dispatch), so no anomaly could be found: the ops were only recorded.\n"
         "opwatch: to run every check: python -m opwatch --strict train.py\n"
     )
     # Every check ran: nothing is said to be off.
@@ -86,14 +86,14 @@ def test_with_checks_off_the_summary_names_them_and_the_command_that_runs_them(t
     device = cli("--checks", "device_mismatch", "train.py", "--epochs", "1", cwd=train)
     assert device.returncode == 0, device.stderr
     assert device.stderr == (
-        "opwatch: no anomalies among the checks that ran (device_mismatch); off: dtype_mismatch, broadcast, nonfinite.\n"
+        "opwatch: no anomalies among the checks that ran (device_mismatch); off: dtype_mismatch, broadcast, nonfinite, pre_dispatch.\n"
         "opwatch: to run every check: python -m opwatch train.py --epochs 1\n"
     )
     # What it finds is shown, and what it did not look for is named after it.
     nonfinite = cli("--checks", "nonfinite", "train.py", cwd=train)
     assert nonfinite.stderr.startswith("opwatch: 1 anomaly at 1 place:\n\ninf in aten.log.default at train.py:9")
     assert nonfinite.stderr.endswith(
-        "\n(checks off: device_mismatch, dtype_mismatch, broadcast; anomalies of their kinds were not looked for)\n"
+        "\n(checks off: device_mismatch, dtype_mismatch, broadcast, pre_dispatch; anomalies of their kinds were not looked for)\n"
         "opwatch: to run every check: python -m opwatch train.py\n"
     )
     assert "broadcast in" not in nonfinite.stderr
