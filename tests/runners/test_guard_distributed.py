@@ -1,0 +1,74 @@
+"""opwatch.guard in distributed jobs: one decision for every rank, and never a hang.
+
+2 gloo ranks on 127.0.0.1 (support.distributed.spawn): process groups time out after 60 s, the
+spawn after 180 s, the guard's own flag after 2 s in the ``silent`` case; a bug fails, never
+hangs. The scenarios live in tests/scenarios/dist_guard.py (one process group runs every case).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from support import SCENARIOS
+from support.distributed import spawn
+from support.helpers import line_of
+
+import dist_guard  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+CASES_FILE = str(SCENARIOS / "dist_guard.py")
+NAN_LINE = line_of("# nan made here", CASES_FILE)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_nan", "ddp_nan"])
+def test_every_rank_raises_and_names_the_rank_that_made_it(two_ranks, case):
+    zero, one = two_ranks[0][case]["raised"], two_ranks[1][case]["raised"]
+    # Rank 1 made it: its own origin, at its line.
+    assert one["type"] == "AnomalyError"
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert "\n  ranks:    this rank (rank 1) made it; every rank replayed this step" in one["message"]
+    # Rank 0 received it through a collective, and its error names rank 1's op and line.
+    assert zero["type"] == "AnomalyError" and zero["rank"] == 0
+    assert "received through c10d." in zero["message"]
+    assert f"\n  ranks:    rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward); every rank replayed this step" in zero["message"]
+
+
+def test_healthy_guarded_steps_are_unchanged(two_ranks):
+    for rank in (0, 1):
+        for layout in ("ddp", "fsdp2"):
+            assert two_ranks[rank]["healthy"][layout] == {"same_losses": True, "same_params": True}, (rank, layout)
+
+
+def test_a_rank_whose_own_values_were_finite_fails_with_the_other(two_ranks):
+    line = line_of("# nan in rank 1's metric only", CASES_FILE)
+    zero, one = two_ranks[0]["elsewhere"], two_ranks[1]["elsewhere"]
+    assert one["raise"]["raised"]["message"].startswith(f"nan in aten.log.default at dist_guard.py:{line} (forward, rank 1)")
+    raised = zero["raise"]["raised"]
+    assert raised["type"] == "AnomalyError"
+    assert (raised["rank"], raised["op"], raised["lineno"]) == (1, "aten.log.default", line)
+    assert raised["message"].startswith(
+        f"opwatch.guard (rank 0): call 1 of _metric_step failed on another rank: rank 1 made it: nan in aten.log.default at dist_guard.py:{line} (forward). "
+        "Here this rank's results and gradients were finite, another rank's were not (the ranks decide each step together); "
+        "this rank replayed the step with the others (RNG states, .grad restored) and found no origin; the error on that rank names"
+    )
+    # on_failure="skip": both ranks skip the same step (no gradients for the optimizer).
+    for result in (zero["skip"], one["skip"]):
+        assert result["raised"] is None and result["returned_none"] and result["skipped"] == 1 and result["grads_none"]
+    assert any("rank 1 made it: nan in aten.log.default" in text for text in zero["skip"]["warned"])
+
+
+def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):
+    raised = two_ranks[0]["silent"]["raised"]
+    assert raised["type"] == "NoAnswer"
+    assert raised["message"].startswith(
+        "opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited at the failure flag of call 2 of silent.<locals>.<lambda>"
+    )
+    assert "rank 1 said nothing: crashed, hangs in a collective of its own, or ran a different number of guarded steps" in raised["message"]
+    assert two_ranks[1]["silent"]["raised"] is None
