@@ -121,9 +121,11 @@ def guard(
     or state that changes (data loading inside ``train_step``, a counter, a random source other
     than torch's generators), other devices' RNGs, side effects (logging, a global step count,
     which then happen twice). When the replay finds nothing, the error says so plainly.
-    Out-of-memory errors are raised as they are, never replayed. In data-parallel training a
-    replay runs the backward's collectives again: every rank must fail the same step (nan
-    gradients are all-reduced, so they do), or the replaying rank waits for the others. With
+    Out-of-memory errors are raised as they are, never replayed. In a distributed job (world
+    size > 1) the failure flag is all-reduced once per step (``MAX``, bounded by
+    ``$OPWATCH_COLLECTIVE_TIMEOUT`` or the process group's timeout), so every rank replays the same
+    steps with matching collectives and applies the same ``on_failure``; after the replay the
+    ranks exchange what they found and every error names the rank that made the nan/inf. With
     ``torch.amp.GradScaler``, scaled gradients overflow now and then by design: pass the
     scaler (``scaler=``) and the gradients are left to it (it skips such steps and lowers its
     scale); only what the step returned is checked then. Without it, each overflow step would
