@@ -331,12 +331,9 @@ def _waited(where) -> str:
 def no_answer(rank, here, others, silent, timeout, error_line) -> str:
     """A rank timed out waiting for the others at one of the guard's own waits."""
     within = f"within {timeout:g} s" if timeout is not None else "within the process group's timeout"
-    if silent:
-        listed = ", ".join(str(other) for other in silent)
-        head = f"opwatch.guard (rank {rank}): rank{'s' if len(silent) > 1 else ''} {listed} did not answer {within}"
-    else:
-        head = f"opwatch.guard (rank {rank}): the ranks did not meet {within}"
-    text = f"{head}: this rank waited at {_waited(here)}"
+    late = sorted(silent) or sorted(others)  # silent ones, else the ones that were somewhere else
+    listed = ", ".join(str(other) for other in late)
+    text = f"opwatch.guard (rank {rank}): rank{'s' if len(late) > 1 else ''} {listed} did not answer {within}: this rank waited at {_waited(here)}"
     for other in sorted(others):
         text += f"; rank {other} was at {_waited(others[other])}"
     if silent:

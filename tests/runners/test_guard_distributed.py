@@ -27,6 +27,11 @@ def two_ranks(tmp_path_factory):
     return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
 
 
+@pytest.fixture(scope="module")
+def one_rank_raises(tmp_path_factory):
+    return spawn(dist_guard.worker, 2, ["raised"], tmp_path_factory.mktemp("guard_raised"), timeout=120.0)
+
+
 @pytest.mark.parametrize("case", ["fsdp2_nan", "ddp_nan"])
 def test_every_rank_raises_and_names_the_rank_that_made_it(two_ranks, case):
     zero, one = two_ranks[0][case]["raised"], two_ranks[1][case]["raised"]
@@ -72,3 +77,16 @@ def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):
     )
     assert "rank 1 said nothing: crashed, hangs in a collective of its own, or ran a different number of guarded steps" in raised["message"]
     assert two_ranks[1]["silent"]["raised"] is None
+
+
+def test_a_rank_whose_step_raised_is_named_where_it_went(one_rank_raises):
+    zero, one = one_rank_raises[0]["raised"]["raised"], one_rank_raises[1]["raised"]["raised"]
+    assert one["type"] == "ValueError" and one["message"].startswith("a batch this rank cannot read")
+    assert zero["type"] == "NoAnswer"
+    assert zero["message"].startswith(
+        "opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited at the failure flag of call 2 of raised.<locals>.step"
+    )
+    assert (
+        "; rank 1 was at call 2 of raised.<locals>.step, which raised there (ValueError: a batch this rank cannot read); "
+        "it replays alone and does not reach the failure flag" in zero["message"]
+    )

@@ -167,4 +167,31 @@ def silent(rank, world):
     return result
 
 
-CASES = {"fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent}
+def raised(rank, world):
+    """Rank 1's step raises at call 2 (its own bug, not the others'): it says where it went and
+    replays alone; rank 0 waits at the failure flag at most 2 s and says rank 1 raised there.
+    Like ``silent``, it leaves the process group unusable: the last case of its spawn."""
+    os.environ["OPWATCH_COLLECTIVE_TIMEOUT"] = "2"
+    store = group_store()
+    model = _mlp()
+
+    def step(x, call):
+        if rank == 1 and call == 2:
+            raise ValueError("a batch this rank cannot read")  # rank 1 raises here
+        model(x).sum().backward()
+
+    guarded = opwatch.guard(step, model)
+    result = {"raised": None}
+    try:
+        for call in (1, 2):
+            guarded(torch.randn(3, 4), call)
+    except Exception as error:
+        result["raised"] = _error(error)
+    if rank == 0:
+        store.set("raised/done", "1")
+    else:
+        store.wait(["raised/done"], timedelta(seconds=60))
+    return result
+
+
+CASES = {"fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent, "raised": raised}
