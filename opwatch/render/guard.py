@@ -287,7 +287,8 @@ def _missing_text(ranks) -> str:
     if not ranks.missing:
         return ""
     listed = ", ".join(str(rank) for rank in ranks.missing)
-    return f"; rank{'s' if len(ranks.missing) > 1 else ''} {listed} did not report what its replay found within {ranks.timeout:g} s"
+    several = len(ranks.missing) > 1
+    return f"; rank{'s' if several else ''} {listed} did not report what {'their replays' if several else 'its replay'} found within {ranks.timeout:g} s"
 
 
 def ranks_text(ranks) -> str:

@@ -90,3 +90,31 @@ def test_a_rank_whose_step_raised_is_named_where_it_went(one_rank_raises):
         "; rank 1 was at call 2 of raised.<locals>.step, which raised there (ValueError: a batch this rank cannot read); "
         "it replays alone and does not reach the failure flag" in zero["message"]
     )
+
+
+# -- the sentences, on plain facts ---------------------------------------------------------------
+
+
+def test_the_ranks_line_names_the_origin_and_the_ranks_that_did_not_report():
+    from opwatch.render import guard as words
+    from opwatch.runners.guarded.ranks import Made, RankOrigin
+
+    made = Made(3, "inf", "aten.exp.default", "train.py:9", "forward")
+    assert words.ranks_text(RankOrigin(0, made, (), 30.0)) == (
+        "rank 3 made it: inf in aten.exp.default at train.py:9 (forward); every rank replayed this step (the ranks decide each step's failure together)"
+    )
+    assert words.ranks_text(RankOrigin(3, made, (1, 2), 5.0)).startswith("this rank (rank 3) made it;")
+    assert words.ranks_text(RankOrigin(3, made, (1, 2), 5.0)).endswith("; ranks 1, 2 did not report what their replays found within 5 s")
+    assert words.ranks_text(RankOrigin(0, None, (1,), 5.0)).startswith("no rank's replay found where it was made;")
+
+
+def test_no_answer_says_which_ranks_were_silent_and_where_the_others_were():
+    from opwatch.render import guard as words
+
+    here = {"call": 4, "name": "train_step", "waited": "flag", "detail": ""}
+    text = words.no_answer(0, here, {2: {"call": 3, "name": "train_step", "waited": "flag", "detail": ""}}, [1, 3], None, "RuntimeError: timed out")
+    assert text.startswith(
+        "opwatch.guard (rank 0): ranks 1, 3 did not answer within the process group's timeout: this rank waited at the failure flag of call 4 of train_step"
+    )
+    assert "; rank 2 was at the failure flag of call 3 of train_step" in text
+    assert "; ranks 1, 3 said nothing: crashed, hangs in a collective of its own, or ran a different number of guarded steps (RuntimeError: timed out)." in text

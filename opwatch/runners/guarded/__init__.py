@@ -284,7 +284,9 @@ class Guarded:
         # (and at audits; a failing step is looked at in _failed). Healthy steps skip the look.
         if (self.calls == 1 or audit is not None) and self._snapshots.changed_parameters(start):
             self._refuse_changed_parameters(start)
-        if self._check_results and not self._healthy(result):
+        # In a job of several ranks every call meets the others at the flag, checked or not (a
+        # check that failed once is off on this rank only).
+        if (self._check_results or self._agreement is not None) and not self._healthy(result):
             if self._finite_here:
                 failure = FailedElsewhere("elsewhere")
             else:
@@ -330,7 +332,7 @@ class Guarded:
     def _healthy(self, result) -> bool:
         """The fused check; in a distributed job, reduced across the ranks (one all-reduce of
         one element), so that every rank replays the same steps with matching collectives."""
-        healthy = self._checked(result)
+        healthy = self._checked(result) if self._check_results else True
         self._finite_here = healthy
         if self._agreement is None:
             return healthy
