@@ -1,4 +1,5 @@
-"""opwatch.guard in distributed jobs: one decision for every rank, and never a hang.
+"""opwatch.guard in distributed jobs: one decision for every rank, and never a hang. DDP,
+FSDP2 (fully_shard on a CPU mesh) and tensor parallel (Colwise/RowwiseParallel DTensors).
 
 2 gloo ranks on 127.0.0.1 (support.distributed.spawn): process groups time out after 60 s, the
 spawn after 180 s, the guard's own flag after 2 s in the ``silent`` case; a bug fails, never
@@ -24,7 +25,7 @@ NAN_LINE = line_of("# nan made here", CASES_FILE)
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
+    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,20 @@ def test_every_rank_raises_and_names_the_rank_that_made_it(two_ranks, case):
     assert f"\n  ranks:    rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward); every rank replayed this step" in zero["message"]
 
 
+def test_tensor_parallel_every_rank_raises_and_names_the_rank_that_made_it(two_ranks):
+    """Colwise/RowwiseParallel: the nan is made after the row-parallel all-reduce, on rank 1 only;
+    rank 0's values stay finite, it replays with rank 1 and raises rank 1's anomaly."""
+    zero, one = two_ranks[0]["tp_nan"]["raised"], two_ranks[1]["tp_nan"]["raised"]
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert zero["type"] == "AnomalyError" and (zero["rank"], zero["op"], zero["lineno"]) == (1, "aten.sqrt.default", NAN_LINE)
+    assert zero["message"].startswith(
+        f"opwatch.guard (rank 0): call 2 of _step failed on another rank: rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward)."
+    )
+
+
 def test_healthy_guarded_steps_are_unchanged(two_ranks):
     for rank in (0, 1):
-        for layout in ("ddp", "fsdp2"):
+        for layout in ("ddp", "fsdp2", "tp"):
             assert two_ranks[rank]["healthy"][layout] == {"same_losses": True, "same_params": True}, (rank, layout)
 
 
