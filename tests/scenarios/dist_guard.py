@@ -84,9 +84,7 @@ def _nan_on_last_rank(rank, world, layout):
     model = MAKE[layout](world)
     torch.manual_seed(rank + 1)
     x = torch.randn(3, 4)
-    # Tensor parallel: the repro's input capture crashes (SIGSEGV cloning an argument a backward
-    # op writes) on torch 2.13 gloo; the replay itself works.
-    step = opwatch.guard(_step, model, repro=layout != "tp")
+    step = opwatch.guard(_step, model)
     step(model, x, 0.0)
     try:
         step(model, x, NAN_SHIFT if rank == world - 1 else 0.0)
