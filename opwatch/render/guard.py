@@ -52,6 +52,8 @@ def failure_text(failure) -> str:
     """``it raised ValueError: ...`` or ``the check after it found nan in the returned tensor``."""
     if failure.how == "raised":
         return f"it raised {failure.error_type}: {failure.line}"
+    if failure.how == "elsewhere":
+        return "this rank's results and gradients were finite, another rank's were not (the ranks decide each step together)"
     _, returned, grads = failure
     parts = [f"{kind} in " + (f"the returned {type_}" if path == "returned" else path) for kind, path, type_ in returned]
     parts += [f"{kind} in the .grad of {len(found)} parameter(s): {names(found)}" for kind, found in grads]
@@ -88,9 +90,12 @@ def repro_note(note) -> str | None:
     raise ValueError(f"unknown repro note {note!r}")
 
 
-def replayed_message(message: str, step_context: str, repro, note) -> str:
-    """An anomaly's message with the step it failed and its repro."""
+def replayed_message(message: str, step_context: str, repro, note, ranks=None) -> str:
+    """An anomaly's message with the step it failed, the rank that made it (``ranks``: a
+    ``RankOrigin`` in a distributed job, else ``None``) and its repro."""
     text = message + f"\n  step:     {step_context}"
+    if ranks is not None:
+        text += f"\n  ranks:    {ranks_text(ranks)}"
     said = repro_note(note)
     if repro is not None:
         text += f"\n  repro:    python {display_path(os.path.join(repro, 'repro.py'))} ({said})"
@@ -267,3 +272,74 @@ def only_compiled(call, name, failure, buffers, verdict) -> str:
         f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
         f"(a miscompile, or a fused kernel's precision)." + _stages(verdict)
     )
+
+
+# -- distributed jobs: every rank decides each step together ---------------------------------
+
+
+def _origin_text(origin) -> str:
+    """``rank 1 made it: nan in aten.sqrt.default at train.py:12 (forward)`` (``origin``: a ``Made``)."""
+    return f"rank {origin.rank} made it: {origin.kind} in {origin.op} at {origin.where} ({origin.phase})"
+
+
+def _missing_text(ranks) -> str:
+    """``; rank 1 did not report what its replay found within 30 s`` (``ranks``: a RankOrigin)."""
+    if not ranks.missing:
+        return ""
+    listed = ", ".join(str(rank) for rank in ranks.missing)
+    several = len(ranks.missing) > 1
+    return f"; rank{'s' if several else ''} {listed} did not report what {'their replays' if several else 'its replay'} found within {ranks.timeout:g} s"
+
+
+def ranks_text(ranks) -> str:
+    """The ``ranks:`` line: which rank made the nan/inf (facts exchanged after every rank replayed)."""
+    if ranks.origin is None:
+        head = "no rank's replay found where it was made"
+    elif ranks.origin.rank == ranks.rank:
+        head = f"this rank (rank {ranks.rank}) made it"
+    else:
+        head = _origin_text(ranks.origin)
+    return head + "; every rank replayed this step (the ranks decide each step's failure together)" + _missing_text(ranks)
+
+
+def failed_elsewhere(call, name, failure, buffers, ranks) -> str:
+    """A rank whose own replay found no origin while another rank made the nan/inf."""
+    return (
+        f"opwatch.guard (rank {ranks.rank}): call {call} of {name} failed on another rank: {_origin_text(ranks.origin)}. "
+        f"Here {failure_text(failure)}; this rank replayed the step with the others ({restored(buffers)} restored) and found no origin"
+        + _missing_text(ranks) + "; the error on that rank names the origin's line, and its repro lives there."
+    )
+
+
+def poisoned_elsewhere() -> str:
+    """The parameters that hold nan/inf when they are another rank's shards."""
+    return "parameters of another rank (their shards on this rank are finite)"
+
+
+_WAITED = {
+    "flag": "the failure flag of call {call} of {name} (every rank's guard decides each step's failure together)",
+    "poisoned": "the question whether the parameters hold nan/inf after call {call} of {name}",
+    "raised": "call {call} of {name}, which raised there ({detail}); it replays alone and does not reach the failure flag",
+}
+
+
+def _waited(where) -> str:
+    return _WAITED.get(where.get("waited"), "{waited} of call {call} of {name}").format(
+        call=where.get("call"), name=where.get("name"), waited=where.get("waited"), detail=where.get("detail", "")
+    )
+
+
+def no_answer(rank, here, others, silent, timeout, error_line) -> str:
+    """A rank timed out waiting for the others at one of the guard's own waits."""
+    within = f"within {timeout:g} s" if timeout is not None else "within the process group's timeout"
+    late = sorted(silent) or sorted(others)  # silent ones, else the ones that were somewhere else
+    listed = ", ".join(str(other) for other in late)
+    text = f"opwatch.guard (rank {rank}): rank{'s' if len(late) > 1 else ''} {listed} did not answer {within}: this rank waited at {_waited(here)}"
+    for other in sorted(others):
+        text += f"; rank {other} was at {_waited(others[other])}"
+    if silent:
+        text += (
+            f"; rank{'s' if len(silent) > 1 else ''} {', '.join(str(other) for other in silent)} said nothing: "
+            "crashed, hangs in a collective of its own, or ran a different number of guarded steps"
+        )
+    return text + f" ({error_line}). Set OPWATCH_COLLECTIVE_TIMEOUT (seconds) to wait longer or less."

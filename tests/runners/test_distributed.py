@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from opwatch.render.messages import explain
 from support.helpers import line_of
 
 from support import SCENARIOS
+from support.distributed import spawn
 import dist_cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
@@ -39,34 +39,9 @@ CASES_FILE = str(SCENARIOS / "dist_cases.py")
 STEP_LINE = line_of("# nan made here", CASES_FILE)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _spawn(world: int, cases: list[str], out_dir, *, timeout: float = 120.0) -> list[dict]:
     """Run ``cases`` on ``world`` gloo ranks; every rank's results. Killed after ``timeout``."""
-    import torch.multiprocessing as mp
-
-    saved = os.getcwd()
-    os.chdir(SCENARIOS)  # the children's paths in messages: relative to the scenarios folder
-    try:
-        context = mp.start_processes(
-            dist_cases.worker, args=(world, _free_port(), str(out_dir), cases), nprocs=world, join=False, start_method="spawn"
-        )
-    finally:
-        os.chdir(saved)
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world} ranks did not finish {cases} within {timeout:g} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return spawn(dist_cases.worker, world, cases, out_dir, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,15 @@ import torch
 
 from ...core.finite import nonfinite_kind
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ...findings.ranks import RankAnomaly
 from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
 from . import compiled as compiled_steps
 from . import replay as replays
 from .audit import Audits
-from .check import FiniteCheck, Raised, not_finite, on_failure_option
+from .check import FailedElsewhere, FiniteCheck, Raised, not_finite, on_failure_option
+from .ranks import Agreement, RankOrigin, local
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 
@@ -119,9 +121,11 @@ def guard(
     or state that changes (data loading inside ``train_step``, a counter, a random source other
     than torch's generators), other devices' RNGs, side effects (logging, a global step count,
     which then happen twice). When the replay finds nothing, the error says so plainly.
-    Out-of-memory errors are raised as they are, never replayed. In data-parallel training a
-    replay runs the backward's collectives again: every rank must fail the same step (nan
-    gradients are all-reduced, so they do), or the replaying rank waits for the others. With
+    Out-of-memory errors are raised as they are, never replayed. In a distributed job (world
+    size > 1) the failure flag is all-reduced once per step (``MAX``, bounded by
+    ``$OPWATCH_COLLECTIVE_TIMEOUT`` or the process group's timeout), so every rank replays the same
+    steps with matching collectives and applies the same ``on_failure``; after the replay the
+    ranks exchange what they found and every error names the rank that made the nan/inf. With
     ``torch.amp.GradScaler``, scaled gradients overflow now and then by design: pass the
     scaler (``scaler=``) and the gradients are left to it (it skips such steps and lowers its
     scale); only what the step returned is checked then. Without it, each overflow step would
@@ -230,10 +234,12 @@ class Guarded:
         self._max_records = max_records
         self._enabled = not _disabled_by_environment()
         self._snapshots: Snapshots | None = None  # made on the first call
+        self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first call)
         self._finite = FiniteCheck(scaler)
         self._warned: set = set()  # (kind, file, line) of skipped steps already warned
         self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
         self._told_internal_error = False
+        self._finite_here = True  # this rank's own check passed (the step failed on another rank)
         self.calls = 0
         self.skipped = 0
         self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
@@ -255,6 +261,8 @@ class Guarded:
         self.calls += 1
         if self._snapshots is None:
             self._snapshots = self._collect()
+            self._finite.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
+            self._agreement = Agreement.start() if self._check_results else None
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
         start = self._snapshots.take(args, kwargs)
         try:
@@ -267,6 +275,8 @@ class Guarded:
         except _NOT_REPLAYED:
             raise  # out of memory: a replay under a watch would only run out again, slower
         except Exception as error:
+            if self._agreement is not None:  # the other ranks wait at the flag: tell them where this rank went
+                self._agreement.mark(self.calls, self._name(), "raised", f"{type(error).__name__}: {first_line(error)}")
             if self._snapshots.changed_parameters(start):
                 self._refuse_changed_parameters(start, error=error)
             return self._failed(start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
@@ -274,8 +284,13 @@ class Guarded:
         # (and at audits; a failing step is looked at in _failed). Healthy steps skip the look.
         if (self.calls == 1 or audit is not None) and self._snapshots.changed_parameters(start):
             self._refuse_changed_parameters(start)
-        if self._check_results and not self._checked(result):
-            failure = not_finite(result, self._snapshots.params, self._parameter_names())
+        # In a job of several ranks every call meets the others at the flag, checked or not (a
+        # check that failed once is off on this rank only).
+        if (self._check_results or self._agreement is not None) and not self._healthy(result):
+            if self._finite_here:
+                failure = FailedElsewhere("elsewhere")
+            else:
+                failure = not_finite(result, self._snapshots.params, self._parameter_names())
             if self._on_failure != "apply":
                 del result  # not kept alive through the replay
                 result = None
@@ -314,6 +329,15 @@ class Guarded:
 
     # -- the check of a healthy step -----------------------------------------------------------
 
+    def _healthy(self, result) -> bool:
+        """The fused check; in a distributed job, reduced across the ranks (one all-reduce of
+        one element), so that every rank replays the same steps with matching collectives."""
+        healthy = self._checked(result) if self._check_results else True
+        self._finite_here = healthy
+        if self._agreement is None:
+            return healthy
+        return not self._agreement.failed(not healthy, self.calls, self._name())
+
     def _checked(self, result) -> bool:
         """Whether the step's results are finite; an error of the check itself (a tensor kind
         it does not know) is opwatch's problem: one warning, and the step counts as healthy."""
@@ -336,8 +360,11 @@ class Guarded:
         name = self._name()
         if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
             return self._after_poisoned(start, result)
-        found = audit is not None and error is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
+        # In a distributed job a failing step is always replayed, never judged from its audit:
+        # every rank then runs the step's collectives again, whether its call was audited or not.
+        found = audit is not None and error is None and self._agreement is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
         after = None
+        ranks = first_made = None
         if found:
             replay = None
             self.last_replay = audit
@@ -355,6 +382,8 @@ class Guarded:
             anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
             self.last_verdict = self._compiled_verdict(replay, anomaly, error, start, args, kwargs)
             context = StepContext(name, failure, len(start.buffers), False)
+            if self._agreement is not None and error is None:  # a step that raised replays on its rank alone
+                ranks, first_made = self._origins(replay)
         # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
         go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
         # The optimizer never sees this step's gradients (unless on_failure="apply": those of
@@ -369,14 +398,34 @@ class Guarded:
         if go_on == "apply":
             self._applied_at = self.calls
         if anomaly is None:
-            problem = self._not_found(replay, error, failure, len(start.buffers), repro)
+            if ranks is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank and replay.error is None:
+                problem = self._made_elsewhere(ranks, first_made, failure, len(start.buffers))
+            else:
+                problem = self._not_found(replay, error, failure, len(start.buffers), repro)
             if go_on is not None and replay.error is None:
                 self.skipped += go_on == "skip"
                 warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
                 return result
             raise problem
-        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note), go_on, error,
+        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note, ranks=ranks), go_on, error,
                             audit.records if found else None, result)
+
+    def _origins(self, replay):
+        """``(RankOrigin, the first origin's row)``: every rank's replay findings exchanged
+        (bounded); an exchange that fails names every other rank as missing."""
+        agreement = self._agreement
+        anomalies = [anomaly for anomaly in replay.watch.anomalies if anomaly.kind in NONFINITE and anomaly.record is not None]
+        try:
+            return agreement.origins(self.calls, anomalies)
+        except Exception:
+            others = tuple(rank for rank in range(agreement.world) if rank != agreement.rank)
+            return RankOrigin(agreement.rank, None, others, agreement.wait_s), None
+
+    def _made_elsewhere(self, ranks, first, failure, buffers):
+        """The error of a rank whose replay found no origin while another rank made it: an
+        :class:`~opwatch.AnomalyError` whose anomaly is that rank's (``.rank``, ``.op``, ``.lineno``)."""
+        text = words.failed_elsewhere(self.calls, self._name(), failure, buffers, ranks)
+        return AnomalyError(RankAnomaly(**{**first.fields(), "message": text}, rank=first.rank))
 
     def _weights_poisoned(self, name) -> bool:
         """Whether the parameters hold nan/inf themselves (read only after a failed check):
@@ -386,12 +435,16 @@ class Guarded:
             return True
         with torch.no_grad():
             names = self._parameter_names()
-            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(param.detach()))
-                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(param.detach()).all()]
-        if not bad:
+            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(local(param.detach())))
+                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(local(param.detach())).all()]
+        if self._agreement is not None:  # every rank replays, or none: a shard may hold them on one rank only
+            if not self._agreement.failed(bool(bad), self.calls, name, "poisoned"):
+                return False
+        elif not bad:
             return False
         self._poisoned = True
-        text = words.poisoned_weights(self.calls, name, self._applied_at, render_parameters(bad), self._on_failure)
+        shown = render_parameters(bad) if bad else words.poisoned_elsewhere()
+        text = words.poisoned_weights(self.calls, name, self._applied_at, shown, self._on_failure)
         if self._on_failure == "raise":
             raise RuntimeError(text)
         warnings.warn(OpwatchWarning(text), stacklevel=4)

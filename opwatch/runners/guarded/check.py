@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ...core.finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
+from .ranks import local
 from .snapshot import leaves
 
 _Tensor = torch.Tensor
@@ -43,6 +44,7 @@ class FiniteCheck:
     def __init__(self, scaler=None):
         self._scaler = scaler
         self.tensors = FusedFiniteCheck()
+        self.sharded = False  # the parameters are DTensors (FSDP2, tensor parallel): their local shards are read
 
     def all_finite(self, result, params) -> bool:
         """One fused check of the returned tensors and floats and of the gradients."""
@@ -70,6 +72,8 @@ class FiniteCheck:
             return self.tensors([], returned)
         # The gradients may be written back (unchanged) by the kernel; what the step returned
         # is the user's, never written.
+        if self.sharded:  # each rank reads its own shard, no collective (the ranks agree after)
+            return self.tensors([local(grad) for param in params if (grad := param.grad) is not None], returned)
         return self.tensors([grad for param in params if (grad := param.grad) is not None], returned)
 
 
@@ -79,6 +83,13 @@ class Raised(NamedTuple):
     how: str  # "raised"
     error_type: str  # the exception's type name
     line: str  # the first line of its text
+
+
+class FailedElsewhere(NamedTuple):
+    """A failure's facts on a rank whose own results were finite while another rank's were not
+    (a distributed job decides each step's failure on every rank together)."""
+
+    how: str  # "elsewhere"
 
 
 class NotFinite(NamedTuple):
@@ -101,7 +112,7 @@ def not_finite(result, params, names) -> NotFinite:
             if kind is not None:
                 returned.append((kind, path, "float" if isinstance(value, float) else "tensor"))
         for position, param in enumerate(params):
-            kind = kind_of(param.grad) if param.grad is not None else None
+            kind = kind_of(local(param.grad)) if param.grad is not None else None
             if kind is not None:
                 meta = (tuple(param.shape), param.dtype, param.device, 0)
                 by_kind.setdefault(kind, []).append(names.get(id(param)) or (position, meta))

@@ -57,23 +57,26 @@ class ReproNote(NamedTuple):
 class Replayed(Anomaly):
     """An :class:`~opwatch.Anomaly` of a guarded step that failed, found by its replay (or its
     audit): its message adds the step and the repro. Facts: ``step`` (the call number),
-    ``context`` (a :class:`StepContext`), ``repro`` (the repro folder, or ``None``) and
-    ``repro_note`` (a :class:`ReproNote`: what the repro runs, or why there is none)."""
+    ``context`` (a :class:`StepContext`), ``repro`` (the repro folder, or ``None``),
+    ``repro_note`` (a :class:`ReproNote`: what the repro runs, or why there is none) and
+    ``ranks`` (in a distributed job, a :class:`~opwatch.runners.guarded.ranks.RankOrigin`: the
+    rank that made the nan/inf; else ``None``)."""
 
-    __slots__ = ("repro", "step", "context", "repro_note")
+    __slots__ = ("repro", "step", "context", "repro_note", "ranks")
 
-    def __init__(self, anomaly, *, step, context, repro, repro_note):
+    def __init__(self, anomaly, *, step, context, repro, repro_note, ranks=None):
         super().__init__(anomaly.finding, anomaly.record)
         self.step = step
         self.repro = repro
         self.context = context
         self.repro_note = repro_note
+        self.ranks = ranks
 
     @property
     def message(self) -> str:
         name, failure, buffers, audited = self.context
         step_context = words.context(self.step, name, failure, buffers, audited=audited)
-        return words.replayed_message(Anomaly.message.fget(self), step_context, self.repro, self.repro_note)
+        return words.replayed_message(Anomaly.message.fget(self), step_context, self.repro, self.repro_note, self.ranks)
 
 
 def allow_option(allow) -> dict:

@@ -202,15 +202,22 @@ class InputCapture(TorchDispatchMode):
 
 
 def _copy_written(writes, args, kwargs) -> dict:
-    """Copies of the arguments an op writes, keyed by ``(position, name)``."""
+    """Copies of the arguments an op writes, keyed by ``(position, name)``. Only plain tensors
+    are copied: a subclass (a DTensor: tensor parallel, FSDP2's gradients) has no storage of its
+    own to clone with Python dispatch off (cloning it crashes the process), and its values are
+    never read here (:func:`_nonfinite_kind`), so no op on it is kept for a repro."""
     copies = {}
     for position, name in writes:
         value = _argument(args, kwargs, position, name)
         if isinstance(value, _Tensor):
-            copies[position, name] = value.clone() if value.device.type != "meta" else value
+            copies[position, name] = _copy(value)
         elif isinstance(value, (list, tuple)):
-            copies[position, name] = [item.clone() if isinstance(item, _Tensor) and item.device.type != "meta" else item for item in value]
+            copies[position, name] = [_copy(item) if isinstance(item, _Tensor) else item for item in value]
     return copies
+
+
+def _copy(tensor):
+    return tensor.clone() if type(tensor) in _PLAIN_TYPES and tensor.device.type != "meta" else tensor
 
 
 def _argument(args, kwargs, position, name):

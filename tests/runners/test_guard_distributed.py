@@ -1,0 +1,132 @@
+"""opwatch.guard in distributed jobs: one decision for every rank, and never a hang. DDP,
+FSDP2 (fully_shard on a CPU mesh) and tensor parallel (Colwise/RowwiseParallel DTensors).
+
+2 gloo ranks on 127.0.0.1 (support.distributed.spawn): process groups time out after 60 s, the
+spawn after 180 s, the guard's own flag after 2 s in the ``silent`` case; a bug fails, never
+hangs. The scenarios live in tests/scenarios/dist_guard.py (one process group runs every case).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from support import SCENARIOS
+from support.distributed import spawn
+from support.helpers import line_of
+
+import dist_guard  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+CASES_FILE = str(SCENARIOS / "dist_guard.py")
+NAN_LINE = line_of("# nan made here", CASES_FILE)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_raises(tmp_path_factory):
+    return spawn(dist_guard.worker, 2, ["raised"], tmp_path_factory.mktemp("guard_raised"), timeout=120.0)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_nan", "ddp_nan"])
+def test_every_rank_raises_and_names_the_rank_that_made_it(two_ranks, case):
+    zero, one = two_ranks[0][case]["raised"], two_ranks[1][case]["raised"]
+    # Rank 1 made it: its own origin, at its line.
+    assert one["type"] == "AnomalyError"
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert "\n  ranks:    this rank (rank 1) made it; every rank replayed this step" in one["message"]
+    # Rank 0 received it through a collective, and its error names rank 1's op and line.
+    assert zero["type"] == "AnomalyError" and zero["rank"] == 0
+    assert "received through c10d." in zero["message"]
+    assert f"\n  ranks:    rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward); every rank replayed this step" in zero["message"]
+
+
+def test_tensor_parallel_every_rank_raises_and_names_the_rank_that_made_it(two_ranks):
+    """Colwise/RowwiseParallel: the nan is made after the row-parallel all-reduce, on rank 1 only;
+    rank 0's values stay finite, it replays with rank 1 and raises rank 1's anomaly."""
+    zero, one = two_ranks[0]["tp_nan"]["raised"], two_ranks[1]["tp_nan"]["raised"]
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert zero["type"] == "AnomalyError" and (zero["rank"], zero["op"], zero["lineno"]) == (1, "aten.sqrt.default", NAN_LINE)
+    assert zero["message"].startswith(
+        f"opwatch.guard (rank 0): call 2 of _step failed on another rank: rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward)."
+    )
+
+
+def test_healthy_guarded_steps_are_unchanged(two_ranks):
+    for rank in (0, 1):
+        for layout in ("ddp", "fsdp2", "tp"):
+            assert two_ranks[rank]["healthy"][layout] == {"same_losses": True, "same_params": True}, (rank, layout)
+
+
+def test_a_rank_whose_own_values_were_finite_fails_with_the_other(two_ranks):
+    line = line_of("# nan in rank 1's metric only", CASES_FILE)
+    zero, one = two_ranks[0]["elsewhere"], two_ranks[1]["elsewhere"]
+    assert one["raise"]["raised"]["message"].startswith(f"nan in aten.log.default at dist_guard.py:{line} (forward, rank 1)")
+    raised = zero["raise"]["raised"]
+    assert raised["type"] == "AnomalyError"
+    assert (raised["rank"], raised["op"], raised["lineno"]) == (1, "aten.log.default", line)
+    assert raised["message"].startswith(
+        f"opwatch.guard (rank 0): call 1 of _metric_step failed on another rank: rank 1 made it: nan in aten.log.default at dist_guard.py:{line} (forward). "
+        "Here this rank's results and gradients were finite, another rank's were not (the ranks decide each step together); "
+        "this rank replayed the step with the others (RNG states, .grad restored) and found no origin; the error on that rank names"
+    )
+    # on_failure="skip": both ranks skip the same step (no gradients for the optimizer).
+    for result in (zero["skip"], one["skip"]):
+        assert result["raised"] is None and result["returned_none"] and result["skipped"] == 1 and result["grads_none"]
+    assert any("rank 1 made it: nan in aten.log.default" in text for text in zero["skip"]["warned"])
+
+
+def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):
+    raised = two_ranks[0]["silent"]["raised"]
+    assert raised["type"] == "NoAnswer"
+    assert raised["message"].startswith(
+        "opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited at the failure flag of call 2 of silent.<locals>.<lambda>"
+    )
+    assert "rank 1 said nothing: crashed, hangs in a collective of its own, or ran a different number of guarded steps" in raised["message"]
+    assert two_ranks[1]["silent"]["raised"] is None
+
+
+def test_a_rank_whose_step_raised_is_named_where_it_went(one_rank_raises):
+    zero, one = one_rank_raises[0]["raised"]["raised"], one_rank_raises[1]["raised"]["raised"]
+    assert one["type"] == "ValueError" and one["message"].startswith("a batch this rank cannot read")
+    assert zero["type"] == "NoAnswer"
+    assert zero["message"].startswith(
+        "opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited at the failure flag of call 2 of raised.<locals>.step"
+    )
+    assert (
+        "; rank 1 was at call 2 of raised.<locals>.step, which raised there (ValueError: a batch this rank cannot read); "
+        "it replays alone and does not reach the failure flag" in zero["message"]
+    )
+
+
+# -- the sentences, on plain facts ---------------------------------------------------------------
+
+
+def test_the_ranks_line_names_the_origin_and_the_ranks_that_did_not_report():
+    from opwatch.render import guard as words
+    from opwatch.runners.guarded.ranks import Made, RankOrigin
+
+    made = Made(3, "inf", "aten.exp.default", "train.py:9", "forward")
+    assert words.ranks_text(RankOrigin(0, made, (), 30.0)) == (
+        "rank 3 made it: inf in aten.exp.default at train.py:9 (forward); every rank replayed this step (the ranks decide each step's failure together)"
+    )
+    assert words.ranks_text(RankOrigin(3, made, (1, 2), 5.0)).startswith("this rank (rank 3) made it;")
+    assert words.ranks_text(RankOrigin(3, made, (1, 2), 5.0)).endswith("; ranks 1, 2 did not report what their replays found within 5 s")
+    assert words.ranks_text(RankOrigin(0, None, (1,), 5.0)).startswith("no rank's replay found where it was made;")
+
+
+def test_no_answer_says_which_ranks_were_silent_and_where_the_others_were():
+    from opwatch.render import guard as words
+
+    here = {"call": 4, "name": "train_step", "waited": "flag", "detail": ""}
+    text = words.no_answer(0, here, {2: {"call": 3, "name": "train_step", "waited": "flag", "detail": ""}}, [1, 3], None, "RuntimeError: timed out")
+    assert text.startswith(
+        "opwatch.guard (rank 0): ranks 1, 3 did not answer within the process group's timeout: this rank waited at the failure flag of call 4 of train_step"
+    )
+    assert "; rank 2 was at the failure flag of call 3 of train_step" in text
+    assert "; ranks 1, 3 said nothing: crashed, hangs in a collective of its own, or ran a different number of guarded steps (RuntimeError: timed out)." in text
