@@ -20,6 +20,20 @@ So ``(n,) - (n, 1)`` from a Linear is flagged; ``x - x.mean(-1, keepdim=True)`` 
 masks ``(B, 1, 1, S) + (B, H, S, S)`` (no growth), ``a[:, None] - b[None]``, ``a.view(-1, 1) *
 b.view(1, -1)`` (both sides explicit) and rotary ``pos[..., None].float() * inv_freq`` are not.
 
+Two kinds of broadcast are judged by how their result is used (:class:`ShapeProvenance`
+follows the result through pointwise ops; a step more than ``_STRAIGHT_AWAY`` ops after the one
+before ends the wait):
+
+- flagged as above, but the stretched column's size-1 dims were made by a ``keepdim=True``
+  reduction: ``(N, 1)`` norms plus ``(M,)`` norms may be a pairwise table. Combined next with a
+  tensor of its own shape made otherwise (the ``(N, M)`` matmul of ``x_norm + y_norm - 2 * x @
+  y.T``): deliberate, dropped; reduced straight away by ``mean``/``sum``: reported there;
+- ``broadcast.paired``: not flagged above because the column's size-1 dims were made with
+  ``unsqueeze``, but the column shares no dim with a vector of two or more dims and its own size
+  equals the vector's leading one, so the result holds it twice (``(B, 1, 1)`` positives plus
+  ``(B, K)`` negatives give ``(B, B, K)``): reported when reduced straight away by
+  ``mean``/``sum``.
+
 Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
 ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
 

@@ -161,3 +161,12 @@ def test_strict_raises_before_the_loss_is_reduced():
         assert "broadcast" in str(error)
     else:
         raise AssertionError("strict() did not raise")
+
+
+def test_findings_judged_by_use_survive_the_jsonl_round_trip(tmp_path):
+    for loss_of in (margin_loss_needless_unsqueeze, nll_keepdim_bug):
+        w = train(loss_of, steps=1)
+        path = tmp_path / f"{loss_of.__name__}.jsonl"
+        w.export_jsonl(path)
+        saved = opwatch.load(path)
+        assert len(w.anomalies) == 1 and [str(a) for a in saved.anomalies] == [str(a) for a in w.anomalies]
