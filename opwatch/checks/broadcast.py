@@ -20,6 +20,20 @@ So ``(n,) - (n, 1)`` from a Linear is flagged; ``x - x.mean(-1, keepdim=True)`` 
 masks ``(B, 1, 1, S) + (B, H, S, S)`` (no growth), ``a[:, None] - b[None]``, ``a.view(-1, 1) *
 b.view(1, -1)`` (both sides explicit) and rotary ``pos[..., None].float() * inv_freq`` are not.
 
+Two kinds of broadcast are judged by how their result is used (:class:`ShapeProvenance`
+follows the result through pointwise ops; a step more than ``_STRAIGHT_AWAY`` ops after the one
+before ends the wait):
+
+- flagged as above, but the stretched column's size-1 dims were made by a ``keepdim=True``
+  reduction: ``(N, 1)`` norms plus ``(M,)`` norms may be a pairwise table. Combined next with a
+  tensor of its own shape made otherwise (the ``(N, M)`` matmul of ``x_norm + y_norm - 2 * x @
+  y.T``): deliberate, dropped; reduced straight away by ``mean``/``sum``: reported there;
+- ``broadcast.paired``: not flagged above because the column's size-1 dims were made with
+  ``unsqueeze``, but the column shares no dim with a vector of two or more dims and its own size
+  equals the vector's leading one, so the result holds it twice (``(B, 1, 1)`` positives plus
+  ``(B, K)`` negatives give ``(B, B, K)``): reported when reduced straight away by
+  ``mean``/``sum``.
+
 Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
 ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
 
@@ -37,8 +51,8 @@ from typing import NamedTuple
 import torch
 
 from ..core.ops import facts_of
-from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE
-from .finding import Finding
+from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE, OpRecord
+from .finding import Finding, Place
 
 __all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance", "Expand"]
 
@@ -49,6 +63,11 @@ _EXPAND = "aten::expand"
 # ShapeProvenance's entries: (shape, deliberate dims, site id).
 _K_SHAPE, _K_DELIBERATE, _K_SITE = 0, 1, 2
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
+# Reductions that judge a broadcast result waiting for its use (see ShapeProvenance.reduced).
+_REDUCTIONS = {"aten::mean", "aten::sum"}
+# A waiting broadcast result is judged only if each next step on it comes within this many ops.
+_STRAIGHT_AWAY = 8
+_PENDING_LIMIT = 64
 _SHAPE_PRESERVING = {"aten::_to_copy", "aten::clone", "aten::contiguous", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::to"}
 
 def for_op(func):
@@ -56,10 +75,17 @@ def for_op(func):
     when it cannot fire on this op."""
     if func._schema.name == _EXPAND:
         return partial(_check_expand, func)
+    if func._schema.name in _REDUCTIONS:
+        return partial(_check_reduced, func)
     # In-place and out= variants cannot grow their destination.
     if torch.Tag.pointwise in func.tags and not func._schema.is_mutable and facts_of(func).takes_several_tensors:
         return partial(check, func)
     return None
+
+
+def _op_name(func) -> str:
+    """``sub`` for ``aten::sub``."""
+    return func._schema.name.split("::")[-1]
 
 
 def broadcast_shape(shapes) -> tuple[int, ...] | None:
@@ -137,11 +163,61 @@ def check(func, tensors, context, *, made_by_broadcast_tensors: bool = False) ->
             undeliberate = [d for d in stretched if d not in deliberate]
             if undeliberate:
                 accidental.append((meta, undeliberate))
-    if not implicit or not accidental:
+    if not implicit:
+        return None
+    memory = context.shapes
+    if not accidental:
+        if not made_by_broadcast_tensors and len(tensors) == 2:
+            paired = _paired(func, tensors, result, result_numel, implicit, context)
+            if paired is not None:
+                memory.defer(paired, result, tensors)  # judged by its use
         return None
     if len(implicit) == 1 and len(accidental) == 1 and implicit[0] is accidental[0][0]:
         return None  # one operand grew on both counts; the other was not stretched
-    return _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors)
+    finding = _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors)
+    if not made_by_broadcast_tensors and all(memory.kept(meta) for meta, _ in accidental):
+        # Size-1 dims a keepdim reduction made: a pairwise table ((N, 1) norms + (M,) norms,
+        # then combined with an (N, M) matmul) or a bug; its use tells.
+        memory.defer(finding, result, tensors)
+        return None
+    return finding
+
+
+def _paired(func, tensors, result, result_numel, implicit, context) -> Finding | None:
+    """The ``broadcast.paired`` finding, waiting for its use, when a column whose size-1 dims
+    were all made on purpose meets a vector with at least two dims and shares none of them:
+    the column's own size sits only over the vector's new leading dims and equals the vector's
+    leading size (``(B, 1, 1)`` against ``(B, K)`` gives ``(B, B, K)``: B twice)."""
+    vector, *_ = implicit
+    column = next(meta for meta in tensors if meta is not vector)
+    shape, own = column[M_SHAPE], vector[M_SHAPE]
+    if len(own) < 2 or len(shape) != len(result):
+        return None
+    lead, *_ = own
+    covered = len(result) - len(own)  # result dims the vector does not have
+    if any(size != 1 for size in shape[covered:]):
+        return None  # the operands share a dim: a per-row comparison (k-means, distances)
+    if lead not in shape[:covered]:
+        return None
+    facts = {
+        "op": _op_name(func),
+        "vector": vector,
+        "column": column,
+        "dims": [d for d in range(-len(shape), 0) if shape[d] == 1 and result[d] > 1],
+        "size": lead,  # the size the result holds twice
+        "result": result,
+        "growth": result_numel // max(math.prod(meta[M_SHAPE]) for meta in tensors),
+    }
+    return Finding(KIND, "broadcast.paired", facts, operands=tuple(tensors))
+
+
+def _check_reduced(func, tensors, context) -> Finding | None:
+    """``mean``/``sum`` of a broadcast result waiting for its use: reduced straight away, it was
+    a loss computed over the mismatched pairs too."""
+    memory = context.shapes
+    if memory is None or not memory.waiting:
+        return None
+    return memory.reduced(tensors, _op_name(func))
 
 
 def _check_expand(func, tensors, context) -> Finding | None:
@@ -180,7 +256,7 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context,
     largest = max(math.prod(meta[M_SHAPE]) for meta in tensors)
     column, dims = accidental[0]
     facts = {
-        "op": func._schema.name.split("::")[-1],
+        "op": _op_name(func),
         "vector": implicit[0],  # gets new leading dims
         "column": column,  # stretched along its own size-1 dims
         "made_by": context.producer(column),  # a Place, or None
@@ -200,6 +276,23 @@ class Expand(NamedTuple):
     operand: tuple  # its input's metadata
     target: tuple  # the shape it expanded to
     index: int  # its op index
+
+
+class Waiting(NamedTuple):
+    """A broadcast result whose finding waits for its use (see :meth:`ShapeProvenance.defer`)."""
+
+    shape: tuple  # its shape (an id is reused once its tensor dies)
+    finding: Finding
+    index: int  # op index of its last step (the broadcast, or a pointwise op on it since)
+    at: object  # the broadcast op, a Place
+
+
+class Deferred(NamedTuple):
+    """A finding of the op being checked, to wait on its output once the kernel ran."""
+
+    finding: Finding
+    result: tuple  # the broadcast shape
+    inputs: tuple  # the op's input idents
 
 
 class ShapeProvenance:
@@ -222,7 +315,44 @@ class ShapeProvenance:
         self._known: dict = {}
         self._limit = limit
         self._entries = log.entries  # the op log's entries: which op was logged last
+        self._log = log
         self._last_expand: Expand | None = None
+        # ident -> shape of tensors whose size-1 dims a keepdim reduction made
+        self._kept: dict = {}
+        # Broadcast results judged by their use: ident -> Waiting. A result combined with an
+        # independent tensor of its own shape is a table (dropped); reduced straight away by
+        # mean/sum (through pointwise steps), its finding is reported there.
+        self._pending: dict = {}
+        self._deferring: Deferred | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a broadcast result waits for its use."""
+        return bool(self._pending)
+
+    def kept(self, meta) -> bool:
+        """Whether ``meta``'s size-1 dims were made by a ``keepdim=True`` reduction."""
+        return self._kept.get(meta[M_IDENT]) == meta[M_SHAPE]
+
+    def defer(self, finding: Finding, result, tensors) -> None:
+        """Let ``finding`` of the op being checked wait on its output, judged by its use."""
+        self._deferring = Deferred(finding, result, tuple(meta[M_IDENT] for meta in tensors))
+
+    def reduced(self, tensors, op: str) -> Finding | None:
+        """The finding of a waiting broadcast result that ``mean``/``sum`` reduces now."""
+        pending = self._pending
+        last = next(reversed(self._entries), None)
+        for meta in tensors:
+            waiting = pending.get(meta[M_IDENT])
+            if waiting is None or waiting.shape != meta[M_SHAPE]:
+                continue
+            del pending[meta[M_IDENT]]
+            if last is not None and last[E_INDEX] + 1 - waiting.index > _STRAIGHT_AWAY:
+                continue
+            finding = waiting.finding
+            facts = dict(finding.facts, at=waiting.at, reduced_by=op)
+            return Finding(finding.kind, finding.rule, facts, operands=finding.operands)
+        return None
 
     def for_op(self, func):
         """The observer for ``func``'s outputs, called as ``observe(entry, inputs, outputs, metas)``."""
@@ -235,6 +365,9 @@ class ShapeProvenance:
             return self._after_shape_preserving_view if func.is_view else self._after_shape_preserving
         if func.is_view:
             return self._after_view
+        names = [argument.name for argument in func._schema.arguments]
+        if "keepdim" in names:
+            return partial(self._after_reduction, names.index("keepdim"))
         return self._after_other
 
     def deliberate_dims(self, meta, site: int) -> frozenset[int]:
@@ -279,6 +412,8 @@ class ShapeProvenance:
             self._remember(meta, deliberate, entry)
 
     def _after_shape_preserving(self, entry, inputs, outputs, metas) -> None:
+        if self._deferring is not None or self._pending:
+            self._follow(entry, inputs, metas)
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is None or 1 not in shape:
@@ -288,8 +423,11 @@ class ShapeProvenance:
                 self._remember(meta, deliberate, entry)
             else:
                 self._known.pop(meta[M_IDENT], None)
+                self._kept.pop(meta[M_IDENT], None)
 
     def _after_shape_preserving_view(self, entry, inputs, outputs, metas) -> None:
+        if self._deferring is not None or self._pending:
+            self._follow(entry, inputs, metas)
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:
@@ -307,13 +445,64 @@ class ShapeProvenance:
             self._last_expand = Expand(entry[E_SITE], inputs[0], metas[0][M_SHAPE], entry[E_INDEX])
 
     def _after_other(self, entry, inputs, outputs, metas) -> None:
-        known = self._known
+        known, kept = self._known, self._kept
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:
                 known.pop(meta[M_IDENT], None)  # an older tensor's entry under a reused id
+                kept.pop(meta[M_IDENT], None)
+
+    def _after_reduction(self, position, entry, inputs, outputs, metas) -> None:
+        """A reduction with a ``keepdim`` argument: its size-1 dims are kept when it is true."""
+        self._after_other(entry, inputs, outputs, metas)
+        args = entry[E_ARGS]
+        if not any(value is True and key in (position, "keepdim") for key, value in zip(args[::2], args[1::2])):
+            return
+        kept = self._kept
+        for meta in metas:
+            shape = meta[M_SHAPE]
+            if shape is not None and 1 in shape:
+                kept[meta[M_IDENT]] = shape
+        if len(kept) > self._limit:
+            for ident in list(islice(kept, len(kept) // 2)):
+                del kept[ident]
+
+    def _follow(self, entry, inputs, metas) -> None:
+        """A pointwise op: the broadcast results waiting for their use that it takes, and the
+        one its own check deferred."""
+        index = entry[E_INDEX]
+        pending = self._pending
+        carried = None
+        for meta in inputs:
+            waiting = pending.get(meta[M_IDENT])
+            if waiting is None or waiting.shape != meta[M_SHAPE]:
+                continue
+            del pending[meta[M_IDENT]]
+            if index - waiting.index > _STRAIGHT_AWAY:
+                continue  # not straight away: no longer judged
+            partners = [other for other in inputs if other is not meta and other[M_SHAPE] == meta[M_SHAPE]]
+            if partners and not any(self._waits(other) for other in partners):
+                continue  # combined with a tensor of its own shape made otherwise: a table
+            carried = waiting
+        deferring, self._deferring = self._deferring, None
+        if deferring is not None and deferring.inputs == tuple(meta[M_IDENT] for meta in inputs):
+            at = Place.of(OpRecord(entry, self._log))
+            carried = Waiting(deferring.result, deferring.finding, index, at)
+        if carried is None:
+            return
+        for meta in metas:
+            if meta[M_SHAPE] == carried.shape:
+                pending[meta[M_IDENT]] = carried._replace(index=index)
+        if len(pending) > _PENDING_LIMIT:
+            for ident in list(islice(pending, len(pending) // 2)):
+                del pending[ident]
+
+    def _waits(self, meta) -> bool:
+        waiting = self._pending.get(meta[M_IDENT])
+        return waiting is not None and waiting.shape == meta[M_SHAPE]
 
     def _remember(self, meta, deliberate, entry) -> None:
+        self._kept.pop(meta[M_IDENT], None)
         known = self._known
         known[meta[M_IDENT]] = (meta[M_SHAPE], deliberate, entry[E_SITE])
         if len(known) > self._limit:

@@ -70,6 +70,12 @@ class StubShapes:
     def deliberate_dims(self, meta, site) -> frozenset[int]:
         return frozenset(self.deliberate.get(meta[3], ()))
 
+    def kept(self, meta) -> bool:
+        return False  # no keepdim reduction made it
+
+    def defer(self, finding, result, tensors) -> None:
+        self.deferred = finding
+
 
 class MLP(nn.Module):
     """Two linear layers (``fc1``, ``fc2``) with a tanh between: 4 features in, 2 out. Its ops
