@@ -62,6 +62,13 @@ _REDUCED_DELIBERATE_FIX = (
     "smooth over the allowed classes only: logp = logits.masked_fill(~allowed, float('-inf')).log_softmax(-1); "
     "loss = -(soft_targets * logp.masked_fill(~allowed, 0)).sum(-1).mean(), soft_targets 0 on the masked classes"
 )
+# nll_loss picks the log-probability of each target: inf where a target class was masked.
+_NLL = frozenset(("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd"))
+_MASKED_TARGET_FIX = (
+    "a target class was masked for its sample, so its log-probability is -inf and the loss inf: keep each "
+    "sample's target among its allowed classes (assert allowed[torch.arange(len(target)), target].all()), "
+    "or drop such samples from the loss (target = target.masked_fill(~allowed[torch.arange(len(target)), target], ignore_index))"
+)
 _FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
 _FROM_DELIBERATE_FIXES = {
     "_softmax": "every entry of a row was masked with -inf, and softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
@@ -362,6 +369,11 @@ def explain_cause(finding) -> str | None:
             f"unknown: input {format_meta(cause.tensor)} was made before the watch and is gone by the check point, "
             f"so whether it already held {what} cannot be told"
         )
+    if kind == DELIBERATE and name in _NLL:
+        return (
+            f"deliberate: the masked entries hold a masking constant (-inf, or torch.finfo(dtype).min), and {name} "
+            f"picked one of them: a target is a masked class; the loss holds the {what}"
+        )
     if kind == DELIBERATE:
         return (
             f"deliberate: the masked entries hold a masking constant (-inf, or torch.finfo(dtype).min), harmless in "
@@ -437,7 +449,9 @@ def _explain_reached_loss(finding) -> tuple[str, str, str]:
         f"a masking constant reached the loss: {_signature(facts)} took the masked entries of its input into its result, "
         f"{finding.kind}{f' ({health})' if health else ''}, and the loss, {_at(loss)}, is {held}{_story(finding)}"
     )
-    return problem, "masked entries left out of the loss: a finite loss", _REDUCED_DELIBERATE_FIX.format(name=facts["op_name"])
+    name = facts["op_name"]
+    fix = _MASKED_TARGET_FIX if name in _NLL else _REDUCED_DELIBERATE_FIX.format(name=name)
+    return problem, "masked entries left out of the loss: a finite loss", fix
 
 
 @explains("nonfinite.origin")

@@ -146,6 +146,23 @@ def test_a_finfo_min_mask_with_label_smoothing_overflows_the_sum_and_is_reported
     assert anomaly.finding.facts["cause"].kind == DELIBERATE
 
 
+def test_a_target_whose_class_is_masked_is_reported_at_nll_loss():
+    """Without smoothing, a sample whose target is among its masked classes: -log(0) = inf."""
+
+    def loss_fn(logits, allowed, target):
+        target = target.clone()
+        target[0] = CLASSES - 1  # a label outside the sample's label space
+        return masked_loss(logits, allowed, target, 0.0, float("-inf"))
+
+    w, seen = train(loss_fn)
+    assert seen == [math.inf] * 3
+    anomaly, *_ = nonfinite(w)
+    assert anomaly.kind == "inf" and anomaly.op == "aten.nll_loss_forward.default"
+    assert anomaly.record.lineno == line_of(masked_loss, "# the loss")
+    assert "a target is a masked class" in cause_line(anomaly)
+    assert "keep each sample's target among its allowed classes" in anomaly.message
+
+
 def test_the_same_mask_without_label_smoothing_reports_nothing():
     w, seen = train(lambda logits, allowed, target: masked_loss(logits, allowed, target, 0.0, float("-inf")))
     assert all(math.isfinite(value) for value in seen)
