@@ -6,9 +6,13 @@ The one check that ``opwatch.guard`` runs after each healthy step and the leave-
 back unchanged) over the tensors of one device, its found-inf flag kept from call to call.
 Tensors the kernel must not write (a returned loss, gradients that are part of a graph) join
 it through their largest magnitude (``linalg_vector_norm(t, inf)``: nan and inf carry through).
-Where the kernel cannot take the tensors (several devices; sparse, complex, meta or overlapping
-ones; a torch without it) the check runs one group per device, one host read per device, from
-then on.
+Where the kernel cannot take the tensors (several devices; sparse, complex, meta, float8 or
+overlapping ones; a torch without it) the check runs one group per device, one host read per
+device, from then on.
+
+float8 tensors hold nan (``float8_e4m3fn``: no inf; ``float8_e5m2``: nan and inf), but no
+reduction, GradScaler's kernel included, takes them: they are read through a wider copy
+(:func:`readable`: float16 holds every float8 value exactly; float32 for ``float8_e8m0fnu``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,30 @@ import torch
 
 from .compat import amp_non_finite_check, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "value_extremes", "CHECKED_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "value_extremes", "readable", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
+
+# float8 dtype -> the dtype it is read through (reductions do not take float8): one that holds
+# each of its values exactly, its nan and inf included. The names torch has (e8m0fnu: 2.7+).
+_FLOAT8_READ = {
+    getattr(torch, name): wider
+    for name, wider in (
+        ("float8_e4m3fn", torch.float16), ("float8_e5m2", torch.float16), ("float8_e4m3fnuz", torch.float16),
+        ("float8_e5m2fnuz", torch.float16), ("float8_e8m0fnu", torch.float32),  # 2 ** 127: beyond float16
+    )
+    if hasattr(torch, name)
+}
+FLOAT8_DTYPES = frozenset(_FLOAT8_READ)
 
 # The dtypes whose values can be nan or inf, for every reader (the nan/inf check's tracker and
-# replay, guard, leave-on): the floating ones and the complex ones.
-CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+# replay, guard, leave-on): the floating ones, float8 included, and the complex ones.
+CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}) | FLOAT8_DTYPES
+
+
+def readable(tensor):
+    """``tensor``, or for a float8 one a copy in a dtype the reductions take (``aminmax``,
+    norms), with the same values: nan and inf kept."""
+    wider = _FLOAT8_READ.get(tensor.dtype)
+    return tensor if wider is None else tensor.to(wider)
 
 
 class FusedFiniteCheck:
@@ -50,7 +73,7 @@ class FusedFiniteCheck:
             return finite_by_device([*writable, *read_only])
         try:
             # The largest magnitudes of detached views: new tensors, safe for the kernel to write.
-            checked = writable + [torch.linalg.vector_norm(tensor.detach(), math.inf) for tensor in read_only] if read_only else writable
+            checked = writable + [torch.linalg.vector_norm(readable(tensor.detach()), math.inf) for tensor in read_only] if read_only else writable
             first = checked[0]
             found, one = self._cpu_flags if first.is_cpu else self._flags(first.device)
             amp_non_finite_check(checked, found, one)
@@ -87,7 +110,7 @@ def finite_by_device(tensors) -> bool:
             continue
         tensor = _values(tensor)
         if tensor.dtype in CHECKED_DTYPES:
-            by_device.setdefault(tensor.device, []).append(tensor)
+            by_device.setdefault(tensor.device, []).append(readable(tensor))
     founds = []
     with torch.no_grad():
         for group in by_device.values():
@@ -106,6 +129,7 @@ def value_extremes(tensor) -> tuple[float, float] | None:
     values = _values(tensor).detach()
     if values.numel() == 0:
         return None
+    values = readable(values)
     if values.is_complex():
         values = torch.view_as_real(values.resolve_conj())
     low, high = torch.aminmax(values)

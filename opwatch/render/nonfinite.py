@@ -10,8 +10,9 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, range_cause
+from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, range_cause
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
+from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
 from ..core.records import BACKWARD, M_DTYPE, M_IDENT
 from ..core.sites import display_path
@@ -54,6 +55,20 @@ _CAUSE_OF = {
     ("exp", "inf"): "exp_overflow", ("exp2", "inf"): "exp_overflow", ("expm1", "inf"): "exp_overflow",
     **{(name, "inf"): "overflow" for name in ("mul", "add", "sub", "sum", "mm", "bmm", "addmm", "matmul", "baddbmm", "square", "cumsum", "prod", "mean")},
 }
+_REDUCED_DELIBERATE_FIX = (
+    "leave the masked entries out of the {name} (x.masked_fill(~mask, 0) before it): no mask value works inside a sum "
+    "(-inf gives inf, torch.finfo(dtype).min overflows to inf, -1e9 gives a huge loss); with "
+    "cross_entropy(..., label_smoothing=...) over masked classes, which averages the log-probabilities of every class, "
+    "smooth over the allowed classes only: logp = logits.masked_fill(~allowed, float('-inf')).log_softmax(-1); "
+    "loss = -(soft_targets * logp.masked_fill(~allowed, 0)).sum(-1).mean(), soft_targets 0 on the masked classes"
+)
+# nll_loss picks the log-probability of each target: inf where a target class was masked.
+_NLL = frozenset(("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd"))
+_MASKED_TARGET_FIX = (
+    "a target class was masked for its sample, so its log-probability is -inf and the loss inf: keep each "
+    "sample's target among its allowed classes (assert allowed[torch.arange(len(target)), target].all()), "
+    "or drop such samples from the loss (target = target.masked_fill(~allowed[torch.arange(len(target)), target], ignore_index))"
+)
 _FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
 _FROM_DELIBERATE_FIXES = {
     "_softmax": "every entry of a row was masked with -inf, and softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
@@ -72,6 +87,11 @@ _BACKWARD_FIXES = {
     "acos": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
     "asin": "the gradient of acos/asin is inf at +-1: clamp the input to (-1 + eps, 1 - eps)",
 }
+_FLOAT8_FIX = (
+    "scale the values into the {dtype} range before the cast and back after it "
+    "(scale = x.abs().amax().clamp_min(eps) / torch.finfo(torch.{dtype}).max; q = (x / scale).to(torch.{dtype}); "
+    "q.float() * scale), as float8 training recipes do"
+)
 _GRAD_SCALER_FIX = "nothing to fix when it happens now and then: GradScaler lowers its scale; if every step is skipped, the gradients overflow even at a small scale: look at this op"
 _RECEIVED_FIX = (
     "find the rank that made it: w.all_anomalies() (or the combined summary of python -m opwatch under torchrun) "
@@ -349,6 +369,16 @@ def explain_cause(finding) -> str | None:
             f"unknown: input {format_meta(cause.tensor)} was made before the watch and is gone by the check point, "
             f"so whether it already held {what} cannot be told"
         )
+    if kind == DELIBERATE and name in _NLL:
+        return (
+            f"deliberate: the masked entries hold a masking constant (-inf, or torch.finfo(dtype).min), and {name} "
+            f"picked one of them: a target is a masked class; the loss holds the {what}"
+        )
+    if kind == DELIBERATE:
+        return (
+            f"deliberate: the masked entries hold a masking constant (-inf, or torch.finfo(dtype).min), harmless in "
+            f"softmax, max and logsumexp, which leave them out, but {name} adds them into its result; the loss holds the {what}"
+        )
     return None
 
 
@@ -401,14 +431,33 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
+    if cause is not None and cause.kind == PRECISION and cause.dtype in FLOAT8_DTYPES:
+        return _FLOAT8_FIX.format(dtype=format_dtype(cause.dtype))
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
         return _wider_fix(cause)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
     return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
 
 
+def _explain_reached_loss(finding) -> tuple[str, str, str]:
+    """A forward reduction that took masking constants into a loss (see the ``loss`` fact)."""
+    facts = finding.facts
+    loss = _place(facts["loss"])
+    held = facts.get("loss_kind") or finding.kind
+    health = _input_health(finding)
+    problem = (
+        f"a masking constant reached the loss: {_signature(facts)} took the masked entries of its input into its result, "
+        f"{finding.kind}{f' ({health})' if health else ''}, and the loss, {_at(loss)}, is {held}{_story(finding)}"
+    )
+    name = facts["op_name"]
+    fix = _MASKED_TARGET_FIX if name in _NLL else _REDUCED_DELIBERATE_FIX.format(name=name)
+    return problem, "masked entries left out of the loss: a finite loss", fix
+
+
 @explains("nonfinite.origin")
 def explain_origin(finding) -> tuple[str, str, str]:
+    if finding.facts.get("loss") is not None:
+        return _explain_reached_loss(finding)
     what = finding.kind
     problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
     cause = _cause(finding)

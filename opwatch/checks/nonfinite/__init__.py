@@ -22,7 +22,9 @@ propagation:
   Python data (``m[mask] = float("-inf")``: lifts are checked, and non-finite there is on
   purpose), and ``finfo.max``/``finfo.min`` as an argument or held by an input; but nan made
   from inputs whose only non-finite values were deliberate infs (a softmax over a fully
-  masked row) is an origin;
+  masked row) is an origin, and so is a forward reduction that took them into its inf result
+  (a sum over masked log-probabilities: ``cross_entropy`` with ``label_smoothing``) once its
+  values are the loss (one value) and reach a sink; one that reaches no loss is not reported;
 - an origin **matters** once its values reach a sink: a host read, an ``nn.Parameter``
   written by an op, a ``.grad`` accumulation, or a program-chosen check point (the end of the
   block, ``Watch.check()``) while still alive. Alive at another check point, it waits (autograd
@@ -30,6 +32,7 @@ propagation:
   overflows GradScaler found in the scaled gradients: reported as *contained*, not anomalies;
 - a write through a view lands in its base; unchecked outputs (sparse, subclasses) hold what
   their inputs held; a forward op recomputed in backward (checkpointing) is the same origin;
+- float8 outputs are read through a float16 copy (no reduction takes float8);
 - float16 forward outputs within ``HEADROOM_FACTOR`` of the float16 limit are reported as
   ``overflow_risk`` before they overflow.
 

@@ -16,7 +16,10 @@ The causes, tried in this order:
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
 - ``unknown``: an input made before the watch is no longer alive: whether it held the value
-  cannot be told (``tensor`` names it).
+  cannot be told (``tensor`` names it);
+- ``deliberate``: a forward reduction took deliberate infs (masking constants) into its result,
+  which became the loss (cross_entropy's label smoothing averages the log-probabilities of
+  every class, masked ones too). Known when the replay finds it: no lookup.
 
 Where none applies the finding has no cause (``None``).
 """
@@ -38,9 +41,9 @@ from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
 
-PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN = "precision", "math", "input", "weights", "unknown"
+PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
 # The largest inputs, in elements, an op is run again on (copied to float64: 128 MiB).
 _MAX_RERUN_NUMEL = 1 << 24
@@ -50,9 +53,10 @@ _MAX_RERUN_NUMEL = 1 << 24
 class Cause(NamedTuple):
     """Why an origin's values are not finite (see the module's docstring for each ``kind``)."""
 
-    kind: str  # PRECISION, MATH, INPUT, WEIGHTS or UNKNOWN
+    kind: str  # PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN or DELIBERATE
     # MATH / PRECISION: what the inputs' ranges show (``log_zero``, ``div_zero``, ``overflow``,
-    # ``exp_overflow``, ``masked``, ...; the keys of render.nonfinite's fixes), or None
+    # ``exp_overflow``, ``masked``, ...; the keys of render.nonfinite's fixes), or None;
+    # DELIBERATE: ``reduced``
     detail: str | None = None
     dtype: Any = None  # PRECISION: the op's dtype
     wider: Any = None  # PRECISION: the dtype in which its result is finite
@@ -64,6 +68,10 @@ class Cause(NamedTuple):
     through: Any = None  # INPUT / WEIGHTS: the op's input that carried it (``tensor`` or a view or copy of it)
 
 
+# The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
+DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
+
+
 def decide_causes(origins, log) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
     recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
@@ -73,6 +81,11 @@ def decide_causes(origins, log) -> None:
     walk of the garbage collector's list, and only those that no op wrote after the origin's op
     read them (else they hold other values now); each is read once
     (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
+    # A reduction of deliberate infs has its cause already, and needs no walk of the live
+    # objects (most are masking constants that never reach a loss).
+    origins = [origin for origin in origins if not origin.reduces_deliberate]
+    if not origins:
+        return
     wanted: dict = {}
     writes = _Writes(log)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,

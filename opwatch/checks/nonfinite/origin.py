@@ -4,7 +4,8 @@ whether they reached a sink) and an :class:`OverflowRisk`. Their findings hold n
 
 Rules and their facts:
 
-- ``nonfinite.origin``: an op made nan/inf from finite inputs (or nan from deliberate infs);
+- ``nonfinite.origin``: an op made nan/inf from finite inputs (or nan from deliberate infs, or
+  took deliberate infs into a loss: a sum over masked log-probabilities);
 - ``nonfinite.received``: a collective's output held nan/inf while this rank's inputs to it
   were finite: another rank sent it;
 - ``nonfinite.overflow_risk``: a float16 forward output within ``HEADROOM_FACTOR`` of its limit.
@@ -22,8 +23,10 @@ was made: the :class:`Place` of the op that made it in the watch, ``"before_watc
 its values unreadable then: nan/inf, or a kind of tensor not measured), ``cause`` (a
 :class:`~.cause.Cause` or ``None``: precision, undefined math, an input or a parameter that
 already held it), ``absorbed`` (a forward overflow reported although its values died before a
-sink: what they fed is finite and wrong). Of the third: ``op``, ``inputs``, ``outputs``,
-``largest``.
+sink: what they fed is finite and wrong); and, for a forward reduction of deliberate infs that
+reached a loss (``from_deliberate`` and a ``deliberate`` cause), ``loss`` (the :class:`Place` of
+the first op whose one-value output held them) and ``loss_kind`` (what it held). Of the third:
+``op``, ``inputs``, ``outputs``, ``largest``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import math
 from typing import NamedTuple
 
 from ...core.ops import facts_of
-from ...core.records import BACKWARD, E_INDEX, E_PHASE
+from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DTYPE, M_SHAPE
 from ..finding import Finding, Place
 from .rules import HEADROOM_LIMIT, RISK_KIND, SENTINELS
 
@@ -88,13 +91,21 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed")
 
-    def __init__(self, record, kind, from_deliberate=False):
+    def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
         self.kind = kind
         # Made nan from inputs holding only deliberate infs (masking constants).
         self.from_deliberate = from_deliberate
+        # A forward reduction that took deliberate infs into its result (a sum over masked
+        # log-probabilities: cross_entropy's label smoothing): followed, not an origin unless
+        # its values reach a loss (``loss``: the first op whose one-value output held them,
+        # ``loss_kind`` what it held) that the program reads or keeps (see ``Origins.judge``).
+        self.reduces_deliberate = reduces_deliberate
+        self.loss = None
+        self.loss_kind = None
+        self.held = kind  # what the last op that carried its values held
         # (tensor meta, (min, max) or None when unknown) of each floating input
         self.input_ranges: list = []
         # where each input whose range stays unknown was made (see the module's docstring)
@@ -117,10 +128,21 @@ class Origin:
     def carried_by(self, record, kind=None) -> None:
         self.spread += 1
         self.last = record
+        if kind is not None:
+            self.held = kind
         if kind == "nan" and self.kind == "inf" and self.became_nan is None:
             self.became_nan = record
+        if self.reduces_deliberate and self.loss is None:
+            self.note_loss(record)
         if self.masked_by is not None and self.back_in_backward is None and record.phase == BACKWARD and not facts_of(record.func).preserves_values:
             self.back_in_backward = record
+
+    def note_loss(self, record) -> None:
+        """For a reduction of deliberate infs: ``record`` made a forward value of one element
+        holding them, the loss (a reduced loss is a one-value tensor)."""
+        if record.phase != BACKWARD and any(_one_value(meta) for meta in record.outputs or ()):
+            self.loss = record
+            self.loss_kind = self.held
 
     def finding(self, *, contained: bool) -> Finding:
         record = self.record
@@ -146,6 +168,8 @@ class Origin:
             cause=self.cause,
             absorbed=self.absorbed,
         )
+        if self.reduces_deliberate:
+            facts.update(loss=_place(self.loss), loss_kind=self.loss_kind)
         # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
         rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
         return Finding(self.kind, rule, facts)
@@ -188,6 +212,11 @@ def headroom_risks(window, half, ranges, log) -> list[OverflowRisk]:
             continue  # GradScaler's scaled gradients live near the limit on purpose
         risks.append(OverflowRisk(log.view(entry), largest))
     return risks
+
+
+def _one_value(meta) -> bool:
+    shape = meta[M_SHAPE]
+    return shape is not None and math.prod(shape) == 1 and meta[M_DTYPE].is_floating_point
 
 
 def _is_recipe(value) -> bool:

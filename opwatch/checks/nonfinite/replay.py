@@ -17,11 +17,13 @@ holders, origins waiting to be judged, origins by site for recomputed forward op
 
 from __future__ import annotations
 
+import math
+
 from torch.nn import Parameter
 
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
-from .cause import PRECISION
+from .cause import DELIBERATE_CAUSE, PRECISION
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -193,7 +195,10 @@ class Origins:
         index = entry[E_INDEX]
         flags = state.flags
         input_states = [state.status[ident] for ident in fed]
-        input_origin = next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
+        input_origin = next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None and not found[ST_ORIGIN].reduces_deliberate), None)
+        # A reduction of deliberate infs: deliberate still (a nan made of it is an origin), but
+        # followed to the loss (see Origins.judge).
+        reduced = None if input_origin is not None else next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
         deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
         record = None
         for position, meta in enumerate(outputs):
@@ -212,9 +217,23 @@ class Origins:
                     record = record or state.log.view(entry)
                     origin.carried_by(record, kind)
             elif input_states and not (kind == "nan" and all(found[ST_KIND] != "nan" for found in input_states)):
-                origin = None  # carries deliberate constants on, and made nothing new
+                # Carries deliberate constants on, and made nothing new; a forward reduction
+                # that takes them into its result is followed: it may make the loss inf.
+                origin = reduced
+                if origin is not None:
+                    if origin.last.index != index:
+                        record = record or state.log.view(entry)
+                        origin.carried_by(record, kind)
+                elif kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.status):
+                    record = record or state.log.view(entry)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
             elif deliberate and not input_states:
-                origin = None  # a deliberate constant: masked_fill(mask, -inf), finfo.min
+                # A deliberate constant: masked_fill(mask, -inf), finfo.min; or a forward
+                # reduction that overflowed finfo.min held by an input, followed like the above.
+                origin = reduced  # set by an earlier output of this op
+                if origin is None and kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.holds_sentinel):
+                    record = record or state.log.view(entry)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
             else:
                 record = record or state.log.view(entry)
                 origin = self._origin(state, entry, facts, record, kind, bool(input_states))
@@ -237,14 +256,20 @@ class Origins:
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
-            # A range, or a recipe to work it out at report time (cause.decide_causes).
-            origin.input_ranges = [
-                (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, entry[E_INDEX]))
-                for meta in entry_inputs(entry)
-                if meta[M_DTYPE] in CHECKED_DTYPES
-            ]
+            origin.input_ranges = _input_ranges(state, entry)
             state.origins.append(origin)
             self._remember_site(origin, entry)
+        return origin
+
+    def _reduction_of_deliberate(self, state, entry, record, kind) -> Origin:
+        """A forward reduction whose inf comes from deliberate infs in its inputs (the sum of
+        masked log-probabilities in cross_entropy with label smoothing): followed, and judged
+        as an origin only if its values reach a loss (see :meth:`judge`). Its cause is known."""
+        origin = Origin(record, kind, from_deliberate=True, reduces_deliberate=True)
+        origin.input_ranges = _input_ranges(state, entry)
+        origin.cause = DELIBERATE_CAUSE
+        origin.note_loss(record)
+        state.origins.append(origin)
         return origin
 
     def _recomputed(self, record, entry):
@@ -272,6 +297,21 @@ class Origins:
         waiting = []
         for origin in self.unjudged + new:
             is_alive = id(origin) in alive
+            if origin.reduces_deliberate:
+                # Deliberate infs a reduction took in: an origin only once they are the loss
+                # (a one-value forward tensor) and the program reads it, steps on it or keeps it.
+                loss = origin.loss is not None
+                if loss and (origin.reached_parameter or origin.read_on_host):
+                    origin.matters = True
+                elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+                    waiting.append(origin)
+                    continue
+                elif loss and (origin.reached_gradient or is_alive):
+                    origin.matters = True
+                else:
+                    continue  # a masking constant that stayed one: not reported, not contained
+                judged.append(origin)
+                continue
             if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
                 origin.matters = True
             elif _overflowed_in_forward(origin) and not is_alive:
@@ -287,6 +327,27 @@ class Origins:
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def _input_ranges(state, entry) -> list:
+    """Of each floating input: a range, or a recipe to work it out at report time
+    (:func:`.cause.decide_causes`)."""
+    return [
+        (meta, range_of(state, meta) or state.recipes.get(meta[M_IDENT]) or LeafRecipe(meta, entry[E_INDEX]))
+        for meta in entry_inputs(entry)
+        if meta[M_DTYPE] in CHECKED_DTYPES
+    ]
+
+
+def _reduces(entry, output, holders) -> bool:
+    """Whether ``output`` holds fewer values than an input among ``holders`` (idents of those
+    that held nan/inf, or a sentinel): the op combined several of its values into one (a sum, a
+    mean, a max over a dim)."""
+    shape = output[M_SHAPE]
+    if shape is None:
+        return False
+    size = math.prod(shape)
+    return any(meta[M_SHAPE] is not None and math.prod(meta[M_SHAPE]) > size for meta in entry_inputs(entry) if meta[M_IDENT] in holders)
 
 
 def _overflowed_in_forward(origin) -> bool:
@@ -376,7 +437,10 @@ def _step_carrier(state, entry, facts, outputs, fed) -> None:
     carried by ``_carry_range``)."""
     index = entry[E_INDEX]
     status, live = state.status, state.live
-    source = next((ident for ident in fed if status[ident][ST_ORIGIN] is not None), None)
+    # An origin's values first, then a followed reduction of deliberate infs's.
+    source = next((ident for ident in fed if status[ident][ST_ORIGIN] is not None and not status[ident][ST_ORIGIN].reduces_deliberate), None)
+    if source is None:
+        source = next((ident for ident in fed if status[ident][ST_ORIGIN] is not None), None)
     if source is None and fed:
         source = fed[0]
     carrier = status[source] if source is not None else None

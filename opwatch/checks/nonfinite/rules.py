@@ -1,7 +1,8 @@
 """What the nan/inf check checks, and which values are deliberate.
 
-Only dense strided tensors of float16/bfloat16/float32/float64/complex dtypes on a real device
-are checked: meta, fake, sparse, nested, quantized, zero tensors and subclasses are skipped.
+Only dense strided tensors of float16/bfloat16/float32/float64/float8/complex dtypes on a real
+device are checked (float8 ones through a float16 copy, :func:`opwatch.core.finite.readable`):
+meta, fake, sparse, nested, quantized, zero tensors and subclasses are skipped.
 What an op *is* (a view, a lift, value-preserving, masking, ...) is asked of
 :func:`opwatch.core.ops.facts_of`; this module holds only what is particular to nan/inf.
 """
@@ -14,12 +15,12 @@ from typing import NamedTuple
 import torch
 
 from ...core.compat import is_zerotensor
-from ...core.finite import CHECKED_DTYPES
+from ...core.finite import CHECKED_DTYPES, FLOAT8_DTYPES
 from ...core.fact_tuples import fact_tuple
 from ...core.records import E_ARGS
 
 __all__ = [
-    "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
+    "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "FLOAT8_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
     "ValueRange", "moved_range",
 ]
@@ -35,8 +36,9 @@ STRIDED = torch.strided
 FLOAT16 = torch.float16
 
 # The largest finite values of each floating dtype: ``torch.finfo(dtype).min`` in a mask is a
-# deliberate "minus infinity", and overflowing it (to -inf in float16) is deliberate too.
-SENTINELS = frozenset(sign * torch.finfo(dtype).max for dtype in _REAL for sign in (1.0, -1.0))
+# deliberate "minus infinity", and overflowing it (to -inf in float16) is deliberate too. Not
+# float8's: 448 and 57344 are where quantisation saturates, and plain numbers a float32 holds.
+SENTINELS = frozenset(sign * torch.finfo(dtype).max for dtype in _REAL - FLOAT8_DTYPES for sign in (1.0, -1.0))
 SENTINEL = "sentinel"  # the flag of a finite output holding one of them
 
 # fp16 headroom: a forward float16 output whose largest magnitude reaches 1/8 of the largest

@@ -16,6 +16,7 @@ from itertools import islice
 
 import torch
 
+from ...core.finite import readable
 from ...core.compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
 from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
 from ...core.records import E_INDEX, M_DEVICE, M_DTYPE
@@ -23,7 +24,7 @@ from .collectives import CollectiveReads
 from .cause import decide_causes, fold_same_source
 from .origin import Origin, headroom_risks
 from .replay import Flags, Origins
-from .rules import CHECKED_DTYPES, COMPLEX, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
+from .rules import CHECKED_DTYPES, COMPLEX, FLOAT8_DTYPES, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
 
 __all__ = ["NonFiniteTracker"]
 
@@ -147,6 +148,8 @@ class NonFiniteTracker:
             checked = tensor
             if dtype in COMPLEX:
                 checked = torch.view_as_real(checked.resolve_conj())
+            elif dtype in FLOAT8_DTYPES:
+                checked = readable(checked)  # no reduction takes float8: a float16 copy, nan and inf kept
             # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
             # autograd keys are excluded for everything it calls.
             low, high = _aminmax(checked)
