@@ -5,6 +5,8 @@ step under ``opwatch.guard`` gets a verdict: eager fails too, or only the compil
 
 from __future__ import annotations
 
+import inspect
+
 import io
 import os
 import subprocess
@@ -214,21 +216,8 @@ def test_a_watch_with_warn_off_keeps_the_facts_and_says_nothing(counted):
 
 # -- the runners in a subprocess ---------------------------------------------------------------
 
-COUNTING = '''
-class Counting:
-    def __init__(self):
-        self.compiles = 0
-        self.runs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.compiles += 1
-
-        def run(*args):
-            self.runs += 1
-            return gm.forward(*args)
-
-        return run
-'''
+# The same backend, as source for the scripts the runners run in a subprocess.
+COUNTING = "\n" + inspect.getsource(Counting)
 
 SCRIPT = COUNTING + '''
 import torch
