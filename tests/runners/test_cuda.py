@@ -15,28 +15,10 @@ import opwatch
 from opwatch.runners.leave_on import LeaveOn
 from support.helpers import line_of
 
+from bench.gpu import SyncCount  # the bench's own counter: the figures it prints are the ones tested
+
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
-
-
-class SyncCount:
-    """``with SyncCount() as counted: ...``; ``counted.n``: the synchronizing CUDA calls inside."""
-
-    def __enter__(self):
-        torch.cuda.synchronize()
-        self._caught = warnings.catch_warnings(record=True)
-        self._records = self._caught.__enter__()
-        warnings.simplefilter("always")
-        self._previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode(self._previous)
-        self._caught.__exit__(None, None, None)
-        self.n = sum("synchroniz" in str(record.message) for record in self._records)
-        self.others = [record for record in self._records if "synchroniz" not in str(record.message)]
-        return False
 
 
 class Regressor(nn.Module):
@@ -94,7 +76,7 @@ def test_a_healthy_guarded_step_syncs_once_and_trains_as_eager_does():
     for number, (x, y) in enumerate(batches(6)):
         optimizer.zero_grad(set_to_none=True)
         reference_optimizer.zero_grad(set_to_none=True)
-        with SyncCount() as counted:
+        with SyncCount(CUDA) as counted:
             loss = step(x, y)
         syncs.append(counted.n)
         optimizer.step()
@@ -140,7 +122,7 @@ def test_leave_on_checks_each_cuda_step_with_one_sync_and_names_a_nan_gradient()
     syncs = []
     with LeaveOn(audit="first") as run:
         for x, y in batches(5):
-            with SyncCount() as counted:
+            with SyncCount(CUDA) as counted:
                 optimizer.zero_grad(set_to_none=True)
                 ((model(x) - y) ** 2).mean().backward()
                 optimizer.step()
@@ -164,7 +146,7 @@ def test_watch_checks_a_healthy_cuda_step_with_at_most_one_sync_and_names_a_nan_
     x, y = next(batches(1))
     with opwatch.watch() as w:
         ((model(x) - y) ** 2).mean().backward()
-        with SyncCount() as counted:
+        with SyncCount(CUDA) as counted:
             w.check()  # a check point: the nan/inf flags read at most once
     assert counted.n <= 1 and not w.anomalies
 
@@ -193,7 +175,7 @@ def test_a_compiled_cuda_step_under_guard_stays_compiled_and_syncs_once():
     syncs = []
     for x, y in batches(4):
         optimizer.zero_grad(set_to_none=True)
-        with SyncCount() as counted:
+        with SyncCount(CUDA) as counted:
             step(x, y)
         syncs.append(counted.n)
         optimizer.step()

@@ -19,7 +19,7 @@ import dist_guard  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
-CASES_FILE = str(SCENARIOS / "dist_guard.py")
+CASES_FILE = str(SCENARIOS / "dist_cases.py")  # where the guarded step is written
 NAN_LINE = line_of("# nan made here", CASES_FILE)
 
 
@@ -38,22 +38,22 @@ def test_every_rank_raises_and_names_the_rank_that_made_it(two_ranks, case):
     zero, one = two_ranks[0][case]["raised"], two_ranks[1][case]["raised"]
     # Rank 1 made it: its own origin, at its line.
     assert one["type"] == "AnomalyError"
-    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_cases.py:{NAN_LINE} (forward, rank 1)")
     assert "\n  ranks:    this rank (rank 1) made it; every rank replayed this step" in one["message"]
     # Rank 0 received it through a collective, and its error names rank 1's op and line.
     assert zero["type"] == "AnomalyError" and zero["rank"] == 0
     assert "received through c10d." in zero["message"]
-    assert f"\n  ranks:    rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward); every rank replayed this step" in zero["message"]
+    assert f"\n  ranks:    rank 1 made it: nan in aten.sqrt.default at dist_cases.py:{NAN_LINE} (forward); every rank replayed this step" in zero["message"]
 
 
 def test_tensor_parallel_every_rank_raises_and_names_the_rank_that_made_it(two_ranks):
     """Colwise/RowwiseParallel: the nan is made after the row-parallel all-reduce, on rank 1 only;
     rank 0's values stay finite, it replays with rank 1 and raises rank 1's anomaly."""
     zero, one = two_ranks[0]["tp_nan"]["raised"], two_ranks[1]["tp_nan"]["raised"]
-    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward, rank 1)")
+    assert one["message"].startswith(f"nan in aten.sqrt.default at dist_cases.py:{NAN_LINE} (forward, rank 1)")
     assert zero["type"] == "AnomalyError" and (zero["rank"], zero["op"], zero["lineno"]) == (1, "aten.sqrt.default", NAN_LINE)
     assert zero["message"].startswith(
-        f"opwatch.guard (rank 0): call 2 of _step failed on another rank: rank 1 made it: nan in aten.sqrt.default at dist_guard.py:{NAN_LINE} (forward)."
+        f"opwatch.guard (rank 0): call 2 of _step failed on another rank: rank 1 made it: nan in aten.sqrt.default at dist_cases.py:{NAN_LINE} (forward)."
     )
 
 
@@ -64,7 +64,7 @@ def test_healthy_guarded_steps_are_unchanged(two_ranks):
 
 
 def test_a_rank_whose_own_values_were_finite_fails_with_the_other(two_ranks):
-    line = line_of("# nan in rank 1's metric only", CASES_FILE)
+    line = line_of("# nan in rank 1's metric only", str(SCENARIOS / "dist_guard.py"))
     zero, one = two_ranks[0]["elsewhere"], two_ranks[1]["elsewhere"]
     assert one["raise"]["raised"]["message"].startswith(f"nan in aten.log.default at dist_guard.py:{line} (forward, rank 1)")
     raised = zero["raise"]["raised"]

@@ -18,7 +18,7 @@ from torch import nn
 
 import opwatch
 from opwatch.core.collective_ops import group_store
-from dist_cases import NAN_SHIFT, _mesh, _mlp
+from dist_cases import NAN_SHIFT, _mesh, _mlp, _step  # the step whose sqrt makes the nan
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
@@ -59,13 +59,6 @@ def _ddp(world):
 
 
 MAKE = {"fsdp2": _fsdp2, "ddp": _ddp, "tp": _tensor_parallel}
-
-
-def _step(model, x, shift):
-    y = (model(x) + 5 - shift).sqrt()  # nan made here
-    loss = y.sum()
-    loss.backward()
-    return loss
 
 
 def _error(error) -> dict:
