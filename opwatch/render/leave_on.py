@@ -6,7 +6,7 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 
 from __future__ import annotations
 
-__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "full_watch_command", "summary", "unjudged_end"]
+__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end"]
 
 
 def parameters(bad: list) -> str:
@@ -104,11 +104,6 @@ def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool) -> str
         f"opwatch: optimizer step {step}: the gradients held nan/inf: {parameters(bad)}, and the program's loop ended before another "
         f"optimizer step could run under a full watch, so no op is named.{then} To find the op that made them: {how}."
     )
-
-
-def full_watch_command(path: str, args: list, *, strict_mode: bool) -> str:
-    """The command that runs the script under a full watch (``--guard`` left out)."""
-    return " ".join(["python -m opwatch", *(["--strict"] if strict_mode else []), path, *args])
 
 
 def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0) -> str:

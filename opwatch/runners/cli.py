@@ -213,14 +213,17 @@ def run_script(
     # The watch's dump of the last ops goes here, to be printed after opwatch's findings and
     # before the traceback: the finding first, once, under --guard as under a watch.
     dump = _Held(out)
+    prog = prog or _parser(console=False).prog
+
+    def command(strict_run: bool) -> str:
+        """The command that runs this script again under a full watch."""
+        return shlex.join([*prog.split(), *(["--strict"] if strict_run else []), path, *args])
+
     if guard:
         from .leave_on import LeaveOn
 
-        from ..render.leave_on import full_watch_command
-
-        rerun = full_watch_command(path, args, strict_mode=strict_mode)
         # its file is its watch's (the dump); the runner's counts are printed below, to out
-        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=rerun)
+        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=command(strict_mode))
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     counts = _tensorboard_counts(tensorboard, runner if guard else w)
@@ -247,12 +250,10 @@ def run_script(
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
-        prog = prog or _parser(console=False).prog
-        rerun = shlex.join([*prog.split(), *(["--strict"] if strict_mode else []), path, *args])
         if checks is not None and checks_off(checks):
-            print(every_check(rerun), file=out)
-        if guard:
-            print(runner.summary(rerun=full_watch_command(path, args, strict_mode=True)), file=out)
+            print(every_check(command(strict_mode)), file=out)
+        if guard:  # a run that ended unjudged: strict finds the first anomaly at once
+            print(runner.summary(rerun=command(True)), file=out)
         _print_every_rank(w, out)
         if failure is not None:
             if dump.getvalue():
