@@ -42,6 +42,8 @@ __all__ = [
     "tensor_base",
     "is_zerotensor",
     "hooks_dict_of",
+    "dtensor_class",
+    "dtensor_parts",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -319,3 +321,22 @@ def hooks_dict_of(handle):
     whether its exit hook is still the last)."""
     ref = getattr(handle, "hooks_dict_ref", None)
     return ref() if ref is not None else None
+
+
+def dtensor_class():
+    """``torch.distributed.tensor.DTensor`` once that module is loaded (public since 2.5), else
+    ``None``: no DTensor exists before it is, and opwatch never imports it itself."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def dtensor_parts(tensor) -> tuple:
+    """``(local shard, placements, device mesh)`` of a DTensor, read without running an op:
+    ``DTensor._local_tensor`` and ``DTensor._spec`` (private, torch 2.0+, still in 2.13). The
+    public ``to_local()`` is an autograd function (a node per call, on the hot path); where the
+    private names are gone, it and ``placements`` / ``device_mesh`` are the fallback."""
+    local = getattr(tensor, "_local_tensor", None)
+    spec = getattr(tensor, "_spec", None)
+    if local is None or spec is None:
+        return tensor.to_local(), tensor.placements, tensor.device_mesh
+    return local, spec.placements, spec.mesh

@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from .bounded import BoundedCache
-from .notation import TensorMeta, format_meta
+from .notation import Sharding, TensorMeta, format_meta
 from .sites import Position, location, position_of
 
 __all__ = [
@@ -55,6 +55,11 @@ M_SHAPE = 0  # a plain tuple of ints (interned); None for tensors without one (n
 M_DTYPE = 1
 M_DEVICE = 2
 M_IDENT = 3  # id() of the tensor object when the op saw it: follows data from op to op
+# Only a DTensor's tuple has a fifth item: (local shape, placements' facts, mesh shape, id() of
+# the local shard), see opwatch.core.notation.sharding_of; M_SHAPE is then its global shape, as
+# the op sees it.
+M_SHARDING = 4
+SH_LOCAL_IDENT = 3  # in the fifth item: the local shard's id()
 
 
 def op_entry(head: tuple, start_ns: int, end_ns: int, inputs, outputs=None) -> tuple:
@@ -140,6 +145,9 @@ class OpLog:
         self.shapes = SharedShapes()
         # This process's rank in a torch.distributed job (see opwatch.core.collective_ops); None outside one.
         self.rank: int | None = None
+        # Whether an op on DTensors was logged (entries with a fifth metadata item): the nan/inf
+        # replay then follows values between DTensors and their local shards.
+        self.sharded = False
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -415,7 +423,15 @@ class OpRecord(BaseRecord):
         return hash(self._entry[E_INDEX])
 
 
-_as_meta = partial(tuple.__new__, TensorMeta)  # TensorMeta(*meta), without the Python-level call
+_as_full_meta = partial(tuple.__new__, TensorMeta)  # TensorMeta(*meta), without the Python-level call
+
+
+def _as_meta(meta: tuple) -> TensorMeta:
+    """An entry's metadata tuple as a :class:`TensorMeta` (``sharding`` ``None`` for a plain
+    tensor's four items)."""
+    if len(meta) > M_SHARDING:
+        return tuple.__new__(TensorMeta, (*meta[:M_SHARDING], Sharding(*meta[M_SHARDING])))
+    return _as_full_meta((*meta, None))
 
 
 def short_op_name(func) -> str:

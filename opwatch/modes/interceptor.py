@@ -58,8 +58,10 @@ from time import perf_counter_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, op_kernel, skip_dynamo_for_code
+from ..core.bounded import BoundedCache
+from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, dtensor_class, get_sequence_nr, op_kernel, skip_dynamo_for_code
 from ..core.collective_ops import collective_outputs, describe_script_object
+from ..core.notation import sharding_of
 from ..core.ops import facts_of
 from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog, op_entry
 from ..core.sites import user_frame
@@ -221,7 +223,7 @@ class OpInterceptor(TorchDispatchMode):
                         tensors.append(value)
                     else:
                         _split(name, value, tensors, others, log.intern)
-            inputs = _metas(tensors, log.shapes)
+            inputs = _metas(tensors, log, types)
             head = self._head(plan, others)
             finding = None
             context = self._context
@@ -261,7 +263,7 @@ class OpInterceptor(TorchDispatchMode):
                 outputs = _mutated_tensors(plan.mutated_args, args, kwargs)
             else:
                 outputs = ()
-            metas = _metas(outputs, log.shapes)
+            metas = _metas(outputs, log, types)
             entry = op_entry(head, start, end, inputs, metas)
             if record is None:
                 self._entries.append(entry)
@@ -404,7 +406,7 @@ class OpInterceptor(TorchDispatchMode):
                     tensors.append(value)
                 elif type(value) is tuple or type(value) is list:
                     tensors.extend(item for item in value if isinstance(item, _Tensor))
-            inputs = _metas(tensors, log.shapes)
+            inputs = _metas(tensors, log)
             index = self.next_index
             self.next_index = index + 1
             head = (index, log.func_id(ModuleCall.of(type(module))), log.site_id(code, lasti), modules.current, phase, -1, ())
@@ -498,9 +500,14 @@ def _split(key, value, tensors, others, intern) -> None:
     others.append(value)
 
 
-def _metas(tensors, shapes) -> list:
-    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``shapes``
-    (a :class:`~opwatch.core.records.SharedShapes`)."""
+def _metas(tensors, log, types=()) -> list:
+    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``log.shapes``
+    (a :class:`~opwatch.core.records.SharedShapes`). ``types``: the op's tensor subclasses
+    (``__torch_dispatch__``'s); where one is a DTensor, its tensors' tuples get their sharding."""
+    shapes = log.shapes
+    if types and _sharded(types):
+        log.sharded = True
+        return _sharded_metas(tensors, shapes)
     try:
         metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
         for tensor in tensors:
@@ -512,6 +519,33 @@ def _metas(tensors, shapes) -> list:
         return metas
     except Exception:
         return [_safe_meta(tensor) for tensor in tensors]
+
+
+# The op's subclass types -> whether one is a DTensor (a few distinct tuples per program).
+_SHARDED_TYPES = BoundedCache(256)
+
+
+def _sharded(types) -> bool:
+    known = _SHARDED_TYPES.get(types)
+    if known is None:
+        dtensor = dtensor_class()
+        known = _SHARDED_TYPES.put(types, dtensor is not None and any(issubclass(kind, dtensor) for kind in types))
+    return known
+
+
+def _sharded_metas(tensors, shapes) -> list:
+    """``_metas`` of an op on DTensors: a DTensor's tuple gets its sharding facts as a fifth item."""
+    dtensor = dtensor_class()
+    metas = []
+    for tensor in tensors:
+        try:
+            meta = (shapes[tensor.shape], tensor.dtype, tensor.device, id(tensor))
+            if isinstance(tensor, dtensor):
+                meta = (*meta, sharding_of(tensor, shapes))
+        except Exception:
+            meta = _safe_meta(tensor)
+        metas.append(meta)
+    return metas
 
 
 def _mutated_tensors(mutated_args, args, kwargs) -> tuple:

@@ -8,7 +8,8 @@ everything else as a one-key object naming its kind: ``{"list": [...]}``, ``{"di
 "cuda:0"}``, ``{"layout": ...}``, ``{"memory_format": ...}``, ``{"complex": [re, im]}``,
 ``{"size": [...]}`` (``torch.Size``), a named tuple of facts as ``{tag: [items]}`` (its tag
 registered by :func:`~opwatch.core.fact_tuples.fact_tuple`: ``{"meta": [shape, dtype, device,
-ident]}`` for a :class:`~opwatch.core.notation.TensorMeta`, ``{"place": [op, filename, lineno,
+ident]}`` for a :class:`~opwatch.core.notation.TensorMeta` (a DTensor's with a fifth item, its
+``{"sharding": [local shape, placements, mesh shape]}``), ``{"place": [op, filename, lineno,
 phase, label]}`` for a :class:`~opwatch.checks.finding.Place`, ``{"made_by": [...]}`` for where
 an operand was made), ``{"op": "aten.add.Tensor"}`` (an ``OpOverload``), ``{"repr": ...}`` for
 anything else (read back as that text). Tensor metadata tuples ``(shape, dtype, device,
@@ -26,7 +27,8 @@ import torch
 from ..checks.finding import Finding
 from ..core.bounded import BoundedCache
 from ..core.fact_tuples import CLASSES, TAGS
-from ..core.notation import TensorMeta
+from ..core.notation import Sharding, TensorMeta
+from ..core.records import M_SHARDING as _SHARDING
 
 __all__ = ["encode", "decode", "meta_fields", "meta_from_fields", "finding_fields", "finding_from_fields", "op_named"]
 
@@ -34,8 +36,14 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def meta_fields(meta) -> dict:
+    """A :class:`TensorMeta` as the record fields of a saved log; a DTensor's adds
+    ``"sharding": [local shape, placements' facts, mesh shape]`` (a plain tensor's fields are
+    those of format 3 before DTensors were recorded)."""
     shape = None if meta.shape is None else [_size(size) for size in meta.shape]
-    return {"shape": shape, "dtype": _name(meta.dtype), "device": str(meta.device), "ident": meta.ident}
+    fields = {"shape": shape, "dtype": _name(meta.dtype), "device": str(meta.device), "ident": meta.ident}
+    if meta.sharding is not None:
+        fields["sharding"] = encode(tuple(meta.sharding))
+    return fields
 
 
 def _size(size):
@@ -103,6 +111,8 @@ def encode(value):
 def _encode_tagged(value) -> dict | None:
     tag = TAGS.get(type(value))
     if tag is not None:  # a registered named tuple of facts
+        if type(value) is TensorMeta and value.sharding is None:
+            value = value[:_SHARDING]  # a plain tensor's: the four items it always had
         return {tag: [encode(item) for item in value]}
     if isinstance(value, torch.Size):
         return {"size": [encode(item) for item in value]}
@@ -168,11 +178,13 @@ _DECODERS = {
 
 def meta_from_fields(fields: dict):
     shape = fields["shape"]
+    sharding = fields.get("sharding")  # a DTensor's only
     return TensorMeta(
         None if shape is None else tuple(shape),
         _torch_attribute(fields["dtype"]),
         _device(fields["device"]),
         fields["ident"],
+        None if sharding is None else Sharding(*decode(sharding)),
     )
 
 

@@ -22,7 +22,7 @@ import math
 from torch.nn import Parameter
 
 from ...core.ops import facts_of
-from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
 from .cause import DELIBERATE_CAUSE, PRECISION
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
@@ -131,10 +131,15 @@ class Origins:
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges)
+        sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
             outputs = entry_outputs(entry)
+            if sharded:
+                _dtensors_hold_their_shards(state, entry_inputs(entry))
             if outputs:
                 self._step(state, entry, outputs)
+                if sharded:
+                    _shards_hold_their_dtensors(state, outputs)
             elif facts_of(state.log.funcs[entry[E_FUNC]]).mutated_args:
                 _forget_written(state, entry)
         for ident in reading:  # a host read
@@ -499,6 +504,35 @@ def _step_finite(state, entry, facts, meta, key, input_states, input_origin, rec
     else:
         state.status.pop(ident, None)
     return record
+
+
+def _dtensors_hold_their_shards(state, inputs) -> None:
+    """A DTensor made around a local shard where opwatch saw no op (``DTensor.from_local``, a
+    parallel style's input) holds what its shard holds."""
+    status = state.status
+    for meta in inputs:
+        if len(meta) > M_SHARDING and meta[M_IDENT] not in status:
+            local = meta[M_SHARDING][SH_LOCAL_IDENT]
+            if local in status:
+                status[meta[M_IDENT]] = status[local]
+                if local in state.live:
+                    state.live[meta[M_IDENT]] = state.live[local]
+
+
+def _shards_hold_their_dtensors(state, outputs) -> None:
+    """The local shard of a DTensor an op made (inside DTensor's dispatch, where opwatch sees
+    no op) holds what the DTensor holds: a collective on it (a redistribution) is fed by it."""
+    status = state.status
+    for meta in outputs:
+        if len(meta) > M_SHARDING:
+            local = meta[M_SHARDING][SH_LOCAL_IDENT]
+            found = status.get(meta[M_IDENT])
+            if found is None:
+                status.pop(local, None)
+            else:
+                status[local] = found
+                if meta[M_IDENT] in state.live:
+                    state.live[local] = state.live[meta[M_IDENT]]
 
 
 def _mark_sinks(origin, ref, accumulates) -> None:

@@ -19,7 +19,7 @@ import torch
 from ...core.finite import readable
 from ...core.compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
 from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
-from ...core.records import E_INDEX, M_DEVICE, M_DTYPE
+from ...core.records import E_INDEX, M_DEVICE, M_DTYPE, M_SHARDING
 from .collectives import CollectiveReads
 from .cause import decide_causes, fold_same_source
 from .origin import Origin, headroom_risks
@@ -142,6 +142,10 @@ class NonFiniteTracker:
             meta = metas[position]
             dtype = meta[M_DTYPE]
             if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
+                if len(meta) > M_SHARDING and dtype in CHECKED_DTYPES:
+                    # A DTensor: never reduced here (that is a collective, on this rank only);
+                    # it holds what its inputs held, alive while this weak reference is.
+                    self._carriers[index << 32 | position] = weakref.ref(tensor)
                 continue
             if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
                 continue

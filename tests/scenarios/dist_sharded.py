@@ -1,0 +1,216 @@
+"""Sharded training on gloo for tests/runners/test_sharded.py: FSDP2 (``fully_shard`` with a
+``MixedPrecisionPolicy``, ``reshard_after_forward`` both ways), DTensor tensor parallel
+(``ColwiseParallel``/``RowwiseParallel``), sequence parallel (``SequenceParallel`` on a norm,
+``PrepareModuleInput``), DDP; started by torch.multiprocessing (support.distributed.spawn).
+
+``worker(rank, world, port, out_dir, cases)`` joins a process group (timeout 60 s), runs each
+named case and writes ``{case: result}`` to ``out_dir/rank<r>.json``; rank 0 holds the store and
+leaves last, through the store (bounded). Each layout case trains a few optimizer steps under a
+watch and under guard (healthy: no finding), then plants a nan on the last rank and a
+broadcast in the loss on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import opwatch
+from opwatch.core.collective_ops import group_store
+
+DIM, HIDDEN, BATCH, SEQ = 8, 16, 4, 4
+NAN_SHIFT = 100.0  # sqrt(|x| + 1 - 100) is nan for the small inputs below
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    store = group_store()
+    results = {}
+    try:
+        for case in cases:
+            results[case] = CASES[case](rank, world)
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as stream:
+            json.dump(results, stream)
+        store.set(f"left/{rank}", "1")  # rank 0 holds the store: it leaves last
+        if rank == 0:
+            store.wait([f"left/{other}" for other in range(world)], timedelta(seconds=60))
+        dist.destroy_process_group()
+
+
+_MESH = {}
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world not in _MESH:
+        _MESH[world] = init_device_mesh("cpu", (world,))
+    return _MESH[world]
+
+
+# -- the models, one a layout ---------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A transformer's MLP block: a norm, then up and down projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _block():
+    torch.manual_seed(0)  # the same weights on every rank (tensor parallel shards them)
+    return Block()
+
+
+def _fsdp2(world, reshard):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _block()
+    for module in (model.up, model.down, model):
+        fully_shard(module, mesh=_mesh(world), mp_policy=policy, reshard_after_forward=reshard)
+    return model
+
+
+def _tensor_parallel(world):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(_block(), _mesh(world), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def _sequence_parallel(world):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+
+    model = _block()
+    parallelize_module(model, _mesh(world), {
+        "norm": SequenceParallel(),  # the norm runs on this rank's part of the sequence
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    # The input comes whole to every rank: sharded along the sequence before the norm.
+    parallelize_module(model.norm, _mesh(world), PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
+    return model
+
+
+def _ddp(world):
+    return nn.parallel.DistributedDataParallel(_block())
+
+
+LAYOUTS = {
+    "fsdp2_reshard": lambda world: _fsdp2(world, True),
+    "fsdp2_keep": lambda world: _fsdp2(world, False),
+    "tp": _tensor_parallel,
+    "sp": _sequence_parallel,
+    "ddp": _ddp,
+}
+
+
+# -- the training step ----------------------------------------------------------------------
+
+
+def _batch(rank, layout):
+    generator = torch.Generator().manual_seed(rank + 1 if layout in ("fsdp2_reshard", "fsdp2_keep", "ddp") else 1)
+    x = torch.randn(BATCH, SEQ, DIM, generator=generator)  # tensor parallel: the same batch on every rank
+    return x, torch.randn(BATCH, generator=generator)
+
+
+def forward_backward(model, x, target, shift, broadcast):
+    x = (x.abs() + 1 - shift).sqrt()  # nan made here
+    pred = model(x).flatten(1).sum(1, keepdim=True)  # (BATCH, 1)
+    if broadcast:
+        loss = (target - pred).square().mean()  # broadcast here: (BATCH,) - (BATCH, 1)
+    else:
+        loss = (target.unsqueeze(1) - pred).square().mean()
+    loss.backward()
+    return loss
+
+
+def _train(model, rank, layout, *, steps=3, guarded=False, shift=0.0, broadcast=False):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = opwatch.guard(forward_backward, model) if guarded else forward_backward
+    x, target = _batch(rank, layout)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(step(model, x, target, shift, broadcast)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _anomalies(w) -> list:
+    return [[a.kind, a.op, a.where, a.phase, a.received, a.rank] for a in w.anomalies]
+
+
+def _error(error) -> dict:
+    anomaly = getattr(error, "anomaly", None)
+    return {"type": type(error).__name__, "message": str(error), "rank": getattr(anomaly, "rank", None),
+            "op": getattr(anomaly, "op", None), "lineno": getattr(anomaly, "lineno", None)}
+
+
+def layout_case(rank, world, layout):
+    """Healthy training watched and guarded (no finding, the same losses as unwatched), then a
+    nan made on the last rank and a broadcast in the loss on every rank, watched and guarded."""
+    nan_shift = NAN_SHIFT if rank == world - 1 else 0.0
+    plain = _train(LAYOUTS[layout](world), rank, layout)
+    with opwatch.watch(warn=False) as healthy:
+        watched = _train(LAYOUTS[layout](world), rank, layout)
+    guarded = _train(LAYOUTS[layout](world), rank, layout, guarded=True)
+    with opwatch.watch(warn=False) as nan:
+        _train(LAYOUTS[layout](world), rank, layout, steps=1, shift=nan_shift)
+    with opwatch.watch(warn=False) as broadcast:
+        _train(LAYOUTS[layout](world), rank, layout, steps=1, broadcast=True)
+    try:
+        _train(LAYOUTS[layout](world), rank, layout, steps=2, guarded=True, shift=nan_shift)
+        guard_nan = None
+    except Exception as error:
+        guard_nan = _error(error)
+    sharded = [str(meta) for record in healthy.records for meta in (*record.inputs, *(record.outputs or ())) if meta.sharding is not None]
+    return {
+        "same_losses": plain == watched == guarded,
+        "losses": plain,
+        "healthy": _anomalies(healthy),
+        "healthy_ops": len(healthy.records),
+        "sharded": sorted(set(sharded)),
+        "nan": _anomalies(nan),
+        "nan_summary": nan.summary(),
+        "broadcast": _anomalies(broadcast),
+        "broadcast_messages": [a.message for a in broadcast.anomalies],
+        "guard_nan": guard_nan,
+    }
+
+
+def fsdp2_reshard(rank, world):
+    return layout_case(rank, world, "fsdp2_reshard")
+
+
+def fsdp2_keep(rank, world):
+    return layout_case(rank, world, "fsdp2_keep")
+
+
+def tp(rank, world):
+    return layout_case(rank, world, "tp")
+
+
+def sp(rank, world):
+    return layout_case(rank, world, "sp")
+
+
+def ddp(rank, world):
+    return layout_case(rank, world, "ddp")
+
+
+CASES = {"fsdp2_reshard": fsdp2_reshard, "fsdp2_keep": fsdp2_keep, "tp": tp, "sp": sp, "ddp": ddp}
