@@ -130,7 +130,7 @@ def _batch(rank, layout):
 
 def forward_backward(model, x, target, shift, broadcast):
     x = (x.abs() + 1 - shift).sqrt()  # nan made here
-    pred = model(x).flatten(1).sum(1, keepdim=True)  # (BATCH, 1)
+    pred = model(x).float().flatten(1).sum(1, keepdim=True)  # (BATCH, 1); float: FSDP2's mixed precision gives bfloat16
     if broadcast:
         loss = (target - pred).square().mean()  # broadcast here: (BATCH,) - (BATCH, 1)
     else:

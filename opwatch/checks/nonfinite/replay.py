@@ -507,16 +507,19 @@ def _step_finite(state, entry, facts, meta, key, input_states, input_origin, rec
 
 
 def _dtensors_hold_their_shards(state, inputs) -> None:
-    """A DTensor made around a local shard where opwatch saw no op (``DTensor.from_local``, a
-    parallel style's input) holds what its shard holds."""
-    status = state.status
+    """A DTensor holds what its local shard holds: also one made around a shard where opwatch
+    saw no op (``DTensor.from_local``, a redistribution), whose id may be a dead tensor's."""
+    status, live = state.status, state.live
     for meta in inputs:
-        if len(meta) > M_SHARDING and meta[M_IDENT] not in status:
-            local = meta[M_SHARDING][SH_LOCAL_IDENT]
-            if local in status:
-                status[meta[M_IDENT]] = status[local]
-                if local in state.live:
-                    state.live[meta[M_IDENT]] = state.live[local]
+        if len(meta) > M_SHARDING:
+            ident, local = meta[M_IDENT], meta[M_SHARDING][SH_LOCAL_IDENT]
+            found = status.get(local)
+            if found is None:
+                status.pop(ident, None)
+                continue
+            status[ident] = found
+            if local in live:
+                live[ident] = live[local]
 
 
 def _shards_hold_their_dtensors(state, outputs) -> None:

@@ -17,7 +17,7 @@ from itertools import islice
 import torch
 
 from ...core.finite import readable
-from ...core.compat import dispatch_modes_outside, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
+from ...core.compat import dispatch_modes_outside, dtensor_parts, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
 from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
 from ...core.records import E_INDEX, M_DEVICE, M_DTYPE, M_SHARDING
 from .collectives import CollectiveReads
@@ -144,8 +144,10 @@ class NonFiniteTracker:
             if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
                 if len(meta) > M_SHARDING and dtype in CHECKED_DTYPES:
                     # A DTensor: never reduced here (that is a collective, on this rank only);
-                    # it holds what its inputs held, alive while this weak reference is.
-                    self._carriers[index << 32 | position] = weakref.ref(tensor)
+                    # it holds what its inputs held, its values alive while its local shard is
+                    # (which views of the shard keep alive after the DTensor died).
+                    local, _, _ = dtensor_parts(tensor)
+                    self._carriers[index << 32 | position] = weakref.ref(local)
                 continue
             if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
                 continue
