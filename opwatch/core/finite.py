@@ -10,6 +10,10 @@ Where the kernel cannot take the tensors (several devices; sparse, complex, meta
 overlapping ones; a torch without it) the check runs one group per device, one host read per
 device, from then on.
 
+A DTensor (FSDP2's parameters and gradients, tensor parallel ones) is read through its local
+shard: each rank checks its own values, no collective (reducing the DTensor itself would
+all-reduce, on the ranks that happen to check only).
+
 float8 tensors hold nan (``float8_e4m3fn``: no inf; ``float8_e5m2``: nan and inf), but no
 reduction, GradScaler's kernel included, takes them: they are read through a wider copy
 (:func:`readable`: float16 holds every float8 value exactly; float32 for ``float8_e8m0fnu``).
@@ -21,9 +25,9 @@ import math
 
 import torch
 
-from .compat import amp_non_finite_check, foreach_norm
+from .compat import amp_non_finite_check, dtensor_class, dtensor_parts, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "nonfinite_kind", "value_extremes", "readable", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "local_shards", "nonfinite_kind", "value_extremes", "readable", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
 
 # float8 dtype -> the dtype it is read through (reductions do not take float8): one that holds
 # each of its values exactly, its nan and inf included. The names torch has (e8m0fnu: 2.7+).
@@ -63,6 +67,10 @@ class FusedFiniteCheck:
         gradients) and of ``read_only`` is finite."""
         # Right after a backward every line runs with cold caches (a torch call costs tens of
         # us): the common call is one kernel and one host read, with no grad-mode context.
+        dtensor = dtensor_class()
+        if dtensor is not None:  # torch.distributed.tensor is loaded: DTensors read locally
+            writable = local_shards(writable, dtensor)
+            read_only = local_shards(read_only, dtensor)
         if any([tensor.requires_grad for tensor in writable]):
             # Part of a graph (create_graph=True): never written, even with its own values.
             read_only = [*read_only, *[tensor for tensor in writable if tensor.requires_grad]]
@@ -99,11 +107,21 @@ class FusedFiniteCheck:
         return flags
 
 
+def local_shards(tensors, dtensor) -> list:
+    """``tensors`` with each DTensor (``dtensor``: its class) replaced by its local shard."""
+    shards = []
+    for tensor in tensors:
+        if isinstance(tensor, dtensor):
+            tensor, _, _ = dtensor_parts(tensor)
+        shards.append(tensor)
+    return shards
+
+
 def finite_by_device(tensors) -> bool:
     """The same check without the kernel, one group per device: each tensor's largest
     magnitude, one host read per device. Tensors of other dtypes and meta tensors are left
-    out; sparse ones are read through their values; a subclass (a DTensor's gradient) through
-    its own dispatch."""
+    out; sparse ones are read through their values; a DTensor through its local shard, another
+    subclass through its own dispatch."""
     by_device: dict = {}
     for tensor in tensors:
         if tensor.device.type == "meta":
@@ -152,8 +170,11 @@ def nonfinite_kind(tensor) -> str | None:
 
 
 def _values(tensor):
-    """The stored values of a sparse tensor (COO; CSR, CSC, BSR), or the tensor itself."""
+    """The stored values of a sparse tensor (COO; CSR, CSC, BSR), a DTensor's local shard, or
+    the tensor itself."""
+    dtensor = dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        tensor, _, _ = dtensor_parts(tensor)  # this rank's values: no collective
     if tensor.layout == torch.strided:
         return tensor
     return tensor._values() if tensor.is_sparse else tensor.values()
-

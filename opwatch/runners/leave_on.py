@@ -399,7 +399,9 @@ def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.gr
 
 def nonfinite_parameters(optimizer, names: dict) -> list:
     """``(name, kind)`` of each parameter of ``optimizer`` that holds nan/inf itself."""
-    return nonfinite_names(optimizer, names, of=lambda parameter: parameter.detach())
+    # The parameter itself (nonfinite_kind detaches what it reads): detached here, under
+    # no_python_dispatch, a DTensor would lose its local shard.
+    return nonfinite_names(optimizer, names, of=lambda parameter: parameter)
 
 
 class _Skipped:

@@ -30,6 +30,7 @@ NAN_SHIFT = 100.0  # sqrt(|x| + 1 - 100) is nan for the small inputs below
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     store = group_store()
+    os.environ["OPWATCH_SHARDED_OUT"] = out_dir  # where a case saves its logs
     results = {}
     try:
         for case in cases:
@@ -214,3 +215,89 @@ def ddp(rank, world):
 
 
 CASES = {"fsdp2_reshard": fsdp2_reshard, "fsdp2_keep": fsdp2_keep, "tp": tp, "sp": sp, "ddp": ddp}
+
+
+# -- what a DTensor looks like in the table and the messages --------------------------------
+
+
+def dtensor_origin(rank, world):
+    """Tensor parallel code that keeps DTensors: a nan made by an op on DTensors in the last
+    rank's shard, named there (its message shows the shard, the global shape and the
+    placement); the others receive it through full_tensor()'s all-reduce. The log saved as
+    JSONL renders the same table and messages again."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from opwatch.storage.jsonl import load
+
+    mesh = _mesh(world)
+    torch.manual_seed(0)
+    weight = distribute_tensor(torch.randn(HIDDEN, DIM), mesh, [Shard(0)])  # each rank: HIDDEN / world rows
+    x = distribute_tensor(torch.randn(BATCH, DIM), mesh, [Replicate()])
+    offset = DTensor.from_local(torch.full((BATCH, HIDDEN // world), NAN_SHIFT if rank == world - 1 else 0.0), mesh, [Shard(1)])
+    with opwatch.watch(warn=False) as w:
+        h = x @ weight.T  # (BATCH, HIDDEN), sharded along HIDDEN
+        scores = (h.abs() + 1 - offset).sqrt()  # nan in the last rank's shard
+        total = scores.sum().full_tensor()  # all-reduced: every rank receives it
+        float(total)
+    path = os.path.join(os.environ["OPWATCH_SHARDED_OUT"], f"dtensor_origin{rank}.jsonl")
+    w.export_jsonl(path)
+    saved = load(path)
+    return {
+        "table": w.table(),
+        "messages": [a.message for a in w.anomalies],
+        "anomalies": _anomalies(w),
+        "saved_table_same": saved.table() == w.table(),
+        "saved_messages_same": [a.message for a in saved.anomalies] == [a.message for a in w.anomalies],
+        "saved_sharding": [list(map(str, record.inputs)) for record in saved.records if record.op == "aten.sqrt.default"],
+    }
+
+
+# -- the finite checks read local shards, no collective ---------------------------------------
+
+
+class _Collectives:
+    """Counts the collectives run while it is on (c10d and functional collectives: a DTensor
+    reduced as a whole would run one)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional"):
+                    counter.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.seen = []
+        self.mode = Mode()
+
+
+def finite_local(rank, world):
+    """FusedFiniteCheck and guard's gradient check on FSDP2's DTensor gradients and tensor
+    parallel ones: this rank's shard decides, with no collective; a nan put in the last rank's
+    shard is found there only."""
+    from opwatch.core.finite import FusedFiniteCheck, finite_by_device
+    from opwatch.runners.guarded.check import FiniteCheck
+
+    result = {}
+    for layout in ("fsdp2_reshard", "tp"):
+        model = LAYOUTS[layout](world)
+        x, target = _batch(rank, layout)
+        loss = forward_backward(model, x, target, 0.0, False)
+        params = list(model.parameters())
+        grads = [param.grad for param in params]
+        counter = _Collectives()
+        checks = {}
+        with counter.mode:
+            checks["healthy"] = [FusedFiniteCheck()(grads), finite_by_device(grads), FiniteCheck().all_finite(loss.detach(), params)]
+            if rank == world - 1:
+                sharded = next(grad for grad in grads if type(grad).__name__ == "DTensor")
+                sharded.to_local().view(-1)[0] = float("nan")  # in this rank's shard only
+            checks["nan"] = [FusedFiniteCheck()(grads), finite_by_device(grads), FiniteCheck().all_finite(loss.detach(), params)]
+        result[layout] = {"dtensor_grads": sum(type(grad).__name__ == "DTensor" for grad in grads), "checks": checks, "collectives": counter.seen}
+    return result
+
+
+CASES.update(dtensor_origin=dtensor_origin, finite_local=finite_local)

@@ -142,13 +142,14 @@ class NonFiniteTracker:
             meta = metas[position]
             dtype = meta[M_DTYPE]
             if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
-                if len(meta) > M_SHARDING and dtype in CHECKED_DTYPES:
-                    # A DTensor: never reduced here (that is a collective, on this rank only);
-                    # it holds what its inputs held, its values alive while its local shard is
-                    # (which views of the shard keep alive after the DTensor died).
-                    local, _, _ = dtensor_parts(tensor)
-                    self._carriers[index << 32 | position] = weakref.ref(local)
-                continue
+                if len(meta) <= M_SHARDING or dtype not in CHECKED_DTYPES:
+                    continue
+                # A DTensor: its local shard is read (reducing the DTensor itself would be a
+                # collective, run by this rank only).
+                tensor, _, _ = dtensor_parts(tensor)
+                if type(tensor) not in PLAIN_TYPES or tensor.is_meta:  # an AsyncCollectiveTensor
+                    self._carriers[index << 32 | position] = weakref.ref(tensor)
+                    continue
             if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
                 continue
             checked = tensor
