@@ -288,15 +288,19 @@ def finite_local(rank, world):
         loss = forward_backward(model, x, target, 0.0, False)
         params = list(model.parameters())
         grads = [param.grad for param in params]
+        sharded = next(grad for grad in grads if type(grad).__name__ == "DTensor")
         counter = _Collectives()
         checks = {}
         with counter.mode:
             checks["healthy"] = [FusedFiniteCheck()(grads), finite_by_device(grads), FiniteCheck().all_finite(loss.detach(), params)]
             if rank == world - 1:
-                sharded = next(grad for grad in grads if type(grad).__name__ == "DTensor")
                 sharded.to_local().view(-1)[0] = float("nan")  # in this rank's shard only
             checks["nan"] = [FusedFiniteCheck()(grads), finite_by_device(grads), FiniteCheck().all_finite(loss.detach(), params)]
-        result[layout] = {"dtensor_grads": sum(type(grad).__name__ == "DTensor" for grad in grads), "checks": checks, "collectives": counter.seen}
+        control = _Collectives()  # the counter sees the collective of a DTensor read as a whole
+        with control.mode:
+            torch.linalg.vector_norm(sharded, float("inf")).full_tensor()
+        result[layout] = {"dtensor_grads": sum(type(grad).__name__ == "DTensor" for grad in grads), "checks": checks,
+                          "collectives": counter.seen, "control": control.seen}
     return result
 
 
