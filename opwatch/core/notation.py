@@ -141,8 +141,9 @@ def _placement_facts(placement) -> tuple:
 def format_sharding(placements: tuple, mesh: tuple) -> str:
     """``(("shard", 0),), (2,)`` -> ``Shard(0) on 2 ranks``; several mesh dimensions:
     ``[Shard(0), Replicate()] on 2x2 ranks``."""
-    names = [_format_placement(facts) for facts in placements]
-    shown = names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+    shown = ", ".join(map(_format_placement, placements))
+    if len(placements) > 1:
+        shown = f"[{shown}]"
     ranks = "x".join(map(str, mesh))
     return f"{shown} on {ranks} ranks"
 

@@ -48,7 +48,7 @@ def test_every_folder_is_a_floor():
 PUBLIC_PRIVATE_MODULES = {"torch.utils._python_dispatch"}
 # Private attributes every torch op tool reads (torch's own flop_counter and DebugMode do).
 TOLERATED_ATTRIBUTES = {"_schema", "_overloadname", "_get_current_dispatch_mode_stack"}
-PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states", "hooks_dict_ref"}
+PRIVATE_OBJECT_ATTRIBUTES = {"_base", "_op", "_sequence_nr", "unbox", "_version", "_type", "_per_optimizer_states", "hooks_dict_ref", "_local_tensor", "_spec"}
 
 
 def modules() -> dict[str, pathlib.Path]:
