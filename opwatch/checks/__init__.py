@@ -249,6 +249,12 @@ class ActiveChecks:
         bound = (tracker.for_op(func) for tracker in self._trackers)
         return tuple(observe for observe in bound if observe is not None)
 
+    def input_observers(self, func) -> tuple:
+        """The trackers' checks of ``func``'s input tensors, called after each kernel as
+        ``observe(index, tensors)`` (tensors made before the watch, checked when first read)."""
+        bound = (getattr(tracker, "for_inputs", _none)(func) for tracker in self._trackers)
+        return tuple(observe for observe in bound if observe is not None)
+
     def module_call(self, module, args) -> Finding | None:
         """The finding of calling ``module`` with ``args``, judged before its forward runs
         (:mod:`~opwatch.checks.module_calls`), when its kind is enabled."""
@@ -286,3 +292,7 @@ def fingerprints_tracker(log, store: dict | None):
     """The :class:`~opwatch.checks.fingerprints.FingerprintTracker` filling ``store``, or
     ``None`` when fingerprints are off (``store`` is ``None``): then nothing is bound."""
     return None if store is None else fingerprints.FingerprintTracker(log, store)
+
+
+def _none(func):
+    return None

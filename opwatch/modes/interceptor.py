@@ -78,7 +78,7 @@ _NO_SITE = (0, None, -1)
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("kernel", "func_id", "is_ignored", "mutated_args", "pre_checks", "observers", "may_read_to_host", "is_copy", "collective")
+    __slots__ = ("kernel", "func_id", "is_ignored", "mutated_args", "pre_checks", "input_observers", "observers", "may_read_to_host", "is_copy", "collective")
 
     def __init__(self, func, func_id: int, checks):
         # The C++ op itself: OpOverload.__call__ is a Python frame around it.
@@ -93,7 +93,8 @@ class _OpPlan:
         self.mutated_args = facts.mutated_args
         # The bound pre-kernel checks that can fire on this op, in order.
         self.pre_checks = checks.pre_kernel(func)
-        # The checks' trackers to feed with this op's outputs.
+        # The checks' trackers to feed with this op's outputs and inputs (after the kernel).
+        self.input_observers = checks.input_observers(func)
         self.observers = checks.observers(func)
         # Does the op (sometimes) bring device values to the host? Then it may be a check point.
         self.may_read_to_host = facts.reads_to_host
@@ -272,6 +273,8 @@ class OpInterceptor(TorchDispatchMode):
             if outputs:
                 for observe in plan.observers:
                     observe(entry, inputs, outputs, metas)
+            for observe in plan.input_observers:  # ops that write no input: they are as they were
+                observe(head[E_INDEX], tensors)
         except Exception as error:
             self._internal_error(error)
             return out

@@ -406,17 +406,19 @@ def test_an_input_made_before_the_last_check_point_keeps_its_range():
     assert "range unknown" not in health and "-> the divisor holds 0: x / 0 = inf" in health
 
 
-def test_an_input_made_before_the_watch_and_dead_by_the_check_point_is_unknown():
-    """The one case left: nothing can tell its range, and none is made up."""
+def test_an_input_made_before_the_watch_and_dead_by_the_check_point_was_read_when_first_seen():
+    """A tensor made before the watch is checked when an op first reads it: its range is known
+    though it is gone by the check point, and none is made up."""
     x = torch.tensor([0.0, 2.0])
     with opwatch.watch(warn=False, dump_on_error=False) as w:
         y = x.log()
         del x
         y.sum().item()
     (anomaly,) = w.anomalies
-    assert "range unknown (made before the watch; no longer alive)" in anomaly.message
-    assert [value for _, value in anomaly.finding.facts["input_ranges"]] == [None]
-    assert anomaly.finding.facts["input_made"] == ("before_watch",)
+    assert "range unknown" not in anomaly.message
+    ((_, value),) = anomaly.finding.facts["input_ranges"]
+    assert (value.low, value.high) == (0.0, 2.0)
+    assert "log(0) = -inf" in anomaly.message
 
 
 def _log_of_a_sum_made_at_a_check_point(max_records):

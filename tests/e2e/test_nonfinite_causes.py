@@ -259,10 +259,11 @@ def test_a_batchnorm_buffer_holding_nan_is_named_as_the_buffer():
     assert "running statistic" in anomaly.message
 
 
-def test_an_input_made_before_the_watch_and_gone_by_the_check_point_leaves_the_cause_unknown():
+def test_an_input_made_before_the_watch_and_gone_by_the_check_point_was_checked_when_first_read():
     """Gradient accumulation watched as a whole, on the CPU (a host read there is no check
     point; the optimizer step is): the first micro-batch, made before the watch and holding nan,
-    is gone when the step comes."""
+    is gone when the step comes. It was checked when the first op read it, so the cause is
+    known: the input, not the math, and no "range unknown"."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -277,9 +278,58 @@ def test_an_input_made_before_the_watch_and_gone_by_the_check_point_leaves_the_c
         optimizer.zero_grad()
     (anomaly,) = nonfinite(w)
     cause = anomaly.finding.facts["cause"]
-    assert cause.kind == UNKNOWN and tuple(cause.tensor.shape) == (8, 4)
-    assert "made nan from finite inputs" not in anomaly.message and "made nan from inputs not all known to be finite" in anomaly.message
-    assert "whether it already held nan cannot be told" in cause_line(anomaly)
+    assert cause.kind == INPUT and cause.held == "nan" and tuple(cause.tensor.shape) == (8, 4)
+    assert anomaly.op == "aten.addmm.default"
+    assert "from finite inputs" not in anomaly.message and "range unknown" not in anomaly.message
+    assert "made before the watch" in cause_line(anomaly)
+
+
+def test_a_finite_input_made_before_the_watch_and_gone_gives_its_range_to_the_cause():
+    """An fp16 activation made before the watch (finite, up to 300) and gone by the check point:
+    its range was read when first seen, so the overflow of ``x * x`` is a precision cause with a
+    bound, not "range unknown"."""
+    pending = [torch.full((4, 8), 300.0, dtype=torch.float16)]
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        x = pending.pop()
+        y = x * x  # 90000 > float16's 65504
+        del x
+        total = y.float().sum()
+        total.item()
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert anomaly.op == "aten.mul.Tensor"
+    assert cause.kind == PRECISION and cause.wider == torch.float32, cause
+    assert "range unknown" not in anomaly.message
+
+
+def test_a_mask_buffer_holding_minus_inf_made_before_the_watch_stays_silent():
+    """A causal mask registered as a buffer in ``__init__`` (before the watch) holds -inf on
+    purpose: checked when first read, it counts as a constant, like ``masked_fill(-inf)``."""
+
+    class MaskedAttention(nn.Module):
+        def __init__(self, width=16, length=6):
+            super().__init__()
+            self.qkv = nn.Linear(width, 3 * width)
+            self.out = nn.Linear(width, width)
+            mask = torch.full((length, length), float("-inf")).triu(1)
+            self.register_buffer("mask", mask)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            scores = q @ k.transpose(-2, -1) / 4 + self.mask
+            return self.out(scores.softmax(-1) @ v)
+
+    torch.manual_seed(0)
+    model = MaskedAttention()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(3):
+            loss = model(torch.randn(2, 6, 16)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        loss.item()
+    assert nonfinite(w) == []
 
 
 # --------------------------------------------------------------------------------------------

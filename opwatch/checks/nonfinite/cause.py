@@ -289,6 +289,10 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     held = _held_input(origin, recipes, found, health, writes, modules)
     if held is not None:
         return held
+    if origin.entered is not None:
+        # It held nan when first read (checked then), and is gone or written since.
+        meta = TensorMeta(*origin.entered)
+        return Cause(INPUT, tensor=meta, held=origin.kind, made=BeforeWatch(), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     ranges = [value_range for _, value_range in origin.input_ranges]

@@ -40,9 +40,10 @@ class Flags:
     outputs and their weak ``refs``, every ``checked`` key, the finite ``sentinels`` holders,
     the ``ranges`` read (only when something was not finite); and, by (op index << 32 |
     position), the weak ``carriers`` of unchecked outputs and the ``written_bases`` (id, ref)
-    of in-place writes into views."""
+    of in-place writes into views; and, by op index, the ``first_seen`` inputs checked there
+    (``((position, ident), ...)``: tensors made before the watch, see ``tracker.FIRST_SEEN``)."""
 
-    __slots__ = ("flagged", "refs", "checked", "sentinels", "ranges", "carriers", "written_bases")
+    __slots__ = ("flagged", "refs", "checked", "sentinels", "ranges", "carriers", "written_bases", "first_seen")
 
     def __init__(self, flagged, refs, checked, sentinels=None, ranges=None, carriers=None, written_bases=None):
         self.flagged = flagged
@@ -52,12 +53,13 @@ class Flags:
         self.ranges = ranges or {}
         self.carriers = carriers or {}
         self.written_bases = written_bases or {}
+        self.first_seen = {}
 
 
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered")
 
     def __init__(self, log, flags, carry, sentinels, known_ranges):
         self.log = log
@@ -83,6 +85,8 @@ class _Window:
         # collective whose result it delivers (``None`` for most).
         self.accumulates = False
         self.received = None
+        # Tensors made before the watch that held nan/inf when first read in this window.
+        self.entered: set = set()
 
 
 class Origins:
@@ -105,6 +109,9 @@ class Origins:
         # while every window since was replayed (a window not replayed may have written into
         # these tensors: ``forget_ranges``). Shape and dtype tell a reused id.
         self.ranges: dict = {}
+        # Tensors made before the watch that held nan/inf when first read: carried like any
+        # other, but their own life says nothing of harm (the program made them before).
+        self.entered: set = set()
 
     _MAX_RANGES = 1 << 16
 
@@ -152,6 +159,7 @@ class Origins:
             for ident, (kind, origin) in state.status.items()
             if ident in live and live[ident]() is not None
         }
+        self.entered = {ident for ident in self.entered | state.entered if ident in self.carry}
         refs = state.sentinel_refs
         self.sentinels = {ident: refs[ident] for ident in state.holds_sentinel if refs[ident]() is not None}
         self._keep_ranges(state)
@@ -171,6 +179,9 @@ class Origins:
         """One entry, by kind."""
         facts = facts_of(state.log.funcs[entry[E_FUNC]])
         status = state.status
+        seen = state.flags.first_seen.get(entry[E_INDEX]) if state.flags.first_seen else None
+        if seen:
+            _note_first_seen(state, entry, seen)
         state.received = delivered(entry, facts, state.deliveries, status, state.origins) if state.deliveries else None
         if facts.is_lift:
             _step_lift(state, entry, outputs)
@@ -297,7 +308,8 @@ class Origins:
         accumulated into a ``.grad`` or alive at the end matter; a forward overflow of its dtype
         (a ``precision`` cause) matters even when absorbed later (``rsqrt(inf) = 0`` silently
         zeroes what it scaled); others were absorbed."""
-        alive = {id(origin) for _, origin, _ in self.carry.values() if origin is not None}
+        entered = self.entered
+        alive = {id(origin) for ident, (_, origin, _) in self.carry.items() if origin is not None and ident not in entered}
         judged = []
         waiting = []
         for origin in self.unjudged + new:
@@ -461,6 +473,40 @@ def _step_carrier(state, entry, facts, outputs, fed) -> None:
                 live[meta[M_IDENT]] = ref
         else:
             status.pop(meta[M_IDENT], None)
+
+
+def _note_first_seen(state, entry, seen) -> None:
+    """Inputs made before the watch, checked when this op first read them: their range, a
+    sentinel they hold, what non-finite value they held. A nan entered the watch here: an
+    origin at this op, its cause that input (``Origin.entered``). An inf counts as a constant,
+    as one written on purpose (a mask made before the watch): followed, reported when a nan is
+    made of it or it becomes the loss."""
+    flags = state.flags
+    index = entry[E_INDEX]
+    metas = {meta[M_IDENT]: meta for meta in entry_inputs(entry)}
+    for position, ident in seen:
+        key = (index, position)
+        meta = metas.get(ident)
+        if meta is None or key not in flags.checked or ident in state.status:
+            continue
+        if key in flags.sentinels:
+            state.holds_sentinel.add(ident)
+            state.sentinel_refs[ident] = flags.sentinels[key]
+        kind = flags.flagged.get(key)
+        if kind is None:
+            read = flags.ranges.get(key)
+            if read is not None and ident not in state.value_ranges:
+                state.value_ranges[ident] = (meta[M_SHAPE], meta[M_DTYPE], ValueRange(*read))
+            continue
+        origin = None
+        if kind == "nan":
+            origin = Origin(state.log.view(entry), kind)
+            origin.entered = meta
+            origin.input_ranges = _input_ranges(state, entry)
+            state.origins.append(origin)
+        state.status[ident] = (kind, origin)
+        state.live[ident] = flags.refs[key]
+        state.entered.add(ident)
 
 
 def _note_sentinel_and_range(state, meta, key) -> None:

@@ -6,6 +6,12 @@ the tensor's device: nan shows as a nan min/max, inf as an infinite max or min. 
 stacked per device (one ``torch.stack`` per ``_CHUNK`` pairs) and read back with one transfer
 per device at a check point. Observers are bound per op (:meth:`NonFiniteTracker.for_op`), so
 the interceptor calls the one that fits without asking what the op is.
+
+A tensor made before the watch (a batch from a DataLoader worker, a parameter, a buffer) has no
+op in the log that made it: each one is checked when an op first reads it
+(:meth:`NonFiniteTracker.for_inputs`), with the same reduction, queued under the reading op's
+index at a position from :data:`FIRST_SEEN` on. So the replay knows whether it already held
+nan/inf, and its range, instead of taking it for finite.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ from .origin import Origin, headroom_risks
 from .replay import Flags, Origins
 from .rules import CHECKED_DTYPES, COMPLEX, FLOAT8_DTYPES, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
 
-__all__ = ["NonFiniteTracker"]
+__all__ = ["NonFiniteTracker", "FIRST_SEEN"]
+
+# Queued positions from here on are inputs checked when first seen, not outputs.
+FIRST_SEEN = 1 << 16
+_KNOWN_START = 4096  # tensors remembered as accounted for before the dead ones are dropped
 
 _aminmax = torch.aminmax  # the one reduction per output (bench.ablate times it here)
 
@@ -56,6 +66,13 @@ class NonFiniteTracker:
         self._written_bases: dict = {}
         # Queued float16 outputs ((op index << 32) | position): their headroom is judged.
         self._half: set = set()
+        # id -> weakref of the tensors whose values are accounted for: outputs of watched ops,
+        # and tensors made before the watch once checked. Dead ones are dropped whenever it
+        # has doubled (memory stays flat however long the watch).
+        self._known: dict = {}
+        self._known_limit = _KNOWN_START
+        # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
+        self._first_seen: dict = {}
         self._origins = Origins(log)  # the replay and judgement, across check points
         self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
 
@@ -68,7 +85,7 @@ class NonFiniteTracker:
             reads = self._reads
             return {C10D: reads.observe_collective, FUNCTIONAL: reads.observe_collective, WAIT: reads.observe_wait, WRAP: reads.observe_wrap}[collective.kind]
         if facts.makes_new_data:
-            return None
+            return self._observe_new
         if facts.is_lift:
             return self._observe_all  # an alias of Python data: its values are new here
         if not facts.preserves_values:
@@ -79,6 +96,16 @@ class NonFiniteTracker:
             return self._observe_carrier
         # A view keeps its base alive, and the base is remembered; not so in inference mode.
         return self._observe_view
+
+    def for_inputs(self, func):
+        """The check of ``func``'s inputs made before the watch, called after its kernel as
+        ``first_seen(index, tensors)``; ``None`` for ops that only view, make new data, or write
+        in place (a destination's old values may be uninitialised memory it is about to fill:
+        a cache made with ``torch.empty``)."""
+        facts = facts_of(func)
+        if facts.makes_new_data or facts.is_lift or facts.collective is not None or facts.is_view or facts.mutated_args:
+            return None
+        return self._check_first_seen
 
     @property
     def pending(self) -> int:
@@ -124,6 +151,49 @@ class NonFiniteTracker:
             if base is not None:
                 self._written_bases[index << 32 | position] = (id(base), weakref.ref(base))
 
+    def _check_first_seen(self, index, tensors) -> None:
+        """Queue one reduction for each floating input no watched op made and not yet checked
+        (a view of a checked tensor counts as checked). No host sync."""
+        known = self._known
+        for tensor in tensors:
+            ref = known.get(id(tensor))
+            if ref is not None and ref() is tensor:
+                continue
+            if tensor.dtype not in CHECKED_DTYPES:
+                continue
+            base = tensor_base(tensor)
+            if base is not None:
+                ref = known.get(id(base))
+                if ref is not None and ref() is base:
+                    continue  # a view of a tensor accounted for
+                self._remember(base, weakref.ref(base))
+            if dispatch_modes_outside():
+                with no_python_dispatch():
+                    self._first(index, tensor)
+            else:
+                self._first(index, tensor)
+
+    def _first(self, index, tensor) -> None:
+        seen = self._first_seen.get(index, ())
+        position = FIRST_SEEN + len(seen)
+        ref = self._reduce_one(index, position, tensor, tensor.dtype, tensor.device)
+        if ref is not None:
+            self._first_seen[index] = (*seen, (position, id(tensor)))
+        self._remember(tensor, ref or weakref.ref(tensor))
+
+    def _remember(self, tensor, ref) -> None:
+        known = self._known
+        known[id(tensor)] = ref
+        if len(known) > self._known_limit:
+            self._known = known = {ident: ref for ident, ref in known.items() if ref() is not None}
+            self._known_limit = max(_KNOWN_START, 2 * len(known))
+
+    def _observe_new(self, entry, inputs, outputs, metas) -> None:
+        """Uninitialised memory (``empty_like``): made here, not before the watch."""
+        for position, tensor in enumerate(outputs):
+            if metas[position][M_DTYPE] in CHECKED_DTYPES:
+                self._remember(tensor, weakref.ref(tensor))
+
     def _observe_view(self, entry, inputs, outputs, metas) -> None:
         if inference_mode_enabled():
             self._observe_carrier(entry, inputs, outputs, metas)
@@ -135,46 +205,60 @@ class NonFiniteTracker:
         index = entry[E_INDEX]
         for position, tensor in enumerate(outputs):
             if metas[position][M_DTYPE] in CHECKED_DTYPES:
-                self._carriers[index << 32 | position] = weakref.ref(tensor)
+                self._carriers[index << 32 | position] = ref = weakref.ref(tensor)
+                self._remember(tensor, ref)
 
     def _reduce(self, index, outputs, metas) -> None:
         for position, tensor in enumerate(outputs):
             meta = metas[position]
-            dtype = meta[M_DTYPE]
-            if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
-                if len(meta) <= M_SHARDING or dtype not in CHECKED_DTYPES:
-                    continue
-                # A DTensor: its local shard is read (reducing the DTensor itself would be a
-                # collective, run by this rank only).
-                tensor, _, _ = dtensor_parts(tensor)
-                if type(tensor) not in PLAIN_TYPES or tensor.is_meta:  # an AsyncCollectiveTensor
-                    self._carriers[index << 32 | position] = weakref.ref(tensor)
-                    continue
-            if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
-                continue
-            checked = tensor
-            if dtype in COMPLEX:
-                checked = torch.view_as_real(checked.resolve_conj())
-            elif dtype in FLOAT8_DTYPES:
-                checked = readable(checked)  # no reduction takes float8: a float16 copy, nan and inf kept
-            # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
-            # autograd keys are excluded for everything it calls.
-            low, high = _aminmax(checked)
+            ref = self._reduce_one(index, position, tensor, meta[M_DTYPE], meta[M_DEVICE])
+            if ref is not None:
+                self._remember(tensor, ref)
+            elif len(meta) > M_SHARDING:
+                self._reduce_shard(index, position, tensor, meta)
+
+    def _reduce_shard(self, index, position, dtensor, meta) -> None:
+        """A DTensor an op made: its local shard is read (reducing the DTensor itself would be
+        a collective, run by this rank alone). Both are made here, not before the watch."""
+        local, _, _ = dtensor_parts(dtensor)
+        ref = self._reduce_one(index, position, local, meta[M_DTYPE], meta[M_DEVICE])
+        if ref is None and meta[M_DTYPE] in CHECKED_DTYPES:  # an AsyncCollectiveTensor: it holds what its inputs held
+            self._carriers[index << 32 | position] = ref = weakref.ref(local)
+        if ref is not None:
+            self._remember(local, ref)
+            self._remember(dtensor, weakref.ref(dtensor))
+
+    def _reduce_one(self, index, position, tensor, dtype, device):
+        """Queue ``tensor``'s (min, max) under (``index``, ``position``); returns the weak
+        reference kept to it, ``None`` when it is not checked (its dtype or kind of tensor)."""
+        if dtype not in CHECKED_DTYPES or type(tensor) not in PLAIN_TYPES or tensor.is_meta:
+            return None
+        if tensor.layout is not STRIDED or tensor.is_nested or not tensor.numel() or is_zerotensor(tensor):
+            return None
+        checked = tensor
+        if dtype in COMPLEX:
+            checked = torch.view_as_real(checked.resolve_conj())
+        elif dtype in FLOAT8_DTYPES:
+            checked = readable(checked)  # no reduction takes float8: a float16 copy, nan and inf kept
+        # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
+        # autograd keys are excluded for everything it calls.
+        low, high = _aminmax(checked)
+        stats = self._stats
+        if device != self._stats_device:
+            self._stack()  # one chunk per device
             stats = self._stats
-            device = meta[M_DEVICE]
-            if device != self._stats_device:
-                self._stack()  # one chunk per device
-                stats = self._stats
-                self._stats_device = device
-                self._devices.add(device)
-            stats += (low, high)
-            self._indices.append(index)
-            self._positions.append(position)
-            self._refs.append(weakref.ref(tensor))
-            if dtype is FLOAT16:
-                self._half.add(index << 32 | position)  # judged for headroom
-            if len(stats) >= self._CHUNK:
-                self._stack()
+            self._stats_device = device
+            self._devices.add(device)
+        stats += (low, high)
+        self._indices.append(index)
+        self._positions.append(position)
+        ref = weakref.ref(tensor)
+        self._refs.append(ref)
+        if dtype is FLOAT16 and position < FIRST_SEEN:
+            self._half.add(index << 32 | position)  # judged for headroom
+        if len(stats) >= self._CHUNK:
+            self._stack()
+        return ref
 
     def _queue(self, low, high, index, position, ref) -> None:
         """Queue a pair read elsewhere (a collective's output, once it completed)."""
@@ -210,6 +294,7 @@ class NonFiniteTracker:
         half, self._half = self._half, set()
         flags = self._take_flags(half)
         flags.carriers, flags.written_bases = carriers, written_bases
+        flags.first_seen, self._first_seen = self._first_seen, {}
         origins = self._origins
         risks = headroom_risks(window, half, flags.ranges, self._log) if half and flags.ranges else []
         if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
