@@ -112,8 +112,13 @@ class Origins:
         # Tensors made before the watch that held nan/inf when first read: carried like any
         # other, but their own life says nothing of harm (the program made them before).
         self.entered: set = set()
+        # Op index of a collective -> {ident: status} of its non-finite inputs when it was
+        # first replayed: one read once it completed is replayed again in a later window, when
+        # an input that died since (a redistribution's temporary shard) is no longer carried.
+        self._collective_inputs: dict = {}
 
     _MAX_RANGES = 1 << 16
+    _MAX_COLLECTIVES = 4096
 
     def forget_ranges(self) -> None:
         """A window went by without a replay: the ranges known may be stale."""
@@ -187,6 +192,8 @@ class Origins:
             _step_lift(state, entry, outputs)
             return
         fed = [meta[M_IDENT] for meta in entry_inputs(entry) if meta[M_IDENT] in status]
+        if facts.is_collective:
+            fed = self._inputs_when_issued(state, entry, fed)
         if facts.is_grad_scaler_check:
             _step_grad_scaler(status, fed)
         # Gradient accumulation: a backward op autograd runs with no forward op behind it.
@@ -205,6 +212,22 @@ class Origins:
             record = state.log.view(entry)
             for meta in outputs:
                 state.deliveries[meta[M_IDENT]] = (record, status.get(meta[M_IDENT]))
+
+    def _inputs_when_issued(self, state, entry, fed) -> list:
+        """A collective's fed inputs, as they were when it was first replayed (see
+        ``_collective_inputs``)."""
+        known = self._collective_inputs
+        index = entry[E_INDEX]
+        before = known.get(index)
+        if before is None:
+            if len(known) >= self._MAX_COLLECTIVES:
+                self._collective_inputs = known = dict(list(known.items())[len(known) // 2 :])  # the newer half
+            known[index] = {ident: state.status[ident] for ident in fed}
+            return fed
+        status = state.status
+        for ident, found in before.items():
+            status.setdefault(ident, found)
+        return [meta[M_IDENT] for meta in entry_inputs(entry) if meta[M_IDENT] in status]
 
     def _step_checked(self, state, entry, facts, outputs, fed) -> None:
         """An op whose outputs were checked: origin, spread, or a deliberate constant."""
