@@ -70,7 +70,13 @@ _MASKED_TARGET_FIX = (
     "or drop such samples from the loss (target = target.masked_fill(~allowed[torch.arange(len(target)), target], ignore_index))"
 )
 _FROM_DELIBERATE_FIX = "the masking constant met another one or a zero (-inf - -inf, 0 * inf): mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or clean up with torch.where right after"
+_MASK_INTO_MATMUL_FIX = (
+    "a masking -inf reached {name}, which multiplies it by the weights and sums (-inf * w of both signs, then "
+    "-inf + inf = nan): zero the masked entries (x.masked_fill(~mask, 0)) before a matmul or Linear; mask with -inf "
+    "only right before a softmax (torch.finfo(dtype).min overflows in a matmul too)"
+)
 _FROM_DELIBERATE_FIXES = {
+    **{name: _MASK_INTO_MATMUL_FIX for name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "einsum", "_scaled_mm")},
     "_softmax": "every entry of a row was masked with -inf, and softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
     "_log_softmax": "every entry of a row was masked with -inf, and log_softmax of all -inf is nan: keep one entry unmasked, mask with torch.finfo(dtype).min instead of -inf, or zero fully masked rows with torch.where",
 }
@@ -424,7 +430,7 @@ def _fix(finding) -> str:
     if told is not None:
         return told
     if facts["from_deliberate"]:
-        return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX)
+        return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX).format(name=name)
     forward = facts["forward_op_name"]
     if forward is not None:
         fix = _BACKWARD_FIXES.get(forward)

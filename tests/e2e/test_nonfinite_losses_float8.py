@@ -233,6 +233,58 @@ def test_masked_max_pooling_and_a_masked_logsumexp_loss_report_nothing():
     assert nonfinite(w) == [] and w.contained == []
 
 
+class MaskedPoolingHead(nn.Module):
+    """Padding masked with -inf, then a Linear: the bug is the order (mask, then project)."""
+
+    def __init__(self, project_before_masking: bool):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.project = nn.Linear(16, 4)
+        self.project_before_masking = project_before_masking
+
+    def forward(self, x, padding):
+        h = self.encoder(x)
+        if self.project_before_masking:
+            return self.project(h).masked_fill(padding, float("-inf")).max(dim=1).values
+        return self.project(h.masked_fill(padding, float("-inf"))).max(dim=1).values  # MASK INTO LINEAR
+
+
+def _train_pooling_head(model):
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, target = torch.randn(6, 5, 8), torch.randint(0, 4, (6,))
+    padding = torch.zeros(6, 5, 1, dtype=torch.bool)
+    padding[:, 3:] = True
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(2):
+            loss = F.cross_entropy(model(x, padding), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss.item()
+    return w
+
+
+def test_a_minus_inf_mask_fed_into_a_linear_is_the_math_of_the_mask_not_an_input_that_held_inf():
+    """The nan made by the Linear from the masked -inf (-inf * w of both signs, summed) is a
+    cause of the masking constant's math, with a fix for a matmul; not "input already held inf,
+    check the data"."""
+    torch.manual_seed(0)
+    w = _train_pooling_head(MaskedPoolingHead(project_before_masking=False))
+    first = nonfinite(w)[0]
+    assert first.kind == "nan" and first.op == "aten.addmm.default"
+    assert first.record.lineno == line_of(MaskedPoolingHead.forward, "MASK INTO LINEAR")
+    cause = first.finding.facts["cause"]
+    assert cause.kind == MATH and cause.detail == "masked", cause
+    assert "before a matmul or Linear" in first.message and "check the data" not in first.message
+
+
+def test_the_same_mask_applied_after_the_linear_reports_nothing():
+    torch.manual_seed(0)
+    w = _train_pooling_head(MaskedPoolingHead(project_before_masking=True))
+    assert nonfinite(w) == [] and w.contained == []
+
+
 # --------------------------------------------------------------------------------------------
 # float8
 # --------------------------------------------------------------------------------------------

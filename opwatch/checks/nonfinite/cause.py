@@ -287,7 +287,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     record = origin.record
     index = record.index
     held = _held_input(origin, recipes, found, health, writes, modules)
-    if held is not None:
+    # Made of deliberate infs: an input holding inf is the masking constant itself, the math
+    # is the cause (a nan an input held is never deliberate).
+    if held is not None and not (origin.from_deliberate and held.held == "inf"):
         return held
     if origin.entered is not None:
         # It held nan when first read (checked then), and is gone or written since.
