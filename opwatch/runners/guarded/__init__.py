@@ -503,18 +503,19 @@ class Guarded:
 
     def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
         """For a step that made nan/inf and runs compiled code: eager fails too, or only the
-        compiled step (then the compiler's stages in turn, each from the step's start)."""
+        compiled step (then the compiler's stages in turn, each from the step's start, the
+        first wrong graph node, inductor's settings and a one-file repro: ``compiled.explain``)."""
         if error is not None or replay.error is not None:
             return None
         verdict = compiled_steps.verdict(replay.watch, anomaly)
         if verdict is None or verdict.eager_fails:
             return verdict
         snapshots = self._snapshots
-        stages = compiled_steps.narrow(
-            self._step, args, kwargs, restore=lambda: snapshots.restore(start),
+        return compiled_steps.explain(
+            verdict, self._step, args, kwargs, restore=lambda: snapshots.restore(start),
             finite=lambda result: self._finite.all_finite(result, snapshots.params),
+            max_bytes=self._repro_max_bytes, repro_dir=self._repro_dir, repro=self._repro,
         )
-        return verdict._replace(stages=stages)
 
     # -- refusals and notes ----------------------------------------------------------------------
 
