@@ -313,8 +313,8 @@ def _narrowed(verdict) -> str:
             return ""
         return _NOT_NARROWED.get(reason, f" Narrowing it to a graph node failed ({reason}).")
     how = "is not finite where eager is" if node.why == "nan/inf" else (
-        f"differs from eager by up to {node.difference:.4g}, outside the tolerance of its dtype (rtol {node.tolerance[0]:g}, "
-        f"atol {node.tolerance[1]:g})"
+        f"differs from eager by up to {node.difference:.4g}, outside the tolerance of its dtype (rtol {node.rtol:g}, "
+        f"atol {node.atol:g})"
     )
     return (
         f" The first node of the forward graph whose output {verdict.backend} gets wrong: {node_text(node)}; its output {how} "

@@ -262,12 +262,66 @@ def test_real_inductor_where_eager_fails_too_gets_the_eager_origin_and_no_narrow
     assert not glob.glob(os.path.join(str(tmp_path), "opwatch-compiled-repro-*"))
 
 
+class Gated(nn.Module):
+    """An MLP whose hidden units are scaled by a random gate, sqrt(u - floor), u uniform: finite
+    while every u is at least the floor (a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.register_buffer("floor", torch.zeros(()))
+
+    def forward(self, x):
+        gate = torch.sqrt(torch.rand(x.shape[0], 16) - self.floor)  # GATE
+        return self.fc2(torch.relu(self.fc1(x)) * gate)
+
+
+def test_real_inductor_drawing_other_random_numbers_than_eager_is_told_by_fallback_random(tmp_path):
+    """Inductor on CPU draws its own random numbers (not eager's, unless fallback_random): with
+    the floor set to the smallest of eager's draws, eager is finite and inductor's draws go below
+    it for some seeds. fallback_random=True makes the step finite, emulate_precision_casts=True
+    does not."""
+    model = Gated()
+    compiled = torch.compile(model)
+    x = torch.rand(64, 6)
+
+    def step(batch):
+        loss = compiled(batch).pow(2).mean()
+        loss.backward()
+        return loss
+
+    for seed in range(20):  # a seed whose inductor draws go below eager's smallest
+        torch.manual_seed(seed)
+        model.floor.fill_(float(torch.rand(64, 16).min()))
+        torch.manual_seed(seed)
+        finite = bool(torch.isfinite(step(x)))
+        model.zero_grad()
+        if not finite:
+            break
+    else:
+        pytest.fail("inductor drew eager's random numbers for 20 seeds")
+    guarded = opwatch.guard(step, model, audit="never", repro_dir=tmp_path)
+    torch.manual_seed(seed)
+    with pytest.raises(RuntimeError) as raised:
+        guarded(x)
+    text = str(raised.value)
+    verdict = guarded.last_verdict
+    assert verdict.backend == "inductor" and verdict.own == "nan/inf", verdict
+    assert verdict.settings == (("emulate_precision_casts", "nan/inf"), ("fallback_random", "finite")), verdict.settings
+    assert "fallback_random makes the step finite: random numbers that differ from eager's." in text, text
+    assert "the step's own backend (inductor) is the first stage that makes it" in text
+    assert verdict.repro is not None and os.path.exists(verdict.repro)
+    assert verdict.node.op == "torch.sqrt" and verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# GATE', __file__)}")
+    assert verdict.node.eager.kind == "finite" and verdict.node.compiled.kind == "nan"
+
+
 # -- the words, piece by piece -----------------------------------------------------------------
 
 
 def _verdict(**changes):
     node = NodeFact(1, 2, "attn", "Tensor.softmax", "model.py:12", "attn = scores.softmax(dim=-1)", Value("finite", 0, 256, 0.93),
-                    Value("nan", 64, 256, 0.5), "nan/inf", None, (1.3e-06, 1e-05))
+                    Value("nan", 64, 256, 0.5), "nan/inf", None, 1.3e-06, 1e-05)
     base = CompiledVerdict((EagerCompiled("Block", "module", "model.py:5", 1),), False, None,
                            (("eager", "finite"), ("aot_eager", "finite"), ("aot_eager_decomp_partition", "finite")),
                            backend="inductor", own="nan/inf", node=node, narrowed="found", settings=(), repro=None)

@@ -86,7 +86,8 @@ def narrow(step, args, kwargs, *, restore, finite, max_bytes=128 * 2**20) -> tup
     capture = Capture(max_bytes=max_bytes)
     own = run_with(capture, step, args, kwargs, restore=restore, finite=finite)
     graphs = tuple(capture.graphs)
-    failing = backend_spec(graphs[0].backend) if graphs and own != "finite" else None
+    first = next(iter(graphs), None)
+    failing = backend_spec(first.backend) if first is not None and own != "finite" else None
     return tuple(outcomes), own, failing, graphs if own != "finite" else ()
 
 

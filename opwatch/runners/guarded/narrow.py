@@ -39,7 +39,7 @@ SETTINGS = ("emulate_precision_casts", "fallback_random")
 # Node metadata kept on a copied graph: where a node came from (the rest, fake tensors of
 # Dynamo's trace, belongs to the trace and would confuse a later compile).
 _KEPT_META = (NODE_STACK_TRACE, "nn_module_stack", "source_fn_stack")
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+_FRAME = re.compile(r'\s*File "(.+)", line ([0-9]+)')  # a frame's head line; its code is the next line
 
 
 class Captured(NamedTuple):
@@ -123,7 +123,8 @@ def copy_graph(gm, output=None):
     env: dict = {}
     for node in gm.graph.nodes:
         if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda arg: env[arg]))
+            (returned,) = node.args
+            graph.output(fx.map_arg(returned, lambda arg: env[arg]))
             break
         copied = env[node] = graph.node_copy(node, lambda arg: env[arg])
         copied.meta = {key: node.meta[key] for key in _KEPT_META if key in node.meta}
@@ -238,7 +239,7 @@ class NodeFact(NamedTuple):
     (``file:line`` of the user's line that made it, from the node's stack trace, or ``None``)
     and ``code`` (that line's text), its ``eager`` and ``compiled`` :class:`Value`, ``why``
     (``"nan/inf"`` or ``"tolerance"``), ``difference`` (the largest absolute difference where
-    both are finite, or ``None``) and ``tolerance`` (``(rtol, atol)`` of its dtype)."""
+    both are finite, or ``None``), ``rtol`` and ``atol`` (its dtype's tolerance)."""
 
     graph: int
     graphs: int
@@ -250,7 +251,8 @@ class NodeFact(NamedTuple):
     compiled: Value
     why: str
     difference: float | None
-    tolerance: tuple
+    rtol: float
+    atol: float
 
 
 class Narrowed(NamedTuple):
@@ -272,7 +274,8 @@ def first_wrong_node(graphs) -> Narrowed:
         return Narrowed(None, "no_graph", None)
     usable = [captured for captured in graphs if captured.inputs is not None]
     if not usable:
-        return Narrowed(None, "too_large", graphs[0])
+        first, *_ = graphs
+        return Narrowed(None, "too_large", first)
     for position, captured in enumerate(graphs, 1):
         if captured.inputs is None:
             continue
@@ -282,7 +285,8 @@ def first_wrong_node(graphs) -> Narrowed:
             return Narrowed(None, f"raised {type(error).__name__}", captured)
         if node is not None:
             return Narrowed(node, "found", captured)
-    return Narrowed(None, "outputs_agree", usable[0])
+    first, *_ = usable
+    return Narrowed(None, "outputs_agree", first)
 
 
 def _narrow_graph(captured, position, count) -> NodeFact | None:
@@ -292,7 +296,8 @@ def _narrow_graph(captured, position, count) -> NodeFact | None:
     nodes = [node for node in captured.graph.graph.nodes if node.op.startswith("call") and _floating(eager.get(node.name))]
     order = {node.name: index for index, node in enumerate(nodes)}
     (output,) = [node for node in captured.graph.graph.nodes if node.op == "output"]
-    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    (returned,) = output.args
+    returned = returned if isinstance(returned, (tuple, list)) else [returned]
     outputs = _compiled(captured)
     known: dict = {}  # node index -> ((why, difference) or None, compiled value)
     for node, value in zip(returned, outputs):
@@ -307,12 +312,13 @@ def _narrow_graph(captured, position, count) -> NodeFact | None:
         if index not in known:
             name = nodes[index].name
             try:
-                value = _compiled(captured, name)[0]
+                value, *_ = _compiled(captured, name)
             except Exception:  # a backend that cannot compile this prefix: no verdict on it
                 known[index] = (None, None)
             else:
                 known[index] = (wrong(eager[name], value, random=name in random), value)
-        return known[index][0] is not None
+        found, _ = known[index]
+        return found is not None
 
     low, high = -1, min(known)  # the first wrong output: wrong in the whole graph
     while high - low > 1:
@@ -324,9 +330,9 @@ def _narrow_graph(captured, position, count) -> NodeFact | None:
     node = nodes[high]
     (why, difference), value = known[high]
     where, code = source_line(node)
-    rtol_atol = DEFAULT_TOLERANCES.get(str(eager[node.name].dtype).removeprefix("torch."), (0.0, 0.0))
+    rtol, atol = DEFAULT_TOLERANCES.get(str(eager[node.name].dtype).removeprefix("torch."), (0.0, 0.0))
     return NodeFact(position, count, node.name, target_name(node), where, code, value_of(eager[node.name]), value_of(value), why,
-                    difference, rtol_atol)
+                    difference, rtol, atol)
 
 
 def _same(a, b) -> bool:
@@ -338,11 +344,14 @@ def _same(a, b) -> bool:
 def source_line(node) -> tuple:
     """``(file:line, the line's text)`` of the innermost frame of the node's stack trace (the
     user's line that made it), or ``(None, None)``."""
-    found = list(_FRAME.finditer(node.meta.get(NODE_STACK_TRACE) or ""))
-    if not found:
+    lines = (node.meta.get(NODE_STACK_TRACE) or "").splitlines()
+    heads = [(position, match) for position, line in enumerate(lines) if (match := _FRAME.match(line))]
+    if not heads:
         return None, None
-    last = found[-1]
-    return f"{display_path(last['file'])}:{last['line']}", last["code"].strip() or None
+    *_, (position, match) = heads
+    filename, line = match.groups()
+    code = lines[position + 1].strip() if position + 1 < len(lines) and not _FRAME.match(lines[position + 1]) else ""
+    return f"{display_path(filename)}:{line}", code or None
 
 
 def target_name(node) -> str:
