@@ -98,10 +98,16 @@ def explain(found: CompiledVerdict, step, args, kwargs, *, restore, finite, max_
     found = found._replace(stages=stages, own=own, backend=failing)
     if failing is None:
         return found
-    narrowed = first_wrong_node(graphs) if graphs else Narrowed(None, "no_graph", None)
+    try:  # opwatch's own work: a failure here leaves the verdict without it, never the step's error
+        narrowed = first_wrong_node(graphs) if graphs else Narrowed(None, "no_graph", None)
+    except Exception as error:
+        narrowed = Narrowed(None, f"raised {type(error).__name__}", None)
     found = found._replace(node=narrowed.node, narrowed=narrowed.reason)
     if own not in (None, "finite") and graphs and any(is_inductor(captured.backend) for captured in graphs):
-        found = found._replace(settings=settings_runs(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes))
+        try:
+            found = found._replace(settings=settings_runs(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes))
+        except Exception as error:
+            found = found._replace(settings=(("settings", f"raised {type(error).__name__}"),))
     captured = narrowed.captured
     if repro and captured is not None and captured.inputs is not None:
         try:
