@@ -135,7 +135,8 @@ def copy_graph(gm, output=None):
 
 
 class _Recording(fx.Interpreter):
-    """Runs a graph eagerly, node by node, keeping every node's output by the node's name."""
+    """Runs a graph eagerly, node by node, keeping a copy of every node's tensor output by the
+    node's name (a copy: a later in-place node must not change what was kept)."""
 
     def __init__(self, gm):
         super().__init__(gm)
@@ -143,7 +144,7 @@ class _Recording(fx.Interpreter):
 
     def run_node(self, node):
         value = super().run_node(node)
-        self.values[node.name] = value
+        self.values[node.name] = value.clone() if isinstance(value, torch.Tensor) else value
         return value
 
 
