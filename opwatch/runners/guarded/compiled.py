@@ -39,8 +39,8 @@ class CompiledVerdict(NamedTuple):
     a registered backend's name such as ``"inductor"``, or a custom backend's
     ``module:qualname``), ``own`` (the outcome of the run with the frames' own backends, when
     every stage was finite), ``node`` (the first graph node the failing backend gets wrong, a
-    :class:`~opwatch.runners.guarded.narrow.NodeFact`, or ``None``), ``narrowed`` (why no node:
-    :class:`~opwatch.runners.guarded.narrow.Narrowed`'s ``reason``), ``settings``
+    :class:`~opwatch.runners.guarded.narrow.NodeFact`, or ``None``), ``narrowed`` (``"found"``,
+    or why no node: ``"outputs_agree"``, ``"no_graph"``, ``"too_large"``, ``"raised <Type>"``), ``settings``
     (``(setting, outcome)`` per inductor setting run, when the failing backend is inductor) and
     ``repro`` (the one-file repro's path, or ``None``)."""
 
