@@ -42,12 +42,9 @@ def naive_softmax(x, dim=-1):
 
 class Softmaxless:
     """A torch.compile backend that runs Dynamo's graph with each softmax computed without
-    subtracting the maximum; counts its compiles."""
-
-    compiles = 0
+    subtracting the maximum."""
 
     def __call__(self, gm, example_inputs):
-        type(self).compiles += 1
         for node in gm.graph.nodes:
             if node.target == "softmax" and node.op == "call_method" or node.target is torch.softmax:
                 dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
@@ -115,7 +112,6 @@ def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_tha
     model = Block()
     compiled = torch.compile(model, backend=Softmaxless())
     batches = attention_batches(4, outlier_at=3)
-    guarded = None
     with pytest.raises(RuntimeError) as raised:
         guarded = train(model, compiled, batches, repro_dir=tmp_path)
     text = str(raised.value)
@@ -130,8 +126,7 @@ def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_tha
     assert "Inductor's settings" not in text  # the failing backend is no inductor
     repro = text.split("One-file repro (the graph on its saved inputs, eager and compiled): python ")[1].split()[0]
     assert os.path.dirname(os.path.dirname(repro)) == str(tmp_path)
-    # the healthy steps before it ran the compiled code as they were, and made no repro
-    assert Softmaxless.compiles >= 2
+    assert len(os.listdir(tmp_path)) == 1  # one repro: the graph's (the healthy steps made none)
 
     # the repro, alone in a fresh process: the backend by its import path, eager finite, compiled nan
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
@@ -160,7 +155,7 @@ def test_the_verdict_holds_the_node_the_step_is_put_back_and_the_compiled_code_r
         loss.backward()
         return loss
 
-    guarded = opwatch.guard(step, model, repro=False)
+    guarded = opwatch.guard(step, model, repro=False, repro_dir=tmp_path)
     healthy, outlier = attention_batches(2, outlier_at=1)
     guarded(healthy)  # the audit, eager
     optimizer.step()
@@ -200,6 +195,19 @@ def test_a_wrong_node_before_the_one_that_makes_the_nan_is_blamed_under_the_dtyp
     assert f"test_compiled_narrowing.py:{line}: scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # {'SCALE'}; " in text
     assert "its output differs from eager by up to " in text and "outside the tolerance of its dtype (rtol 1.3e-06, atol 1e-05)" in text
     assert "(eager: finite, max |x| " in text and "compiled: finite, max |x| " in text
+
+
+def test_inputs_over_repro_max_bytes_are_not_kept_and_no_node_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = Block()
+    compiled = torch.compile(model, backend=Softmaxless())
+    with pytest.raises(RuntimeError) as raised:
+        train(model, compiled, attention_batches(2, outlier_at=1), repro_dir=tmp_path, repro_max_bytes=1024)
+    text = str(raised.value)
+    assert "the step's own backend (test_compiled_narrowing:Softmaxless) is the first stage that makes it" in text
+    assert "The graphs' inputs were over repro_max_bytes, so none was kept and no node was narrowed." in text, text
+    assert "The first node" not in text and "One-file repro" not in text
+    assert not glob.glob(os.path.join(str(tmp_path), "opwatch-compiled-repro-*"))
 
 
 def test_real_inductor_on_a_healthy_step_narrows_nothing_and_names_no_node():
