@@ -280,6 +280,25 @@ def only_compiled(call, name, failure, buffers, verdict) -> str:
     )
 
 
+def replayed_verdict(verdict) -> str:
+    """A leave-on replay's verdict on a failing step that runs compiled code (a trainer's guard
+    mode replays the batch eagerly under a full watch): eager fails too, or only the compiled step."""
+    if verdict.eager_fails:
+        return compiled_verdict(verdict)
+    return (
+        f"compiled: the step runs compiled code ({_compiled_names(verdict)}); its replay ran it eagerly from the same start under a "
+        "full watch and found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf (a miscompile, "
+        "or a fused kernel's precision)." + _stages(verdict) + _narrowed(verdict) + _settings(verdict) + _graph_repro(verdict)
+    )
+
+
+def leave_on_only_compiled(step: int, shown: str, verdict) -> str:
+    """``on_failure="raise"`` in a trainer's guard mode: the replayed step's eager run is finite."""
+    return f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {shown}. The optimizer did not run on them.\n" + (
+        replayed_verdict(verdict)
+    )
+
+
 def _value(value) -> str:
     """``finite, max |x| 3.2`` or ``nan in 16 of 128 values, max finite |x| 3.2``."""
     largest = "" if value.max_abs is None else f", max {'finite ' if value.nonfinite else ''}|x| {value.max_abs:.4g}"

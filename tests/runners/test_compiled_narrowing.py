@@ -113,7 +113,7 @@ def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_tha
     compiled = torch.compile(model, backend=Softmaxless())
     batches = attention_batches(4, outlier_at=3)
     with pytest.raises(RuntimeError) as raised:
-        guarded = train(model, compiled, batches, repro_dir=tmp_path)
+        train(model, compiled, batches, repro_dir=tmp_path)
     text = str(raised.value)
     line = line_of("# SOFTMAX", __file__)
     assert "only the compiled step makes nan/inf" in text, text
@@ -386,3 +386,61 @@ def test_a_stage_that_fails_first_is_the_one_narrowed():
     text = words.only_compiled(3, "step", _failure(), 0, _verdict(stages=stages, own=None, backend="aot_eager"))
     assert "aot_eager is the first stage that makes it" in text
     assert "whose output aot_eager gets wrong: Tensor.softmax" in text
+
+
+# -- leave-on: a trainer's guard mode replays the batch, and gives the same verdict ------------
+
+
+def _lightning_fit(tmp_path, batches, on_failure):
+    lightning = pytest.importorskip("lightning")
+    import io
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opwatch.runners.lightning import OpwatchCallback
+
+    class Attention(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = Block()
+            self.net = torch.compile(self.block, backend=Softmaxless())
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return ((self.net(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = lightning.Trainer(
+        max_steps=len(batches), accelerator="cpu", logger=False, default_root_dir=tmp_path,
+        callbacks=[OpwatchCallback(mode="guard", on_failure=on_failure, warn=False, file=io.StringIO())],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Attention()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(TensorDataset(torch.cat(batches)), batch_size=len(batches[0])))
+    return [str(warning.message) for warning in caught if "optimizer step" in str(warning.message)]
+
+
+def test_lightning_guard_mode_gives_the_compiled_verdict_of_a_replayed_batch(tmp_path):
+    from opwatch.runners.leave_on import GradientsNotFinite
+
+    with pytest.raises(GradientsNotFinite) as raised:
+        _lightning_fit(tmp_path, attention_batches(3, outlier_at=2), "raise")
+    text = str(raised.value)
+    assert text.startswith("opwatch: optimizer step 3: the gradients about to be applied hold nan/inf: "), text
+    assert "its replay ran it eagerly from the same start under a full watch and found no nan/inf: eager is finite on the same inputs" in text
+    assert "the step's own backend (test_compiled_narrowing:Softmaxless) is the first stage that makes it" in text
+    assert "Tensor.softmax (node attn, graph 1 of 1) at " in text and f"test_compiled_narrowing.py:{line_of('# SOFTMAX', __file__)}: " in text
+    assert "no op of this fully watched step made them" not in text
+
+
+def test_lightning_guard_mode_skipping_warns_the_verdict_and_healthy_batches_warn_nothing(tmp_path):
+    (warned,) = _lightning_fit(tmp_path, attention_batches(3, outlier_at=1), "skip")
+    assert "optimizer step 2" in warned and "only the compiled step makes nan/inf" in warned, warned
+    assert "Tensor.softmax (node attn, graph 1 of 1) at " in warned
+    assert _lightning_fit(tmp_path, attention_batches(3), "skip") == []
