@@ -93,7 +93,16 @@ def narrow(step, args, kwargs, *, restore, finite, max_bytes=128 * 2**20) -> tup
 
 def explain(found: CompiledVerdict, step, args, kwargs, *, restore, finite, max_bytes, repro_dir, repro=True) -> CompiledVerdict:
     """The stages (:func:`narrow`), then the first wrong node of the failing run's graphs, the
-    inductor settings (when the failing backend is inductor) and the one-file repro."""
+    inductor settings (when the failing backend is inductor) and the one-file repro. opwatch's
+    own failure here (never the step's: :func:`~.narrow.run_with` keeps those as outcomes)
+    leaves the verdict as far as it got, with ``narrowed`` saying what raised."""
+    try:
+        return _explain(found, step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes, repro_dir=repro_dir, repro=repro)
+    except Exception as error:
+        return found._replace(narrowed=f"raised {type(error).__name__}")
+
+
+def _explain(found, step, args, kwargs, *, restore, finite, max_bytes, repro_dir, repro):
     stages, own, failing, graphs = narrow(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes)
     found = found._replace(stages=stages, own=own, backend=failing)
     if failing is None:
