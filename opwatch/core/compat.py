@@ -44,6 +44,12 @@ __all__ = [
     "hooks_dict_of",
     "dtensor_class",
     "dtensor_parts",
+    "frame_backends",
+    "registered_backend",
+    "backend_identity",
+    "is_inductor",
+    "inductor_settings",
+    "NODE_STACK_TRACE",
 ]
 
 # The thread's autograd sequence counter: a forward op that creates an autograd node bumps it,
@@ -340,3 +346,89 @@ def dtensor_parts(tensor) -> tuple:
     if local is None or spec is None:
         return tensor.to_local(), tensor.placements, tensor.device_mesh
     return local, spec.placements, spec.mesh
+
+
+# -- narrowing a compiled-only nan/inf (opwatch.runners.guarded.narrow) -----------------------
+
+
+def _innermost_backend(backend):
+    """A backend without Dynamo's wrappers (``_torchdynamo_orig_backend`` chain, torch 2.x)."""
+    for _ in range(8):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    return backend
+
+
+def frame_backends() -> list:
+    """Called from inside a backend while Dynamo compiles a frame: the backends of that frame's
+    code's cache entries, most recently used first (``InstructionTranslator.current_tx()`` and
+    ``_debug_get_cache_entry_list``, torch 2.6-2.13; ``CacheEntry.backend`` since 2.4): one of
+    them is the backend the frame was compiled with by ``torch.compile``. ``[]`` where torch
+    has none of this."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        return [_innermost_backend(entry.backend) for entry in _debug_get_cache_entry_list(code)]
+    except Exception:
+        return []
+
+
+def registered_backend(name: str):
+    """Dynamo's registered backend ``name`` (``torch._dynamo.lookup_backend``, torch 2.0+) as a
+    callable ``(gm, example_inputs) -> compiled``."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(name)
+
+
+def backend_identity(backend) -> tuple:
+    """``(name, fn)`` of a backend as Dynamo keeps it: ``torch.compile``'s wrappers
+    (``_TorchCompileInductorWrapper``: ``("inductor", None)``; ``_TorchCompileWrapper``: its
+    ``compiler_name`` and ``compiler_fn``, torch 2.0-2.13); else ``(None, backend)``. A name is
+    given only where it is a registered backend's (``torch.compiler.list_backends``)."""
+    backend = _innermost_backend(backend)
+    kind = type(backend).__name__
+    if kind == "_TorchCompileInductorWrapper":
+        return "inductor", None
+    if kind == "_TorchCompileWrapper":
+        name = getattr(backend, "compiler_name", None)
+        try:
+            registered = set(torch.compiler.list_backends(exclude_tags=()))
+        except Exception:
+            registered = set()
+        return (name if name in registered else None), getattr(backend, "compiler_fn", backend)
+    return None, backend
+
+
+def is_inductor(backend) -> bool:
+    """Whether ``backend`` is inductor: ``torch.compile``'s default (its wrapper), or the
+    registered ``"inductor"`` backend itself."""
+    name, fn = backend_identity(backend)
+    if name == "inductor":
+        return True
+    try:
+        return fn is registered_backend("inductor")
+    except Exception:
+        return False
+
+
+def inductor_settings(**settings):
+    """A context manager that sets inductor's config (``torch._inductor.config.patch``, torch
+    2.0+) for its block, e.g. ``emulate_precision_casts=True``; ``None`` where a setting is
+    missing in this torch."""
+    try:
+        from torch._inductor import config
+    except Exception:
+        return None
+    if not all(hasattr(config, name) for name in settings):
+        return None
+    return config.patch(**settings)
+
+
+# The stack trace Dynamo records on each FX node: the user's frames, innermost last, as
+# ``traceback`` formats them (torch 2.0+; empty where Dynamo kept none).
+NODE_STACK_TRACE = "stack_trace"

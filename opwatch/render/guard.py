@@ -248,7 +248,13 @@ def _stages(verdict) -> str:
     if not verdict.stages:
         return ""
     *_, (backend, outcome) = verdict.stages  # the last stage run
-    if outcome == "finite":
+    own = getattr(verdict, "own", None)
+    if outcome == "finite" and own is not None and own != "finite":
+        named = verdict.backend or "inductor, or the one given to torch.compile"
+        first = f"the step's own backend ({named}) is the first stage that makes it (run again with it: {own})"
+    elif outcome == "finite" and own == "finite":
+        first = "every stage and the step's own backend, run again from the same start, gave a finite step: the failure did not reproduce"
+    elif outcome == "finite":
         first = "the step's own backend (inductor, or the one given to torch.compile) is the first stage that makes it"
     elif outcome == "not run":
         first = "torch.compiler.set_stance(force_backend=...) is missing in this torch, so the stages were not run"
@@ -270,8 +276,114 @@ def only_compiled(call, name, failure, buffers, verdict) -> str:
         f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}) running compiled code "
         f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)} restored) under "
         f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
-        f"(a miscompile, or a fused kernel's precision)." + _stages(verdict)
+        f"(a miscompile, or a fused kernel's precision)." + _stages(verdict) + _narrowed(verdict) + _settings(verdict) + _graph_repro(verdict)
     )
+
+
+def replayed_verdict(verdict) -> str:
+    """A leave-on replay's verdict on a failing step that runs compiled code (a trainer's guard
+    mode replays the batch eagerly under a full watch): eager fails too, or only the compiled step."""
+    if verdict.eager_fails:
+        return compiled_verdict(verdict)
+    return (
+        f"compiled: the step runs compiled code ({_compiled_names(verdict)}); its replay ran it eagerly from the same start under a "
+        "full watch and found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf (a miscompile, "
+        "or a fused kernel's precision)." + _stages(verdict) + _narrowed(verdict) + _settings(verdict) + _graph_repro(verdict)
+    )
+
+
+def leave_on_only_compiled(step: int, shown: str, verdict) -> str:
+    """``on_failure="raise"`` in a trainer's guard mode: the replayed step's eager run is finite."""
+    return f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {shown}. The optimizer did not run on them.\n" + (
+        replayed_verdict(verdict)
+    )
+
+
+def _value(value) -> str:
+    """``finite, max |x| 3.2`` or ``nan in 16 of 128 values, max finite |x| 3.2``."""
+    largest = "" if value.max_abs is None else f", max {'finite ' if value.nonfinite else ''}|x| {value.max_abs:.4g}"
+    if value.kind == "finite":
+        return "finite" + largest
+    return f"{value.kind} in {value.nonfinite} of {value.numel} values" + largest
+
+
+def node_text(node) -> str:
+    """``torch.sqrt (node sqrt, graph 1 of 1) at model.py:31: return torch.sqrt(h)``."""
+    at = f" at {node.where}" + (f": {node.code}" if node.code else "") if node.where else " (no source line: the node has no stack trace)"
+    return f"{node.op} (node {node.name}, graph {node.graph} of {node.graphs}){at}"
+
+
+_NOT_NARROWED = {
+    "outputs_agree": (
+        " Each captured forward graph's outputs agree with eager on its inputs: the difference is in the backward "
+        "graph (AOTAutograd's, compiled by the backend) or in a later call of the graph in the step, which opwatch does not narrow."
+    ),
+    "no_graph": " No graph was captured in the failing run, so no node was narrowed.",
+    "too_large": " The graphs' inputs were over repro_max_bytes, so none was kept and no node was narrowed.",
+}
+
+
+def _narrowed(verdict) -> str:
+    """Where the failing backend first goes wrong: the graph node and its source line."""
+    node = getattr(verdict, "node", None)
+    if node is None:
+        reason = getattr(verdict, "narrowed", None)
+        if reason is None:
+            return ""
+        return _NOT_NARROWED.get(reason, f" Narrowing it to a graph node failed ({reason}).")
+    how = "is not finite where eager is" if node.why == "nan/inf" else (
+        f"differs from eager by up to {node.difference:.4g}, outside the tolerance of its dtype (rtol {node.rtol:g}, "
+        f"atol {node.atol:g})"
+    )
+    return (
+        f" The first node of the forward graph whose output {verdict.backend} gets wrong: {node_text(node)}; its output {how} "
+        f"(eager: {_value(node.eager)}; compiled: {_value(node.compiled)})."
+    )
+
+
+_SETTING_MEANS = {
+    "emulate_precision_casts": "a fused kernel's precision (inductor keeps intermediates in higher precision than eager's casts)",
+    "fallback_random": "random numbers that differ from eager's",
+}
+
+
+def _settings(verdict) -> str:
+    """What inductor's settings closer to eager did, each run once from the step's start."""
+    settings = getattr(verdict, "settings", ())
+    if not settings:
+        return ""
+    ran = "; ".join(f"{name}=True: {outcome}" for name, outcome in settings)
+    fixed = [name for name, outcome in settings if outcome == "finite"]
+    if fixed:
+        said = " and ".join(f"{name} makes the step finite: {_SETTING_MEANS.get(name, name)}" for name in fixed)
+    elif all(outcome == "not run" for _, outcome in settings):
+        said = "this torch's inductor has neither setting"
+    else:
+        said = "neither makes the step finite: it is not the precision of casts nor the random numbers"
+    return f" Inductor's settings, each for one run from the same start ({ran}): {said}."
+
+
+def _graph_repro(verdict) -> str:
+    repro = getattr(verdict, "repro", None)
+    if repro is None:
+        return ""
+    return f" One-file repro (the graph on its saved inputs, eager and compiled): python {display_path(repro)}"
+
+
+def graph_repro_about(node, backend: str, graphs: int, missing) -> list:
+    """The docstring lines of a compiled graph's repro."""
+    about = [f"backend:  {backend} (the failing one; the graph is Dynamo's, before the backend)"]
+    if backend.startswith("__main__:"):
+        about.append("          it is defined in the training script: set TORCH_COMPILE_BACKEND=module:function to name it")
+    if node is not None:
+        about.append(f"node:     {node_text(node)}")
+        about.append(f"values:   eager {_value(node.eager)}; compiled {_value(node.compiled)}")
+    else:
+        about.append(f"graph:    1 of {graphs} captured; no single node was found wrong")
+    if missing:
+        about.append(f"missing:  {', '.join(missing)}: defined in the training script or nowhere importable; define them above Repro")
+    about.append("inputs:   inputs.pt (the graph's example inputs in the failing step, and the RNG state)")
+    return about
 
 
 # -- distributed jobs: every rank decides each step together ---------------------------------

@@ -39,6 +39,7 @@ from ..core.finite import FusedFiniteCheck, nonfinite_kind
 from ..core.sites import warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
+from ..render import guard as guard_words
 from ..render import leave_on as words
 from ..session import Watch, strict, watch
 
@@ -120,6 +121,7 @@ class LeaveOn:
         # Set by a trainer that can run the failing batch again from its start under a full
         # watch: called at a failed step, returns (whether it ran, the origin anomaly or None).
         self.replay = None
+        self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
         self._replayed_at: int | None = None
         # audit="first" (the CLI): whether a module ran forward after the last optimizer step
         # outside a full watch, seen by a one-shot hook armed after each step (one call a step).
@@ -269,9 +271,11 @@ class LeaveOn:
         origin = self._origin() if self._auditing else None
         watched = self._auditing
         if not watched and self.replay is not None and self._told():
+            self.compiled_verdict = None
             watched, origin = self.replay()  # the batch again, from its start, under a full watch
             if watched:
                 self._replayed_at = self.steps
+        verdict, self.compiled_verdict = self.compiled_verdict, None
         if origin is not None:
             self.origins.append(origin)
         if self.on_failure == "raise" and watched:
@@ -279,12 +283,18 @@ class LeaveOn:
             self._stop_rechecking()
             self.skipped += 1
             if origin is not None:
-                raise AnomalyError(origin)
+                error = AnomalyError(origin)
+                if verdict is not None:
+                    error.add_note(guard_words.replayed_verdict(verdict))
+                raise error
+            if verdict is not None:
+                raise GradientsNotFinite(guard_words.leave_on_only_compiled(self.steps, words.parameters(bad), verdict), step=self.steps, parameters=bad)
             raise GradientsNotFinite(words.no_origin(self.steps, bad, recheck), step=self.steps, parameters=bad)
         if recheck is None and self._told():
             last = len(self.failures) == _TOLD_FAILURES
-            _warn(words.failure(self.steps, bad, self.on_failure, audited=watched and self._auditing, replayed=watched and not self._auditing,
-                                origin=_facts(origin), last=last))
+            text = words.failure(self.steps, bad, self.on_failure, audited=watched and self._auditing, replayed=watched and not self._auditing,
+                                 origin=_facts(origin), last=last)
+            _warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
         return self._skips()
 
     def _skips(self) -> bool:

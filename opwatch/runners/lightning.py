@@ -208,7 +208,43 @@ class _Hooks(WatchedSteps):
             "max_records": self._replay_options.get("max_records", 10_000)})
         if replay.error is not None:
             return False, None
-        return True, replays.explaining(replay.watch.anomalies, None, None, None)
+        origin = replays.explaining(replay.watch.anomalies, None, None, None)
+        self.runner.compiled_verdict = self._compiled_verdict(replay, origin, training_step, start, pl_module)
+        return True, origin
+
+    def _compiled_verdict(self, replay, origin, training_step, start, pl_module):
+        """For a replayed batch that runs compiled code: eager fails too, or only the compiled
+        step (then the compiler's stages, the first wrong graph node, inductor's settings and a
+        graph repro, each run from the batch's start: ``guarded.compiled.explain``). The module
+        is left as the replay left it (buffers, ``.grad``, the CPU RNG state)."""
+        import torch
+
+        from .guarded import compiled as compiled_steps
+        from .guarded.snapshot import put_buffers
+
+        verdict = compiled_steps.verdict(replay.watch, origin)
+        if verdict is None or verdict.eager_fails:
+            return verdict
+        parameters = list(pl_module.parameters())
+        grads, buffers, rng = [parameter.grad for parameter in parameters], self._snapshots.buffers_now(), torch.get_rng_state()
+
+        def restore():
+            self._snapshots.restore(start)
+            for parameter in parameters:
+                parameter.grad = None
+
+        def finite(loss):
+            tensors = [loss.detach(), *(parameter.grad for parameter in parameters if parameter.grad is not None)]
+            return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
+
+        try:
+            return compiled_steps.explain(verdict, training_step, (), {}, restore=restore, finite=finite, max_bytes=128 * 2**20, repro_dir=None)
+        finally:
+            for parameter, grad in zip(parameters, grads):
+                parameter.grad = grad
+            if buffers is not None:
+                put_buffers(*buffers)
+            torch.set_rng_state(rng)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:

@@ -245,6 +245,7 @@ def prose_outside_render() -> dict[str, list]:
 PROSE_ALLOWED = {
     # The one-op repro script opwatch writes is Python source, not a message.
     "opwatch.runners.guarded.repro": "writes a Python script",
+    "opwatch.runners.guarded.graph_repro": "writes a Python script (a compiled graph's repro)",
 }
 
 

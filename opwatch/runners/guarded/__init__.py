@@ -166,7 +166,8 @@ def guard(
         origin): that is said once, with the call whose gradients were applied.
         ``guard(step, model, on_failure="skip")``.
     repro
-        Write a one-op repro of the origin. ``guard(step, model, repro=False)``.
+        Write a one-op repro of the origin (and, for a step only the compiled run fails, a
+        one-file repro of the failing graph on its saved inputs). ``guard(step, model, repro=False)``.
     repro_dir
         Where repro folders go (a new folder each); the system's temporary folder when
         ``None``. ``guard(step, model, repro_dir="repros")``.
@@ -207,7 +208,9 @@ class Guarded:
         last_audit: the :class:`~opwatch.Watch` of the latest audit, or ``None``.
         last_verdict: for the latest replayed failure of a step that runs ``torch.compile``d
             code, a :class:`~opwatch.runners.guarded.compiled.CompiledVerdict` (eager fails
-            too, or only the compiled step; the compiler stages run), else ``None``.
+            too, or only the compiled step: the compiler stages run, the first graph node the
+            failing backend gets wrong and its line, inductor's settings, the graph's repro),
+            else ``None``.
     """
 
     def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
@@ -503,18 +506,19 @@ class Guarded:
 
     def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
         """For a step that made nan/inf and runs compiled code: eager fails too, or only the
-        compiled step (then the compiler's stages in turn, each from the step's start)."""
+        compiled step (then the compiler's stages in turn, each from the step's start, the
+        first wrong graph node, inductor's settings and a one-file repro: ``compiled.explain``)."""
         if error is not None or replay.error is not None:
             return None
         verdict = compiled_steps.verdict(replay.watch, anomaly)
         if verdict is None or verdict.eager_fails:
             return verdict
         snapshots = self._snapshots
-        stages = compiled_steps.narrow(
-            self._step, args, kwargs, restore=lambda: snapshots.restore(start),
+        return compiled_steps.explain(
+            verdict, self._step, args, kwargs, restore=lambda: snapshots.restore(start),
             finite=lambda result: self._finite.all_finite(result, snapshots.params),
+            max_bytes=self._repro_max_bytes, repro_dir=self._repro_dir, repro=self._repro,
         )
-        return verdict._replace(stages=stages)
 
     # -- refusals and notes ----------------------------------------------------------------------
 

@@ -1,0 +1,446 @@
+"""A compiled-only nan/inf narrowed down (issue 28): the first graph node the failing backend
+gets wrong and its source line, inductor's settings closer to eager, a one-file repro of the
+graph on its saved inputs; and no narrowing where the step is healthy or eager fails too.
+
+The honest miscompile here is a backend that computes softmax without subtracting the row's
+maximum (exp(x) / sum(exp(x))), a real class of fused-kernel bug: finite on ordinary logits,
+inf/inf = nan once a logit passes ~88, where eager's softmax stays finite."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import opwatch
+from opwatch.render import guard as words
+from opwatch.runners.guarded.compiled import CompiledVerdict, narrow
+from opwatch.runners.guarded.narrow import Capture, NodeFact, Value, first_wrong_node
+from opwatch.modes.compiled import EagerCompiled
+from support.helpers import line_of
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def naive_softmax(x, dim=-1):
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
+class Softmaxless:
+    """A torch.compile backend that runs Dynamo's graph with each softmax computed without
+    subtracting the maximum."""
+
+    def __call__(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target == "softmax" and node.op == "call_method" or node.target is torch.softmax:
+                dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
+                node.op, node.target, node.args, node.kwargs = "call_function", naive_softmax, (node.args[0],), {"dim": dim}
+        gm.recompile()
+        return gm.forward
+
+
+class ScaleAndSoftmax(Softmaxless):
+    """Softmaxless, and the logits multiplied by the scale instead of divided."""
+
+    def __call__(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "__name__", "") == "truediv":
+                node.target = torch.mul
+        return super().__call__(gm, example_inputs)
+
+
+class Block(nn.Module):
+    """Self-attention and an MLP, pre-norm on the MLP only (the attention sees raw inputs)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # SCALE
+        attn = scores.softmax(dim=-1)  # SOFTMAX
+        x = x + self.proj(attn @ v)
+        x = x + self.mlp(self.norm(x))
+        return self.head(x).mean(1)
+
+
+def attention_batches(count, outlier_at=None):
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 8, 16) for _ in range(count)]
+    if outlier_at is not None:
+        batches[outlier_at] = batches[outlier_at] * 60  # an outlier batch: logits in the thousands
+    return batches
+
+
+def train(model, compiled, batches, **options):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = ((compiled(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, **options)
+    for x in batches:
+        optimizer.zero_grad()
+        guarded(x)
+        optimizer.step()
+    return guarded
+
+
+def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_that_reproduces(tmp_path):
+    torch.manual_seed(0)
+    model = Block()
+    compiled = torch.compile(model, backend=Softmaxless())
+    batches = attention_batches(4, outlier_at=3)
+    with pytest.raises(RuntimeError) as raised:
+        train(model, compiled, batches, repro_dir=tmp_path)
+    text = str(raised.value)
+    line = line_of("# SOFTMAX", __file__)
+    assert "only the compiled step makes nan/inf" in text, text
+    assert "the step's own backend (test_compiled_narrowing:Softmaxless) is the first stage that makes it" in text, text
+    assert ("The first node of the forward graph whose output test_compiled_narrowing:Softmaxless gets wrong: Tensor.softmax "
+            "(node attn, graph 1 of 1) at ") in text, text
+    assert (f"test_compiled_narrowing.py:{line}: attn = scores.softmax(dim=-1)  # {'SOFTMAX'}; "
+            "its output is not finite where eager is (eager: finite, max |x| ") in text, text
+    assert "; compiled: nan in " in text
+    assert "Inductor's settings" not in text  # the failing backend is no inductor
+    repro = text.split("One-file repro (the graph on its saved inputs, eager and compiled): python ")[1].split()[0]
+    assert os.path.dirname(os.path.dirname(repro)) == str(tmp_path)
+    assert len(os.listdir(tmp_path)) == 1  # one repro: the graph's (the healthy steps made none)
+
+    # the repro, alone in a fresh process: the backend by its import path, eager finite, compiled nan
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), HERE])
+    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "eager:    outputs finite; input gradients finite" in result.stdout, result.stdout
+    assert "compiled (test_compiled_narrowing:Softmaxless): outputs nan/inf in 0" in result.stdout, result.stdout
+    assert "reproduced: the compiled graph makes nan/inf where eager does not" in result.stdout
+    # the same graph through Dynamo's eager backend: not reproduced
+    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env={**env, "TORCH_COMPILE_BACKEND": "eager"},
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "not reproduced" in result.stdout
+
+
+def test_the_verdict_holds_the_node_the_step_is_put_back_and_the_compiled_code_runs_again(tmp_path):
+    torch.manual_seed(0)
+    model = Block()
+    backend = Softmaxless()
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = ((compiled(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, repro=False, repro_dir=tmp_path)
+    healthy, outlier = attention_batches(2, outlier_at=1)
+    guarded(healthy)  # the audit, eager
+    optimizer.step()
+    optimizer.zero_grad()
+    weights = model.qkv.weight.detach().clone()
+    with pytest.raises(RuntimeError):
+        guarded(outlier)
+    verdict = guarded.last_verdict
+    assert not verdict.eager_fails and verdict.own == "nan/inf" and verdict.backend == "test_compiled_narrowing:Softmaxless"
+    node = verdict.node
+    assert (node.op, node.name, node.why, node.graph, node.graphs) == ("Tensor.softmax", "attn", "nan/inf", 1, 1)
+    assert node.where.endswith(f"test_compiled_narrowing.py:{line_of('# SOFTMAX', __file__)}")
+    assert node.eager.kind == "finite" and node.compiled.kind == "nan" and node.compiled.nonfinite > 0
+    assert verdict.narrowed == "found" and verdict.settings == () and verdict.repro is None
+    assert all(parameter.grad is None for parameter in model.parameters()) and torch.equal(model.qkv.weight, weights)
+    assert not list(glob.glob(os.path.join(str(tmp_path), "*")))
+    # the program's own compiled code is still the one that runs
+    out = compiled(healthy)
+    assert torch.isfinite(out).all() and not torch.isfinite(compiled(outlier)).all()
+
+
+def test_a_wrong_node_before_the_one_that_makes_the_nan_is_blamed_under_the_dtype_tolerance(tmp_path):
+    """The bisection walks back to the first wrong node: here the backend also multiplies the
+    logits by the scale instead of dividing (16x too large, finite), and the naive softmax
+    then overflows. The first wrong node is the scaling, outside float32's tolerance."""
+
+    torch.manual_seed(0)
+    model = Block()
+    compiled = torch.compile(model, backend=ScaleAndSoftmax())
+    batches = attention_batches(2)
+    batches[1] = batches[1] * 3  # logits of a few tens: finite for the naive softmax, not once 16x larger
+    with pytest.raises(RuntimeError) as raised:
+        train(model, compiled, batches, repro=False)
+    text = str(raised.value)
+    line = line_of("# SCALE", __file__)
+    assert "gets wrong: operator.truediv (node scores, graph 1 of 1) at " in text, text
+    assert f"test_compiled_narrowing.py:{line}: scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # {'SCALE'}; " in text
+    assert "its output differs from eager by up to " in text and "outside the tolerance of its dtype (rtol 1.3e-06, atol 1e-05)" in text
+    assert "(eager: finite, max |x| " in text and "compiled: finite, max |x| " in text
+
+
+def test_inputs_over_repro_max_bytes_are_not_kept_and_no_node_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = Block()
+    compiled = torch.compile(model, backend=Softmaxless())
+    with pytest.raises(RuntimeError) as raised:
+        train(model, compiled, attention_batches(2, outlier_at=1), repro_dir=tmp_path, repro_max_bytes=1024)
+    text = str(raised.value)
+    assert "the step's own backend (test_compiled_narrowing:Softmaxless) is the first stage that makes it" in text
+    assert "The graphs' inputs were over repro_max_bytes, so none was kept and no node was narrowed." in text, text
+    assert "The first node" not in text and "One-file repro" not in text
+    assert not glob.glob(os.path.join(str(tmp_path), "opwatch-compiled-repro-*"))
+
+
+def test_real_inductor_on_a_healthy_step_narrows_nothing_and_names_no_node():
+    """Real inductor on CPU, every graph node compared with eager under the dtype's tolerance:
+    no node of a healthy attention step is found wrong (no false narrowing)."""
+    torch.manual_seed(0)
+    model = Block()
+    compiled = torch.compile(model)
+    x = attention_batches(1)[0]
+
+    def step():
+        loss = ((compiled(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    from opwatch.core.compat import registered_backend
+
+    capture = Capture(registered_backend("inductor"), max_bytes=2**26)
+    with torch.compiler.set_stance("default", force_backend=capture):
+        loss = step()
+    assert torch.isfinite(loss)
+    narrowed = first_wrong_node(capture.graphs)
+    assert narrowed.node is None and narrowed.reason == "outputs_agree", narrowed
+    assert len(capture.graphs) == 1
+
+
+def test_real_inductor_where_eager_fails_too_gets_the_eager_origin_and_no_narrowing(tmp_path):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(6, 8)
+            self.fc2 = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x))) * x[:, :1].sqrt()  # EAGER-NAN
+
+    model = Scaled()
+    compiled = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x):
+        loss = ((compiled(x) - 1) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, repro_dir=tmp_path)
+    torch.manual_seed(0)
+    x = torch.rand(16, 6)
+    guarded(x)
+    optimizer.step()
+    optimizer.zero_grad()
+    bad = x.clone()
+    bad[2, 0] = -1.0
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        guarded(bad)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "eager also fails: aten.sqrt.default at " in notes and f"test_compiled_narrowing.py:{line_of('# EAGER-NAN', __file__)}" in notes
+    verdict = guarded.last_verdict
+    assert verdict.eager_fails and verdict.stages == () and verdict.node is None and verdict.repro is None
+    assert not glob.glob(os.path.join(str(tmp_path), "opwatch-compiled-repro-*"))
+
+
+class Gated(nn.Module):
+    """An MLP whose hidden units are scaled by a random gate, sqrt(u - floor), u uniform: finite
+    while every u is at least the floor (a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.fc2 = nn.Linear(16, 1)
+        self.register_buffer("floor", torch.zeros(()))
+
+    def forward(self, x):
+        gate = torch.sqrt(torch.rand(x.shape[0], 16) - self.floor)  # GATE
+        return self.fc2(torch.relu(self.fc1(x)) * gate)
+
+
+def test_real_inductor_drawing_other_random_numbers_than_eager_is_told_by_fallback_random(tmp_path):
+    """Inductor on CPU draws its own random numbers (not eager's, unless fallback_random): with
+    the floor set to the smallest of eager's draws, eager is finite and inductor's draws go below
+    it for some seeds. fallback_random=True makes the step finite, emulate_precision_casts=True
+    does not."""
+    model = Gated()
+    compiled = torch.compile(model)
+    x = torch.rand(64, 6)
+
+    def step(batch):
+        loss = compiled(batch).pow(2).mean()
+        loss.backward()
+        return loss
+
+    for seed in range(20):  # a seed whose inductor draws go below eager's smallest
+        torch.manual_seed(seed)
+        model.floor.fill_(float(torch.rand(64, 16).min()))
+        torch.manual_seed(seed)
+        finite = bool(torch.isfinite(step(x)))
+        model.zero_grad()
+        if not finite:
+            break
+    else:
+        pytest.fail("inductor drew eager's random numbers for 20 seeds")
+    guarded = opwatch.guard(step, model, audit="never", repro_dir=tmp_path)
+    torch.manual_seed(seed)
+    with pytest.raises(RuntimeError) as raised:
+        guarded(x)
+    text = str(raised.value)
+    verdict = guarded.last_verdict
+    assert verdict.backend == "inductor" and verdict.own == "nan/inf", verdict
+    assert verdict.settings == (("emulate_precision_casts", "nan/inf"), ("fallback_random", "finite")), verdict.settings
+    assert "fallback_random makes the step finite: random numbers that differ from eager's." in text, text
+    assert "the step's own backend (inductor) is the first stage that makes it" in text
+    assert verdict.repro is not None and os.path.exists(verdict.repro)
+    assert verdict.node.op == "torch.sqrt" and verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# GATE', __file__)}")
+    assert verdict.node.eager.kind == "finite" and verdict.node.compiled.kind == "nan"
+
+
+# -- the words, piece by piece -----------------------------------------------------------------
+
+
+def _verdict(**changes):
+    node = NodeFact(1, 2, "attn", "Tensor.softmax", "model.py:12", "attn = scores.softmax(dim=-1)", Value("finite", 0, 256, 0.93),
+                    Value("nan", 64, 256, 0.5), "nan/inf", None, 1.3e-06, 1e-05)
+    base = CompiledVerdict((EagerCompiled("Block", "module", "model.py:5", 1),), False, None,
+                           (("eager", "finite"), ("aot_eager", "finite"), ("aot_eager_decomp_partition", "finite")),
+                           backend="inductor", own="nan/inf", node=node, narrowed="found", settings=(), repro=None)
+    return base._replace(**changes)
+
+
+def _failure():
+    from opwatch.runners.guarded.check import NotFinite
+
+    return NotFinite("not_finite", (("nan", "returned", "tensor"),), ())
+
+
+def test_the_message_names_the_node_its_line_and_both_values():
+    text = words.only_compiled(3, "step", _failure(), 0, _verdict())
+    assert "the step's own backend (inductor) is the first stage that makes it (run again with it: nan/inf)." in text
+    assert ("The first node of the forward graph whose output inductor gets wrong: Tensor.softmax (node attn, graph 1 of 2) at "
+            "model.py:12: attn = scores.softmax(dim=-1); its output is not finite where eager is "
+            "(eager: finite, max |x| 0.93; compiled: nan in 64 of 256 values, max finite |x| 0.5).") in text, text
+
+
+def test_the_message_of_a_node_outside_the_tolerance_gives_the_difference_and_the_tolerance():
+    node = _verdict().node._replace(why="tolerance", compiled=Value("finite", 0, 256, 0.95), difference=0.02)
+    text = words.only_compiled(3, "step", _failure(), 0, _verdict(node=node))
+    assert "its output differs from eager by up to 0.02, outside the tolerance of its dtype (rtol 1.3e-06, atol 1e-05)" in text
+
+
+@pytest.mark.parametrize("reason, said", [
+    ("outputs_agree", "the difference is in the backward graph"),
+    ("no_graph", "No graph was captured"),
+    ("too_large", "over repro_max_bytes"),
+    ("raised KeyError", "Narrowing it to a graph node failed (raised KeyError)."),
+])
+def test_the_message_says_why_no_node_was_named(reason, said):
+    text = words.only_compiled(3, "step", _failure(), 0, _verdict(node=None, narrowed=reason))
+    assert said in text and "The first node" not in text
+
+
+@pytest.mark.parametrize("settings, said", [
+    ((("emulate_precision_casts", "nan/inf"), ("fallback_random", "finite")),
+     "(emulate_precision_casts=True: nan/inf; fallback_random=True: finite): fallback_random makes the step finite: random numbers that differ from eager's."),
+    ((("emulate_precision_casts", "finite"), ("fallback_random", "nan/inf")),
+     "emulate_precision_casts makes the step finite: a fused kernel's precision"),
+    ((("emulate_precision_casts", "nan/inf"), ("fallback_random", "nan/inf")),
+     "neither makes the step finite"),
+])
+def test_the_message_says_what_inductors_settings_did(settings, said):
+    text = words.only_compiled(3, "step", _failure(), 0, _verdict(settings=settings, repro="/tmp/r/repro.py"))
+    assert "Inductor's settings, each for one run from the same start " in text and said in text, text
+    assert text.endswith("One-file repro (the graph on its saved inputs, eager and compiled): python /tmp/r/repro.py")
+
+
+def test_a_stage_that_fails_first_is_the_one_narrowed():
+    stages = (("eager", "finite"), ("aot_eager", "nan/inf"))
+    text = words.only_compiled(3, "step", _failure(), 0, _verdict(stages=stages, own=None, backend="aot_eager"))
+    assert "aot_eager is the first stage that makes it" in text
+    assert "whose output aot_eager gets wrong: Tensor.softmax" in text
+
+
+# -- leave-on: a trainer's guard mode replays the batch, and gives the same verdict ------------
+
+
+def _lightning_fit(tmp_path, batches, on_failure):
+    lightning = pytest.importorskip("lightning")
+    import io
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opwatch.runners.lightning import OpwatchCallback
+
+    class Attention(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = Block()
+            self.net = torch.compile(self.block, backend=Softmaxless())
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return ((self.net(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = lightning.Trainer(
+        max_steps=len(batches), accelerator="cpu", logger=False, default_root_dir=tmp_path,
+        callbacks=[OpwatchCallback(mode="guard", on_failure=on_failure, warn=False, file=io.StringIO())],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Attention()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(TensorDataset(torch.cat(batches)), batch_size=len(batches[0])))
+    return [str(warning.message) for warning in caught if "optimizer step" in str(warning.message)]
+
+
+def test_lightning_guard_mode_gives_the_compiled_verdict_of_a_replayed_batch(tmp_path):
+    from opwatch.runners.leave_on import GradientsNotFinite
+
+    with pytest.raises(GradientsNotFinite) as raised:
+        _lightning_fit(tmp_path, attention_batches(3, outlier_at=2), "raise")
+    text = str(raised.value)
+    assert text.startswith("opwatch: optimizer step 3: the gradients about to be applied hold nan/inf: "), text
+    assert "its replay ran it eagerly from the same start under a full watch and found no nan/inf: eager is finite on the same inputs" in text
+    assert "the step's own backend (test_compiled_narrowing:Softmaxless) is the first stage that makes it" in text
+    assert "Tensor.softmax (node attn, graph 1 of 1) at " in text and f"test_compiled_narrowing.py:{line_of('# SOFTMAX', __file__)}: " in text
+    assert "no op of this fully watched step made them" not in text
+
+
+def test_lightning_guard_mode_skipping_warns_the_verdict_and_healthy_batches_warn_nothing(tmp_path):
+    (warned,) = _lightning_fit(tmp_path, attention_batches(3, outlier_at=1), "skip")
+    assert "optimizer step 2" in warned and "only the compiled step makes nan/inf" in warned, warned
+    assert "Tensor.softmax (node attn, graph 1 of 1) at " in warned
+    assert _lightning_fit(tmp_path, attention_batches(3), "skip") == []
