@@ -171,9 +171,10 @@ def silent(rank, world):
 
 
 def raised(rank, world):
-    """Rank 1's step raises at call 2 (its own bug, not the others'): it says where it went and
-    replays alone; rank 0 waits at the failure flag at most 2 s and says rank 1 raised there.
-    Like ``silent``, it leaves the process group unusable: the last case of its spawn."""
+    """Rank 1's step raises at call 2 (its own bug, not the others'): it takes part in the
+    failure flag before re-raising, so every other rank raises ``RaisedElsewhere`` naming rank 1,
+    the exception and its line at once (the flag waits at most 2 s: a bug fails, never hangs);
+    the ``.grad`` are as call 2 found them on every rank."""
     os.environ["OPWATCH_COLLECTIVE_TIMEOUT"] = "2"
     store = group_store()
     model = _mlp()
@@ -187,9 +188,14 @@ def raised(rank, world):
     result = {"raised": None}
     try:
         for call in (1, 2):
+            if call == 2:
+                before = [param.grad.clone() for param in model.parameters()]
             guarded(torch.randn(3, 4), call)
     except Exception as error:
         result["raised"] = _error(error)
+        result["raised"]["notes"] = list(getattr(error, "__notes__", ()))
+        result["raised"]["facts"] = [getattr(error, name, None) for name in ("rank", "error_type", "where", "line")]
+        result["grads_kept"] = all(torch.equal(a, b.grad) for a, b in zip(before, model.parameters()))
     if rank == 0:
         store.set("raised/done", "1")
     else:
