@@ -99,11 +99,11 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
     )
 
 
-def recheck(failed_step: int, step: int, origin, *, failed_again: bool) -> str:
+def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None) -> str:
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
     ``(kind, op, where, phase)`` of the first nan/inf origin it found, or ``None``."""
     if origin is not None:
-        return f"opwatch: the failure of step {failed_step} recurred at step {step}: {_made(origin)}."
+        return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {_made(origin)}."
     if failed_again:
         return (
             f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "

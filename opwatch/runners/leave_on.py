@@ -402,7 +402,7 @@ class LeaveOn:
                 self.origins.append(origin)
             self.end_audit()
             if recheck is not None:
-                _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now))
+                _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now, rank=_rank(self._agreement)))
         if not failed_now or self.poisoned_since is not None:
             return
         if self.on_failure == "apply":
