@@ -75,3 +75,33 @@ def test_a_healthy_run_fails_no_step():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OpwatchWarning" not in result.stderr
     assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 0 failed (nan/inf in the gradients).") == 2
+
+
+# -- a trainer's guard mode: Lightning's OpwatchCallback(mode="guard") on 2 DDP ranks ------------
+
+PL_LINE = line_of("# nan on rank 1, batch 3", str(SCENARIOS / "dist_lightning_guard.py"))
+
+
+def _lightning(on_failure):
+    pytest.importorskip("lightning")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "dist_lightning_guard.py", ".", on_failure]
+    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_lightning_guard_every_rank_replays_the_batch_and_names_rank_1():
+    """Both ranks replay batch 3 together; rank 0's replay made nothing (Lightning's replay runs
+    the module's training_step, not DDP's forward), and its warning names rank 1's op and line."""
+    result = _lightning("skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    made = f"Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch: nan first made by aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)"
+    assert f"opwatch (rank 1): optimizer step 3: the gradients about to be applied hold nan/inf: net.0.weight (nan)" in result.stderr
+    assert made + "." in result.stderr and made + " on rank 1." in result.stderr
+    assert "rank 0: steps 5 failed 1 skipped 1" in result.stdout and "rank 1: steps 5 failed 1 skipped 1" in result.stdout
+
+
+def test_lightning_guard_raise_every_rank_raises_naming_rank_1():
+    result = _lightning("raise")
+    assert result.returncode != 0
+    assert f"[rank1]: opwatch.findings.anomaly.AnomalyError: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward, rank 1)" in result.stderr
+    assert ("[rank0]: opwatch.findings.anomaly.AnomalyError: opwatch (rank 0): optimizer step 3 failed on every rank (the ranks decide each "
+            f"optimizer step together): rank 1 made it: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)") in result.stderr
