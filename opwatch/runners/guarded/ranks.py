@@ -235,7 +235,7 @@ class Agreement:
     def raised_elsewhere(self, decision: Decision, call: int, name: str) -> RaisedElsewhere:
         """The error of a rank whose step ``call`` did not raise while another rank's did: that
         rank's facts read from the key it wrote before the flag (:meth:`mark`)."""
-        rank = decision.raised[0]
+        rank = min(decision.raised)
         facts: dict = {}
         try:
             store = group_store()
