@@ -43,8 +43,8 @@ def _held(bad: list, elsewhere) -> str:
 def _made(origin) -> str:
     """``nan first made by aten.sqrt.default at train.py:12 (forward)`` (`` on rank 1`` when
     another rank made it): ``origin`` is ``(kind, op, where, phase)`` or ``(..., rank)``."""
-    kind, op, where, phase, *rank = origin
-    return f"{kind} first made by {op} at {where} ({phase})" + (f" on rank {rank[0]}" if rank else "")
+    kind, op, where, phase, *elsewhere = origin
+    return f"{kind} first made by {op} at {where} ({phase})" + "".join(f" on rank {rank}" for rank in elsewhere)
 
 
 def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False,
