@@ -319,6 +319,7 @@ def poisoned_elsewhere() -> str:
 _WAITED = {
     "flag": "the failure flag of call {call} of {name} (every rank's guard decides each step's failure together)",
     "gradients": "the check of the gradients before optimizer step {call} (every rank decides each optimizer step together)",
+    "left": "the end of the program, which raised before optimizer step {call} ({detail})",
     "poisoned": "the question whether the parameters hold nan/inf after call {call} of {name}",
     "raised": "call {call} of {name}, which raised there ({detail}), on its way to the failure flag",
 }

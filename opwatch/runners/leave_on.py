@@ -170,7 +170,7 @@ class LeaveOn:
         # evaluation pass), so this run's summary cannot speak for them.
         self.unjudged_end = self._forward_after_step and not self._auditing
         if exc is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
-            self._agreement.mark(self.steps + 1, "the program", "raised", f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}")
+            self._agreement.mark(self.steps + 1, "", "left", f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}")
         self.end_audit(exc)
         if pending is not None and exc is None:
             self._recheck_of = None

@@ -9,6 +9,7 @@ subprocess after 120 s; a bug fails, never hangs.
 from __future__ import annotations
 
 import os
+import time
 import subprocess
 import sys
 
@@ -105,3 +106,16 @@ def test_lightning_guard_raise_every_rank_raises_naming_rank_1():
     assert f"[rank1]: opwatch.findings.anomaly.AnomalyError: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward, rank 1)" in result.stderr
     assert ("[rank0]: opwatch.findings.anomaly.AnomalyError: opwatch (rank 0): optimizer step 3 failed on every rank (the ranks decide each "
             f"optimizer step together): rank 1 made it: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)") in result.stderr
+
+
+def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
+    """Rank 1 leaves the loop before step 2: rank 0 waits at the check of step 2 at most
+    OPWATCH_COLLECTIVE_TIMEOUT=2 s (then 5 s for where the others are), and names rank 1."""
+    started = time.monotonic()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard", "dist_leave_on.py"]
+    environment = {**os.environ, "NAN_STEPS": "", "STOP_AT": "2", "OPWATCH_COLLECTIVE_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode != 0
+    assert ("[rank0]: opwatch.runners.guarded.ranks.NoAnswer: opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited "
+            "at the check of the gradients before optimizer step 2 (every rank decides each optimizer step together); rank 1 said nothing") in result.stderr
+    assert time.monotonic() - started < 60

@@ -9,6 +9,7 @@ in the next all-reduce for a rank that had left. The process group times out aft
 """
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -22,7 +23,11 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 torch.manual_seed(rank + 1)
+stop_at = int(os.environ.get("STOP_AT", "0"))  # the last rank leaves the loop before this step
 for step in range(1, 6):
+    if step == stop_at and rank == dist.get_world_size() - 1:
+        time.sleep(12)  # alive (torchrun would end the others), but never at the next check
+        break
     shift = 100.0 if rank == dist.get_world_size() - 1 and step in nan_steps else 0.0
     y = (model(torch.randn(3, 4)) + 5 - shift).sqrt()  # nan on the last rank
     loss = y.nansum()
