@@ -3,6 +3,7 @@ interleaved round by round in one run, for DDP and FSDP2 (``fully_shard`` on a C
 
 - ``plain``: the unguarded step;
 - ``guard``: ``opwatch.guard`` (snapshot, fused check, the failure flag's all-reduce);
+- ``guard, default group``: the flag on the program's default group instead of its own gloo group;
 - ``guard, no flag``: the same with the flag left out (what a single process pays; under DDP
   it would still decide the gradients alike, under FSDP2 it would not: measured, not offered);
 - ``leave-on`` (DDP): ``python -m opwatch --guard``'s runner after its audit (the fused gradient
@@ -77,7 +78,11 @@ def _lanes(layout: str, width: int, world: int, x, y) -> dict:
 
         return block
 
-    lanes = {f"{layout} plain": stepping(train_step), f"{layout} guard": stepping(guarded), f"{layout} guard, no flag": stepping(no_flag)}
+    on_default = opwatch.guard(train_step, model, audit="never")
+    on_default(x, y)
+    on_default._agreement._group = None  # the flag on the program's own (default) group, as before
+    lanes = {f"{layout} plain": stepping(train_step), f"{layout} guard": stepping(guarded), f"{layout} guard, no flag": stepping(no_flag),
+             f"{layout} guard, default group": stepping(on_default)}
     if layout == "ddp":
         runner = LeaveOn(audit="manual", warn=False)
         unflagged = LeaveOn(audit="manual", warn=False)
@@ -95,7 +100,7 @@ def _lanes(layout: str, width: int, world: int, x, y) -> dict:
     return lanes
 
 
-RATIOS = (("guard", "plain"), ("guard", "guard, no flag"), ("guard, no flag", "plain"), ("leave-on", "plain"), ("leave-on", "leave-on, no flag"))
+RATIOS = (("guard", "plain"), ("guard", "guard, no flag"), ("guard, default group", "plain"), ("guard, no flag", "plain"), ("leave-on", "plain"), ("leave-on", "leave-on, no flag"))
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int, layouts: list) -> None:

@@ -260,7 +260,8 @@ class LeaveOn:
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
             finite = self._finite(gradients(optimizer))
         decision = None
-        agreement = self._job()
+        with no_python_dispatch():  # the flag's group is made at the first step, maybe in an audit
+            agreement = self._job()
         if agreement is not None:  # every rank decides this step together (bounded: NoAnswer)
             with no_python_dispatch():
                 decision = agreement.decide((0 if finite else NONFINITE) | (WATCHED if self._auditing else 0), self.steps, "", "gradients")

@@ -3,10 +3,12 @@
 In a job of several ranks (``torch.distributed`` initialized, world size > 1) each rank's fused
 finite check decides only for itself: a rank that replays a step under a full watch runs the
 step's collectives again, and a rank that goes on runs the next step's, so both would wait for
-ever. :meth:`Agreement.failed` reduces the failure flag across the default process group
-(``MAX`` of one element: on the CPU where the backend takes CPU tensors, gloo; on the current
-CUDA device otherwise) once per guarded step, so every rank replays the same steps, with
-matching collectives, and applies the same ``on_failure``. :meth:`Agreement.decide` is the same
+ever. :meth:`Agreement.failed` reduces the failure flag across the ranks once per guarded step
+(or, for leave-on, per optimizer step), on a gloo process group of opwatch's own (made once by
+every rank at its first guard; the default group, on the current CUDA device under NCCL, where
+gloo is missing): the flag never meets the program's collectives, so a rank whose step raised
+before a collective the others run waits at the flag instead of being matched with it. So every
+rank replays the same steps, with matching collectives, and applies the same ``on_failure``. :meth:`Agreement.decide` is the same
 all-reduce with one slot per rank (``MAX`` of a vector where each rank writes only its own slot):
 every rank learns what each rank's step did (made nan/inf, raised, ran under a full watch), so a
 step that raised on one rank is known to all (:class:`RaisedElsewhere` names the rank, the
