@@ -82,7 +82,7 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
     (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty)."""
     if from_finite and not bad:
         head = (
-            f"{_who(rank)}: the weights hold nan/inf on another rank before optimizer step {step + 1} (this rank's shards are finite). "
+            f"{_who(rank)}: the weights hold nan/inf on another rank before optimizer step {step + 1} (this rank's are finite). "
             "An earlier optimizer step wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or "
             "code that writes the weights)."
         )
@@ -91,8 +91,11 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
             f"{_who(rank)}: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. An earlier optimizer step "
             "wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or code that writes the weights)."
         )
+    elif not bad:
+        head = (f"{_who(rank)}: the weights hold nan/inf on another rank since optimizer step {step} (this rank's are finite; "
+                "it applied non-finite gradients, on_failure='apply').")
     else:
-        head = f"opwatch: the weights hold {_kinds(bad)} since optimizer step {step}: {parameters(bad)} (it applied non-finite gradients, on_failure='apply')."
+        head = f"{_who(rank)}: the weights hold {_kinds(bad)} since optimizer step {step}: {parameters(bad)} (it applied non-finite gradients, on_failure='apply')."
     return head + (
         " Every later step carries them, so no op of a later step is their origin: none is watched fully again, and later failures "
         "are only counted in the summary. on_failure='skip' (the default) keeps non-finite gradients out of the weights."

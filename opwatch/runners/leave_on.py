@@ -408,9 +408,13 @@ class LeaveOn:
             return
         if self.on_failure == "apply":
             weights = nonfinite_parameters(optimizer, self._names())
-            if weights:  # from now on every step carries them: no op of a later step is the origin
+            poisoned = bool(weights)
+            if self._agreement is not None:  # a shard may hold them on one rank only
+                with no_python_dispatch():
+                    poisoned = self._agreement.failed(poisoned, self.steps, "", "poisoned")
+            if poisoned:  # from now on every step carries them: no op of a later step is the origin
                 self.poisoned_since = self.steps
-                _warn(words.poisoned(self.steps, weights, from_finite=False))
+                _warn(words.poisoned(self.steps, weights, from_finite=False, rank=_rank(self._agreement)))
                 return
         if self._told() and not audited_now:
             self._recheck_of = self.steps

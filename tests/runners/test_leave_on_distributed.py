@@ -119,3 +119,14 @@ def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
     assert ("[rank0]: opwatch.runners.guarded.ranks.NoAnswer: opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited "
             "at the check of the gradients before optimizer step 2 (every rank decides each optimizer step together); rank 1 said nothing") in result.stderr
     assert time.monotonic() - started < 60
+
+
+def test_apply_every_rank_applies_and_knows_the_weights_hold_nan_on_rank_1():
+    """on_failure="apply": rank 1's weights take the nan, rank 0's stay finite; both say the
+    weights hold nan/inf since step 3 and count the same failures (no rank re-checks alone)."""
+    result = _torchrun("--on-failure", "apply")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "opwatch (rank 1): the weights hold nan since optimizer step 3: 0.weight (nan)" in result.stderr
+    assert "opwatch (rank 0): the weights hold nan/inf on another rank since optimizer step 3 (this rank's are finite;" in result.stderr
+    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 3 failed (nan/inf in the gradients).") == 2
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: False" in result.stdout
