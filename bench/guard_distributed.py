@@ -3,7 +3,9 @@ interleaved round by round in one run, for DDP and FSDP2 (``fully_shard`` on a C
 
 - ``plain``: the unguarded step;
 - ``guard``: ``opwatch.guard`` (snapshot, fused check, the failure flag's all-reduce);
-- ``guard, default group``: the flag on the program's default group instead of its own gloo group;
+- ``guard, default group``: the flag on the program's default group instead of its own gloo group
+  (measured, not offered: a rank whose step raised before a collective the others run would meet
+  that collective with the flag; gloo aborts the process on the size mismatch);
 - ``guard, no flag``: the same with the flag left out (what a single process pays; under DDP
   it would still decide the gradients alike, under FSDP2 it would not: measured, not offered);
 - ``leave-on`` (DDP): ``python -m opwatch --guard``'s runner after its audit (the fused gradient
