@@ -25,7 +25,7 @@ NAN_LINE = line_of("# nan made here", CASES_FILE)
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
+    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "fsdp2_shard", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,14 @@ def test_a_rank_whose_own_values_were_finite_fails_with_the_other(two_ranks):
     for result in (zero["skip"], one["skip"]):
         assert result["raised"] is None and result["returned_none"] and result["skipped"] == 1 and result["grads_none"]
     assert any("rank 1 made it: nan in aten.log.default" in text for text in zero["skip"]["warned"])
+
+
+def test_fsdp2_a_nan_in_one_rank_s_shard_only_fails_every_rank(two_ranks):
+    line = line_of("# nan in rank 1's shard only", str(SCENARIOS / "dist_guard.py"))
+    zero, one = two_ranks[0]["fsdp2_shard"]["raised"], two_ranks[1]["fsdp2_shard"]["raised"]
+    assert one["type"] == "AnomalyError" and one["message"].startswith(f"nan in aten.sqrt_.default at dist_guard.py:{line} (")
+    assert zero["type"] == "AnomalyError" and (zero["rank"], zero["op"], zero["lineno"]) == (1, "aten.sqrt_.default", line)
+    assert zero["message"].startswith(f"opwatch.guard (rank 0): call 1 of _shard_step failed on another rank: rank 1 made it: nan in aten.sqrt_.default at dist_guard.py:{line} (")
 
 
 def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):

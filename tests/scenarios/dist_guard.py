@@ -203,4 +203,27 @@ def raised(rank, world):
     return result
 
 
-CASES = {"fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent, "raised": raised, "tp_nan": tp_nan}
+def _shard_step(model, x, rank):
+    loss = model(x).sum()
+    loss.backward()
+    shard = model[2].weight.grad.to_local()  # this rank's shard of the gradient, no collective
+    if rank == 1:
+        shard[0].fill_(-1.0).sqrt_()  # nan in rank 1's shard only
+    return loss
+
+
+def fsdp2_shard(rank, world):
+    """FSDP2: a nan written into rank 1's shard of a gradient after the reduce-scatter: only rank
+    1's own check sees it. Both ranks replay (their collectives matched) and raise; rank 0's
+    error names rank 1's op and line."""
+    model = _fsdp2(world)
+    torch.manual_seed(rank + 1)
+    step = opwatch.guard(_shard_step, model)
+    try:
+        step(model, torch.randn(3, 4), rank)
+    except Exception as error:
+        return {"raised": _error(error)}
+    return {"raised": None}
+
+
+CASES = {"fsdp2_shard": fsdp2_shard, "fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent, "raised": raised, "tp_nan": tp_nan}
