@@ -125,7 +125,10 @@ def guard(
     size > 1) the failure flag is all-reduced once per step (``MAX``, bounded by
     ``$OPWATCH_COLLECTIVE_TIMEOUT`` or the process group's timeout), so every rank replays the same
     steps with matching collectives and applies the same ``on_failure``; after the replay the
-    ranks exchange what they found and every error names the rank that made the nan/inf. With
+    ranks exchange what they found and every error names the rank that made the nan/inf. A
+    step that raises on one rank stops every rank: that rank re-raises its exception, the
+    others raise :class:`~opwatch.runners.guarded.ranks.RaisedElsewhere` naming its rank,
+    exception and line (no rank replays it). With
     ``torch.amp.GradScaler``, scaled gradients overflow now and then by design: pass the
     scaler (``scaler=``) and the gradients are left to it (it skips such steps and lowers its
     scale); only what the step returned is checked then. Without it, each overflow step would
@@ -337,7 +340,8 @@ class Guarded:
 
     def _healthy(self, result) -> bool:
         """The fused check; in a distributed job, reduced across the ranks (one all-reduce of
-        one element), so that every rank replays the same steps with matching collectives."""
+        one slot per rank), so that every rank replays the same steps with matching collectives;
+        a step that raised on another rank leaves its error in ``_raised_elsewhere``."""
         healthy = self._checked(result) if self._check_results else True
         self._finite_here = healthy
         self._raised_elsewhere = None
