@@ -430,8 +430,10 @@ def poisoned_elsewhere() -> str:
 
 _WAITED = {
     "flag": "the failure flag of call {call} of {name} (every rank's guard decides each step's failure together)",
+    "gradients": "the check of the gradients before optimizer step {call} (every rank decides each optimizer step together)",
+    "left": "the end of the program, which raised before optimizer step {call} ({detail})",
     "poisoned": "the question whether the parameters hold nan/inf after call {call} of {name}",
-    "raised": "call {call} of {name}, which raised there ({detail}); it replays alone and does not reach the failure flag",
+    "raised": "call {call} of {name}, which raised there ({detail}), on its way to the failure flag",
 }
 
 
@@ -455,3 +457,33 @@ def no_answer(rank, here, others, silent, timeout, error_line) -> str:
             "crashed, hangs in a collective of its own, or ran a different number of guarded steps"
         )
     return text + f" ({error_line}). Set OPWATCH_COLLECTIVE_TIMEOUT (seconds) to wait longer or less."
+
+
+def _ranks_list(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(str(rank) for rank in ranks)
+
+
+def raised_elsewhere(rank, call, name, other, error_type, where, line, more) -> str:
+    """A rank whose step ``call`` ran while rank ``other``'s raised ``error_type`` at ``where``."""
+    what = f"raised {error_type}" if error_type else "raised"
+    at = f" at {where}" if where else ""
+    said = f" ({line})" if line else ""
+    also = f"; {_ranks_list(more)} raised too" if more else ""
+    return (
+        f"opwatch.guard (rank {rank}): call {call} of {name} raised on another rank: rank {other} {what}{at}{said}{also}. "
+        "Every rank stops at this step (the ranks decide each step together); no rank replays it, since a replay would run "
+        "collectives the raising rank does not reach. The .grad are as the step found them; the error on that rank has the traceback."
+    )
+
+
+def raised_here_note(rank, decision_raised, world) -> str:
+    """The note on the exception of a rank whose step raised, in a distributed job."""
+    others = [other for other in decision_raised if other != rank]
+    also = f" ({_ranks_list(others)} raised too)" if others else ""
+    return (
+        f"opwatch.guard (rank {rank}): this rank's step raised{also}; every one of the {world} ranks stops at this step with an error "
+        "naming this rank and this line (the ranks decide each step together). It is not replayed under a full watch in a job of "
+        "several ranks: the replay would run collectives the other ranks do not. Run the step under opwatch.watch() on this rank "
+        "to see the ops before the raise."
+    )

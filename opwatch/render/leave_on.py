@@ -6,7 +6,8 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 
 from __future__ import annotations
 
-__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end"]
+__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
+           "made_elsewhere"]
 
 
 def parameters(bad: list) -> str:
@@ -22,16 +23,44 @@ _ACTIONS = {
 }
 
 
-def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False) -> str:
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(str(rank) for rank in ranks)
+
+
+def _who(rank) -> str:
+    return "opwatch" if rank is None else f"opwatch (rank {rank})"
+
+
+def _held(bad: list, elsewhere) -> str:
+    """``: net.fc1.weight (nan)``, or, in a job where this rank's own were finite, `` on rank 1
+    (this rank's were finite; the ranks decide each optimizer step together)``."""
+    if not bad and elsewhere:
+        return f" on {_ranks(elsewhere)} (this rank's were finite; the ranks decide each optimizer step together)"
+    return f": {parameters(bad)}"
+
+
+def _made(origin) -> str:
+    """``nan first made by aten.sqrt.default at train.py:12 (forward)`` (`` on rank 1`` when
+    another rank made it): ``origin`` is ``(kind, op, where, phase)`` or ``(..., rank)``."""
+    kind, op, where, phase, *elsewhere = origin
+    return f"{kind} first made by {op} at {where} ({phase})" + "".join(f" on rank {rank}" for rank in elsewhere)
+
+
+def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False,
+            elsewhere=(), rank=None) -> str:
     """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
     ``audited``: the step ran under the full watch (``origin``: ``(kind, op, where, phase)`` of
-    the first nan/inf it made, or ``None``); ``replayed``: its batch ran again from its start
-    under the full watch; ``last``: the last failure told one by one."""
-    head = f"opwatch: optimizer step {step}: the gradients about to be applied hold nan/inf: {parameters(bad)}." + _ACTIONS[on_failure]
+    the first nan/inf it made, ``(..., rank)`` when another rank made it, or ``None``);
+    ``replayed``: its batch ran again from its start under the full watch; ``last``: the last
+    failure told one by one; ``elsewhere``: in a job, the ranks whose gradients held them when
+    this rank's were finite; ``rank``: this rank, in a job."""
+    head = f"{_who(rank)}: optimizer step {step}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}." + _ACTIONS[on_failure]
+    if rank is not None:
+        head += " Every rank does the same."
     watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch"
     if (audited or replayed) and origin is not None:
-        kind, op, where, phase = origin
-        then = f"{watched}: {kind} first made by {op} at {where} ({phase})."
+        then = f"{watched}: {_made(origin)}."
     elif audited or replayed:
         then = f"{watched} and no op of it made them: they came in with the weights, the batch or the optimizer's state."
     elif on_failure == "raise":
@@ -47,28 +76,37 @@ def _kinds(bad: list) -> str:
     return "/".join(kind for kind in ("nan", "inf") if kind in kinds)
 
 
-def poisoned(step: int, bad: list, *, from_finite: bool) -> str:
+def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
     """The weights hold nan/inf: written by the optimizer step ``step`` that applied non-finite
-    gradients, or (``from_finite``) found at step ``step + 1``, written from finite ones."""
-    if from_finite:
+    gradients, or (``from_finite``) found at step ``step + 1``, written from finite ones
+    (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty)."""
+    if from_finite and not bad:
         head = (
-            f"opwatch: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. An earlier optimizer step "
+            f"{_who(rank)}: the weights hold nan/inf on another rank before optimizer step {step + 1} (this rank's are finite). "
+            "An earlier optimizer step wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or "
+            "code that writes the weights)."
+        )
+    elif from_finite:
+        head = (
+            f"{_who(rank)}: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. An earlier optimizer step "
             "wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or code that writes the weights)."
         )
+    elif not bad:
+        head = (f"{_who(rank)}: the weights hold nan/inf on another rank since optimizer step {step} (this rank's are finite; "
+                "it applied non-finite gradients, on_failure='apply').")
     else:
-        head = f"opwatch: the weights hold {_kinds(bad)} since optimizer step {step}: {parameters(bad)} (it applied non-finite gradients, on_failure='apply')."
+        head = f"{_who(rank)}: the weights hold {_kinds(bad)} since optimizer step {step}: {parameters(bad)} (it applied non-finite gradients, on_failure='apply')."
     return head + (
         " Every later step carries them, so no op of a later step is their origin: none is watched fully again, and later failures "
         "are only counted in the summary. on_failure='skip' (the default) keeps non-finite gradients out of the weights."
     )
 
 
-def recheck(failed_step: int, step: int, origin, *, failed_again: bool) -> str:
+def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None) -> str:
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
     ``(kind, op, where, phase)`` of the first nan/inf origin it found, or ``None``."""
     if origin is not None:
-        kind, op, where, phase = origin
-        return f"opwatch: the failure of step {failed_step} recurred at step {step}: {kind} first made by {op} at {where} ({phase})."
+        return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {_made(origin)}."
     if failed_again:
         return (
             f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
@@ -87,12 +125,28 @@ def did_not_recur(failed_step: int, step: int, bad: list) -> str:
     )
 
 
-def no_origin(step: int, bad: list, recheck: int | None) -> str:
-    """``on_failure="raise"``: a fully watched step failed and no op of it made the nan/inf."""
+def no_origin(step: int, bad: list, recheck: int | None, *, elsewhere=()) -> str:
+    """``on_failure="raise"``: a fully watched step failed and no op of it made the nan/inf
+    (in a job: on no rank)."""
     of = f" (the re-check of step {recheck})" if recheck is not None else ""
+    nowhere = " on any rank" if elsewhere else ""
     return (
-        f"opwatch: optimizer step {step}{of}: the gradients about to be applied hold nan/inf: {parameters(bad)}, and no op of this fully "
-        "watched step made them: they came in with the weights, the batch or the optimizer's state. The optimizer did not run on them."
+        f"opwatch: optimizer step {step}{of}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}, and no op of this fully "
+        f"watched step made them{nowhere}: they came in with the weights, the batch or the optimizer's state. The optimizer did not run on them."
+    )
+
+
+def made_elsewhere(rank: int, step: int, origin, own_failed: bool, missing, timeout: float, message: str) -> str:
+    """The error (or origin) on a rank whose own watch of a failing optimizer step found no
+    origin while another rank made it (``origin``: a ``Made``); ``message``: that rank's own."""
+    here = "this rank's gradients held them too, received from it" if own_failed else "this rank's gradients were finite"
+    late = ""
+    if missing:
+        late = f"; {_ranks(missing)} did not report what {'they' if len(missing) > 1 else 'it'} found within {timeout:g} s"
+    return (
+        f"opwatch (rank {rank}): optimizer step {step} failed on every rank (the ranks decide each optimizer step together): rank "
+        f"{origin.rank} made it: {origin.kind} in {origin.op} at {origin.where} ({origin.phase}); {here}{late}. That rank's message:\n"
+        + message
     )
 
 

@@ -19,6 +19,14 @@ step is their origin: the runner says since which step, and watches no step full
 
 GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite: the steps it
 skips never reach the hooks, so they are not failures (and not counted as steps).
+
+In a job of several ranks (``torch.distributed`` initialized, world size > 1) each optimizer
+step is decided on every rank together (:class:`~opwatch.runners.guarded.ranks.Agreement`, the
+guard's: one all-reduce of one slot per rank, bounded): a nan/inf in one rank's gradients (a
+shard under FSDP2) fails the step on every rank, every rank applies the same ``on_failure``,
+watches the same next step, replays the same batch (the trainers), and after a fully watched or
+replayed failure the ranks exchange what they found (through the store), so that every rank's
+message names the rank that made it, its op and line.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from ..findings.anomaly import AnomalyError, OpwatchWarning
+from ..findings.ranks import RankAnomaly
 from ..core.compat import no_python_dispatch
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
 from ..core.sites import warn_at_user
@@ -41,6 +50,7 @@ from .guarded.audit import signature  # what an audit depends on: one definition
 from .guarded.check import ON_FAILURE, on_failure_option
 from ..render import guard as guard_words
 from ..render import leave_on as words
+from .guarded.ranks import NONFINITE, WATCHED, Agreement
 from ..session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
@@ -126,6 +136,10 @@ class LeaveOn:
         # audit="first" (the CLI): whether a module ran forward after the last optimizer step
         # outside a full watch, seen by a one-shot hook armed after each step (one call a step).
         self._after_last_step = None  # the hook's handle while armed
+        self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first step)
+        self._job_read = False
+        self._watched_all_at: int | None = None  # in a job: the step every rank watched (audit or replay)
+        self._decided_origin = None  # the origin told at the latest failure (in a job, maybe another rank's)
         self._forward_after_step = False
         self.unjudged_end = False  # set on exit: the run ended with ops that nothing checked
 
@@ -157,6 +171,8 @@ class LeaveOn:
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
         self.unjudged_end = self._forward_after_step and not self._auditing
+        if exc is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
+            self._agreement.mark(self.steps + 1, "", "left", f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}")
         self.end_audit(exc)
         if pending is not None and exc is None:
             self._recheck_of = None
@@ -245,6 +261,13 @@ class LeaveOn:
             self.watch.check()  # the watch's own check point: names the origin, raises in strict
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
             finite = self._finite(gradients(optimizer))
+        decision = None
+        with no_python_dispatch():  # the flag's group is made at the first step, maybe in an audit
+            agreement = self._job()
+        if agreement is not None:  # every rank decides this step together (bounded: NoAnswer)
+            with no_python_dispatch():
+                decision = agreement.decide((0 if finite else NONFINITE) | (WATCHED if self._auditing else 0), self.steps, "", "gradients")
+            finite = not decision.failed
         if finite and recheck is not None and self.on_failure == "raise":
             failed = self.failures[-1]
             self.end_audit()
@@ -254,15 +277,20 @@ class LeaveOn:
             return False
         names = self._names()
         bad = nonfinite_names(optimizer, names)
+        elsewhere = _elsewhere(decision, bad)
         self.failed += 1
         self.failures.append(Failure(self.steps, bad))
         if self.poisoned_since is not None:  # told once; every later step fails: only counted
             return self._skips()
         weights = nonfinite_parameters(optimizer, names)
-        if weights:  # an earlier optimizer step wrote them, from finite gradients
+        poisoned = bool(weights)
+        if agreement is not None:  # a shard may hold them on one rank only
+            with no_python_dispatch():
+                poisoned = agreement.failed(poisoned, self.steps, "", "poisoned")
+        if poisoned:  # an earlier optimizer step wrote them, from finite gradients
             self.poisoned_since = self.steps - 1
             self._stop_rechecking()
-            text = words.poisoned(self.steps - 1, weights, from_finite=True)
+            text = words.poisoned(self.steps - 1, weights, from_finite=True, rank=_rank(agreement))
             if self.on_failure == "raise":
                 self.skipped += 1
                 raise GradientsNotFinite(text, step=self.steps, parameters=bad)
@@ -270,14 +298,33 @@ class LeaveOn:
             return self._skips()
         origin = self._origin() if self._auditing else None
         watched = self._auditing
-        if not watched and self.replay is not None and self._told():
+        audited = watched
+        found = [origin] if origin is not None else []
+        # In a job every rank replays the batch, or none (its collectives, if any, must match):
+        # unless every rank ran this step under a full watch.
+        replay = not (decision.all_watched if decision is not None else watched) and self.replay is not None and self._told()
+        if replay:
+            if watched:  # this rank audited it, another did not: the audit ends, the replay runs here too
+                found = [anomaly for anomaly in self.end_audit() if anomaly.kind in _NONFINITE_KINDS]
+                audited = False
             self.compiled_verdict = None
-            watched, origin = self.replay()  # the batch again, from its start, under a full watch
-            if watched:
+            ran, replayed = self.replay()  # the batch again, from its start, under a full watch
+            watched = ran or watched
+            origin = replayed if replayed is not None else origin
+            found = [replayed] if replayed is not None else found
+            if ran or decision is not None:
                 self._replayed_at = self.steps
         verdict, self.compiled_verdict = self.compiled_verdict, None
+        if decision is not None:  # watched means: on every rank (what the ranks do next must be the same)
+            watched = decision.all_watched or replay
+        if decision is not None and watched and self._told():
+            self._watched_all_at = self.steps
+            ranks, first = self._exchange(str(self.steps), found)  # every rank's findings: the first origin anywhere
+            if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
+                origin = _elsewhere_anomaly(first, ranks, self.steps, bad)
         if origin is not None:
             self.origins.append(origin)
+        self._decided_origin = origin
         if self.on_failure == "raise" and watched:
             # The step ran under the full watch: its origin is known now, or no op made them.
             self._stop_rechecking()
@@ -289,13 +336,33 @@ class LeaveOn:
                 raise error
             if verdict is not None:
                 raise GradientsNotFinite(guard_words.leave_on_only_compiled(self.steps, words.parameters(bad), verdict), step=self.steps, parameters=bad)
-            raise GradientsNotFinite(words.no_origin(self.steps, bad, recheck), step=self.steps, parameters=bad)
+            raise GradientsNotFinite(words.no_origin(self.steps, bad, recheck, elsewhere=elsewhere), step=self.steps, parameters=bad)
         if recheck is None and self._told():
             last = len(self.failures) == _TOLD_FAILURES
-            text = words.failure(self.steps, bad, self.on_failure, audited=watched and self._auditing, replayed=watched and not self._auditing,
-                                 origin=_facts(origin), last=last)
+            text = words.failure(self.steps, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
+                                 origin=_facts(origin), last=last, elsewhere=elsewhere, rank=_rank(agreement))
             _warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
         return self._skips()
+
+    def _job(self) -> Agreement | None:
+        """The agreement of this run in a job of 2 or more ranks (read at the first step)."""
+        if not self._job_read:
+            self._job_read = True
+            self._agreement = Agreement.start()
+        return self._agreement
+
+    def _exchange(self, key: str, found: list):
+        """Publish this rank's nan/inf findings of a watched (or replayed) failing step and
+        read the others' (bounded): ``(RankOrigin, the first origin's row or None)``."""
+        agreement = self._agreement
+        anomalies = [anomaly for anomaly in found if anomaly.kind in _NONFINITE_KINDS and getattr(anomaly, "record", None) is not None]
+        try:
+            return agreement.origins(f"leave-on/{key}", anomalies)
+        except Exception:
+            from .guarded.ranks import RankOrigin
+
+            others = tuple(rank for rank in range(agreement.world) if rank != agreement.rank)
+            return RankOrigin(agreement.rank, None, others, agreement.wait_s), None
 
     def _skips(self) -> bool:
         """Whether the failed step does not run (counted)."""
@@ -327,23 +394,37 @@ class LeaveOn:
         """After the optimizer step: end an audit or re-check, and start the re-check of a failure."""
         failed_now = bool(self.failures) and self.failures[-1].step == self.steps
         auditing = self._auditing
-        # A failure of a fully watched (or replayed) step was told with its origin.
+        # A failure of a fully watched (or replayed) step was told with its origin; in a job,
+        # only when every rank watched it (the ranks re-check the next step together).
         audited_now = self._auditing or self._replayed_at == self.steps
+        if self._agreement is not None:
+            audited_now = self._watched_all_at == self.steps
         if auditing:
             recheck, self._recheck_of = self._recheck_of, None
             origin = self._origin() if recheck is not None else None
+            if recheck is not None and self._agreement is not None:  # every rank re-checked this step
+                if failed_now:  # found and exchanged at the check before it
+                    origin = self._decided_origin
+                else:
+                    ranks, first = self._exchange(f"{self.steps}/recheck", [origin] if origin is not None else [])
+                    if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
+                        origin = _elsewhere_anomaly(first, ranks, self.steps, [])
             if origin is not None and not failed_now:  # a failing re-check kept it already
                 self.origins.append(origin)
             self.end_audit()
             if recheck is not None:
-                _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now))
+                _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now, rank=_rank(self._agreement)))
         if not failed_now or self.poisoned_since is not None:
             return
         if self.on_failure == "apply":
             weights = nonfinite_parameters(optimizer, self._names())
-            if weights:  # from now on every step carries them: no op of a later step is the origin
+            poisoned = bool(weights)
+            if self._agreement is not None:  # a shard may hold them on one rank only
+                with no_python_dispatch():
+                    poisoned = self._agreement.failed(poisoned, self.steps, "", "poisoned")
+            if poisoned:  # from now on every step carries them: no op of a later step is the origin
                 self.poisoned_since = self.steps
-                _warn(words.poisoned(self.steps, weights, from_finite=False))
+                _warn(words.poisoned(self.steps, weights, from_finite=False, rank=_rank(self._agreement)))
                 return
         if self._told() and not audited_now:
             self._recheck_of = self.steps
@@ -428,8 +509,30 @@ class _Skipped:
 
 
 def _facts(origin):
-    """``(kind, op, where, phase)`` of an origin anomaly, or ``None``."""
-    return None if origin is None else (origin.kind, origin.op, origin.where, origin.phase)
+    """``(kind, op, where, phase)`` of an origin anomaly, or ``None``; ``(kind, op, where,
+    phase, rank)`` for an origin made on another rank."""
+    if origin is None:
+        return None
+    facts = (origin.kind, origin.op, origin.where, origin.phase)
+    return facts + (origin.rank,) if isinstance(origin, RankAnomaly) else facts
+
+
+def _rank(agreement) -> int | None:
+    return None if agreement is None else agreement.rank
+
+
+def _elsewhere(decision, bad) -> tuple:
+    """The ranks whose gradients failed when this rank's own were finite (in a job), else ``()``."""
+    if decision is None or bad:
+        return ()
+    return decision.nonfinite
+
+
+def _elsewhere_anomaly(first, ranks, step: int, bad) -> RankAnomaly:
+    """The origin another rank made, as this rank raises and tells it: that rank's facts
+    (``.rank``, ``.op``, ``.lineno``) with a message saying where this rank stood."""
+    text = words.made_elsewhere(ranks.rank, step, ranks.origin, bool(bad), ranks.missing, ranks.timeout, first.message)
+    return RankAnomaly(**{**first.fields(), "message": text}, rank=first.rank)
 
 
 def _warn(text: str) -> None:

@@ -171,7 +171,10 @@ class _Hooks(WatchedSteps):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.runner is not None:
-            if not self.runner.audit_batch(batch) and self.runner.replay is not None:
+            audited = self.runner.audit_batch(batch)
+            # An audited batch keeps its start too: in a job, a rank that audited it replays it
+            # with the others that did not (their collectives, if any, match).
+            if self.runner.replay is not None and (not audited or _in_job()):
                 if self._snapshots is None:  # the buffers and the RNG states: a batch's start
                     from .guarded.snapshot import Snapshots
 
@@ -282,6 +285,12 @@ class _Hooks(WatchedSteps):
             self._steps.print_summary(prefix)
         if validation is not None:
             validation.print_summary(prefix, phase="validation")
+
+
+def _in_job() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _prefix(trainer) -> str:

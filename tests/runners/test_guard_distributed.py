@@ -25,7 +25,7 @@ NAN_LINE = line_of("# nan made here", CASES_FILE)
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
+    return spawn(dist_guard.worker, 2, ["fsdp2_nan", "ddp_nan", "tp_nan", "healthy", "elsewhere", "fsdp2_shard", "silent"], tmp_path_factory.mktemp("guard_ranks"), timeout=180.0)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,14 @@ def test_a_rank_whose_own_values_were_finite_fails_with_the_other(two_ranks):
     assert any("rank 1 made it: nan in aten.log.default" in text for text in zero["skip"]["warned"])
 
 
+def test_fsdp2_a_nan_in_one_rank_s_shard_only_fails_every_rank(two_ranks):
+    line = line_of("# nan in rank 1's shard only", str(SCENARIOS / "dist_guard.py"))
+    zero, one = two_ranks[0]["fsdp2_shard"]["raised"], two_ranks[1]["fsdp2_shard"]["raised"]
+    assert one["type"] == "AnomalyError" and one["message"].startswith(f"nan in aten.sqrt_.default at dist_guard.py:{line} (")
+    assert zero["type"] == "AnomalyError" and (zero["rank"], zero["op"], zero["lineno"]) == (1, "aten.sqrt_.default", line)
+    assert zero["message"].startswith(f"opwatch.guard (rank 0): call 1 of _shard_step failed on another rank: rank 1 made it: nan in aten.sqrt_.default at dist_guard.py:{line} (")
+
+
 def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):
     raised = two_ranks[0]["silent"]["raised"]
     assert raised["type"] == "NoAnswer"
@@ -91,17 +99,37 @@ def test_a_rank_that_does_not_answer_is_named_instead_of_a_hang(two_ranks):
     assert two_ranks[1]["silent"]["raised"] is None
 
 
-def test_a_rank_whose_step_raised_is_named_where_it_went(one_rank_raises):
-    zero, one = one_rank_raises[0]["raised"]["raised"], one_rank_raises[1]["raised"]["raised"]
-    assert one["type"] == "ValueError" and one["message"].startswith("a batch this rank cannot read")
-    assert zero["type"] == "NoAnswer"
-    assert zero["message"].startswith(
-        "opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited at the failure flag of call 2 of raised.<locals>.step"
-    )
-    assert (
-        "; rank 1 was at call 2 of raised.<locals>.step, which raised there (ValueError: a batch this rank cannot read); "
-        "it replays alone and does not reach the failure flag" in zero["message"]
-    )
+RAISE_LINE = line_of("# rank 1 raises here", str(SCENARIOS / "dist_guard.py"))
+
+
+def _check_raised(spawned, raising=1):
+    results = [found["raised"] for found in spawned]  # the case
+    one = results[raising]["raised"]
+    assert one["type"] == "ValueError" and one["message"] == "a batch this rank cannot read"
+    world = len(results)
+    assert any(note.startswith(f"opwatch.guard (rank {raising}): this rank's step raised; every one of the {world} ranks stops at this step")
+               for note in one["notes"])
+    for rank, result in enumerate(results):
+        assert result["grads_kept"], rank  # the .grad as call 2 found them, on every rank
+        if rank == raising:
+            continue
+        raised = result["raised"]
+        assert raised["type"] == "RaisedElsewhere", (rank, raised)
+        assert raised["facts"] == [raising, "ValueError", f"dist_guard.py:{RAISE_LINE}", "a batch this rank cannot read"]
+        assert raised["message"].startswith(
+            f"opwatch.guard (rank {rank}): call 2 of raised.<locals>.step raised on another rank: rank {raising} raised ValueError "
+            f"at dist_guard.py:{RAISE_LINE} (a batch this rank cannot read). Every rank stops at this step"
+        )
+
+
+def test_a_step_that_raised_on_one_rank_stops_every_rank_naming_it(one_rank_raises):
+    """The raising rank takes part in the flag before re-raising: rank 0 raises RaisedElsewhere
+    at once (no timeout, no NoAnswer), naming rank 1, its exception and its line."""
+    _check_raised(one_rank_raises)
+
+
+def test_three_ranks_a_step_that_raised_on_one_stops_the_other_two(tmp_path):
+    _check_raised(spawn(dist_guard.worker, 3, ["raised"], tmp_path, timeout=120.0))
 
 
 # -- the sentences, on plain facts ---------------------------------------------------------------

@@ -171,9 +171,10 @@ def silent(rank, world):
 
 
 def raised(rank, world):
-    """Rank 1's step raises at call 2 (its own bug, not the others'): it says where it went and
-    replays alone; rank 0 waits at the failure flag at most 2 s and says rank 1 raised there.
-    Like ``silent``, it leaves the process group unusable: the last case of its spawn."""
+    """Rank 1's step raises at call 2 (its own bug, not the others'): it takes part in the
+    failure flag before re-raising, so every other rank raises ``RaisedElsewhere`` naming rank 1,
+    the exception and its line at once (the flag waits at most 2 s: a bug fails, never hangs);
+    the ``.grad`` are as call 2 found them on every rank."""
     os.environ["OPWATCH_COLLECTIVE_TIMEOUT"] = "2"
     store = group_store()
     model = _mlp()
@@ -187,9 +188,14 @@ def raised(rank, world):
     result = {"raised": None}
     try:
         for call in (1, 2):
+            if call == 2:
+                before = [param.grad.clone() for param in model.parameters()]
             guarded(torch.randn(3, 4), call)
     except Exception as error:
         result["raised"] = _error(error)
+        result["raised"]["notes"] = list(getattr(error, "__notes__", ()))
+        result["raised"]["facts"] = [getattr(error, name, None) for name in ("rank", "error_type", "where", "line")]
+        result["grads_kept"] = all(torch.equal(a, b.grad) for a, b in zip(before, model.parameters()))
     if rank == 0:
         store.set("raised/done", "1")
     else:
@@ -197,4 +203,27 @@ def raised(rank, world):
     return result
 
 
-CASES = {"fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent, "raised": raised, "tp_nan": tp_nan}
+def _shard_step(model, x, rank):
+    loss = model(x).sum()
+    loss.backward()
+    shard = model[2].weight.grad.to_local()  # this rank's shard of the gradient, no collective
+    if rank == 1:
+        shard[0].fill_(-1.0).sqrt_()  # nan in rank 1's shard only
+    return loss
+
+
+def fsdp2_shard(rank, world):
+    """FSDP2: a nan written into rank 1's shard of a gradient after the reduce-scatter: only rank
+    1's own check sees it. Both ranks replay (their collectives matched) and raise; rank 0's
+    error names rank 1's op and line."""
+    model = _fsdp2(world)
+    torch.manual_seed(rank + 1)
+    step = opwatch.guard(_shard_step, model)
+    try:
+        step(model, torch.randn(3, 4), rank)
+    except Exception as error:
+        return {"raised": _error(error)}
+    return {"raised": None}
+
+
+CASES = {"fsdp2_shard": fsdp2_shard, "fsdp2_nan": fsdp2_nan, "ddp_nan": ddp_nan, "healthy": healthy, "elsewhere": elsewhere, "silent": silent, "raised": raised, "tp_nan": tp_nan}

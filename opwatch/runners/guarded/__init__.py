@@ -47,7 +47,7 @@ from . import compiled as compiled_steps
 from . import replay as replays
 from .audit import Audits
 from .check import FailedElsewhere, FiniteCheck, Raised, not_finite, on_failure_option
-from .ranks import Agreement, RankOrigin, local
+from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, RankOrigin, local, raised_where
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 
@@ -125,7 +125,10 @@ def guard(
     size > 1) the failure flag is all-reduced once per step (``MAX``, bounded by
     ``$OPWATCH_COLLECTIVE_TIMEOUT`` or the process group's timeout), so every rank replays the same
     steps with matching collectives and applies the same ``on_failure``; after the replay the
-    ranks exchange what they found and every error names the rank that made the nan/inf. With
+    ranks exchange what they found and every error names the rank that made the nan/inf. A
+    step that raises on one rank stops every rank: that rank re-raises its exception, the
+    others raise :class:`~opwatch.runners.guarded.ranks.RaisedElsewhere` naming its rank,
+    exception and line (no rank replays it). With
     ``torch.amp.GradScaler``, scaled gradients overflow now and then by design: pass the
     scaler (``scaler=``) and the gradients are left to it (it skips such steps and lowers its
     scale); only what the step returned is checked then. Without it, each overflow step would
@@ -243,6 +246,7 @@ class Guarded:
         self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
         self._told_internal_error = False
         self._finite_here = True  # this rank's own check passed (the step failed on another rank)
+        self._raised_elsewhere = None  # the error naming another rank whose step raised (set by the flag)
         self.calls = 0
         self.skipped = 0
         self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
@@ -275,11 +279,13 @@ class Guarded:
                 self.last_audit = audit
                 with audit:
                     result = self._step(*args, **kwargs)
-        except _NOT_REPLAYED:
+        except _NOT_REPLAYED as error:
+            if self._agreement is not None:
+                self._raised_in_job(start, error)
             raise  # out of memory: a replay under a watch would only run out again, slower
         except Exception as error:
-            if self._agreement is not None:  # the other ranks wait at the flag: tell them where this rank went
-                self._agreement.mark(self.calls, self._name(), "raised", f"{type(error).__name__}: {first_line(error)}")
+            if self._agreement is not None:  # the others learn at the flag that this rank raised, and where
+                self._raised_in_job(start, error)
             if self._snapshots.changed_parameters(start):
                 self._refuse_changed_parameters(start, error=error)
             return self._failed(start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
@@ -290,6 +296,9 @@ class Guarded:
         # In a job of several ranks every call meets the others at the flag, checked or not (a
         # check that failed once is off on this rank only).
         if (self._check_results or self._agreement is not None) and not self._healthy(result):
+            if self._raised_elsewhere is not None:  # another rank's step raised: every rank stops here
+                self._snapshots.put_grads(start)
+                raise self._raised_elsewhere
             if self._finite_here:
                 failure = FailedElsewhere("elsewhere")
             else:
@@ -334,12 +343,31 @@ class Guarded:
 
     def _healthy(self, result) -> bool:
         """The fused check; in a distributed job, reduced across the ranks (one all-reduce of
-        one element), so that every rank replays the same steps with matching collectives."""
+        one slot per rank), so that every rank replays the same steps with matching collectives;
+        a step that raised on another rank leaves its error in ``_raised_elsewhere``."""
         healthy = self._checked(result) if self._check_results else True
         self._finite_here = healthy
+        self._raised_elsewhere = None
         if self._agreement is None:
             return healthy
-        return not self._agreement.failed(not healthy, self.calls, self._name())
+        decision = self._agreement.decide(0 if healthy else NONFINITE_CODE, self.calls, self._name())
+        if decision.raised:
+            self._raised_elsewhere = self._agreement.raised_elsewhere(decision, self.calls, self._name())
+        return not decision.failed
+
+    def _raised_in_job(self, start, error) -> None:
+        """A step that raised on this rank, in a job of several ranks: say where (one store
+        key), take part in the flag (the others raise :class:`RaisedElsewhere` naming this rank
+        and line instead of waiting), put the ``.grad`` back, re-raise with a note. Not
+        replayed: a replay would run collectives the other ranks do not."""
+        agreement, name = self._agreement, self._name()
+        line = first_line(error)
+        agreement.mark(self.calls, name, "raised", f"{type(error).__name__}: {line}", error_type=type(error).__name__,
+                       where=raised_where(error), line=line)
+        decision = agreement.decide(RAISED, self.calls, name)  # NoAnswer (bounded) when another rank never comes
+        self._snapshots.put_grads(start)
+        error.add_note(words.raised_here_note(agreement.rank, decision.raised, agreement.world))
+        raise error
 
     def _checked(self, result) -> bool:
         """Whether the step's results are finite; an error of the check itself (a tensor kind

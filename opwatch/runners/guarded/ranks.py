@@ -3,10 +3,16 @@
 In a job of several ranks (``torch.distributed`` initialized, world size > 1) each rank's fused
 finite check decides only for itself: a rank that replays a step under a full watch runs the
 step's collectives again, and a rank that goes on runs the next step's, so both would wait for
-ever. :meth:`Agreement.failed` reduces the failure flag across the default process group
-(``MAX`` of one element: on the CPU where the backend takes CPU tensors, gloo; on the current
-CUDA device otherwise) once per guarded step, so every rank replays the same steps, with
-matching collectives, and applies the same ``on_failure``. After a replay, :meth:`Agreement.origins`
+ever. :meth:`Agreement.failed` reduces the failure flag across the ranks once per guarded step
+(or, for leave-on, per optimizer step), on a gloo process group of opwatch's own (made once by
+every rank at its first guard; the default group, on the current CUDA device under NCCL, where
+gloo is missing): the flag never meets the program's collectives, so a rank whose step raised
+before a collective the others run waits at the flag instead of being matched with it. So every
+rank replays the same steps, with matching collectives, and applies the same ``on_failure``. :meth:`Agreement.decide` is the same
+all-reduce with one slot per rank (``MAX`` of a vector where each rank writes only its own slot):
+every rank learns what each rank's step did (made nan/inf, raised, ran under a full watch), so a
+step that raised on one rank is known to all (:class:`RaisedElsewhere` names the rank, the
+exception and its line, read from the store key the raising rank wrote before the flag). After a replay, :meth:`Agreement.origins`
 exchanges what each rank's replay found (facts: kind, op, line, phase, received or made; through
 the process group's store, or ``$OPWATCH_EXCHANGE_DIR``) so that every rank's error names the rank
 that made the nan/inf.
@@ -34,7 +40,8 @@ from ...core.collective_ops import group_store, store_prefix
 from ...findings.ranks import DEFAULT_TIMEOUT, Exchange, RankAnomaly, decode, encode
 from ...render import guard as words
 
-__all__ = ["Agreement", "Made", "NoAnswer", "RankOrigin", "local", "ROLL_CALL_WAIT"]
+__all__ = ["Agreement", "Decision", "Made", "NoAnswer", "RaisedElsewhere", "RankOrigin", "local", "ROLL_CALL_WAIT",
+           "NONFINITE", "RAISED", "WATCHED", "raised_where"]
 
 ROLL_CALL_WAIT = 5.0  # seconds a rank that timed out waits for the others to say where they are
 
@@ -66,6 +73,66 @@ class NoAnswer(RuntimeError):
     """A rank did not answer within the timeout: the message names it and where the others were."""
 
 
+# What a rank's slot of the decision says (bits): its step made nan/inf, raised, ran under a
+# full watch (an audit: its origin, if any, is known without a replay).
+NONFINITE, RAISED, WATCHED = 1, 2, 4
+
+
+class Decision(NamedTuple):
+    """Every rank's slot of one decision, as each rank reads it (the same on every rank)."""
+
+    codes: tuple  # per rank: NONFINITE | RAISED | WATCHED bits
+
+    def ranks(self, bit: int) -> tuple:
+        return tuple(rank for rank, code in enumerate(self.codes) if code & bit)
+
+    @property
+    def failed(self) -> bool:
+        """Some rank's step made nan/inf or raised."""
+        return any(code & (NONFINITE | RAISED) for code in self.codes)
+
+    @property
+    def raised(self) -> tuple:
+        return self.ranks(RAISED)
+
+    @property
+    def nonfinite(self) -> tuple:
+        return self.ranks(NONFINITE)
+
+    @property
+    def all_watched(self) -> bool:
+        return all(code & WATCHED for code in self.codes)
+
+
+class RaisedElsewhere(RuntimeError):
+    """Another rank's step raised: every rank stops at that step (no rank replays it, since a
+    replay would run collectives the raising rank does not reach). ``rank``, ``error_type``,
+    ``where`` (``file:line`` of the user's frame that raised, or ``""``), ``line`` (the
+    exception's first line) are that rank's facts, as it wrote them before the flag."""
+
+    def __init__(self, message: str, *, rank: int, error_type: str = "", where: str = "", line: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.where = where
+        self.line = line
+
+
+def raised_where(error: BaseException) -> str:
+    """``file:line`` of the innermost user frame of ``error``'s traceback (not torch, opwatch
+    or an installed package), or ``""``."""
+    from ...core.sites import USER, classify_code, display_path
+
+    found = ""
+    walk = error.__traceback__
+    while walk is not None:
+        code = walk.tb_frame.f_code
+        if classify_code(code) == USER:
+            found = f"{display_path(code.co_filename)}:{walk.tb_lineno}"
+        walk = walk.tb_next
+    return found
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -90,6 +157,28 @@ def _timeout() -> float | None:
     return value if value > 0 else None
 
 
+# The flag's own gloo process group, one per default group (made by every rank at its first
+# guard, in the same order): the flag never meets the program's collectives, so a rank whose
+# step raised before a collective the others run waits at the flag instead of being matched
+# with that collective; and the flag stays a CPU tensor under NCCL (the check read it already).
+_flag_groups: list = []  # [(the default group, its flag group)]
+
+
+def _flag_group(dist):
+    world = dist.group.WORLD
+    for default, group in _flag_groups:
+        if default is world:
+            return group
+    group = None
+    if dist.is_gloo_available():
+        try:
+            group = dist.new_group(backend="gloo")
+        except Exception:
+            group = None  # the default group then carries the flag
+    _flag_groups[:] = [(world, group)]  # an older default group is gone
+    return group
+
+
 class Agreement:
     """A guard's place in a distributed job: its rank, the world, its flag tensor."""
 
@@ -98,10 +187,11 @@ class Agreement:
         self.rank = rank
         self.world = world
         self.number = next(_guards)
+        self._group = _flag_group(dist)
         backend = str(dist.get_backend())
-        on_cpu = "gloo" in backend or "nccl" not in backend
+        on_cpu = self._group is not None or "gloo" in backend or "nccl" not in backend
         device = torch.device("cpu") if on_cpu or not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
-        self._flag = torch.zeros(1, device=device)
+        self._flag = torch.zeros(world, device=device)
         self._max = dist.ReduceOp.MAX
         self.timeout = _timeout()
 
@@ -122,21 +212,42 @@ class Agreement:
     # -- the flag ------------------------------------------------------------------------------
 
     def failed(self, failed: bool, call: int, name: str, waited: str = "flag") -> bool:
-        """Whether any rank's step ``call`` failed (``MAX`` of the flags), waiting at most the
-        timeout; a rank that does not answer raises :class:`NoAnswer` on the others.
-        ``waited``: what the flag asks (``"flag"``: the step failed; ``"poisoned"``: the
-        parameters hold nan/inf)."""
+        """Whether any rank's step ``call`` failed, waiting at most the timeout; a rank that
+        does not answer raises :class:`NoAnswer` on the others. ``waited``: what the flag asks
+        (``"flag"``: the step failed; ``"poisoned"``: the parameters hold nan/inf)."""
+        return self.decide(NONFINITE if failed else 0, call, name, waited).failed
+
+    def decide(self, code: int, call: int, name: str, waited: str = "flag") -> Decision:
+        """Every rank's ``code`` (:data:`NONFINITE`, :data:`RAISED`, :data:`WATCHED` bits) for
+        step ``call``: one all-reduce (``MAX``) of one slot per rank, bounded like
+        :meth:`failed`."""
         flag = self._flag
-        flag.fill_(1.0 if failed else 0.0)
+        flag.zero_()
+        flag[self.rank] = float(code)
         try:
-            work = self._dist.all_reduce(flag, op=self._max, async_op=True)
+            work = self._dist.all_reduce(flag, op=self._max, group=self._group, async_op=True)
             if self.timeout is None:
                 work.wait()  # bounded by the process group's timeout
             else:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:
             raise self.no_answer(call, name, waited, error) from error
-        return bool(flag.item())
+        return Decision(tuple(int(value) for value in flag.tolist()))
+
+    def raised_elsewhere(self, decision: Decision, call: int, name: str) -> RaisedElsewhere:
+        """The error of a rank whose step ``call`` did not raise while another rank's did: that
+        rank's facts read from the key it wrote before the flag (:meth:`mark`)."""
+        rank = min(decision.raised)
+        facts: dict = {}
+        try:
+            store = group_store()
+            if store.check([self._where_key(rank)]):
+                facts = json.loads(store.get(self._where_key(rank)).decode("utf-8"))
+        except Exception:
+            pass  # the store is gone: the rank is named, its exception is not
+        text = words.raised_elsewhere(self.rank, call, name, rank, facts.get("error_type", ""), facts.get("where", ""),
+                                      facts.get("line", ""), [other for other in decision.raised if other != rank])
+        return RaisedElsewhere(text, rank=rank, error_type=facts.get("error_type", ""), where=facts.get("where", ""), line=facts.get("line", ""))
 
     # -- after a replay --------------------------------------------------------------------------
 
@@ -160,11 +271,12 @@ class Agreement:
     def _where_key(self, rank) -> str:
         return f"{store_prefix()}/guard/{self.number}/where/{rank}"
 
-    def mark(self, call: int, name: str, waited: str, detail: str = "") -> None:
-        """Say where this rank is (one store key) for ranks that time out waiting for it: a
-        step that raised on this rank is not at the flag the others wait at."""
+    def mark(self, call: int, name: str, waited: str, detail: str = "", **facts) -> None:
+        """Say where this rank is (one store key), written before it joins the flag: for the
+        others' :class:`RaisedElsewhere` (``facts``: ``error_type``, ``where``, ``line``) and
+        for ranks that time out waiting for it."""
         try:
-            group_store().set(self._where_key(self.rank), json.dumps({"call": call, "name": name, "waited": waited, "detail": detail}))
+            group_store().set(self._where_key(self.rank), json.dumps({"call": call, "name": name, "waited": waited, "detail": detail, **facts}))
         except Exception:
             pass  # no store: the others say they heard nothing
 

@@ -1,0 +1,132 @@
+"""Leave-on (``python -m opwatch --guard``) across ranks: every rank decides each optimizer step
+together, applies the same ``on_failure``, and names the rank that made the nan/inf.
+
+torchrun, 2 gloo ranks on 127.0.0.1, tests/scenarios/dist_leave_on.py (no DDP: the gradients are
+each rank's own; one all-reduce a step). Bounded: the process group times out after 30 s, the
+subprocess after 120 s; a bug fails, never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from support import SCENARIOS
+from support.helpers import line_of
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+LINE = line_of("# nan on the last rank", str(SCENARIOS / "dist_leave_on.py"))
+
+
+def _torchrun(*options, nan_steps="3,4", ranks=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "opwatch", "--guard",
+               *options, "dist_leave_on.py"]
+    environment = {**os.environ, "NAN_STEPS": nan_steps, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+
+
+def test_skip_every_rank_skips_the_same_steps_and_names_rank_1():
+    result = _torchrun()
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    # Step 3: rank 1's gradients hold nan, rank 0's are finite; both skip and re-check step 4.
+    assert "opwatch (rank 1): optimizer step 3: the gradients about to be applied hold nan/inf: 0.weight (nan)" in text
+    assert ("opwatch (rank 0): optimizer step 3: the gradients about to be applied hold nan/inf on rank 1 (this rank's were finite; "
+            "the ranks decide each optimizer step together). The optimizer step did not run (skipped") in text
+    # Step 4, watched on every rank: each names rank 1's op and line.
+    assert f"opwatch (rank 1): the failure of step 3 recurred at step 4: nan first made by aten.sqrt.default at dist_leave_on.py:{LINE} (forward)." in text
+    assert f"opwatch (rank 0): the failure of step 3 recurred at step 4: nan first made by aten.sqrt.default at dist_leave_on.py:{LINE} (forward) on rank 1." in text
+    # The same counts on both ranks; both reached the end with finite weights.
+    assert text.count("opwatch guard: 5 optimizer steps ran, 2 audited under a full watch, 2 failed (nan/inf in the gradients), 2 of them skipped.") == 2
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
+
+
+def test_raise_every_rank_raises_at_the_same_step_naming_rank_1():
+    """Deciding per rank, rank 0 went on and waited in the next all-reduce for rank 1 that had
+    raised (the process group's timeout); now both raise at step 4."""
+    result = _torchrun("--on-failure", "raise")
+    assert result.returncode != 0
+    text = result.stderr
+    assert f"[rank1]: opwatch.findings.anomaly.AnomalyError: nan in aten.sqrt.default at dist_leave_on.py:{LINE} (forward, rank 1)" in text
+    assert ("[rank0]: opwatch.findings.anomaly.AnomalyError: opwatch (rank 0): optimizer step 4 failed on every rank (the ranks decide "
+            f"each optimizer step together): rank 1 made it: nan in aten.sqrt.default at dist_leave_on.py:{LINE} (forward); "
+            "this rank's gradients were finite.") in text
+    assert text.count("opwatch guard: 4 optimizer steps ran, 2 audited under a full watch, 2 failed (nan/inf in the gradients), 2 of them skipped.") == 2
+    assert "Timeout" not in text and "timed out" not in text
+
+
+def test_three_ranks_the_two_healthy_ones_skip_with_the_last():
+    result = _torchrun(ranks=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"opwatch (rank {rank}): optimizer step 3: the gradients about to be applied hold nan/inf on rank 2 (this rank's were finite" in result.stderr
+        assert (f"opwatch (rank {rank}): the failure of step 3 recurred at step 4: nan first made by aten.sqrt.default at "
+                f"dist_leave_on.py:{LINE} (forward) on rank 2.") in result.stderr
+    assert result.stderr.count("2 failed (nan/inf in the gradients), 2 of them skipped.") == 3
+
+
+def test_a_healthy_run_fails_no_step():
+    result = _torchrun("--on-failure", "raise", nan_steps="")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OpwatchWarning" not in result.stderr
+    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 0 failed (nan/inf in the gradients).") == 2
+
+
+# -- a trainer's guard mode: Lightning's OpwatchCallback(mode="guard") on 2 DDP ranks ------------
+
+PL_LINE = line_of("# nan on rank 1, batch 3", str(SCENARIOS / "dist_lightning_guard.py"))
+
+
+def _lightning(on_failure):
+    pytest.importorskip("lightning")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "dist_lightning_guard.py", ".", on_failure]
+    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_lightning_guard_every_rank_replays_the_batch_and_names_rank_1():
+    """Both ranks replay batch 3 together; rank 0's replay made nothing (Lightning's replay runs
+    the module's training_step, not DDP's forward), and its warning names rank 1's op and line."""
+    result = _lightning("skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    made = f"Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch: nan first made by aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)"
+    assert f"opwatch (rank 1): optimizer step 3: the gradients about to be applied hold nan/inf: net.0.weight (nan)" in result.stderr
+    assert made + "." in result.stderr and made + " on rank 1." in result.stderr
+    assert "rank 0: steps 5 failed 1 skipped 1" in result.stdout and "rank 1: steps 5 failed 1 skipped 1" in result.stdout
+
+
+def test_lightning_guard_raise_every_rank_raises_naming_rank_1():
+    result = _lightning("raise")
+    assert result.returncode != 0
+    assert f"[rank1]: opwatch.findings.anomaly.AnomalyError: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward, rank 1)" in result.stderr
+    assert ("[rank0]: opwatch.findings.anomaly.AnomalyError: opwatch (rank 0): optimizer step 3 failed on every rank (the ranks decide each "
+            f"optimizer step together): rank 1 made it: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)") in result.stderr
+
+
+def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
+    """Rank 1 leaves the loop before step 2: rank 0 waits at the check of step 2 at most
+    OPWATCH_COLLECTIVE_TIMEOUT=2 s (then 5 s for where the others are), and names rank 1."""
+    started = time.monotonic()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard", "dist_leave_on.py"]
+    environment = {**os.environ, "NAN_STEPS": "", "STOP_AT": "2", "OPWATCH_COLLECTIVE_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode != 0
+    assert ("[rank0]: opwatch.runners.guarded.ranks.NoAnswer: opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited "
+            "at the check of the gradients before optimizer step 2 (every rank decides each optimizer step together); rank 1 said nothing") in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_apply_every_rank_applies_and_knows_the_weights_hold_nan_on_rank_1():
+    """on_failure="apply": rank 1's weights take the nan, rank 0's stay finite; both say the
+    weights hold nan/inf since step 3 and count the same failures (no rank re-checks alone)."""
+    result = _torchrun("--on-failure", "apply")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "opwatch (rank 1): the weights hold nan since optimizer step 3: 0.weight (nan)" in result.stderr
+    assert "opwatch (rank 0): the weights hold nan/inf on another rank since optimizer step 3 (this rank's are finite;" in result.stderr
+    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 3 failed (nan/inf in the gradients).") == 2
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: False" in result.stdout
