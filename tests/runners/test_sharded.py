@@ -39,7 +39,7 @@ LAYOUTS = ["fsdp2_reshard", "fsdp2_keep", "tp", "sp", "ddp"]
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One process group of 2 ranks running every 2-rank case (spawning costs seconds)."""
-    return spawn(dist_sharded.worker, 2, [*LAYOUTS, "dtensor_origin", "finite_local"], tmp_path_factory.mktemp("sharded2"), timeout=300)
+    return spawn(dist_sharded.worker, 2, [*LAYOUTS, "dtensor_origin", "finite_local", "tp_poisoned_weight"], tmp_path_factory.mktemp("sharded2"), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,20 @@ def test_four_ranks_name_the_last_rank_and_the_others_received(four_ranks):
 
 
 @needs_columns
+def test_a_dtensor_weight_holding_nan_before_the_watch_is_that_rank_s_weights(two_ranks):
+    """A tensor-parallel weight's shard poisoned before the watch (on the last rank): read
+    through its local shard when an op first reads it; that rank's origin is the weight, not
+    "made nan from finite inputs"; the other rank received it."""
+    last = two_ranks[-1]["tp_poisoned_weight"]
+    assert last["anomalies"], last
+    kind, op, where, phase, received, rank = last["anomalies"][0]
+    assert kind == "nan" and not received and rank == 1 and phase == "forward", last["anomalies"]
+    assert last["causes"][0] == "weights", last["messages"][0]
+    assert "from finite inputs" not in last["messages"][0]
+    first = two_ranks[0]["tp_poisoned_weight"]
+    assert first["anomalies"] and all(received for *_, received, _ in first["anomalies"]), first["anomalies"]
+
+
 def test_table_golden_with_dtensors(two_ranks):
     assert_golden("table_dtensor.txt", two_ranks[0]["dtensor_origin"]["table"] + "\n")
 

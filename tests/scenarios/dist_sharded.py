@@ -305,3 +305,20 @@ def finite_local(rank, world):
 
 
 CASES.update(dtensor_origin=dtensor_origin, finite_local=finite_local)
+
+
+def tp_poisoned_weight(rank, world):
+    """Tensor parallel, the last rank's shard of ``up.weight`` holding a nan written before the
+    watch (a bad checkpoint): checked when an op first reads it, the nan is that rank's weights
+    (cause ``weights``), named at the op that read it; the other ranks receive it."""
+    model = LAYOUTS["tp"](world)
+    if rank == world - 1:
+        with torch.no_grad():
+            model.up.weight.to_local()[0, 0] = float("nan")
+    with opwatch.watch(warn=False) as w:
+        _train(model, rank, "tp", steps=1)
+    causes = [getattr(a.finding.facts.get("cause"), "kind", None) for a in w.anomalies]
+    return {"anomalies": _anomalies(w), "causes": causes, "messages": [a.message for a in w.anomalies]}
+
+
+CASES["tp_poisoned_weight"] = tp_poisoned_weight

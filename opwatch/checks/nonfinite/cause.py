@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...core.compat import dtensor_class, dtensor_parts
 from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
@@ -244,6 +245,8 @@ def fold_same_source(origins) -> tuple[list, dict]:
 
 def _health(tensor) -> _Health:
     try:
+        if type(tensor) not in PLAIN_TYPES and type(tensor) is dtensor_class():
+            tensor, _, _ = dtensor_parts(tensor)  # this rank's shard, what its ops read: no collective
         if type(tensor) not in PLAIN_TYPES or tensor.layout is not STRIDED:
             return _Health(None, None)
         extremes = value_extremes(tensor)

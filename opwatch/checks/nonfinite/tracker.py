@@ -23,7 +23,7 @@ from itertools import islice
 import torch
 
 from ...core.finite import readable
-from ...core.compat import dispatch_modes_outside, dtensor_parts, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
+from ...core.compat import dispatch_modes_outside, dtensor_class, dtensor_parts, inference_mode_enabled, is_zerotensor, no_python_dispatch, tensor_base
 from ...core.ops import C10D, FUNCTIONAL, WAIT, WRAP, facts_of
 from ...core.records import E_INDEX, M_DEVICE, M_DTYPE, M_SHARDING
 from .collectives import CollectiveReads
@@ -177,6 +177,14 @@ class NonFiniteTracker:
         seen = self._first_seen.get(index, ())
         position = FIRST_SEEN + len(seen)
         ref = self._reduce_one(index, position, tensor, tensor.dtype, tensor.device)
+        if ref is None and type(tensor) not in PLAIN_TYPES and type(tensor) is dtensor_class():
+            # A DTensor made before the watch (a tensor-parallel weight): its local shard, with
+            # no collective. The replay follows it under the DTensor's id.
+            local, _, _ = dtensor_parts(tensor)
+            ref = self._reduce_one(index, position, local, tensor.dtype, local.device)
+            if ref is not None:
+                self._remember(local, ref)
+                ref = weakref.ref(tensor)
         if ref is not None:
             self._first_seen[index] = (*seen, (position, id(tensor)))
         self._remember(tensor, ref or weakref.ref(tensor))
