@@ -37,6 +37,7 @@ from ..storage.jsonl import SavedLog, load
 from ..core.ops import facts_of
 from ..render.diff import render_diff, render_diff_table
 from ..session import Watch
+from .divergence_compiled import compiled_side, compiled_tolerance, pair_compiled
 
 __all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
 
@@ -370,15 +371,16 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def compare(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance):
+def compare(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance, *, sizes_only: bool = False):
     """``None`` when op ``i`` of ``a`` and op ``j`` of ``b`` agree (or cannot be compared),
-    else ``(output position, reason, print in a, print in b)``."""
+    else ``(output position, reason, print in a, print in b)``. ``sizes_only``: outputs of
+    the same number of elements compare (a compiled graph's output may be a view of its op's)."""
     outputs_a, outputs_b = a.records[i].outputs or (), b.records[j].outputs or ()
     if len(outputs_a) != len(outputs_b):
         return (0, "shape", None, None)
     prints_a, prints_b = a.fingerprints(i), b.fingerprints(j)
     for position, (x, y) in enumerate(zip(outputs_a, outputs_b)):
-        if tuple(x.shape or ()) != tuple(y.shape or ()):
+        if (math.prod(x.shape or ()) != math.prod(y.shape or ())) if sizes_only else (tuple(x.shape or ()) != tuple(y.shape or ())):
             return (position, "shape", None, None)
         if prints_a is None or prints_b is None or position >= len(prints_a) or position >= len(prints_b):
             continue
@@ -434,9 +436,15 @@ class Diff:
         pairs: the alignment, ``(record in a or None, record in b or None)`` in stream order.
         labels / torch: each run's source (a path, ``"watch"``, ``"saved log"``) and torch version.
         compared: how many aligned ops had fingerprints on both sides.
+        compiled: ``"a"`` or ``"b"`` when that run was recorded with ``watch(compiled=...)``:
+            its records are paired with the eager run's at the level both can see (``pairs``
+            in its order; ``only_in_a``/``only_in_b`` its records without an eager counterpart);
+            ``None`` for two runs aligned op by op.
+        not_visible: for a compiled run, how many eager ops no compiled record pairs with
+            (fused into a kernel, decomposed): not compared.
     """
 
-    def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int):
+    def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int, compiled: str | None = None):
         self.pairs = [(None if i is None else a.records[i], None if j is None else b.records[j]) for i, j in steps]
         self.only_in_a = [record for record, other in self.pairs if other is None]
         self.only_in_b = [other for record, other in self.pairs if record is None]
@@ -447,9 +455,18 @@ class Diff:
         self.compared = compared
         self._first_pair = first_pair
         self._statuses = None
+        # "a" or "b": that run was recorded under watch(compiled=...), compared at the level
+        # both runs can see (its records paired with the eager run's); None: op by op.
+        self.compiled = compiled
+        # Eager ops no compiled record was paired with (fused or decomposed away): not compared.
+        self.not_visible = 0 if compiled is None else len((b if compiled == "a" else a).records) - len([pair for pair in self.pairs if None not in pair])
 
     @property
     def agree(self) -> bool:
+        """No aligned op differs and no op is in one run only; for a compiled run against an
+        eager one, no paired op differs (at the level both can see)."""
+        if self.compiled is not None:
+            return self.first is None
         return self.first is None and not self.only_in_a and not self.only_in_b
 
     def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
@@ -523,15 +540,19 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
     ``.table(context=N)``, and ``str()``.
     """
     run_a, run_b = _Run(a, "a"), _Run(b, "b")
-    steps = align(run_a, run_b)
-    tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+    level = compiled_side(run_a, run_b)
+    if level is None:
+        steps = align(run_a, run_b)
+        tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+    else:
+        steps, tolerance = _compiled_steps(run_a, run_b, level, rtol, atol)
     first, first_pair, compared = None, None, 0
     for number, (i, j) in enumerate(steps):
         if i is None or j is None:
             continue
         if run_a.fingerprints(i) is not None and run_b.fingerprints(j) is not None:
             compared += 1
-        found = compare(run_a, run_b, i, j, tolerance) if first is None else None
+        found = compare(run_a, run_b, i, j, tolerance, sizes_only=level is not None) if first is None else None
         if found is not None:
             inputs, verdict = explain_inputs(run_a, run_b, i, j, tolerance)
             first = Divergence(
@@ -539,4 +560,17 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
                 run_a.whole_script and run_b.whole_script, run_a.cut or run_b.cut,
             )
             first_pair = number
-    return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared)
+    return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared, compiled=level)
+
+
+def _compiled_steps(run_a: _Run, run_b: _Run, level: str, rtol, atol) -> tuple[list, Tolerance]:
+    """A compiled run against an eager one (:mod:`opwatch.runners.divergence_compiled`): the
+    pairs in the compiled run's order, and the tolerance (the dtype's default when none is given)."""
+    compiled, eager = (run_a, run_b) if level == "a" else (run_b, run_a)
+    tolerance = choose_tolerance(run_a, run_b, [], rtol, atol)
+    if tolerance.reason != "given":
+        rtol_, atol_, name = compiled_tolerance(compiled, _dtype_name, DEFAULT_TOLERANCES)
+        tolerance = Tolerance(rtol_, atol_, "compiled", (name,))
+    pairs = pair_compiled(compiled, eager, tolerance, _gaps)
+    steps = pairs if level == "a" else [(j, i) for i, j in pairs]
+    return steps, tolerance
