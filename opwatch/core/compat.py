@@ -272,7 +272,8 @@ def graph_module_behind(compiled):
         cells = getattr(compiled, "__closure__", None) or ()
         if not getattr(compiled, "_boxed_call", False) or len(cells) != 1:
             return None
-        compiled = cells[0].cell_contents
+        (cell,) = cells
+        compiled = cell.cell_contents
     return None
 
 

@@ -387,7 +387,10 @@ class OpRecord(BaseRecord):
         # Without building the position: the file is the code object's.
         code, lasti = self._log.sites[self._entry[E_SITE]]
         if code is None:
-            return lasti[0] if type(lasti) is tuple else None
+            if type(lasti) is tuple:  # a line site
+                filename, _ = lasti
+                return filename
+            return None
         return code.co_filename
 
     @property

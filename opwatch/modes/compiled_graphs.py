@@ -30,6 +30,7 @@ import re
 import sys
 import threading
 from time import perf_counter_ns
+from typing import NamedTuple
 
 import torch
 
@@ -163,12 +164,17 @@ _MADE = BoundedCache(64)  # backend (name or object id) -> (backend, its recordi
 _GRAPHS = itertools.count(1)
 
 
+class _Made(NamedTuple):
+    backend: object  # kept alive: the cache is keyed by its id
+    wrapper: object
+
+
 def _recording_backend(backend):
     """The recording wrapper of ``backend``, the same one each time (Dynamo keeps one compiled
     code per forced backend: a second watch reuses the first one's)."""
     key = backend if isinstance(backend, str) else id(backend)
     made = _MADE.get(key)
-    if made is None or made[0] is not backend:
+    if made is None or made.backend is not backend:
         if backend == "inductor":
             wrapper = inductor_with_inner(lambda gm, compiled: _compiler(lambda *_: compiled, _phase_of(gm))(gm, None))
         elif backend == "aot_eager":
@@ -181,8 +187,8 @@ def _recording_backend(backend):
             if parts.get("inference_compiler") is not None:
                 parts["inference_compiler"] = _compiler(parts["inference_compiler"], FORWARD)
             wrapper = aot_backend_with(parts)
-        made = _MADE.put(key, (backend, wrapper))
-    return made[1]
+        made = _MADE.put(key, _Made(backend, wrapper))
+    return made.wrapper
 
 
 def _phase_of(gm) -> str:
@@ -312,7 +318,7 @@ def _maker(node):
 
 # -- the user's line of a node -----------------------------------------------------------------
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
+_FRAME = re.compile(r'File\s"([^"]+)",\sline\s(\d+),\sin\s')  # a traceback's frame line
 _TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 _OPWATCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 

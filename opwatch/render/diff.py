@@ -33,7 +33,8 @@ def render_tolerance(tolerance) -> str:
         return "compared bitwise"
     text = f"compared within rtol={tolerance.rtol:g}, atol={tolerance.atol:g} on each output's sum, L2 norm, min and max"
     if tolerance.reason == "compiled":
-        text += f" (the default for a compiled run against an eager one: {tolerance.dtypes[0]}'s, as torch.testing.assert_close; compiled kernels round and sum in another order)"
+        (name,) = tolerance.dtypes
+        text += f" (the default for a compiled run against an eager one: {name}'s, as torch.testing.assert_close; compiled kernels round and sum in another order)"
     if tolerance.reason == "dtypes":
         low, high = tolerance.dtypes
         text += f" (the default for {low}: the runs' dtypes differ, {low} against {high})"

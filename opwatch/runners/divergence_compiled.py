@@ -106,6 +106,11 @@ def _agree(compiled, eager, step: int, other: int, tolerance) -> bool:
     return all(x is None or y is None or tolerance.close(x, y) for x, y in zip(compiled.fingerprints(step), eager.fingerprints(other)))
 
 
+def _rtol(defaults: dict, name: str) -> float:
+    rtol, _ = defaults[name]
+    return rtol
+
+
 def compiled_tolerance(compiled, dtype_name, defaults: dict):
     """``(rtol, atol, dtype name)``: the lowest precision among the compiled run's graph
     outputs, by ``defaults`` (dtype name -> (rtol, atol)); float32's when none is known."""
@@ -115,7 +120,7 @@ def compiled_tolerance(compiled, dtype_name, defaults: dict):
             continue
         for meta in record.outputs or ():
             name = dtype_name(meta.dtype)
-            if name in defaults and (lowest is None or defaults[name][0] > defaults[lowest][0]):
+            if name in defaults and (lowest is None or _rtol(defaults, name) > _rtol(defaults, lowest)):
                 lowest = name
     lowest = lowest or "float32"
     return (*defaults[lowest], lowest)
