@@ -40,6 +40,7 @@ __all__ = [
     "aot_backend_with",
     "inductor_with_inner",
     "graph_module_behind",
+    "dtensor_shard",
     "compiled_module_inner",
     "pack_padded_sequence_function",
     "op_kernel",
@@ -275,6 +276,33 @@ def graph_module_behind(compiled):
         (cell,) = cells
         compiled = cell.cell_contents
     return None
+
+
+def dtensor_shard(tensor):
+    """``(local shard, placements, global shape, mesh size)`` of a ``DTensor`` on a 1-D mesh,
+    placements as ``("S", dim)``, ``("R", -1)`` or ``("P", -1)``; ``None`` for any other tensor
+    (or a mesh of more dimensions). The shard is ``DTensor._local_tensor`` (torch 2.4+: reading
+    it dispatches no op, where ``to_local()`` would run an autograd function)."""
+    if type(tensor).__name__ != "DTensor":
+        return None
+    local = getattr(tensor, "_local_tensor", None)
+    try:
+        placements = tuple(tensor.placements)
+        mesh = tensor.device_mesh
+    except Exception:
+        return None
+    if local is None or len(placements) != 1 or mesh.ndim != 1:
+        return None
+    (placement,) = placements
+    if placement.is_shard():
+        kind = ("S", placement.dim)
+    elif placement.is_replicate():
+        kind = ("R", -1)
+    elif placement.is_partial():
+        kind = ("P", -1)
+    else:
+        return None
+    return local, (kind,), tuple(tensor.shape), mesh.size()
 
 
 def compiled_module_inner(module):

@@ -35,6 +35,9 @@ def render_tolerance(tolerance) -> str:
     if tolerance.reason == "compiled":
         (name,) = tolerance.dtypes
         text += f" (the default for a compiled run against an eager one: {name}'s, as torch.testing.assert_close; compiled kernels round and sum in another order)"
+    if tolerance.reason == "layouts":
+        (name,) = tolerance.dtypes
+        text += f" (the default for a sharded run against a single-process one: {name}'s; the shards' statistics combine, their exact hashes do not)"
     if tolerance.reason == "dtypes":
         low, high = tolerance.dtypes
         text += f" (the default for {low}: the runs' dtypes differ, {low} against {high})"
@@ -50,6 +53,13 @@ def render_diff(result) -> str:
     compiled = getattr(result, "compiled", None)
     if compiled is not None:
         lines.append(_render_level(result, compiled))
+    for name, ranks in zip("ab", getattr(result, "ranks", (1, 1))):
+        if ranks > 1:
+            lines.append(
+                f"Run {name} is {ranks} ranks' logs, combined: each DTensor output's shards by its placement (Shard: sums and "
+                "squares added, min and max of the ranks; Replicate and plain tensors: rank 0's; Partial: not compared); "
+                "its collectives and redistributions are ops in one run only."
+            )
     if first is None:
         if compiled is not None:
             lines.append(f"The runs agree at the level both can see: {result.compared} records of the compiled run compared with the eager op of the same line, phase, shape and dtype.")

@@ -38,6 +38,7 @@ from ..core.ops import facts_of
 from ..render.diff import render_diff, render_diff_table
 from ..session import Watch
 from .divergence_compiled import compiled_side, compiled_tolerance, pair_compiled
+from .divergence_layouts import combine_ranks, is_ranks, rank_sources
 
 __all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
 
@@ -88,8 +89,10 @@ _EMPTY = Output(-1, -1)
 
 class Tolerance:
     """How outputs are compared: ``bitwise``, or ``rtol``/``atol`` on the statistics;
-    ``reason``: ``"bitwise"``, ``"given"`` or ``"dtypes"`` (the runs' dtypes differ:
-    ``dtypes`` holds the two dtype names, lower precision first)."""
+    ``reason``: ``"bitwise"``, ``"given"``, ``"dtypes"`` (the runs' dtypes differ:
+    ``dtypes`` holds the two dtype names, lower precision first), ``"compiled"`` (a compiled run
+    against an eager one) or ``"layouts"`` (a sharded run's ranks against a single process);
+    for the last two ``dtypes`` holds the one dtype name whose default was taken."""
 
     __slots__ = ("rtol", "atol", "reason", "dtypes")
 
@@ -170,23 +173,16 @@ class _Run:
     """One side: its records, fingerprints, alignment keys and the producer of each input."""
 
     def __init__(self, source, name: str):
-        # whole_script: watched from the script's first line (python -m opwatch --jsonl)
-        self.label, self.torch, records, prints, self.whole_script = _open(source, name)
+        self.ranks = 1  # several: the ranks' logs of a sharded run, combined (divergence_layouts)
+        if is_ranks(source):
+            self.label, self.torch, records, prints, self.whole_script, self.ranks = _open_ranks(source, name)
+        else:
+            # whole_script: watched from the script's first line (python -m opwatch --jsonl)
+            self.label, self.torch, records, prints, self.whole_script = _open(source, name)
         self.records = records
         self.cut = bool(records) and records[0].index > 0  # the bounded log lost its first ops
         self.prints = prints
-        self.keys = []
-        self.loose = []
-        texts: dict = {}  # (file, line) -> the line's text, read once
-        for record in records:
-            position = record.position
-            base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
-            place = (position.filename, position.lineno)
-            text = texts.get(place)
-            if text is None:
-                text = texts[place] = position.line_text().strip() if position.filename else ""
-            self.keys.append((record.op, base, text, record.module, record.phase))
-            self.loose.append((record.op, base, record.module, record.phase))
+        self.keys, self.loose = _keys_of(records)
         self.producers = _producers(records, prints)
 
     def fingerprints(self, step: int):
@@ -196,6 +192,44 @@ class _Run:
         """The fingerprint of output ``made``."""
         prints = self.fingerprints(made.step)
         return prints[made.position] if prints is not None and made.position < len(prints) else None
+
+
+def _keys_of(records) -> tuple[list, list]:
+    """The alignment keys of ``records``: (op, file name, line text, module, phase), and the
+    same without the line's text."""
+    keys, loose = [], []
+    texts: dict = {}  # (file, line) -> the line's text, read once
+    for record in records:
+        position = record.position
+        base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
+        place = (position.filename, position.lineno)
+        text = texts.get(place)
+        if text is None:
+            text = texts[place] = position.line_text().strip() if position.filename else ""
+        keys.append((record.op, base, text, record.module, record.phase))
+        loose.append((record.op, base, record.module, record.phase))
+    return keys, loose
+
+
+def _open_ranks(source, name: str):
+    """``(label, torch version, records, fingerprints, whole script, ranks)`` of several ranks'
+    logs: rank 0's records, and each output's fingerprint combined from the ranks' shards."""
+    opened = [_open(one, f"{name} (log {number})") for number, one in enumerate(rank_sources(source, name))]
+    if len(opened) > 1:
+        opened.sort(key=lambda found: _rank_of(found))
+    keys = [_keys_of(records)[0] for _, _, records, _, _ in opened]
+    prints = combine_ranks([(records, found) for _, _, records, found, _ in opened], keys, _matches)
+    label = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ", ".join(found[0] for found in opened)
+    _, version, records, _, whole = opened[0]
+    return f"{len(opened)} ranks ({label})", version, records, prints, whole, len(opened)
+
+
+def _rank_of(opened) -> int:
+    _, _, records, _, _ = opened
+    for record in records:
+        rank = record.rank
+        return rank if isinstance(rank, int) else 0
+    return 0
 
 
 def _open(source, name: str):
@@ -442,6 +476,9 @@ class Diff:
             ``None`` for two runs aligned op by op.
         not_visible: for a compiled run, how many eager ops no compiled record pairs with
             (fused into a kernel, decomposed): not compared.
+        ranks: ``(ranks of a, ranks of b)``: more than 1 for a side given as a sharded run's
+            ranks' logs (a list, or a directory of ``.jsonl``), combined into one run; its ops
+            in one run only (collectives, redistributions) do not make ``agree`` false.
     """
 
     def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int, compiled: str | None = None):
@@ -458,6 +495,9 @@ class Diff:
         # "a" or "b": that run was recorded under watch(compiled=...), compared at the level
         # both runs can see (its records paired with the eager run's); None: op by op.
         self.compiled = compiled
+        # (ranks of a, ranks of b): more than 1 for a sharded run given as its ranks' logs.
+        self.ranks = (a.ranks, b.ranks)
+        self._prints = (a.prints, b.prints)
         # Eager ops no compiled record was paired with (fused or decomposed away): not compared.
         self.not_visible = 0 if compiled is None else len((b if compiled == "a" else a).records) - len([pair for pair in self.pairs if None not in pair])
 
@@ -467,6 +507,14 @@ class Diff:
         eager one, no paired op differs (at the level both can see)."""
         if self.compiled is not None:
             return self.first is None
+        # A sharded run's own ops (collectives, redistributions) do not make the runs disagree.
+        # Nor do the single run's ops that have no fingerprint (views, the gradients' detaches:
+        # autograd's in one run, the DTensor gradients' own in the other).
+        sharded_a, sharded_b = (ranks > 1 for ranks in self.ranks)
+        if sharded_a or sharded_b:
+            single = self.only_in_b if sharded_a else self.only_in_a
+            prints = self._prints[1] if sharded_a else self._prints[0]
+            return self.first is None and not any(prints.get(record.index) for record in single)
         return self.first is None and not self.only_in_a and not self.only_in_b
 
     def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
@@ -544,6 +592,10 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
     if level is None:
         steps = align(run_a, run_b)
         tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+        if tolerance.bitwise and (run_a.ranks > 1 or run_b.ranks > 1):
+            # Shards' statistics combine; their hashes do not: the dtype's default tolerance.
+            name = _lowest_dtype(run_a if run_a.ranks > 1 else run_b)
+            tolerance = Tolerance(*DEFAULT_TOLERANCES[name], "layouts", (name,))
     else:
         steps, tolerance = _compiled_steps(run_a, run_b, level, rtol, atol)
     first, first_pair, compared = None, None, 0
@@ -561,6 +613,19 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
             )
             first_pair = number
     return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared, compiled=level)
+
+
+def _lowest_dtype(run: _Run) -> str:
+    """The lowest-precision floating dtype among ``run``'s outputs with fingerprints (float32
+    when none is known)."""
+    lowest = "float32"
+    for step, record in enumerate(run.records):
+        if run.fingerprints(step):
+            for meta in record.outputs or ():
+                name = _dtype_name(meta.dtype)
+                if name in DEFAULT_TOLERANCES and _rtol(name) > _rtol(lowest):
+                    lowest = name
+    return lowest
 
 
 def _compiled_steps(run_a: _Run, run_b: _Run, level: str, rtol, atol) -> tuple[list, Tolerance]:

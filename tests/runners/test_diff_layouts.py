@@ -1,0 +1,160 @@
+"""``opwatch.diff`` of a sharded run (its ranks' logs) against a single-process run.
+
+For real: a 2-rank tensor-parallel training step (``ColwiseParallel`` / ``RowwiseParallel``
+DTensors, an SGD step on the sharded parameters) on gloo over 127.0.0.1, started with
+``torch.multiprocessing`` in a subprocess (process-group timeout 30 s, the subprocess 240 s),
+each rank writing its log; the single-process run of the same model and data writes its own.
+Clean, the runs agree; with one rank's shard of one weight perturbed, the diff names the first
+op whose combined values differ, at its line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import opwatch
+from opwatch.runners.cli_diff import run_diff
+from support.helpers import line_of
+
+REPO = Path(__file__).resolve().parent.parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+SCRIPT = textwrap.dedent(
+    """\
+    import datetime
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    import opwatch
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))  # fc1 line
+            return self.fc2(h)  # fc2 line
+
+
+    def train_step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)  # loss line
+        loss.backward()
+        optimizer.step()
+
+
+    def data():
+        torch.manual_seed(0)
+        return Net(), torch.randn(6, 8), torch.randn(6, 4)
+
+
+    def rank_main(rank, port, out, plant):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+        try:
+            model, x, y = data()
+            mesh = init_device_mesh("cpu", (2,))
+            parallelize_module(model, mesh, {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(input_layouts=Shard(-1))})
+            if plant and rank == 1:
+                with torch.no_grad():
+                    model.fc1.weight._local_tensor[0, 0] += 0.01  # this rank's shard of fc1.weight
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            with opwatch.watch(fingerprints=True) as w:
+                for _ in range(2):
+                    train_step(model, optimizer, x, y)
+            w.export_jsonl(os.path.join(out, f"rank{rank}.jsonl"))
+        finally:
+            dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        out, port, plant = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plant"
+        os.makedirs(os.path.join(out, "ranks"))
+        mp.spawn(rank_main, args=(port, os.path.join(out, "ranks"), plant), nprocs=2, join=True)
+        model, x, y = data()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with opwatch.watch(fingerprints=True) as w:
+            for _ in range(2):
+                train_step(model, optimizer, x, y)
+        w.export_jsonl(os.path.join(out, "single.jsonl"))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _record(tmp_path, plant: bool) -> tuple[Path, Path]:
+    script = tmp_path / "tp_train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(_free_port()), "plant" if plant else "clean"],
+        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "ranks", tmp_path / "single.jsonl"
+
+
+def test_a_clean_tensor_parallel_run_agrees_with_the_single_process_one(tmp_path, capsys):
+    ranks, single = _record(tmp_path, plant=False)
+    result = opwatch.diff(ranks, single)
+    assert result.agree, str(result)
+    assert result.ranks == (2, 1) and result.tolerance.reason == "layouts"
+    # The sharded ops were compared, combined by placement: fc1's addmm (Shard(1)), the
+    # gradients' mm, the SGD updates of the sharded parameters (Shard(0)), both steps.
+    compared = {record.op for record, other in result.pairs if record is not None and other is not None}
+    assert {"aten.addmm.default", "aten.mm.default", "aten.add_.Tensor"} <= compared
+    assert result.compared >= 30
+    # The collectives exist in the sharded run only.
+    assert any("all_reduce" in record.op for record in result.only_in_a)
+    assert "Run a is 2 ranks' logs, combined" in str(result)
+    # The ranks' logs as a list, the other way round: the same verdict.
+    assert opwatch.diff(str(single), sorted(str(path) for path in ranks.iterdir())).agree
+    assert run_diff([str(ranks), str(single)]) == 0
+    capsys.readouterr()
+
+
+def test_one_ranks_perturbed_shard_is_named_at_its_op_and_line(tmp_path, capsys):
+    ranks, single = _record(tmp_path, plant=True)
+    result = opwatch.diff(ranks, single)
+    assert not result.agree
+    first = result.first
+    script = str(tmp_path / "tp_train.py")
+    assert first.a.op == "aten.addmm.default" and first.a.lineno == line_of("# fc1 line", script)
+    assert first.a.phase == "forward" and first.reason == "values"
+    # Shard(1) of fc1's output: the sum over both ranks' shards is what differs from the single run.
+    assert any(gap.statistic == "sum" and gap.relative > 1e-4 for gap in first.gaps())
+    assert run_diff([str(ranks), str(single), "--context", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "The runs first differ at aten.addmm" in out and "h = torch.relu(self.fc1(x))" in out
+
+
+def test_a_directory_without_logs_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .jsonl log in it"):
+        opwatch.diff(tmp_path / "empty", tmp_path / "empty")
