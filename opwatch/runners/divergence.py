@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from difflib import SequenceMatcher
 from typing import NamedTuple
 
@@ -206,9 +207,15 @@ def _keys_of(records) -> tuple[list, list]:
         text = texts.get(place)
         if text is None:
             text = texts[place] = position.line_text().strip() if position.filename else ""
-        keys.append((record.op, base, text, record.module, record.phase))
-        loose.append((record.op, base, record.module, record.phase))
+        module = record.module
+        if module and "FSDP" in module:  # fully_shard renames each class: FSDPLinear is Linear
+            module = _FSDP_CLASS.sub("", module)
+        keys.append((record.op, base, text, module, record.phase))
+        loose.append((record.op, base, module, record.phase))
     return keys, loose
+
+
+_FSDP_CLASS = re.compile(r"(?<![A-Za-z0-9_])FSDP(?=[A-Z])")
 
 
 def _open_ranks(source, name: str):
@@ -245,8 +252,9 @@ def _open(source, name: str):
         label = "watch"
     else:
         raise TypeError(
-            f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load or the path of a "
-            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl, got {type(source).__name__}"
+            f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load, the path of a "
+            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl, or a list or directory "
+            f"of a sharded run's per-rank logs, got {type(source).__name__}"
         )
     prints = source.fingerprints
     if prints is None:
@@ -580,7 +588,11 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
         print(result.table(context=5))
 
     ``a`` and ``b``: :class:`~opwatch.Watch` objects (their blocks ended), logs read by
-    :func:`opwatch.load`, or paths of ``.jsonl`` logs, recorded with fingerprints. Outputs are
+    :func:`opwatch.load`, or paths of ``.jsonl`` logs, recorded with fingerprints; or, for a
+    sharded run, a list or tuple of its ranks' logs or the directory that holds them, combined
+    into the global tensors' statistics (:mod:`opwatch.runners.divergence_layouts`). A run
+    recorded with ``watch(compiled=...)`` is compared with an eager run at the level both can
+    see (:mod:`opwatch.runners.divergence_compiled`). Outputs are
     compared bitwise, or within ``rtol``/``atol`` (on each output's sum, L2 norm, min and max)
     when either is given; when the runs' dtypes differ (a bf16 run against an fp32 one) the
     default tolerance is the lower precision's (:data:`DEFAULT_TOLERANCES`), and the report

@@ -66,8 +66,9 @@ SCRIPT = textwrap.dedent(
         return Net(), torch.randn(6, 8), torch.randn(6, 4)
 
 
-    def rank_main(rank, port, out, plant):
+    def rank_main(rank, port, out, plant, layout):
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -76,10 +77,15 @@ SCRIPT = textwrap.dedent(
         try:
             model, x, y = data()
             mesh = init_device_mesh("cpu", (2,))
-            parallelize_module(model, mesh, {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(input_layouts=Shard(-1))})
+            if layout == "tp":
+                parallelize_module(model, mesh, {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(input_layouts=Shard(-1))})
+            else:  # FSDP2: each parameter sharded on dim 0; the compute runs on all-gathered ones
+                fully_shard(model.fc1, mesh=mesh)
+                fully_shard(model.fc2, mesh=mesh)
+                fully_shard(model, mesh=mesh)
             if plant and rank == 1:
                 with torch.no_grad():
-                    model.fc1.weight._local_tensor[0, 0] += 0.01  # this rank's shard of fc1.weight
+                    model.fc1.weight.to_local()[0, 0] += 0.01  # this rank's shard of fc1.weight
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             with opwatch.watch(fingerprints=True) as w:
                 for _ in range(2):
@@ -90,9 +96,9 @@ SCRIPT = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        out, port, plant = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plant"
+        out, port, plant, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plant", sys.argv[4]
         os.makedirs(os.path.join(out, "ranks"))
-        mp.spawn(rank_main, args=(port, os.path.join(out, "ranks"), plant), nprocs=2, join=True)
+        mp.spawn(rank_main, args=(port, os.path.join(out, "ranks"), plant, layout), nprocs=2, join=True)
         model, x, y = data()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with opwatch.watch(fingerprints=True) as w:
@@ -109,29 +115,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _record(tmp_path, plant: bool) -> tuple[Path, Path]:
+def _record(tmp_path, plant: bool, layout: str) -> tuple[Path, Path]:
     script = tmp_path / "tp_train.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(_free_port()), "plant" if plant else "clean"],
+        [sys.executable, str(script), str(tmp_path), str(_free_port()), "plant" if plant else "clean", layout],
         env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "ranks", tmp_path / "single.jsonl"
 
 
-def test_a_clean_tensor_parallel_run_agrees_with_the_single_process_one(tmp_path, capsys):
-    ranks, single = _record(tmp_path, plant=False)
+LAYOUTS = pytest.mark.parametrize("layout", ["tp", "fsdp2"])
+
+
+@LAYOUTS
+def test_a_clean_sharded_run_agrees_with_the_single_process_one(tmp_path, capsys, layout):
+    ranks, single = _record(tmp_path, plant=False, layout=layout)
     result = opwatch.diff(ranks, single)
     assert result.agree, str(result)
     assert result.ranks == (2, 1) and result.tolerance.reason == "layouts"
-    # The sharded ops were compared, combined by placement: fc1's addmm (Shard(1)), the
-    # gradients' mm, the SGD updates of the sharded parameters (Shard(0)), both steps.
-    compared = {record.op for record, other in result.pairs if record is not None and other is not None}
-    assert {"aten.addmm.default", "aten.mm.default", "aten.add_.Tensor"} <= compared
+    # Compared: the forward and backward compute (tensor parallel: fc1's addmm as Shard(1)
+    # DTensor shards; FSDP2: plain tensors on the all-gathered parameters), the SGD updates of
+    # the sharded parameters (Shard(0) shards), both steps.
+    compared = [(record, other) for record, other in result.pairs if record is not None and other is not None and result._prints[0].get(record.index)]
+    assert {"aten.addmm.default", "aten.mm.default", "aten.add_.Tensor"} <= {record.op for record, _ in compared}
+    assert sum(record.op == "aten.add_.Tensor" for record, _ in compared) == 8  # 4 parameters, 2 steps
     assert result.compared >= 30
     # The collectives exist in the sharded run only.
-    assert any("all_reduce" in record.op for record in result.only_in_a)
+    collective = "all_reduce" if layout == "tp" else "_allgather_base_"
+    assert any(collective in record.op for record in result.only_in_a)
     assert "Run a is 2 ranks' logs, combined" in str(result)
     # The ranks' logs as a list, the other way round: the same verdict.
     assert opwatch.diff(str(single), sorted(str(path) for path in ranks.iterdir())).agree
@@ -139,16 +152,18 @@ def test_a_clean_tensor_parallel_run_agrees_with_the_single_process_one(tmp_path
     capsys.readouterr()
 
 
-def test_one_ranks_perturbed_shard_is_named_at_its_op_and_line(tmp_path, capsys):
-    ranks, single = _record(tmp_path, plant=True)
+@LAYOUTS
+def test_one_ranks_perturbed_shard_is_named_at_its_op_and_line(tmp_path, capsys, layout):
+    ranks, single = _record(tmp_path, plant=True, layout=layout)
     result = opwatch.diff(ranks, single)
     assert not result.agree
     first = result.first
     script = str(tmp_path / "tp_train.py")
     assert first.a.op == "aten.addmm.default" and first.a.lineno == line_of("# fc1 line", script)
     assert first.a.phase == "forward" and first.reason == "values"
-    # Shard(1) of fc1's output: the sum over both ranks' shards is what differs from the single run.
-    assert any(gap.statistic == "sum" and gap.relative > 1e-4 for gap in first.gaps())
+    # Tensor parallel: fc1's output, Shard(1), combined over both ranks' shards; FSDP2: computed on
+    # the all-gathered weight, which holds rank 1's perturbed shard.
+    assert any(gap.relative > 1e-4 for gap in first.gaps())
     assert run_diff([str(ranks), str(single), "--context", "1"]) == 1
     out = capsys.readouterr().out
     assert "The runs first differ at aten.addmm" in out and "h = torch.relu(self.fc1(x))" in out
