@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from difflib import SequenceMatcher
 from typing import NamedTuple
 
 from ..storage.jsonl import SavedLog, load
@@ -39,7 +38,8 @@ from ..core.ops import facts_of
 from ..render.diff import render_diff, render_diff_table
 from ..session import Watch
 from .divergence_compiled import compiled_side, compiled_tolerance, pair_compiled
-from .divergence_layouts import combine_ranks, is_ranks, rank_sources
+from .divergence_layouts import is_ranks, open_ranks
+from .divergence_align import matches as _matches
 
 __all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
 
@@ -219,24 +219,9 @@ _FSDP_CLASS = re.compile(r"(?<![A-Za-z0-9_])FSDP(?=[A-Z])")
 
 
 def _open_ranks(source, name: str):
-    """``(label, torch version, records, fingerprints, whole script, ranks)`` of several ranks'
-    logs: rank 0's records, and each output's fingerprint combined from the ranks' shards."""
-    opened = [_open(one, f"{name} (log {number})") for number, one in enumerate(rank_sources(source, name))]
-    if len(opened) > 1:
-        opened.sort(key=lambda found: _rank_of(found))
-    keys = [_keys_of(records)[0] for _, _, records, _, _ in opened]
-    prints = combine_ranks([(records, found) for _, _, records, found, _ in opened], keys, _matches)
-    label = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ", ".join(found[0] for found in opened)
-    _, version, records, _, whole = opened[0]
-    return f"{len(opened)} ranks ({label})", version, records, prints, whole, len(opened)
-
-
-def _rank_of(opened) -> int:
-    _, _, records, _, _ = opened
-    for record in records:
-        rank = record.rank
-        return rank if isinstance(rank, int) else 0
-    return 0
+    """``(label, torch version, records, fingerprints, whole script, ranks)`` of a sharded
+    run's ranks' logs (:func:`opwatch.runners.divergence_layouts.open_ranks`)."""
+    return open_ranks(source, name, _open, lambda records: _keys_of(records)[:1], _matches)
 
 
 def _open(source, name: str):
@@ -252,9 +237,9 @@ def _open(source, name: str):
         label = "watch"
     else:
         raise TypeError(
-            f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load, the path of a "
-            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl, or a list or directory "
-            f"of a sharded run's per-rank logs, got {type(source).__name__}"
+            f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load or the path of a "
+            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl (for a sharded run, a list "
+            f"or a directory of its ranks' logs), got {type(source).__name__}"
         )
     prints = source.fingerprints
     if prints is None:
@@ -315,71 +300,6 @@ def _align(keys_a: list, keys_b: list, loose_a: list | None, loose_b: list | Non
             pairs.append((match_i, match_j))
         i, j = match_i + 1, match_j + 1
     return pairs
-
-
-def _matches(a: list, b: list) -> list[tuple[int, int]]:
-    """The aligned ``(i, j)`` of two key lists, increasing: the common start and end, and a
-    shortest edit script (Myers) between them. A training loop repeats its ops every step, and
-    longest-block matching (difflib) pairs a step with the wrong one after an insertion; a
-    shortest edit script does not, and takes O((n + m) d) for d edits."""
-    ids: dict = {}
-    a = [ids.setdefault(key, len(ids)) for key in a]
-    b = [ids.setdefault(key, len(ids)) for key in b]
-    start = 0
-    while start < len(a) and start < len(b) and a[start] == b[start]:
-        start += 1
-    end = 0
-    while end < len(a) - start and end < len(b) - start and a[-1 - end] == b[-1 - end]:
-        end += 1
-    middle_a, middle_b = a[start : len(a) - end], b[start : len(b) - end]
-    found = _shortest_edit(middle_a, middle_b, _MAX_EDITS) if middle_a and middle_b else []
-    if found is None:  # too different for a shortest edit script: difflib's longest blocks
-        blocks = SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_matching_blocks()
-        found = [(x + k, y + k) for x, y, size in blocks for k in range(size)]
-    middle = [(start + x, start + y) for x, y in found]
-    tail = [(len(a) - end + k, len(b) - end + k) for k in range(end)]
-    return [(k, k) for k in range(start)] + middle + tail
-
-
-_MAX_EDITS = 1000  # beyond this many insertions and deletions, fall back to difflib
-
-
-def _shortest_edit(a: list, b: list, max_edits: int) -> list[tuple[int, int]] | None:
-    """Myers' greedy shortest edit script: the matched ``(i, j)``, or ``None`` past ``max_edits``."""
-    n, m = len(a), len(b)
-    frontier = {1: 0}  # diagonal k = x - y -> furthest x reached
-    trace = []
-    for edits in range(min(max_edits, n + m) + 1):
-        trace.append(dict(frontier))
-        for k in range(-edits, edits + 1, 2):
-            down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
-            x = frontier[k + 1] if down else frontier[k - 1] + 1
-            y = x - k
-            while x < n and y < m and a[x] == b[y]:
-                x, y = x + 1, y + 1
-            frontier[k] = x
-            if x >= n and y >= m:
-                return _walk_back(trace, n, m)
-    return None
-
-
-def _walk_back(trace: list, x: int, y: int) -> list[tuple[int, int]]:
-    matched = []
-    for edits in range(len(trace) - 1, 0, -1):
-        frontier, k = trace[edits], x - y
-        down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
-        before = k + 1 if down else k - 1
-        before_x = frontier[before]
-        before_y = before_x - before
-        while x > before_x and y > before_y:
-            x, y = x - 1, y - 1
-            matched.append((x, y))
-        x, y = before_x, before_y
-    while x > 0 and y > 0:
-        x, y = x - 1, y - 1
-        matched.append((x, y))
-    matched.reverse()
-    return matched
 
 
 def choose_tolerance(a: _Run, b: _Run, pairs, rtol, atol) -> Tolerance:
@@ -521,7 +441,8 @@ class Diff:
         sharded_a, sharded_b = (ranks > 1 for ranks in self.ranks)
         if sharded_a or sharded_b:
             single = self.only_in_b if sharded_a else self.only_in_a
-            prints = self._prints[1] if sharded_a else self._prints[0]
+            prints_a, prints_b = self._prints
+            prints = prints_b if sharded_a else prints_a
             return self.first is None and not any(prints.get(record.index) for record in single)
         return self.first is None and not self.only_in_a and not self.only_in_b
 

@@ -27,7 +27,7 @@ import os
 
 from ..checks.fingerprints import Fingerprint, ShardPrint
 
-__all__ = ["is_ranks", "rank_sources", "combine", "combine_ranks"]
+__all__ = ["is_ranks", "rank_sources", "open_ranks", "combine", "combine_ranks"]
 
 
 def is_ranks(source) -> bool:
@@ -53,7 +53,7 @@ def combine(prints: list):
     known: a rank without it, placements that differ, partial sums)."""
     if any(found is None for found in prints):
         return None
-    first = prints[0]
+    first, *_ = prints
     if not isinstance(first, ShardPrint):
         return first if not any(isinstance(found, ShardPrint) for found in prints) else None
     if any(not isinstance(found, ShardPrint) or found.placement != first.placement for found in prints):
@@ -75,8 +75,9 @@ def combine_ranks(runs: list, keys: list, matches) -> dict:
     """Rank 0's op index -> its outputs' global fingerprints. ``runs``: per rank ``(records,
     prints)``, rank 0 first; ``keys``: per rank the alignment keys of its records;
     ``matches(keys_a, keys_b)``: the aligned ``(i, j)`` of two key lists."""
-    records, prints = runs[0]
-    step_of = [dict(matches(keys[0], keys[rank])) for rank in range(1, len(runs))]
+    (records, prints), *_ = runs
+    own_keys, *other_keys = keys
+    step_of = [dict(matches(own_keys, theirs)) for theirs in other_keys]
     combined: dict = {}
     for step, record in enumerate(records):
         own = prints.get(record.index)
@@ -92,3 +93,27 @@ def combine_ranks(runs: list, keys: list, matches) -> dict:
             outputs.append(combine([None if found is None or position >= len(found) else found[position] for found in per_rank]))
         combined[record.index] = tuple(outputs)
     return combined
+
+
+def open_ranks(source, name: str, open_one, keys_of, matches):
+    """``(label, torch version, records, fingerprints, whole script, ranks)`` of a sharded
+    run's ranks' logs: rank 0's records, each output's fingerprint combined from the ranks'.
+    ``open_one(source, name)`` opens one log as ``(label, torch, records, prints, whole
+    script)``; ``keys_of(records)`` gives ``(keys,)``; ``matches`` aligns two key lists."""
+    opened = [open_one(one, f"{name} (log {number})") for number, one in enumerate(rank_sources(source, name))]
+    opened.sort(key=_rank_of)
+    keys = [found_keys for found_keys, in (keys_of(records) for _, _, records, _, _ in opened)]
+    prints = combine_ranks([(records, found) for _, _, records, found, _ in opened], keys, matches)
+    labels = [label for label, *_ in opened]
+    shown = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ", ".join(labels)
+    (_, version, records, _, whole), *_ = opened
+    return f"{len(opened)} ranks ({shown})", version, records, prints, whole, len(opened)
+
+
+def _rank_of(opened) -> int:
+    """A log's rank, from its records (``None`` outside a job: 0)."""
+    _, _, records, _, _ = opened
+    for record in records:
+        rank = record.rank
+        return rank if isinstance(rank, int) else 0
+    return 0
