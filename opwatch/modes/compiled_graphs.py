@@ -101,8 +101,18 @@ class _Recording:
         self.thread = threading.get_ident()
 
     def record(self, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
-        """Log one op of a graph: ``inputs``/``outputs`` the tensors."""
+        """Log one op of a graph: ``inputs``/``outputs`` the tensors. An error of opwatch's own
+        here makes the watch inert with one warning; the graph runs on."""
         interceptor = self.interceptor
+        if interceptor.inert:
+            return
+        try:
+            self._record(interceptor, func, site, module, phase, inputs, outputs, start, end)
+        except Exception as error:
+            interceptor._internal_error(error)
+
+    @staticmethod
+    def _record(interceptor, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
         log = interceptor._log
         index = interceptor.next_index
         interceptor.next_index = index + 1

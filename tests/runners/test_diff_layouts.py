@@ -173,3 +173,35 @@ def test_a_directory_without_logs_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .jsonl log in it"):
         opwatch.diff(tmp_path / "empty", tmp_path / "empty")
+
+
+def test_shards_combine_by_their_placement():
+    from opwatch.checks.fingerprints import Fingerprint, ShardPrint
+    from opwatch.runners.divergence_layouts import combine
+
+    whole = torch.tensor([[1.0, -2.0, 3.0, 4.0], [0.5, 6.0, -7.0, 8.0]])
+
+    def stats(tensor):
+        return (float(tensor.sum()), float(tensor.norm()), float(tensor.min()), float(tensor.max()))
+
+    for dim in (0, 1):
+        shards = [ShardPrint(i, *stats(part), f"S{dim}", (2, 4), 2) for i, part in enumerate(whole.chunk(2, dim))]
+        combined = combine(shards)
+        assert combined.sum == pytest.approx(float(whole.sum())) and combined.norm == pytest.approx(float(whole.norm()))
+        assert (combined.min, combined.max) == (-7.0, 8.0) and combined.hash == -1
+    replicated = [ShardPrint(7, *stats(whole), "R", (2, 4), 2)] * 2
+    assert combine(replicated) == Fingerprint(7, *stats(whole))
+    plain = Fingerprint(3, *stats(whole))
+    assert combine([plain, plain]) is plain
+    # Not known from the shards: partial sums' norm, placements that differ, a rank missing.
+    assert combine([ShardPrint(1, *stats(whole), "P", (2, 4), 2)] * 2) is None
+    assert combine([ShardPrint(1, *stats(whole), "S0", (2, 4), 2), ShardPrint(1, *stats(whole), "S1", (2, 4), 2)]) is None
+    assert combine([ShardPrint(1, *stats(whole), "S0", (2, 4), 2), None]) is None
+    assert combine([ShardPrint(1, *stats(whole), "S0", (2, 4), 2)]) is None  # one rank of two
+
+
+def test_a_shards_fingerprint_survives_the_saved_log():
+    from opwatch.checks.fingerprints import Fingerprint, ShardPrint, decode, encode
+
+    prints = (ShardPrint(5, 1.5, 2.0, -1.0, float("inf"), "S1", (4, 8), 2), Fingerprint(6, 0.0, 0.0, 0.0, 0.0), None)
+    assert decode(encode(prints)) == prints
