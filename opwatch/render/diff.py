@@ -62,7 +62,7 @@ def render_diff(result) -> str:
             )
     if first is None:
         if compiled is not None:
-            lines.append(f"The runs agree at the level both can see: {result.compared} records of the compiled run compared with the eager op of the same line, phase, shape and dtype.")
+            lines.append(f"The runs agree at the level both can see: {result.compared} records of the compiled run compared with the eager op of the same line, phase, size and dtype.")
         elif result.agree:
             lines.append(f"The runs agree: {len(result.pairs)} ops aligned, {result.compared} with fingerprints compared.")
         else:
@@ -77,7 +77,7 @@ def _render_level(result, compiled: str) -> str:
     eager = "b" if compiled == "a" else "a"
     return (
         f"Run {compiled} ran compiled (watch(compiled=...)): what its graphs made (every node under an AOT backend, "
-        f"each graph's outputs under inductor) is paired with the op of run {eager} on the same line, phase, shape "
+        f"each graph's outputs under inductor) is paired with the op of run {eager} on the same line, phase, size "
         f"and dtype; {result.not_visible} ops of run {eager} are not visible in the compiled run (fused or "
         "decomposed) and not compared."
     )
@@ -93,7 +93,7 @@ def _render_unpaired(result, compiled: str) -> list[str]:
     shown = ", ".join(place + (f" ({count} times)" if count > 1 else "") for place, count in list(counts.items())[:_SHOWN_ONLY])
     more = f" and {len(counts) - _SHOWN_ONLY} more places" if len(counts) > _SHOWN_ONLY else ""
     return [
-        f"{len(records)} record{'s' if len(records) != 1 else ''} of run {compiled} had no eager op of the same line, phase, shape "
+        f"{len(records)} record{'s' if len(records) != 1 else ''} of run {compiled} had no eager op of the same line, phase, size "
         f"and dtype that agrees (not compared): {shown}{more}."
     ]
 
