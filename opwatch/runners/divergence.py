@@ -402,8 +402,8 @@ class Diff:
             its records are paired with the eager run's at the level both can see (``pairs``
             in its order; ``only_in_a``/``only_in_b`` its records without an eager counterpart);
             ``None`` for two runs aligned op by op.
-        not_visible: for a compiled run, how many eager ops no compiled record pairs with
-            (fused into a kernel, decomposed): not compared.
+        not_visible: for a compiled run, how many eager ops with fingerprints no compiled
+            record pairs with (fused into a kernel, decomposed): not compared.
         ranks: ``(ranks of a, ranks of b)``: more than 1 for a side given as a sharded run's
             ranks' logs (a list, or a directory of ``.jsonl``), combined into one run; its ops
             in one run only (collectives, redistributions) do not make ``agree`` false.
@@ -426,8 +426,13 @@ class Diff:
         # (ranks of a, ranks of b): more than 1 for a sharded run given as its ranks' logs.
         self.ranks = (a.ranks, b.ranks)
         self._prints = (a.prints, b.prints)
-        # Eager ops no compiled record was paired with (fused or decomposed away): not compared.
-        self.not_visible = 0 if compiled is None else len((b if compiled == "a" else a).records) - len([pair for pair in self.pairs if None not in pair])
+        # Eager ops with fingerprints no compiled record was paired with (fused or decomposed
+        # away): not compared.
+        self.not_visible = 0
+        if compiled is not None:
+            eager, side = (b, 1) if compiled == "a" else (a, 0)
+            paired = {pair[side] for pair in steps if None not in pair}
+            self.not_visible = sum(1 for step in range(len(eager.records)) if step not in paired and eager.fingerprints(step))
 
     @property
     def agree(self) -> bool:

@@ -147,6 +147,8 @@ def test_inductor_agrees_with_eager_within_the_compiled_default():
     # activations saved for backward, each weight's and bias's gradient, and the updates.
     assert any(record.op == "aten.mean.default" and other.op == "aten.mse_loss.default" for record, other in paired)
     assert sum(record.phase == "backward" for record, _ in paired) >= 12
+    # Eager ops inside the fused kernels (no graph output shows them) are counted, not compared.
+    assert result.not_visible >= 6
     assert "The runs agree at the level both can see" in str(result)
 
 
