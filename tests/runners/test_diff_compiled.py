@@ -199,3 +199,21 @@ def test_after_the_watch_compiled_code_and_plain_watches_are_as_before():
 def test_compiled_rejects_what_it_cannot_record(value, error):
     with pytest.raises(error, match="compiled must be one of 'inductor', 'aot_eager' or a backend made with"):
         opwatch.watch(fingerprints=True, compiled=value)
+
+
+def test_a_fault_while_logging_a_graph_leaves_the_step_to_run(monkeypatch):
+    from opwatch.modes import compiled_graphs
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(compiled_graphs._Recording, "_record", staticmethod(broken))
+    model, x, y = _setup()
+    eager_model = copy.deepcopy(model)
+    expected = train_step(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1), x, y)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(opwatch.OpwatchWarning, match="injected"):
+        with opwatch.watch(fingerprints=True, compiled="aot_eager") as w:
+            loss = torch.compile(train_step)(model, optimizer, x, y)
+    assert torch.equal(loss, expected)  # the graph ran on, as eager computes it
+    assert not any(compiled_graphs.is_graph_record(record) for record in w.records)
