@@ -18,6 +18,7 @@ from .findings.allow import Allow
 from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
 from .modes.functions import FunctionWatch
 from .modes import compiled as _compiled
+from .modes import compiled_graphs as _graphs
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.modules import ModuleStack
 from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
@@ -45,6 +46,7 @@ def watch(
     file=None,
     warn: bool = True,
     fingerprints: bool = False,
+    compiled=None,
 ) -> Watch:
     """Watch every PyTorch op run inside a ``with`` block; collect anomalies and warn.
 
@@ -103,10 +105,18 @@ def watch(
         for comparing two runs with :func:`opwatch.diff`; kept per op with the log, saved by
         :meth:`Watch.export_jsonl`. Off by default (it costs a few small kernels per op).
         ``watch(fingerprints=True)``.
+    compiled
+        ``None`` (default): ``torch.compile``d code runs eagerly, op by op, where the checks see
+        it. A backend (``"inductor"``, ``"aot_eager"``, or a backend made with
+        ``torch._dynamo.backends.common.aot_autograd(...)``): every compiled function in the block
+        runs compiled with that backend, and the watch logs what its graphs make: every node under
+        the AOT backends, each graph's outputs under inductor, at the user's line (with
+        ``fingerprints=True``, for :func:`opwatch.diff` against an eager run; the checks do not
+        see inside the graphs). ``watch(fingerprints=True, compiled="inductor")``.
 
     Setting the environment variable ``OPWATCH_DISABLE=1`` turns every watch into a no-op.
     """
-    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints)
+    return Watch(strict=False, max_records=max_records, checks=checks, allow=allow, dump_on_error=dump_on_error, last=last, file=file, warn=warn, fingerprints=fingerprints, compiled=compiled)
 
 
 def strict(
@@ -149,7 +159,7 @@ class Watch:
         enabled: ``False`` when ``OPWATCH_DISABLE`` turned this watch into a no-op.
     """
 
-    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None, fingerprints=False):
+    def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None, fingerprints=False, compiled=None):
         self.strict = strict
         self._max_records = _positive_int("max_records", max_records)
         self._allow = _allow_entries(allow)
@@ -165,6 +175,9 @@ class Watch:
         self._warn = _flag("warn", warn)
         # op index -> output fingerprints (opwatch.checks.fingerprints), or None when off
         self._fingerprints = {} if _flag("fingerprints", fingerprints) else None
+        # watch(compiled=BACKEND): compiled code runs compiled, its graphs logged (modes.compiled_graphs)
+        self._graphs_backend = None if compiled is None else _graphs.check_backend(compiled)
+        self._graphs = None
         self.enabled = not _disabled_by_environment()
         self._log = OpLog(self._max_records)
         self._reporter = Reporter(log=self._log, strict=strict, warn=self._warn, limit=self._max_records, allow=self._allow)
@@ -313,14 +326,15 @@ class Watch:
             return self
         try:
             keep_dynamo_out()
-            _compiled.hold(self._compiled_calls)
+            if self._graphs_backend is None:
+                _compiled.hold(self._compiled_calls)
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
             active = _checks.ActiveChecks(
                 self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules,
                 fingerprints=self._fingerprints, every_op_checked=self._check_every == 1,
             )
-            interceptor = OpInterceptor(
+            interceptor = (OpInterceptor if self._graphs_backend is None else _graphs.GraphsInterceptor)(
                 log=self._log,
                 checks=active,
                 reporter=self._reporter,
@@ -332,8 +346,12 @@ class Watch:
                 distributed=self._distributed,
             )
             modules.on_call = interceptor.module_called
-            functions = self._function_watch(interceptor, modules)
-            modules.install()
+            # Under compiled=..., no function mode: Dynamo would trace into it.
+            functions = self._function_watch(interceptor, modules) if self._graphs_backend is None else None
+            if self._graphs_backend is not None:
+                self._graphs = _graphs.hold(self._graphs_backend, interceptor)
+            else:  # under compiled=..., no global module hooks either: Dynamo would trace them
+                modules.install()
         except Exception as error:
             _compiled.release(self._compiled_calls)
             self._internal_error(error, traceback.format_exc())
@@ -343,6 +361,9 @@ class Watch:
         except BaseException:
             modules.uninstall()
             _compiled.release(self._compiled_calls)
+            if self._graphs is not None:
+                _graphs.release(self._graphs)
+                self._graphs = None
             raise
         self._interceptor, self._modules = interceptor, modules
         # The function mode is entered after the dispatch mode and left before it: it logs into
@@ -356,7 +377,8 @@ class Watch:
                 self.__exit__(None, None, None)
                 raise
             self._functions = functions
-        _steps_checked.hold(self)
+        if self._graphs is None:  # under compiled=..., Dynamo would trace the optimizer step's hook
+            _steps_checked.hold(self)
         return self
 
     def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack) -> FunctionWatch | None:
@@ -391,6 +413,9 @@ class Watch:
             self._modules = None
             self._next_index = interceptor.next_index
             _compiled.release(self._compiled_calls)
+            graphs, self._graphs = self._graphs, None
+            if graphs is not None:
+                _graphs.release(graphs)
         # The last check point; it must not hide the block's own exception.
         try:
             interceptor.check_point(may_raise=exc is None, final=True)

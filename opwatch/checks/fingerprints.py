@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.compat import dispatch_modes_outside, no_python_dispatch
+from ..core.compat import dispatch_modes_outside, dtensor_shard, no_python_dispatch
 from ..core.ops import facts_of
 from ..core.records import E_INDEX, M_DTYPE, M_DEVICE
 
-__all__ = ["FingerprintTracker", "Fingerprint", "encode", "decode", "FIELDS"]
+__all__ = ["FingerprintTracker", "Fingerprint", "ShardPrint", "encode", "decode", "FIELDS"]
 
 
 
@@ -47,6 +47,22 @@ class Fingerprint(NamedTuple):
     norm: float  # L2
     min: float
     max: float
+
+
+class ShardPrint(NamedTuple):
+    """The fingerprint of a ``DTensor`` output's local shard on this rank, with what it takes to
+    combine the ranks' shards into the global tensor's statistics (:func:`opwatch.diff` of a
+    sharded run against a single-process one): its placement on a 1-D mesh (``"S0"``: sharded
+    on dim 0, ``"R"``: replicated, ``"P"``: partial sums), the global shape and the mesh size."""
+
+    hash: int
+    sum: float
+    norm: float
+    min: float
+    max: float
+    placement: str
+    shape: tuple
+    ranks: int
 
 
 FIELDS = Fingerprint._fields
@@ -124,7 +140,19 @@ class FingerprintTracker:
         for position, tensor in enumerate(outputs):
             meta = metas[position]
             dtype = meta[M_DTYPE]
-            if dtype not in _TAKEN or type(tensor) not in _PLAIN_TYPES or tensor.is_meta:
+            if dtype not in _TAKEN:
+                continue
+            shard = None
+            if type(tensor) not in _PLAIN_TYPES:  # a DTensor: its local shard, with its placement
+                found = dtensor_shard(tensor)
+                if found is None:
+                    continue
+                tensor, (kind,), shape, ranks = found
+                letter, dim = kind
+                shard = (f"{letter}{dim}" if letter == "S" else letter, shape, ranks)
+                if type(tensor) not in _PLAIN_TYPES:
+                    continue
+            if tensor.is_meta:
                 continue
             if tensor.layout is not _STRIDED or tensor.is_nested or not tensor.numel() or tensor._is_zerotensor():
                 continue
@@ -133,7 +161,7 @@ class FingerprintTracker:
                 self._stack()  # one chunk per device run
                 self._device = device
             self._rows.append(self._fingerprint(tensor.detach(), dtype, device))
-            self._keys.append((index, position, count))
+            self._keys.append((index, position, count, shard))
             if len(self._rows) >= self._CHUNK:
                 self._stack()
 
@@ -181,11 +209,12 @@ class FingerprintTracker:
                 numbers = self._read()
             keys, self._keys, self._chunks, self._device = self._keys, [], [], None
             store = self.store
-            for (index, position, count), row in zip(keys, numbers):
+            for (index, position, count, shard), row in zip(keys, numbers):
                 prints = store.get(index)
                 if prints is None:
                     prints = store[index] = [None] * count
-                prints[position] = _as_fingerprint(_NUMBERS.unpack(_ROW.pack(*row)))
+                found = _as_fingerprint(_NUMBERS.unpack(_ROW.pack(*row)))
+                prints[position] = found if shard is None else ShardPrint(*found, *shard)
         entries = self._log.entries
         if entries and len(self.store) > entries.maxlen:
             oldest = entries[0][E_INDEX]
@@ -211,8 +240,16 @@ class FingerprintTracker:
 
 
 def encode(prints) -> list:
-    """A record's fingerprints for a JSON line: ``[[hash, sum, norm, min, max] | null, ...]``."""
-    return [None if found is None else [found.hash, *map(_encode_float, found[1:])] for found in prints]
+    """A record's fingerprints for a JSON line: ``[[hash, sum, norm, min, max] | null, ...]``;
+    a DTensor shard's with a sixth item, ``{"placement": "S0", "shape": [...], "ranks": 2}``."""
+    return [None if found is None else _encode_one(found) for found in prints]
+
+
+def _encode_one(found) -> list:
+    numbers = [found.hash, *map(_encode_float, (found.sum, found.norm, found.min, found.max))]
+    if isinstance(found, ShardPrint):
+        numbers.append({"placement": found.placement, "shape": list(found.shape), "ranks": found.ranks})
+    return numbers
 
 
 def decode(fields) -> tuple:
@@ -221,6 +258,9 @@ def decode(fields) -> tuple:
 
 
 def _decode_one(hashed, *stats) -> Fingerprint:
+    if len(stats) == 5:  # a DTensor shard's
+        *stats, shard = stats
+        return ShardPrint(int(hashed), *map(_decode_float, stats), shard["placement"], tuple(shard["shape"]), int(shard["ranks"]))
     return Fingerprint(int(hashed), *map(_decode_float, stats))
 
 

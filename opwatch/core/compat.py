@@ -35,6 +35,12 @@ __all__ = [
     "force_eager_stance",
     "force_backend_stance",
     "count_compiled_calls",
+    "aot_eager_with",
+    "aot_backend_parts",
+    "aot_backend_with",
+    "inductor_with_inner",
+    "graph_module_behind",
+    "dtensor_shard",
     "compiled_module_inner",
     "pack_padded_sequence_function",
     "op_kernel",
@@ -208,6 +214,103 @@ def force_backend_stance(backend: str):
     except (RuntimeError, TypeError):
         return None
     return lambda: stance.__exit__(None, None, None)
+
+
+def aot_eager_with(fw_compiler, bw_compiler):
+    """Dynamo's registered ``aot_eager`` backend with these forward and backward compilers in
+    place of its ``boxed_nop`` (``torch._dynamo.backends.debugging.aot_eager``, torch 2.2+: it
+    takes them as keyword arguments)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs, **kwargs):
+        return aot_eager(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler, **kwargs)
+
+    return backend
+
+
+def aot_backend_parts(backend):
+    """The keyword arguments of a backend made by ``torch._dynamo.backends.common.aot_autograd``
+    (an ``AotAutograd`` object's ``kwargs``: ``fw_compiler``, ``bw_compiler``, ...), or ``None``
+    for any other backend. Read by type name: no Dynamo import."""
+    if type(backend).__name__ != "AotAutograd":
+        return None
+    kwargs = getattr(backend, "kwargs", None)
+    return dict(kwargs) if isinstance(kwargs, dict) and "fw_compiler" in kwargs else None
+
+
+def aot_backend_with(parts: dict):
+    """A backend made by ``aot_autograd(**parts)`` (torch 2.0+)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(**parts)
+
+
+def inductor_with_inner(wrap):
+    """TorchInductor as a Dynamo backend, each of its compiled graphs (the forward and the
+    backward one after AOTAutograd) passed through ``wrap(graph_module, compiled)``, which
+    returns what runs instead (``compile_fx(..., inner_compile=...)``, torch 2.0+; the result of
+    ``compile_fx_inner`` is called with one list of inputs), with the FX graph and AOTAutograd
+    caches off (``torch._inductor.config.fx_graph_cache``, ``torch._functorch.config.
+    enable_autograd_cache``, torch 2.2+/2.5+): a cache hit would not pass through ``wrap``."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        return wrap(gm, compile_fx_inner(gm, example_inputs, **kwargs))
+
+    def backend(gm, example_inputs):
+        # No cache: a graph found in inductor's or AOTAutograd's cache skips inner_compile.
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    return backend
+
+
+def graph_module_behind(compiled):
+    """The ``torch.fx.GraphModule`` a compiler's result runs as it is: the module itself, its
+    bound ``forward`` (``_lazy_forward`` before a lazy module's first call), or ``make_boxed_func`` around either (AOTAutograd's ``boxed_nop``: a
+    closure over ``gm.forward``, torch 2.0+); ``None`` for anything else (an inductor graph)."""
+    for _ in range(3):
+        if isinstance(compiled, torch.fx.GraphModule):
+            return compiled
+        owner = getattr(compiled, "__self__", None)
+        if isinstance(owner, torch.fx.GraphModule) and getattr(compiled, "__name__", "").endswith(("forward", "__call__")):
+            return owner
+        cells = getattr(compiled, "__closure__", None) or ()
+        if not getattr(compiled, "_boxed_call", False) or len(cells) != 1:
+            return None
+        (cell,) = cells
+        compiled = cell.cell_contents
+    return None
+
+
+def dtensor_shard(tensor):
+    """``(local shard, placements, global shape, mesh size)`` of a ``DTensor`` on a 1-D mesh,
+    placements as ``("S", dim)``, ``("R", -1)`` or ``("P", -1)``; ``None`` for any other tensor
+    (or a mesh of more dimensions). The shard is ``DTensor._local_tensor`` (torch 2.4+: reading
+    it dispatches no op, where ``to_local()`` would run an autograd function)."""
+    if type(tensor).__name__ != "DTensor":
+        return None
+    local = getattr(tensor, "_local_tensor", None)
+    try:
+        placements = tuple(tensor.placements)
+        mesh = tensor.device_mesh
+    except Exception:
+        return None
+    if local is None or len(placements) != 1 or mesh.ndim != 1:
+        return None
+    (placement,) = placements
+    if placement.is_shard():
+        kind = ("S", placement.dim)
+    elif placement.is_replicate():
+        kind = ("R", -1)
+    elif placement.is_partial():
+        kind = ("P", -1)
+    else:
+        return None
+    return local, (kind,), tuple(tensor.shape), mesh.size()
 
 
 def compiled_module_inner(module):

@@ -169,6 +169,12 @@ class OpLog:
         see :class:`opwatch.modes.reducer.ReducerSites`); stored as ``(None, label)``."""
         return self.site_id(None, label)
 
+    def line_site(self, filename: str, lineno: int) -> int:
+        """The site id of a source line known by file and number only (a node of a compiled
+        graph, by its ``stack_trace``: :mod:`opwatch.modes.compiled_graphs`); stored as
+        ``(None, (filename, lineno))``."""
+        return self.site_id(None, (filename, lineno))
+
     def intern(self, values: tuple) -> tuple:
         """One shared copy of an argument tuple. Held by this table, it is scanned (and
         untracked) by the garbage collector before the entries that refer to it."""
@@ -380,13 +386,20 @@ class OpRecord(BaseRecord):
     def position(self) -> Position:
         """Line and column range of the user's expression that issued the op."""
         code, lasti = self._log.sites[self._entry[E_SITE]]
+        if code is None and type(lasti) is tuple:  # a line site: (filename, lineno)
+            return Position(*lasti)
         return position_of(code, lasti)
 
     @property
     def filename(self) -> str | None:
         # Without building the position: the file is the code object's.
-        code, _ = self._log.sites[self._entry[E_SITE]]
-        return code.co_filename if code is not None else None
+        code, lasti = self._log.sites[self._entry[E_SITE]]
+        if code is None:
+            if type(lasti) is tuple:  # a line site
+                filename, _ = lasti
+                return filename
+            return None
+        return code.co_filename
 
     @property
     def flags(self) -> tuple[str, ...]:

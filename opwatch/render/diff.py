@@ -32,6 +32,12 @@ def render_tolerance(tolerance) -> str:
     if tolerance.bitwise:
         return "compared bitwise"
     text = f"compared within rtol={tolerance.rtol:g}, atol={tolerance.atol:g} on each output's sum, L2 norm, min and max"
+    if tolerance.reason == "compiled":
+        (name,) = tolerance.dtypes
+        text += f" (the default for a compiled run against an eager one: {name}'s, as torch.testing.assert_close; compiled kernels round and sum in another order)"
+    if tolerance.reason == "layouts":
+        (name,) = tolerance.dtypes
+        text += f" (the default for a sharded run against a single-process one: {name}'s; the shards' statistics combine, their exact hashes do not)"
     if tolerance.reason == "dtypes":
         low, high = tolerance.dtypes
         text += f" (the default for {low}: the runs' dtypes differ, {low} against {high})"
@@ -44,18 +50,55 @@ def render_diff(result) -> str:
     (label_a, label_b), (torch_a, torch_b) = result.labels, result.torch
     lines = [f"opwatch diff: a = {label_a} (torch {torch_a}), b = {label_b} (torch {torch_b}); {render_tolerance(result.tolerance)}."]
     first = result.first
+    compiled = getattr(result, "compiled", None)
+    if compiled is not None:
+        lines.append(_render_level(result, compiled))
+    for name, ranks in zip("ab", getattr(result, "ranks", (1, 1))):
+        if ranks > 1:
+            lines.append(
+                f"Run {name} is {ranks} ranks' logs, combined: each DTensor output's shards by its placement (Shard: sums and "
+                "squares added, min and max of the ranks; Replicate and plain tensors: rank 0's; Partial: not compared); "
+                "its collectives and redistributions are ops in one run only."
+            )
     if first is None:
-        if result.agree:
+        if compiled is not None:
+            lines.append(f"The runs agree at the level both can see: {result.compared} records of the compiled run compared with the eager op of the same line, phase, size and dtype.")
+        elif result.agree:
             lines.append(f"The runs agree: {len(result.pairs)} ops aligned, {result.compared} with fingerprints compared.")
         else:
             lines.append(f"No aligned op differs ({result.compared} compared), but some ops ran in one run only.")
     else:
-        lines += _render_first(first, result.tolerance)
-    lines += _render_only(result)
+        lines += _render_first(first, result.tolerance, compiled is not None)
+    lines += _render_only(result) if compiled is None else _render_unpaired(result, compiled)
     return "\n".join(lines)
 
 
-def _render_first(first, tolerance) -> list[str]:
+def _render_level(result, compiled: str) -> str:
+    eager = "b" if compiled == "a" else "a"
+    return (
+        f"Run {compiled} ran compiled (watch(compiled=...)): what its graphs made (every node under an AOT backend, "
+        f"each graph's outputs under inductor) is paired with the op of run {eager} on the same line, phase, size "
+        f"and dtype; {result.not_visible} ops of run {eager} are not visible in the compiled run (fused or "
+        "decomposed) and not compared."
+    )
+
+
+def _render_unpaired(result, compiled: str) -> list[str]:
+    records = result.only_in_a if compiled == "a" else result.only_in_b
+    if not records:
+        return []
+    counts: dict = {}
+    for record in records:
+        counts[_place(record)] = counts.get(_place(record), 0) + 1
+    shown = ", ".join(place + (f" ({count} times)" if count > 1 else "") for place, count in list(counts.items())[:_SHOWN_ONLY])
+    more = f" and {len(counts) - _SHOWN_ONLY} more places" if len(counts) > _SHOWN_ONLY else ""
+    return [
+        f"{len(records)} record{'s' if len(records) != 1 else ''} of run {compiled} had no eager op of the same line, phase, size "
+        f"and dtype that agrees (not compared): {shown}{more}."
+    ]
+
+
+def _render_first(first, tolerance, compiled: bool = False) -> list[str]:
     a, b = first.a, first.b
     phase = first.a.phase
     module = f" in module {a.module}" if a.module else ""
@@ -67,10 +110,34 @@ def _render_first(first, tolerance) -> list[str]:
         if text:
             lines.append(f"    {name}  {location(record)}  {text}")
     lines += _render_outputs(first, tolerance)
+    if compiled:
+        lines.append("  " + _render_compiled_inputs(first, tolerance))
+        return lines
     if tuple(a.args) != tuple(b.args):
         lines.append(f"  Its other arguments differ: {_args(a)} in a, {_args(b)} in b.")
     lines.append("  " + _render_inputs(first, tolerance))
     return lines
+
+
+def _render_compiled_inputs(first, tolerance) -> str:
+    """Why a compiled record differs from its eager op: a node whose inputs agreed is computed
+    differently by the compiled graph; a graph output (inductor) hides how it was made."""
+    graph = next((record.module for record in (first.a, first.b) if (record.module or "").startswith("torch.compile graph")), None)
+    if not first.inputs:
+        return (
+            f"A compiled graph's output ({graph}): the kernels that made it are not visible, so the op inside the graph that "
+            "differs first is not known here. Record the compiled run with compiled=\"aot_eager\" to see every node: when it "
+            "agrees, the difference is inductor's own (its decompositions or kernels); else it names the node."
+        )
+    inputs = first.inputs
+    made = "; ".join(_input_origin(position, record_a, record_b, state) for position, state, record_a, record_b in inputs)
+    if first.verdict == "inputs_differ":
+        differed = [position for position, state, _, _ in inputs if state == "differed"]
+        return f"Its input {_positions(differed)} already differed ({made}): the difference grew here."
+    return (
+        f"Its inputs agreed, or were made before the watch ({made}): the compiled graph ({graph}) computes this node "
+        "differently from eager (a backend pass that changed its math, a miscompile, or a kernel that rounds beyond the tolerance)."
+    )
 
 
 def _args(record) -> str:

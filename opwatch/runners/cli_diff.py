@@ -1,6 +1,7 @@
 """``python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N] [--html FILE]``: the
 first op that made two saved runs differ (:func:`opwatch.diff`), with the aligned table around
-it; ``--html``: also both runs side by side in one self-contained HTML page.
+it; ``--html``: also both runs side by side in one self-contained HTML page. Either side may be
+a directory: a sharded run's per-rank logs, combined (:mod:`opwatch.runners.divergence_layouts`).
 
 Exit status, as ``diff`` has it: 0 when the runs agree, 1 when they differ, 2 for a usage error
 (a missing file, a log that is not opwatch's, one recorded without ``--fingerprints``).
@@ -25,8 +26,8 @@ def run_diff(argv: list[str], out=None) -> int:
         description="Name the first op that made two runs differ, on its line in each run. Record both with "
         "python -m opwatch --fingerprints --jsonl PATH script.py. Exit status: 0 agree, 1 differ, 2 usage error.",
     )
-    parser.add_argument("a", help="the first run's .jsonl log")
-    parser.add_argument("b", help="the second run's .jsonl log")
+    parser.add_argument("a", help="the first run's .jsonl log, or a directory of a sharded run's per-rank .jsonl logs")
+    parser.add_argument("b", help="the second run's .jsonl log, or a directory of per-rank logs")
     parser.add_argument("--rtol", type=float, default=None, metavar="X", help="relative tolerance on each output's sum, norm, min and max (default: bitwise, or the lower precision's when the dtypes differ)")
     parser.add_argument("--atol", type=float, default=None, metavar="Y", help="absolute tolerance (default 0 when --rtol is given)")
     parser.add_argument("--context", type=int, default=5, metavar="N", help="aligned ops shown either side of the first difference (default 5)")

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import math
 import os
-from difflib import SequenceMatcher
+import re
 from typing import NamedTuple
 
 from ..storage.jsonl import SavedLog, load
 from ..core.ops import facts_of
 from ..render.diff import render_diff, render_diff_table
 from ..session import Watch
+from .divergence_compiled import compiled_side, compiled_tolerance, pair_compiled
+from .divergence_layouts import is_ranks, open_ranks
+from .divergence_align import matches as _matches
 
 __all__ = ["diff", "Diff", "Divergence", "Tolerance", "DEFAULT_TOLERANCES"]
 
@@ -87,8 +90,10 @@ _EMPTY = Output(-1, -1)
 
 class Tolerance:
     """How outputs are compared: ``bitwise``, or ``rtol``/``atol`` on the statistics;
-    ``reason``: ``"bitwise"``, ``"given"`` or ``"dtypes"`` (the runs' dtypes differ:
-    ``dtypes`` holds the two dtype names, lower precision first)."""
+    ``reason``: ``"bitwise"``, ``"given"``, ``"dtypes"`` (the runs' dtypes differ:
+    ``dtypes`` holds the two dtype names, lower precision first), ``"compiled"`` (a compiled run
+    against an eager one) or ``"layouts"`` (a sharded run's ranks against a single process);
+    for the last two ``dtypes`` holds the one dtype name whose default was taken."""
 
     __slots__ = ("rtol", "atol", "reason", "dtypes")
 
@@ -169,23 +174,16 @@ class _Run:
     """One side: its records, fingerprints, alignment keys and the producer of each input."""
 
     def __init__(self, source, name: str):
-        # whole_script: watched from the script's first line (python -m opwatch --jsonl)
-        self.label, self.torch, records, prints, self.whole_script = _open(source, name)
+        self.ranks = 1  # several: the ranks' logs of a sharded run, combined (divergence_layouts)
+        if is_ranks(source):
+            self.label, self.torch, records, prints, self.whole_script, self.ranks = _open_ranks(source, name)
+        else:
+            # whole_script: watched from the script's first line (python -m opwatch --jsonl)
+            self.label, self.torch, records, prints, self.whole_script = _open(source, name)
         self.records = records
         self.cut = bool(records) and records[0].index > 0  # the bounded log lost its first ops
         self.prints = prints
-        self.keys = []
-        self.loose = []
-        texts: dict = {}  # (file, line) -> the line's text, read once
-        for record in records:
-            position = record.position
-            base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
-            place = (position.filename, position.lineno)
-            text = texts.get(place)
-            if text is None:
-                text = texts[place] = position.line_text().strip() if position.filename else ""
-            self.keys.append((record.op, base, text, record.module, record.phase))
-            self.loose.append((record.op, base, record.module, record.phase))
+        self.keys, self.loose = _keys_of(records)
         self.producers = _producers(records, prints)
 
     def fingerprints(self, step: int):
@@ -195,6 +193,35 @@ class _Run:
         """The fingerprint of output ``made``."""
         prints = self.fingerprints(made.step)
         return prints[made.position] if prints is not None and made.position < len(prints) else None
+
+
+def _keys_of(records) -> tuple[list, list]:
+    """The alignment keys of ``records``: (op, file name, line text, module, phase), and the
+    same without the line's text."""
+    keys, loose = [], []
+    texts: dict = {}  # (file, line) -> the line's text, read once
+    for record in records:
+        position = record.position
+        base = os.path.basename(position.filename) if position.filename else getattr(record, "label", None)
+        place = (position.filename, position.lineno)
+        text = texts.get(place)
+        if text is None:
+            text = texts[place] = position.line_text().strip() if position.filename else ""
+        module = record.module
+        if module and "FSDP" in module:  # fully_shard renames each class: FSDPLinear is Linear
+            module = _FSDP_CLASS.sub("", module)
+        keys.append((record.op, base, text, module, record.phase))
+        loose.append((record.op, base, module, record.phase))
+    return keys, loose
+
+
+_FSDP_CLASS = re.compile(r"(?<![A-Za-z0-9_])FSDP(?=[A-Z])")
+
+
+def _open_ranks(source, name: str):
+    """``(label, torch version, records, fingerprints, whole script, ranks)`` of a sharded
+    run's ranks' logs (:func:`opwatch.runners.divergence_layouts.open_ranks`)."""
+    return open_ranks(source, name, _open, lambda records: _keys_of(records)[:1], _matches)
 
 
 def _open(source, name: str):
@@ -211,7 +238,8 @@ def _open(source, name: str):
     else:
         raise TypeError(
             f"opwatch.diff: {name} must be an opwatch.Watch, a log read by opwatch.load or the path of a "
-            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl, got {type(source).__name__}"
+            f".jsonl log written by Watch.export_jsonl / python -m opwatch --jsonl (for a sharded run, a list "
+            f"or a directory of its ranks' logs), got {type(source).__name__}"
         )
     prints = source.fingerprints
     if prints is None:
@@ -274,71 +302,6 @@ def _align(keys_a: list, keys_b: list, loose_a: list | None, loose_b: list | Non
     return pairs
 
 
-def _matches(a: list, b: list) -> list[tuple[int, int]]:
-    """The aligned ``(i, j)`` of two key lists, increasing: the common start and end, and a
-    shortest edit script (Myers) between them. A training loop repeats its ops every step, and
-    longest-block matching (difflib) pairs a step with the wrong one after an insertion; a
-    shortest edit script does not, and takes O((n + m) d) for d edits."""
-    ids: dict = {}
-    a = [ids.setdefault(key, len(ids)) for key in a]
-    b = [ids.setdefault(key, len(ids)) for key in b]
-    start = 0
-    while start < len(a) and start < len(b) and a[start] == b[start]:
-        start += 1
-    end = 0
-    while end < len(a) - start and end < len(b) - start and a[-1 - end] == b[-1 - end]:
-        end += 1
-    middle_a, middle_b = a[start : len(a) - end], b[start : len(b) - end]
-    found = _shortest_edit(middle_a, middle_b, _MAX_EDITS) if middle_a and middle_b else []
-    if found is None:  # too different for a shortest edit script: difflib's longest blocks
-        blocks = SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_matching_blocks()
-        found = [(x + k, y + k) for x, y, size in blocks for k in range(size)]
-    middle = [(start + x, start + y) for x, y in found]
-    tail = [(len(a) - end + k, len(b) - end + k) for k in range(end)]
-    return [(k, k) for k in range(start)] + middle + tail
-
-
-_MAX_EDITS = 1000  # beyond this many insertions and deletions, fall back to difflib
-
-
-def _shortest_edit(a: list, b: list, max_edits: int) -> list[tuple[int, int]] | None:
-    """Myers' greedy shortest edit script: the matched ``(i, j)``, or ``None`` past ``max_edits``."""
-    n, m = len(a), len(b)
-    frontier = {1: 0}  # diagonal k = x - y -> furthest x reached
-    trace = []
-    for edits in range(min(max_edits, n + m) + 1):
-        trace.append(dict(frontier))
-        for k in range(-edits, edits + 1, 2):
-            down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
-            x = frontier[k + 1] if down else frontier[k - 1] + 1
-            y = x - k
-            while x < n and y < m and a[x] == b[y]:
-                x, y = x + 1, y + 1
-            frontier[k] = x
-            if x >= n and y >= m:
-                return _walk_back(trace, n, m)
-    return None
-
-
-def _walk_back(trace: list, x: int, y: int) -> list[tuple[int, int]]:
-    matched = []
-    for edits in range(len(trace) - 1, 0, -1):
-        frontier, k = trace[edits], x - y
-        down = k == -edits or (k != edits and frontier[k - 1] < frontier[k + 1])
-        before = k + 1 if down else k - 1
-        before_x = frontier[before]
-        before_y = before_x - before
-        while x > before_x and y > before_y:
-            x, y = x - 1, y - 1
-            matched.append((x, y))
-        x, y = before_x, before_y
-    while x > 0 and y > 0:
-        x, y = x - 1, y - 1
-        matched.append((x, y))
-    matched.reverse()
-    return matched
-
-
 def choose_tolerance(a: _Run, b: _Run, pairs, rtol, atol) -> Tolerance:
     """The tolerance given, else bitwise, else (dtypes differ) the lower precision's default."""
     for name, value in (("rtol", rtol), ("atol", atol)):
@@ -370,15 +333,16 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def compare(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance):
+def compare(a: _Run, b: _Run, i: int, j: int, tolerance: Tolerance, *, sizes_only: bool = False):
     """``None`` when op ``i`` of ``a`` and op ``j`` of ``b`` agree (or cannot be compared),
-    else ``(output position, reason, print in a, print in b)``."""
+    else ``(output position, reason, print in a, print in b)``. ``sizes_only``: outputs of
+    the same number of elements compare (a compiled graph's output may be a view of its op's)."""
     outputs_a, outputs_b = a.records[i].outputs or (), b.records[j].outputs or ()
     if len(outputs_a) != len(outputs_b):
         return (0, "shape", None, None)
     prints_a, prints_b = a.fingerprints(i), b.fingerprints(j)
     for position, (x, y) in enumerate(zip(outputs_a, outputs_b)):
-        if tuple(x.shape or ()) != tuple(y.shape or ()):
+        if (math.prod(x.shape or ()) != math.prod(y.shape or ())) if sizes_only else (tuple(x.shape or ()) != tuple(y.shape or ())):
             return (position, "shape", None, None)
         if prints_a is None or prints_b is None or position >= len(prints_a) or position >= len(prints_b):
             continue
@@ -434,9 +398,18 @@ class Diff:
         pairs: the alignment, ``(record in a or None, record in b or None)`` in stream order.
         labels / torch: each run's source (a path, ``"watch"``, ``"saved log"``) and torch version.
         compared: how many aligned ops had fingerprints on both sides.
+        compiled: ``"a"`` or ``"b"`` when that run was recorded with ``watch(compiled=...)``:
+            its records are paired with the eager run's at the level both can see (``pairs``
+            in its order; ``only_in_a``/``only_in_b`` its records without an eager counterpart);
+            ``None`` for two runs aligned op by op.
+        not_visible: for a compiled run, how many eager ops with fingerprints no compiled
+            record pairs with (fused into a kernel, decomposed): not compared.
+        ranks: ``(ranks of a, ranks of b)``: more than 1 for a side given as a sharded run's
+            ranks' logs (a list, or a directory of ``.jsonl``), combined into one run; its ops
+            in one run only (collectives, redistributions) do not make ``agree`` false.
     """
 
-    def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int):
+    def __init__(self, a: _Run, b: _Run, steps: list, tolerance: Tolerance, first, first_pair: int | None, compared: int, compiled: str | None = None):
         self.pairs = [(None if i is None else a.records[i], None if j is None else b.records[j]) for i, j in steps]
         self.only_in_a = [record for record, other in self.pairs if other is None]
         self.only_in_b = [other for record, other in self.pairs if record is None]
@@ -447,9 +420,35 @@ class Diff:
         self.compared = compared
         self._first_pair = first_pair
         self._statuses = None
+        # "a" or "b": that run was recorded under watch(compiled=...), compared at the level
+        # both runs can see (its records paired with the eager run's); None: op by op.
+        self.compiled = compiled
+        # (ranks of a, ranks of b): more than 1 for a sharded run given as its ranks' logs.
+        self.ranks = (a.ranks, b.ranks)
+        self._prints = (a.prints, b.prints)
+        # Eager ops with fingerprints no compiled record was paired with (fused or decomposed
+        # away): not compared.
+        self.not_visible = 0
+        if compiled is not None:
+            eager, side = (b, 1) if compiled == "a" else (a, 0)
+            paired = {pair[side] for pair in steps if None not in pair}
+            self.not_visible = sum(1 for step in range(len(eager.records)) if step not in paired and eager.fingerprints(step))
 
     @property
     def agree(self) -> bool:
+        """No aligned op differs and no op is in one run only; for a compiled run against an
+        eager one, no paired op differs (at the level both can see)."""
+        if self.compiled is not None:
+            return self.first is None
+        # A sharded run's own ops (collectives, redistributions) do not make the runs disagree.
+        # Nor do the single run's ops that have no fingerprint (views, the gradients' detaches:
+        # autograd's in one run, the DTensor gradients' own in the other).
+        sharded_a, sharded_b = (ranks > 1 for ranks in self.ranks)
+        if sharded_a or sharded_b:
+            single = self.only_in_b if sharded_a else self.only_in_a
+            prints_a, prints_b = self._prints
+            prints = prints_b if sharded_a else prints_a
+            return self.first is None and not any(prints.get(record.index) for record in single)
         return self.first is None and not self.only_in_a and not self.only_in_b
 
     def table(self, context: int = 5, *, tablefmt: str = "simple") -> str:
@@ -515,7 +514,11 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
         print(result.table(context=5))
 
     ``a`` and ``b``: :class:`~opwatch.Watch` objects (their blocks ended), logs read by
-    :func:`opwatch.load`, or paths of ``.jsonl`` logs, recorded with fingerprints. Outputs are
+    :func:`opwatch.load`, or paths of ``.jsonl`` logs, recorded with fingerprints; or, for a
+    sharded run, a list or tuple of its ranks' logs or the directory that holds them, combined
+    into the global tensors' statistics (:mod:`opwatch.runners.divergence_layouts`). A run
+    recorded with ``watch(compiled=...)`` is compared with an eager run at the level both can
+    see (:mod:`opwatch.runners.divergence_compiled`). Outputs are
     compared bitwise, or within ``rtol``/``atol`` (on each output's sum, L2 norm, min and max)
     when either is given; when the runs' dtypes differ (a bf16 run against an fp32 one) the
     default tolerance is the lower precision's (:data:`DEFAULT_TOLERANCES`), and the report
@@ -523,15 +526,23 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
     ``.table(context=N)``, and ``str()``.
     """
     run_a, run_b = _Run(a, "a"), _Run(b, "b")
-    steps = align(run_a, run_b)
-    tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+    level = compiled_side(run_a, run_b)
+    if level is None:
+        steps = align(run_a, run_b)
+        tolerance = choose_tolerance(run_a, run_b, steps, rtol, atol)
+        if tolerance.bitwise and (run_a.ranks > 1 or run_b.ranks > 1):
+            # Shards' statistics combine; their hashes do not: the dtype's default tolerance.
+            name = _lowest_dtype(run_a if run_a.ranks > 1 else run_b)
+            tolerance = Tolerance(*DEFAULT_TOLERANCES[name], "layouts", (name,))
+    else:
+        steps, tolerance = _compiled_steps(run_a, run_b, level, rtol, atol)
     first, first_pair, compared = None, None, 0
     for number, (i, j) in enumerate(steps):
         if i is None or j is None:
             continue
         if run_a.fingerprints(i) is not None and run_b.fingerprints(j) is not None:
             compared += 1
-        found = compare(run_a, run_b, i, j, tolerance) if first is None else None
+        found = compare(run_a, run_b, i, j, tolerance, sizes_only=level is not None) if first is None else None
         if found is not None:
             inputs, verdict = explain_inputs(run_a, run_b, i, j, tolerance)
             first = Divergence(
@@ -539,4 +550,30 @@ def diff(a, b, *, rtol: float | None = None, atol: float | None = None) -> Diff:
                 run_a.whole_script and run_b.whole_script, run_a.cut or run_b.cut,
             )
             first_pair = number
-    return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared)
+    return Diff(run_a, run_b, steps, tolerance, first, first_pair, compared, compiled=level)
+
+
+def _lowest_dtype(run: _Run) -> str:
+    """The lowest-precision floating dtype among ``run``'s outputs with fingerprints (float32
+    when none is known)."""
+    lowest = "float32"
+    for step, record in enumerate(run.records):
+        if run.fingerprints(step):
+            for meta in record.outputs or ():
+                name = _dtype_name(meta.dtype)
+                if name in DEFAULT_TOLERANCES and _rtol(name) > _rtol(lowest):
+                    lowest = name
+    return lowest
+
+
+def _compiled_steps(run_a: _Run, run_b: _Run, level: str, rtol, atol) -> tuple[list, Tolerance]:
+    """A compiled run against an eager one (:mod:`opwatch.runners.divergence_compiled`): the
+    pairs in the compiled run's order, and the tolerance (the dtype's default when none is given)."""
+    compiled, eager = (run_a, run_b) if level == "a" else (run_b, run_a)
+    tolerance = choose_tolerance(run_a, run_b, [], rtol, atol)
+    if tolerance.reason != "given":
+        rtol_, atol_, name = compiled_tolerance(compiled, _dtype_name, DEFAULT_TOLERANCES)
+        tolerance = Tolerance(rtol_, atol_, "compiled", (name,))
+    pairs = pair_compiled(compiled, eager, tolerance, _gaps)
+    steps = pairs if level == "a" else [(j, i) for i, j in pairs]
+    return steps, tolerance
