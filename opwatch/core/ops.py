@@ -28,11 +28,16 @@ __all__ = [
 HOST_READS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
 # Copies that may bring a device's values to the host (printing a CUDA tensor, ``.cpu()``).
 COPIES = {"aten::_to_copy", "aten::copy_"}
-# Ops whose outputs are uninitialised memory (garbage may look like nan/inf).
+# Ops whose outputs are uninitialised memory (garbage may look like nan/inf); and ``set_``, which
+# points a tensor at a storage whose bytes may be filled after it with no op (``torch.load`` of
+# the legacy format reads the file into the storage after ``set_``).
 NEW_DATA = {
     "aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
     "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::resize_as_",
+    "aten::set_",
 }
+# Of those, the ones whose output's values may be filled after them with no op at all.
+STORAGE_ALIASES = {"aten::set_"}
 # Python data entering torch (``torch.tensor([...])``, ``m[mask] = float("-inf")``).
 LIFTS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
 # Ops that make tensors from nothing: a stray one usually lacks its device= or dtype=.
@@ -109,7 +114,10 @@ class OpFacts:
         is_view: the op returns a view of an input.
         reads_to_host: the op reads device values on the host (or may: a copy, see ``is_copy``).
         is_copy: a copy, which reads to the host only from a device to the CPU.
-        makes_new_data: its outputs are uninitialised memory (``empty*``).
+        makes_new_data: its outputs are uninitialised memory (``empty*``), or memory whose values
+            opwatch cannot know (``set_``).
+        aliases_storage: of those, ``set_``: its output's bytes may be filled after it with no
+            op (``torch.load`` of the legacy format reads the file into the storage then).
         is_lift: Python data entering torch (``lift_fresh``).
         is_factory: makes a tensor from nothing (``zeros``, ``arange``, ...).
         keeps_values: its output holds exactly its input's values (so it keeps its range).
@@ -127,6 +135,8 @@ class OpFacts:
         written: where the one tensor the op writes sits among its tensor arguments as the
             checks get them (positional ones first, then keyword ones): 0 for an in-place op on
             ``self``, -1 for a single ``out=``; ``None`` for an op that writes none or several.
+        writes_self_only: it writes one tensor, its first argument ``self`` (not a list): the
+            first of the tensors the checks get; the others are only read.
         source: for the ops of ``SOURCE_WRITES``, where the source whose values are written
             into ``self`` sits among the tensor arguments (counted from the end, negative,
             after a list of indices: ``index_put_``'s ``values`` is -1); ``None`` otherwise.
@@ -139,7 +149,7 @@ class OpFacts:
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
         "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
-        "written", "source", "accumulates", "takes_several_tensors",
+        "written", "source", "accumulates", "takes_several_tensors", "aliases_storage", "writes_self_only",
     )
 
     def __init__(self, func):
@@ -152,6 +162,7 @@ class OpFacts:
         self.is_copy = name in COPIES
         self.reads_to_host = name in HOST_READS or self.is_copy
         self.makes_new_data = name in NEW_DATA
+        self.aliases_storage = name in STORAGE_ALIASES
         self.is_lift = name in LIFTS
         self.is_factory = name in FACTORIES
         self.keeps_values = name in SAME_VALUES
@@ -173,6 +184,7 @@ class OpFacts:
             if arg.alias_info is not None and arg.alias_info.is_write
         )
         self.written = _written_position(schema, self.mutated_args)
+        self.writes_self_only = self.written == 0 and str(schema.arguments[0].type) == "Tensor"
         self.source = _source_position(schema) if name in SOURCE_WRITES else None
         self.accumulates = name in ACCUMULATING and self.written is not None
 

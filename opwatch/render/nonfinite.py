@@ -161,8 +161,10 @@ def _story(finding) -> str:
     elif facts["contained"]:
         story += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
     elif facts.get("absorbed"):
+        by = _place(facts.get("absorbed_by"))
+        which = f"a later op ({_at(by)})" if by is not None else "a later op"
         story += (
-            f"; a later op absorbed the {what} (rsqrt(inf) = 0, 1 / inf = 0, exp(-inf) = 0): "
+            f"; {which} absorbed the {what} (rsqrt(inf) = 0, 1 / inf = 0, exp(-inf) = 0): "
             "what it fed is finite but wrong, so it is reported"
         )
     return story

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import opwatch
 from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause
 from opwatch.storage.jsonl import load
+from support.helpers import line_of
 
 
 def watched(step, *args):
@@ -94,6 +95,36 @@ def test_a_float16_rmsnorm_written_by_hand_overflows_and_is_reported_though_rsqr
     assert anomaly.finding.facts["absorbed"] and not w.contained
     assert "precision: pow made inf in f16, but not in f32" in cause_line(anomaly)
     assert "LlamaRMSNorm" in anomaly.message and "absorbed" in anomaly.message
+    absorbed_by = anomaly.finding.facts["absorbed_by"]
+    assert absorbed_by is not None and absorbed_by.op.startswith("aten.rsqrt")
+    assert f"a later op ({absorbed_by.op} at " in anomaly.message
+
+
+def test_an_overflow_no_op_reads_is_not_reported_as_absorbed():
+    """Weight norm computed on leftover memory, as in transformers' wav2vec2 tests (a model built
+    on the meta device, ``to_empty()``, then ``_init_weights`` reads the weight-normed conv's
+    ``weight`` before initialising its parts): the norm overflows, the computed weight is
+    overwritten by ``init.normal_`` and no op reads the inf. Then the parts are initialised and
+    the conv trains: nothing to report. The same overflow read by an op (rsqrt(inf) = 0, above)
+    is reported."""
+    torch.manual_seed(0)
+    conv = nn.Conv1d(16, 8, 5)
+    v = nn.Parameter(torch.full((8, 16, 5), 3e36))  # what the leftover memory held there
+    g = nn.Parameter(torch.ones(1, 1, 5))
+    optimizer = torch.optim.SGD([v, g, conv.bias], lr=0.01)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        weight = torch._weight_norm(v, g, dim=2)  # what reading a weight-normed conv's .weight computes
+        nn.init.normal_(weight, std=0.02)  # the initialisation overwrites it; nothing reads the inf
+        del weight
+        w.check()  # a check point before the parts are initialised (a host read in between)
+        with torch.no_grad():
+            v.normal_()
+        loss = F.conv1d(torch.randn(2, 16, 12), torch._weight_norm(v, g, dim=2), conv.bias).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        loss.item()
+    assert nonfinite(w) == [], [a.message for a in nonfinite(w)]
+    assert [a.op for a in w.contained] == ["aten._weight_norm_interface.default"]
 
 
 def test_the_same_rmsnorm_in_float32_reports_nothing():
@@ -282,6 +313,50 @@ def test_an_input_made_before_the_watch_and_gone_by_the_check_point_was_checked_
     assert anomaly.op == "aten.addmm.default"
     assert "from finite inputs" not in anomaly.message and "range unknown" not in anomaly.message
     assert "made before the watch" in cause_line(anomaly)
+
+
+def _legacy_checkpoint(tmp_path, poisoned: bool) -> str:
+    """A Linear's state dict saved in torch.save's legacy format (transformers' save/load tests
+    use it): loading it builds each tensor with ``set_`` on a fresh storage, then reads the file
+    into the storage with no op."""
+    torch.manual_seed(0)
+    source = nn.Linear(64, 32)
+    if poisoned:
+        with torch.no_grad():
+            source.weight[3, 5] = float("nan")
+    path = str(tmp_path / "legacy.bin")
+    torch.save(source.state_dict(), path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def _load_and_train(path):
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    garbage = [torch.full((64 * 32,), float("nan")) for _ in range(4)]  # freed memory holding nan
+    del garbage
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        model.load_state_dict(torch.load(path, weights_only=True))  # LOAD
+        loss = model(torch.randn(8, 64)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        loss.item()
+    return w
+
+
+def test_a_finite_legacy_checkpoint_is_not_read_before_its_bytes_are(tmp_path):
+    """``set_`` makes no value: its storage is filled after it, with no op. What an op first reads
+    of it is checked then (here the load's ``copy_`` into the parameters): finite, so nothing."""
+    w = _load_and_train(_legacy_checkpoint(tmp_path, poisoned=False))
+    assert nonfinite(w) == [] and w.contained == []
+
+
+def test_a_legacy_checkpoint_holding_nan_is_named_at_the_load_as_the_input(tmp_path):
+    w = _load_and_train(_legacy_checkpoint(tmp_path, poisoned=True))
+    first = nonfinite(w)[0]
+    assert first.op == "aten.copy_.default" and first.record.lineno == line_of("# LOAD", __file__)
+    cause = first.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.held == "nan" and cause.made.place.op.startswith("aten.set_"), cause
+    assert "from finite inputs" not in first.message
 
 
 def test_a_finite_input_made_before_the_watch_and_gone_gives_its_range_to_the_cause():

@@ -295,9 +295,12 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if held is not None and not (origin.from_deliberate and held.held == "inf"):
         return held
     if origin.entered is not None:
-        # It held nan when first read (checked then), and is gone or written since.
+        # It held nan when first read (checked then), and is gone or written since: made before
+        # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
-        return Cause(INPUT, tensor=meta, held=origin.kind, made=BeforeWatch(), through=meta)
+        maker = writes.made_by(meta.ident, index)
+        made = MadeBy("made_by", Place.of(maker)) if maker is not None else BeforeWatch()
+        return Cause(INPUT, tensor=meta, held=origin.kind, made=made, through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     ranges = [value_range for _, value_range in origin.input_ranges]

@@ -354,7 +354,7 @@ class Origins:
                 continue
             if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
                 origin.matters = True
-            elif _overflowed_in_forward(origin) and not is_alive:
+            elif _overflowed_in_forward(origin) and not is_alive and origin.absorbed_by is not None:
                 # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
                 # finite and wrong, so it matters all the same.
                 origin.matters = origin.absorbed = True
@@ -558,6 +558,9 @@ def _step_finite(state, entry, facts, meta, key, input_states, input_origin, rec
     record, made when needed."""
     flags = state.flags
     ident = meta[M_IDENT]
+    if input_origin is not None and input_origin.absorbed_by is None and key in flags.checked and meta[M_DTYPE] in CHECKED_DTYPES:
+        record = record or state.log.view(entry)
+        input_origin.absorbed_by = record  # read its values, made finite ones
     if input_origin is not None and facts.is_masking and entry[E_PHASE] != BACKWARD and key in flags.checked:
         for found in input_states:
             if found[ST_ORIGIN] is not None and found[ST_ORIGIN].masked_by is None:

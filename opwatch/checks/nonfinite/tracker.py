@@ -85,7 +85,7 @@ class NonFiniteTracker:
             reads = self._reads
             return {C10D: reads.observe_collective, FUNCTIONAL: reads.observe_collective, WAIT: reads.observe_wait, WRAP: reads.observe_wrap}[collective.kind]
         if facts.makes_new_data:
-            return self._observe_new
+            return self._forget if facts.aliases_storage else self._observe_new
         if facts.is_lift:
             return self._observe_all  # an alias of Python data: its values are new here
         if not facts.preserves_values:
@@ -99,12 +99,15 @@ class NonFiniteTracker:
 
     def for_inputs(self, func):
         """The check of ``func``'s inputs made before the watch, called after its kernel as
-        ``first_seen(index, tensors)``; ``None`` for ops that only view, make new data, or write
-        in place (a destination's old values may be uninitialised memory it is about to fill:
-        a cache made with ``torch.empty``)."""
+        ``first_seen(index, tensors)``; ``None`` for ops that only view or make new data. An op
+        that writes in place has its destination left out (its old values may be uninitialised
+        memory it is about to fill: a cache made with ``torch.empty``): ``copy_`` reads its
+        source; ops writing several tensors or a list are left alone."""
         facts = facts_of(func)
-        if facts.makes_new_data or facts.is_lift or facts.collective is not None or facts.is_view or facts.mutated_args:
+        if facts.makes_new_data or facts.is_lift or facts.collective is not None or facts.is_view:
             return None
+        if facts.mutated_args:
+            return self._check_first_seen_read if facts.writes_self_only else None
         return self._check_first_seen
 
     @property
@@ -173,6 +176,11 @@ class NonFiniteTracker:
             else:
                 self._first(index, tensor)
 
+    def _check_first_seen_read(self, index, tensors) -> None:
+        """Like ``_check_first_seen``, for the tensors an in-place op on ``self`` only reads."""
+        if len(tensors) > 1:
+            self._check_first_seen(index, tensors[1:])
+
     def _first(self, index, tensor) -> None:
         seen = self._first_seen.get(index, ())
         position = FIRST_SEEN + len(seen)
@@ -195,6 +203,12 @@ class NonFiniteTracker:
         if len(known) > self._known_limit:
             self._known = known = {ident: ref for ident, ref in known.items() if ref() is not None}
             self._known_limit = max(_KNOWN_START, 2 * len(known))
+
+    def _forget(self, entry, inputs, outputs, metas) -> None:
+        """``set_``: the tensor's values are what its storage holds, maybe filled with no op
+        after it: read when an op first reads it, as if made before the watch."""
+        for tensor in outputs:
+            self._known.pop(id(tensor), None)
 
     def _observe_new(self, entry, inputs, outputs, metas) -> None:
         """Uninitialised memory (``empty_like``): made here, not before the watch."""
