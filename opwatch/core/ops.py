@@ -104,6 +104,13 @@ ACCUMULATING = {
 }
 
 
+def named_new_data(op: str) -> bool:
+    """Whether the op named ``op`` (``aten.set_.source_Storage_storage_offset``, as records and
+    places name it) makes values opwatch does not read (:data:`NEW_DATA`)."""
+    namespace, _, rest = op.partition(".")
+    return f"{namespace}::{rest.partition('.')[0]}" in NEW_DATA
+
+
 class OpFacts:
     """What opwatch knows about one ``OpOverload``, worked out on first use.
 
@@ -135,8 +142,6 @@ class OpFacts:
         written: where the one tensor the op writes sits among its tensor arguments as the
             checks get them (positional ones first, then keyword ones): 0 for an in-place op on
             ``self``, -1 for a single ``out=``; ``None`` for an op that writes none or several.
-        writes_self_only: it writes one tensor, its first argument ``self`` (not a list): the
-            first of the tensors the checks get; the others are only read.
         source: for the ops of ``SOURCE_WRITES``, where the source whose values are written
             into ``self`` sits among the tensor arguments (counted from the end, negative,
             after a list of indices: ``index_put_``'s ``values`` is -1); ``None`` otherwise.
@@ -149,7 +154,7 @@ class OpFacts:
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
         "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
-        "written", "source", "accumulates", "takes_several_tensors", "aliases_storage", "writes_self_only",
+        "written", "source", "accumulates", "takes_several_tensors", "aliases_storage",
     )
 
     def __init__(self, func):
@@ -184,7 +189,6 @@ class OpFacts:
             if arg.alias_info is not None and arg.alias_info.is_write
         )
         self.written = _written_position(schema, self.mutated_args)
-        self.writes_self_only = self.written == 0 and str(schema.arguments[0].type) == "Tensor"
         self.source = _source_position(schema) if name in SOURCE_WRITES else None
         self.accumulates = name in ACCUMULATING and self.written is not None
 

@@ -14,6 +14,7 @@ from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
+from ..core.ops import named_new_data
 from ..core.records import BACKWARD, M_DTYPE, M_IDENT
 from ..core.sites import display_path
 from .phrases import where_made
@@ -197,7 +198,7 @@ def _not_known_finite(facts) -> bool:
     made = facts.get("input_made") or (None,) * len(input_ranges)
     alive = facts.get("input_alive") or (False,) * len(input_ranges)
     return any(
-        value_range is None and (where is None or isinstance(where, str) or living is not False)
+        value_range is None and (where is None or isinstance(where, str) or living is not False or named_new_data(_place(where).op))
         for (_, value_range), where, living in zip(input_ranges, made, alive)
     )
 
@@ -249,6 +250,8 @@ def _unknown_why(made, alive: bool | None = False) -> str:
         return f"made by an op that has left the bounded log (max_records); {now}"
     if made is None:
         return "made before the watch or the last check point, and no longer alive"
+    if named_new_data(_place(made).op):  # empty*, set_: values the watch does not read
+        return f"made by {_at(_place(made))}, whose values opwatch does not read (uninitialised, or filled with no op); {now}"
     # Made in the watch, in a window of ops whose values the check point found finite: opwatch
     # reads their ranges only where a nan/inf is to be explained.
     if alive is None:
@@ -373,8 +376,11 @@ def explain_cause(finding) -> str | None:
             text += f"; {where_made(cause.made)}"
         return text + f"; {name} did not make it"
     if kind == UNKNOWN:
+        made = "was made before the watch"
+        if getattr(cause.made, "how", None) == "made_by":
+            made = f"was made by {_at(_place(cause.made.place))}, whose values opwatch does not read (uninitialised, or filled with no op, as torch.load does),"
         return (
-            f"unknown: input {format_meta(cause.tensor)} was made before the watch and is gone by the check point, "
+            f"unknown: input {format_meta(cause.tensor)} {made} and is gone by the check point, "
             f"so whether it already held {what} cannot be told"
         )
     if kind == DELIBERATE and name in _NLL:
@@ -412,6 +418,8 @@ def _cause_fix(finding, cause) -> str | None:
             "all(p.isfinite().all() for p in model.parameters()))"
         )
     if cause.kind == UNKNOWN:
+        if getattr(cause.made, "how", None) == "made_by":
+            return "check it once it is filled (torch.isfinite(x).all() after torch.load, or after the code that writes it)"
         return "start the watch before that input is made, or check it (torch.isfinite(x).all()) where it is made"
     return None
 

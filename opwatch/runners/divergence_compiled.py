@@ -1,5 +1,5 @@
 """:func:`opwatch.diff` of a compiled run (``watch(fingerprints=True, compiled=BACKEND)``,
-:mod:`opwatch.modes.compiled_graphs`) against an eager one, at the level both can see.
+``opwatch.modes.compiled_graphs``) against an eager one, at the level both can see.
 
 The compiled run's records are what its graphs made (every node under the AOT backends, each
 graph's outputs under inductor) and the eager ops outside them. Each one with a fingerprint is

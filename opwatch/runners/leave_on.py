@@ -21,7 +21,7 @@ GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finit
 skips never reach the hooks, so they are not failures (and not counted as steps).
 
 In a job of several ranks (``torch.distributed`` initialized, world size > 1) each optimizer
-step is decided on every rank together (:class:`~opwatch.runners.guarded.ranks.Agreement`, the
+step is decided on every rank together (``Agreement`` of ``opwatch.runners.guarded.ranks``, the
 guard's: one all-reduce of one slot per rank, bounded): a nan/inf in one rank's gradients (a
 shard under FSDP2) fails the step on every rank, every rank applies the same ``on_failure``,
 watches the same next step, replays the same batch (the trainers), and after a fully watched or

@@ -349,9 +349,16 @@ def test_first_anomaly_is_the_injected_op_when_intermediates_die(case):
         assert w.anomalies, "a non-finite result but no anomaly"
     if w.anomalies:
         first = w.anomalies[0]
+        contained = [(c.op, c.lineno, c.index) for c in w.contained]
+        if (first.op, first.lineno) != (expected_op, line) and contained[:1] == [(expected_op, line, injected.index)]:
+            # The injected values were absorbed (clamp(inf) = 5) and a later op made a nan/inf of
+            # its own from the finite values that went on (exp(exp(5)) overflows float32): that
+            # op is an origin of its own, the injected one is contained.
+            assert first.index > injected.index and "from finite inputs" in first.message, first.message
+            return
         assert (first.op, first.lineno, first.index) == (expected_op, line, injected.index), (
             [a.message for a in w.anomalies],
-            [(c.op, c.lineno) for c in w.contained],
+            contained,
         )
 
 

@@ -311,7 +311,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         if wider is None:
             return Cause(MATH, detail)
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
-    if detail is not None and detail not in _OVERFLOWS:
+    if detail is not None and detail not in OVERFLOWS:
         return Cause(MATH, detail)
     bound = _bound(record, origin.kind, ranges)
     if bound is not None:
@@ -322,12 +322,18 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         # A bound beyond float64 tells nothing: the exact result may still be far below it.
     if detail is not None:
         return Cause(MATH, detail)
-    # An input whose range is unknown, made before the watch and gone: it may have held it.
+    # An input whose range is unknown, made before the watch (or by an op whose values are not
+    # read: empty*, set_) and gone: it may have held it.
     for (_, value), (_, known) in zip(recipes, origin.input_ranges):
         if known is None:
             for leaf in _leaves(value):
-                if leaf[M_IDENT] not in found and writes.made_by(leaf[M_IDENT], index) is None and not writes.lost_ops:
+                if leaf[M_IDENT] in found:
+                    continue
+                maker = writes.made_by(leaf[M_IDENT], index)
+                if maker is None and not writes.lost_ops:
                     return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
+                if maker is not None and facts_of(maker.func).makes_new_data:
+                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
     return None
 
 
@@ -487,7 +493,7 @@ def _fill_kwargs(values, tensors):
 
 # -- what the inputs' ranges show ------------------------------------------------------------
 
-_OVERFLOWS = frozenset(("overflow", "exp_overflow", "pow_overflow"))
+OVERFLOWS = frozenset(("overflow", "exp_overflow", "pow_overflow"))  # MATH details that are overflows
 
 
 def range_cause(name, kind, outputs, ranges) -> str | None:

@@ -23,7 +23,7 @@ from torch.nn import Parameter
 
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
-from .cause import DELIBERATE_CAUSE, PRECISION
+from .cause import DELIBERATE_CAUSE, MATH, OVERFLOWS, PRECISION
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -391,10 +391,13 @@ def _reduces(entry, output, holders) -> bool:
 
 
 def _overflowed_in_forward(origin) -> bool:
-    """A forward op whose inf is an overflow of its dtype (finite in a wider one), not a
-    deliberate constant: absorbed later, it still made wrong values."""
+    """A forward op whose inf is an overflow (of its dtype, finite in a wider one; or beyond
+    float64 too: ``exp(1000)``), not a deliberate constant nor ``log(0)``: absorbed later, it
+    still made wrong values."""
     cause = origin.cause
-    return origin.kind == "inf" and cause is not None and cause.kind == PRECISION and origin.record.phase != BACKWARD
+    if origin.kind != "inf" or cause is None or origin.record.phase == BACKWARD:
+        return False
+    return cause.kind == PRECISION or (cause.kind == MATH and cause.detail in OVERFLOWS)
 
 
 def _step_lift(state, entry, outputs) -> None:

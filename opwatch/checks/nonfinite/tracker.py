@@ -99,15 +99,15 @@ class NonFiniteTracker:
 
     def for_inputs(self, func):
         """The check of ``func``'s inputs made before the watch, called after its kernel as
-        ``first_seen(index, tensors)``; ``None`` for ops that only view or make new data. An op
-        that writes in place has its destination left out (its old values may be uninitialised
-        memory it is about to fill: a cache made with ``torch.empty``): ``copy_`` reads its
-        source; ops writing several tensors or a list are left alone."""
+        ``first_seen(index, tensors)``; ``None`` for ops that only view, make new data, or write
+        in place (a destination's old values may be uninitialised memory it is about to fill: a
+        cache made with ``torch.empty``; and ``copy_``'s source may be a buffer a collective
+        filled, which the collectives' reads follow)."""
         facts = facts_of(func)
         if facts.makes_new_data or facts.is_lift or facts.collective is not None or facts.is_view:
             return None
         if facts.mutated_args:
-            return self._check_first_seen_read if facts.writes_self_only else None
+            return None
         return self._check_first_seen
 
     @property
@@ -175,11 +175,6 @@ class NonFiniteTracker:
                     self._first(index, tensor)
             else:
                 self._first(index, tensor)
-
-    def _check_first_seen_read(self, index, tensors) -> None:
-        """Like ``_check_first_seen``, for the tensors an in-place op on ``self`` only reads."""
-        if len(tensors) > 1:
-            self._check_first_seen(index, tensors[1:])
 
     def _first(self, index, tensor) -> None:
         seen = self._first_seen.get(index, ())
