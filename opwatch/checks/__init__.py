@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 from ..core.ops import facts_of
-from ..core.records import E_PHASE, E_SITE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ..core.records import E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
 from .pipeline import FindingPipeline
-from .finding import Attribute, BeforeWatch, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
+from .finding import Attribute, BeforeWatch, ComputedFrom, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 
 __all__ = ["Finding", "CheckContext", "ActiveChecks", "PRE_KERNEL_CHECKS", "CHECK_NAMES", "DEFAULT_CHECK_NAMES", "KINDS"]
 
@@ -132,6 +132,9 @@ class CheckContext:
           - ``FromModule("from_module", "parameter" | "buffer", module class name, name, module
             path)``: the op only indexed, viewed or copied that parameter or buffer
             (``self.class_w[target]``);
+          - ``ComputedFrom("computed_from", ...)``, the same fields: the op that made it (or
+            the one whose output it only viewed) computed it from that parameter or buffer, of
+            the odd tensor's dtype (a Linear kept in float32 in a float16 model);
           - else ``None``;
         - ``BeforeWatch("before_watch")``: made before the watch (or outside torch ops).
         """
@@ -148,9 +151,12 @@ class CheckContext:
         facts = facts_of(record.func)
         if facts.is_lift or facts.preserves_values or facts.keeps_values or facts.is_copy:
             source = self._source(record)
+            if source is None and missing == "dtype":
+                source = self._computed_from(record, tensor[M_DTYPE])
             return made if source is None else made._replace(detail=source)
         if not facts.is_factory:
-            return made
+            computed = self._computed_from(record, tensor[M_DTYPE]) if missing == "dtype" else None
+            return made if computed is None else made._replace(detail=computed)
         args = dict(record.args)
         if missing == "device" and args.get("device") == torch.get_default_device():
             # torch fills the default in: whether the program named it cannot be told.
@@ -185,6 +191,44 @@ class CheckContext:
             record = self._log.producer_of(source.ident)
             if record is None or not hasattr(record.func, "_schema"):
                 return None
+        return None
+
+    def _computed_from(self, record, dtype) -> ComputedFrom | None:
+        """The parameter or buffer of ``dtype`` that the op computing ``record``'s output read
+        (through ops that only viewed or moved that output: a Linear's ``_unsafe_view`` after its
+        ``mm``); ``None`` when it read none."""
+        for _ in range(self._SOURCE_DEPTH):
+            if not hasattr(record.func, "_schema"):
+                return None
+            facts = facts_of(record.func)
+            inputs = record.inputs or ()
+            if not (facts.preserves_values or facts.keeps_values) or facts.is_copy:
+                for meta in inputs:
+                    held = self._held_through_views(meta) if meta.dtype == dtype else None
+                    if held is not None:
+                        return ComputedFrom("computed_from", held.how, held.cls, held.name, held.path)
+                return None
+            if not inputs:
+                return None
+            moved, *_ = inputs
+            record = self._log.producer_of(moved.ident)
+            if record is None:
+                return None
+        return None
+
+    _VIEW_DEPTH = 3
+
+    def _held_through_views(self, meta) -> Owned | None:
+        """The module's parameter or buffer ``meta`` is, or is a view of (a Linear's weight
+        reaches its ``mm`` as ``weight.t()``)."""
+        for _ in range(self._VIEW_DEPTH):
+            held = self._held_by_module(meta.ident)
+            if held is not None:
+                return held
+            record = self._log.producer_of(meta.ident)
+            if record is None or not hasattr(record.func, "_schema") or not facts_of(record.func).is_view or not record.inputs:
+                return None
+            meta, *_ = record.inputs
         return None
 
     def _is_lift_copy(self, record, source) -> bool:

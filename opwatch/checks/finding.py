@@ -87,6 +87,19 @@ class PythonData(NamedTuple):
     lifted: Place | None  # where the data entered, when the odd tensor was then only moved
 
 
+@fact_tuple("computed_from")
+class ComputedFrom(NamedTuple):
+    """The op that made it (or the one whose output it only viewed or moved) computed it from a
+    module's parameter or buffer of its dtype: a module kept in another dtype than the rest of
+    the model (transformers' ``_keep_in_fp32_modules``), or a tensor made so."""
+
+    how: str  # "computed_from"
+    kind: str  # "parameter" or "buffer"
+    cls: str  # the module's class name
+    name: str
+    path: str  # the module's path
+
+
 @fact_tuple("from_module")
 class FromModule(NamedTuple):
     """An op only indexed, viewed or copied a module's parameter or buffer

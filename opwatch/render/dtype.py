@@ -66,6 +66,12 @@ def _upcast_fix(finding, common: str) -> str:
             kind, owner = how, made
         elif getattr(detail, "how", None) == "from_module":
             kind, owner = detail.kind, detail
+        elif getattr(detail, "how", None) == "computed_from":
+            return (
+                f"it is computed from the {detail.kind} {detail.name} of {detail.path} ({detail.cls}), which is not in "
+                f"{common}: a module kept in another dtype (transformers' _keep_in_fp32_modules) must cast its output "
+                f"back (.to({common})) before it joins the rest, or run in the model's dtype"
+            )
         else:
             continue
         return (

@@ -56,6 +56,8 @@ def where_made(made) -> str:
         return data if lifted is None else f"{data}, then taken by {place(made.place)}"
     if detail.how == "from_module":
         return f"taken from {_held(detail.kind, detail.cls, detail.name, detail.path)} by {place(made.place)}"
+    if detail.how == "computed_from":
+        return f"{text}, computed from {_held(detail.kind, detail.cls, detail.name, detail.path)}"
     if detail.how == "default_device":
         return text + f" on the default device ({detail.device}): give it device= (or make it with *_like / new_*)"
     given, default = detail.given, detail.default

@@ -501,3 +501,44 @@ def test_a_float32_codebook_in_a_half_model_is_named_as_the_parameter_it_is():
 def test_a_float64_array_from_numpy_keeps_the_numpy_advice():
     w = watched(rules.side_features_numpy, expect_error=RuntimeError)  # the head's addmm raises next
     assert w.anomalies and "torch.from_numpy(a).to(f32)" in w.anomalies[0].message.split("fix:")[1]
+
+
+# -- a module kept in float32 inside a float16 model -------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """T5's feed-forward: ``wo`` kept in float32 (transformers' ``_keep_in_fp32_modules``) while
+    the rest of the model runs in float16."""
+
+    def __init__(self, width=16, keep_wo_in_fp32=True):
+        super().__init__()
+        self.wi = nn.Linear(width, 4 * width).half()
+        self.wo = nn.Linear(4 * width, width)
+        self.cast_back = not keep_wo_in_fp32
+        if not keep_wo_in_fp32:
+            self.wo.half()
+
+    def forward(self, x):
+        h = torch.relu(self.wi(x))
+        return x + self.wo(h.to(self.wo.weight.dtype)).to(x.dtype if self.cast_back else self.wo.weight.dtype)  # RESIDUAL
+
+
+def test_a_linear_kept_in_float32_names_its_weight_where_its_output_joins_the_float16_stream():
+    torch.manual_seed(0)
+    block = FeedForward()
+    with opwatch.watch(warn=False) as w:
+        block(torch.randn(2, 5, 16).half()).float().sum().item()
+    (anomaly,) = [a for a in w.anomalies if a.kind == "dtype_mismatch"]
+    assert anomaly.record.lineno == _line_of("# RESIDUAL", __file__)
+    (made,) = anomaly.finding.made
+    assert made.detail.how == "computed_from" and made.detail.path == "wo" and made.detail.name in ("weight", "bias"), made
+    assert f"computed from the parameter {made.detail.name} of Linear (wo)" in anomaly.message
+    assert "torch.from_numpy" not in anomaly.message and "must cast its output back (.to(f16))" in anomaly.message
+
+
+def test_the_same_block_cast_back_to_float16_is_silent():
+    torch.manual_seed(0)
+    block = FeedForward(keep_wo_in_fp32=False)
+    with opwatch.watch(warn=False) as w:
+        block(torch.randn(2, 5, 16).half()).float().sum().item()
+    assert [a for a in w.anomalies if a.kind == "dtype_mismatch"] == []
