@@ -20,17 +20,29 @@ import opwatch
 NAN_SHIFT = 100.0  # sqrt(h + 5 - 100) is nan for the tanh-bounded h below, and so is its gradient
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+def run_cases(table: dict, rank: int, world: int, port: int, out_dir: str, cases: list[str], *, timeout_s: float = 60) -> None:
+    """One rank of a scenario file: join the gloo group (bounded by ``timeout_s``), run each of
+    ``cases`` from ``table`` as ``table[case](rank, world)``, write ``out_dir/rank<r>.json``
+    (also when a case raised), and leave only once every rank has written."""
+    from opwatch.core.collective_ops import group_store
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    store = group_store()
     results = {}
     try:
         for case in cases:
-            results[case] = CASES[case](rank, world)
+            results[case] = table[case](rank, world)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as stream:
             json.dump(results, stream)
-        dist.barrier()  # the store lives in rank 0: nobody leaves while another still uses it
+        store.set(f"left/{rank}", "1")  # rank 0 holds the store: it leaves last
+        if rank == 0:
+            store.wait([f"left/{other}" for other in range(world)], timedelta(seconds=timeout_s))
         dist.destroy_process_group()
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
+    run_cases(CASES, rank, world, port, out_dir, cases, timeout_s=30)
 
 
 def _mlp():

@@ -8,33 +8,19 @@ the store, not a collective: the ``silent`` case leaves a flag all-reduce pendin
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import opwatch
 from opwatch.core.collective_ops import group_store
-from dist_cases import NAN_SHIFT, _mesh, _mlp, _step  # the step whose sqrt makes the nan
+from dist_cases import NAN_SHIFT, _mesh, _mlp, _step, run_cases  # the step whose sqrt makes the nan
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    store = group_store()
-    results = {}
-    try:
-        for case in cases:
-            results[case] = CASES[case](rank, world)
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as stream:
-            json.dump(results, stream)
-        store.set(f"left/{rank}", "1")  # rank 0 holds the store: it leaves last
-        if rank == 0:
-            store.wait([f"left/{other}" for other in range(world)], timedelta(seconds=60))
-        dist.destroy_process_group()
+    run_cases(CASES, rank, world, port, out_dir, cases)
 
 
 def _fsdp2(world):

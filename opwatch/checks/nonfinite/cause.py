@@ -298,9 +298,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         # It held nan when first read (checked then), and is gone or written since: made before
         # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
-        maker = writes.made_by(meta.ident, index)
-        made = MadeBy("made_by", Place.of(maker)) if maker is not None else BeforeWatch()
-        return Cause(INPUT, tensor=meta, held=origin.kind, made=made, through=meta)
+        return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     ranges = [value_range for _, value_range in origin.input_ranges]
@@ -363,12 +361,16 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)
     if isinstance(tensor, torch.nn.Parameter):
         return Cause(WEIGHTS, tensor=meta, held=known.held, through=through)
+    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through)
+
+
+def _made_where(writes, ident, index) -> MadeBy | BeforeWatch | None:
+    """The logged op that made ``ident`` before op ``index``; else before the watch, unless its
+    maker may have left the bounded log (``None``)."""
     maker = writes.made_by(ident, index)
     if maker is not None:
-        made = MadeBy("made_by", Place.of(maker))
-    else:  # no logged op made it: before the watch, unless its maker left the bounded log
-        made = None if writes.lost_ops else BeforeWatch()
-    return Cause(INPUT, tensor=meta, held=known.held, made=made, through=through)
+        return MadeBy("made_by", Place.of(maker))
+    return None if writes.lost_ops else BeforeWatch()
 
 
 def _owner(tensor, path, modules) -> Owned | None:

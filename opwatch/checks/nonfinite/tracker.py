@@ -181,13 +181,10 @@ class NonFiniteTracker:
         position = FIRST_SEEN + len(seen)
         ref = self._reduce_one(index, position, tensor, tensor.dtype, tensor.device)
         if ref is None and type(tensor) not in PLAIN_TYPES and type(tensor) is dtensor_class():
-            # A DTensor made before the watch (a tensor-parallel weight): its local shard, with
-            # no collective. The replay follows it under the DTensor's id.
-            local, _, _ = dtensor_parts(tensor)
-            ref = self._reduce_one(index, position, local, tensor.dtype, local.device)
-            if ref is not None:
-                self._remember(local, ref)
-                ref = weakref.ref(tensor)
+            # A DTensor made before the watch (a tensor-parallel weight): the replay follows its
+            # shard under the DTensor's id.
+            local_ref, _ = self._reduce_local(index, position, tensor, tensor.dtype)
+            ref = None if local_ref is None else weakref.ref(tensor)
         if ref is not None:
             self._first_seen[index] = (*seen, (position, id(tensor)))
         self._remember(tensor, ref or weakref.ref(tensor))
@@ -237,13 +234,21 @@ class NonFiniteTracker:
     def _reduce_shard(self, index, position, dtensor, meta) -> None:
         """A DTensor an op made: its local shard is read (reducing the DTensor itself would be
         a collective, run by this rank alone). Both are made here, not before the watch."""
-        local, _, _ = dtensor_parts(dtensor)
-        ref = self._reduce_one(index, position, local, meta[M_DTYPE], meta[M_DEVICE])
+        ref, local = self._reduce_local(index, position, dtensor, meta[M_DTYPE])
         if ref is None and meta[M_DTYPE] in CHECKED_DTYPES:  # an AsyncCollectiveTensor: it holds what its inputs held
             self._carriers[index << 32 | position] = ref = weakref.ref(local)
+            self._remember(local, ref)
+            self._remember(dtensor, weakref.ref(dtensor))
+
+    def _reduce_local(self, index, position, dtensor, dtype) -> tuple:
+        """Queue a DTensor's local shard under (``index``, ``position``), read with no
+        collective, and remember both: ``(the shard's reference or None, the shard)``."""
+        local, _, _ = dtensor_parts(dtensor)
+        ref = self._reduce_one(index, position, local, dtype, local.device)
         if ref is not None:
             self._remember(local, ref)
             self._remember(dtensor, weakref.ref(dtensor))
+        return ref, local
 
     def _reduce_one(self, index, position, tensor, dtype, device):
         """Queue ``tensor``'s (min, max) under (``index``, ``position``); returns the weak
