@@ -36,7 +36,7 @@ __all__ = ["NonFiniteTracker", "FIRST_SEEN"]
 
 # Queued positions from here on are inputs checked when first seen, not outputs.
 FIRST_SEEN = 1 << 16
-_KNOWN_START = 1024  # tensors remembered as accounted for before the dead ones are dropped
+_KNOWN_START = 256  # tensors remembered as accounted for before the dead ones are dropped
 
 _aminmax = torch.aminmax  # the one reduction per output (bench.ablate times it here)
 
