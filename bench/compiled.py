@@ -1,22 +1,32 @@
-"""A guarded compiled step against the compiled step, interleaved in one process:
-python -m bench.compiled [ROUNDS] [--backend inductor|eager].
+"""A guarded and a left-on compiled step against the compiled step, interleaved in one
+process: python -m bench.compiled [ROUNDS] [--backend inductor|eager].
 
 One small MLP (64 -> 256 -> 256 -> 64, batch 64), compiled once (inductor on CPU by default);
-two lanes step it: the compiled step as it is, and ``opwatch.guard(step, model)`` around the
-same step (its first call, the audit, runs eagerly under a full watch and is made before the
-timing; the figures are healthy steps). The lanes alternate step by step, the order flipping
-each round, so that the machine's drifts hit both alike; each step is timed alone in process
-CPU time, one torch thread. A round is ``STEPS`` steps of each lane; its ratio is the guarded
-lane's sum over the compiled lane's; the figure is the median of the rounds' ratios (and their
-range). Also printed: whether the compiled code still ran after the guard's audit (the grad_fn
-of the forward's output) and Dynamo's unique graphs before and after (no recompile).
+three lanes step it, each step being ``zero_grad``, the forward and backward, ``optimizer.step()``:
+
+- ``compiled``: the compiled step as it is;
+- ``guard``: ``opwatch.guard(step, model)`` around the forward and backward (its first call, the
+  audit, runs eagerly under a full watch and is made before the timing);
+- ``leave-on``: ``python -m opwatch --guard``'s runner (``LeaveOn``), its first step audited
+  before the timing; its fused gradient check runs in the optimizer's pre-hook. Its hooks are
+  global, so the run is entered around each of this lane's steps only (registering and removing
+  two hooks, a few microseconds, counted in the lane).
+
+The lanes alternate step by step, their order rotating each round, so that the machine's
+drifts hit all alike; each step is timed alone in process CPU time, one torch thread. A round
+is ``STEPS`` steps of each lane; its ratio is a lane's sum over the compiled lane's; the figure
+is the median of the rounds' ratios (and their range). Also printed: whether the compiled code
+still ran after the audits (the grad_fn of the forward's output) and Dynamo's unique graphs
+before and after (no recompile).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -38,6 +48,9 @@ def main() -> None:
     print(status)
     from torch._dynamo.utils import counters
 
+    from opwatch.runners.leave_on import LeaveOn
+
+    warnings.simplefilter("ignore", opwatch.OpwatchWarning)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
     compiled = torch.compile(model, backend=backend)
@@ -46,40 +59,65 @@ def main() -> None:
     target = torch.randn(64, 64)
     grad_fns = []
 
-    def step(x, y):
+    def forward_backward(x, y):
         out = compiled(x)
         grad_fns.append(type(out.grad_fn).__name__)
         loss = ((out - y) ** 2).mean()
         loss.backward()
         return loss
 
-    guarded = opwatch.guard(step, model)
-    started = clock()
-    for lane in (step, guarded, step, guarded):  # the compile, then the guard's audit
+    guarded = opwatch.guard(forward_backward, model)
+    left_on = LeaveOn(audit="manual", file=open(os.devnull, "w"))
+
+    def plain_step():
         optimizer.zero_grad()
-        lane(batch, target)
+        forward_backward(batch, target)
         optimizer.step()
-    print(f"compile and warm-up: {clock() - started:.1f} s CPU; backend {backend}; forward grad_fn after the audit: {grad_fns[-1]}")
+
+    def guarded_step():
+        optimizer.zero_grad()
+        guarded(batch, target)
+        optimizer.step()
+
+    def left_on_step():
+        with left_on:
+            optimizer.zero_grad()
+            forward_backward(batch, target)
+            optimizer.step()
+
+    started = clock()
+    plain_step()  # the compile
+    guarded_step()  # the guard's audit
+    with left_on:  # leave-on's audit
+        left_on.start_audit()
+        optimizer.zero_grad()
+        forward_backward(batch, target)
+        optimizer.step()
+    for lane in (plain_step, guarded_step, left_on_step):
+        lane()
+    print(f"compile and warm-up: {clock() - started:.1f} s CPU; backend {backend}; forward grad_fn after the audits: {grad_fns[-1]}")
     graphs = counters["stats"]["unique_graphs"]
 
-    ratios = []
+    lanes = {"compiled": plain_step, "guard": guarded_step, "leave-on": left_on_step}
+    ratios: dict = {"guard": [], "leave-on": []}
+    names = list(lanes)
     for round_ in range(rounds):
-        totals = {step: 0.0, guarded: 0.0}
-        order = (step, guarded) if round_ % 2 == 0 else (guarded, step)
+        totals = dict.fromkeys(lanes, 0.0)
+        order = names[round_ % 3:] + names[:round_ % 3]
         for _ in range(STEPS):
-            for lane in order:
-                optimizer.zero_grad()
+            for name in order:
                 begin = clock()
-                lane(batch, target)
-                totals[lane] += clock() - begin
-                optimizer.step()
-        ratios.append(totals[guarded] / totals[step])
-        print(f"round {round_ + 1}: compiled {1e3 * totals[step] / STEPS:.3f} ms/step, guarded {1e3 * totals[guarded] / STEPS:.3f} ms/step, ratio {ratios[-1]:.3f}")
-    print(
-        f"guarded compiled step / compiled step: median {statistics.median(ratios):.3f}x over {rounds} rounds of {STEPS} steps "
-        f"(range {min(ratios):.3f}-{max(ratios):.3f}); audits {guarded.audits}; unique graphs {graphs} -> {counters['stats']['unique_graphs']}; "
-        f"grad_fn of the last step: {grad_fns[-1]}"
-    )
+                lanes[name]()
+                totals[name] += clock() - begin
+        for name in ratios:
+            ratios[name].append(totals[name] / totals["compiled"])
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {1e3 * total / STEPS:.3f} ms/step" for name, total in totals.items())
+              + "; ratios " + ", ".join(f"{name} {values[-1]:.3f}" for name, values in ratios.items()))
+    for name, values in ratios.items():
+        print(f"{name} compiled step / compiled step: median {statistics.median(values):.3f}x over {rounds} rounds of {STEPS} steps "
+              f"(range {min(values):.3f}-{max(values):.3f})")
+    print(f"guard's audits {guarded.audits}; leave-on's failures {len(left_on.failures)}; unique graphs {graphs} -> "
+          f"{counters['stats']['unique_graphs']}; grad_fn of the last step: {grad_fns[-1]}")
 
 
 if __name__ == "__main__":

@@ -139,10 +139,15 @@ def warn_at_user(warning: Warning, *, frame=None) -> None:
     try:
         context = at.f_globals
         registry = context.setdefault("__warningregistry__", {})
-        warnings.warn_explicit(
-            warning, type(warning), at.f_code.co_filename, at.f_lineno,
-            module=context.get("__name__", "<string>"), registry=registry, module_globals=context,
-        )
+        place = (warning, type(warning), at.f_code.co_filename, at.f_lineno)
+        module = context.get("__name__", "<string>")
+        try:
+            warnings.warn_explicit(*place, module=module, registry=registry, module_globals=context)
+        except (ImportError, OSError):
+            # The module's loader cannot give its source by that name: a script run with
+            # ``python -m package.main`` is ``__main__`` to its loader's ``package.main``.
+            # Python reads the line from the file instead (nothing was warned yet).
+            warnings.warn_explicit(*place, module=module, registry=registry)
     finally:
         del start, walk, at, found, fallback
 

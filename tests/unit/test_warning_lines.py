@@ -74,3 +74,41 @@ def test_guard_cli_warns_at_the_scripts_step_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "opwatch", "--guard", str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     warned = [line for line in done.stderr.splitlines() if "OpwatchWarning: opwatch: optimizer step 2: the gradients" in line]
     assert warned and warned[0].startswith(f"{script}:{line_of('# @step', str(script))}: "), done.stderr
+
+
+def test_a_program_run_as_a_module_gets_its_warnings_and_finishes(tmp_path):
+    """``python -m package.train``: the script is ``__main__`` while its loader knows it as
+    ``package.train`` and refuses to give the source by the other name. Python's own warnings
+    never ask; opwatch's (at the user's line, with the module's globals) used to raise that
+    ImportError out of the user's ``with`` block (the warning that compiled code ran eagerly)."""
+    package = tmp_path / "trainpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+
+        import opwatch
+
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        compiled = torch.compile(model, backend="eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with opwatch.watch():  # @watch
+            for step in range(2):
+                loss = (compiled(torch.randn(5, 4)) - torch.randn(5)).pow(2).mean()  # @broadcast
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        print("trained")
+        """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.dirname(OPWATCH_DIR)]))
+    env.pop("OPWATCH_DISABLE", None)
+    done = subprocess.run([sys.executable, "-m", "trainpkg.train"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "trained", done.stderr
+    script = str(package / "train.py")
+    warned = [line for line in done.stderr.splitlines() if "OpwatchWarning: broadcast in" in line]
+    assert warned and warned[0].startswith(f"{script}:{line_of('# @broadcast', script)}: "), done.stderr
+    assert "loss = (compiled(torch.randn(5, 4)) - torch.randn(5)).pow(2).mean()" in done.stderr  # the source line, read from the file
+    told = [line for line in done.stderr.splitlines() if "OpwatchWarning: opwatch ran compiled code uncompiled" in line]
+    assert told and told[0].startswith(f"{script}:{line_of('# @watch', script)}: "), done.stderr
