@@ -182,15 +182,18 @@ class WatchLane(Lane):
 
 
 class LeaveOnLane(Lane):
-    """``LeaveOn`` as the trainers drive it (``audit="manual"``): a run made fresh at each round,
-    its first step audited; the optimizer hooks are global, so the run is entered around each of
-    this lane's steps only (entering registers two hooks, leaving removes them)."""
+    """``LeaveOn`` as the trainers drive it (``audit="manual"``): a run made fresh at each round
+    (``fresh=True``), its first step audited, or made once and audited in the warm-up
+    (``fresh=False``: every timed step is a healthy one); the optimizer hooks are global, so the
+    run is entered around each of this lane's steps only (entering registers two hooks, leaving
+    removes them)."""
 
     def start_run(self):
         from opwatch.runners.leave_on import LeaveOn
 
-        self.run = LeaveOn(audit="manual", file=open(os.devnull, "w"))
-        self.audit_next = True
+        if self.fresh or getattr(self, "run", None) is None:
+            self.run = LeaveOn(audit="manual", file=open(os.devnull, "w"))
+            self.audit_next = True
         self.call = self.forward_backward
         self.rounds.append([0.0, 0])
 
@@ -359,7 +362,8 @@ def eager_section(workload, smoke, schedule):
 
 def compiled_section(workload, smoke, schedule, mode):
     """A compiled step (``mode``: None for inductor's default, or "reduce-overhead": CUDA graphs)
-    plain, under guard(audit='never'), and under guard(audit='new') after its audit."""
+    plain, under guard(audit='never'), and, after their audits, under guard(audit='new') and
+    leave-on."""
     import opwatch
 
     torch, device, parts, sync = setup(workload, smoke)
@@ -412,6 +416,21 @@ def compiled_section(workload, smoke, schedule, mode):
     if audited.error is None:
         audited.note += f"; ran compiled: {ran_compiled(audited)}; the plain {label} lane beside it: {ran_compiled(plain) if plain.error is None else '-'}"
     rows.append(row(workload, audited, eager=eager, base=plain, syncs=syncs.get(audited.name), note=f"x base: over {label}"))
+
+    # leave-on: its audit (the first step, eagerly under the full watch) in the warm-up, then
+    # the fused gradient check before every optimizer step, the compiled code running.
+    lane_parts = parts()
+    left_on = LeaveOnLane(f"{label} + leave-on", lane_parts, module=torch.compile(lane_parts.model, **how), fresh=False, mark_step=graphs)
+    start = time.perf_counter()
+    warm([left_on])
+    if left_on.error is None:
+        left_on.note = f"compile, audit and warm-up {time.perf_counter() - start:.1f} s; timed after its audit"
+        count_syncs(left_on, device, syncs)
+    timed_rounds([eager, plain, left_on], rounds, steps, block, sync, seed=2)
+    if left_on.error is None:
+        failures = len(left_on.run.failures)
+        left_on.note += f"; ran compiled: {ran_compiled(left_on)}" + (f"; {failures} failed steps" if failures else "")
+    rows.append(row(workload, left_on, eager=eager, base=plain, syncs=syncs.get(left_on.name), note=f"x base: over {label}"))
     return rows
 
 
