@@ -315,8 +315,9 @@ def node_text(node) -> str:
 
 _NOT_NARROWED = {
     "outputs_agree": (
-        " Each captured forward graph's outputs agree with eager on its inputs: the difference is in the backward "
-        "graph (AOTAutograd's, compiled by the backend) or in a later call of the graph in the step, which opwatch does not narrow."
+        " Each captured graph's outputs agree with eager on its inputs, and so do its inputs' gradients under a gradient of "
+        "ones on its outputs: the difference needs the step's own output gradients or a later call of the graph in the step, "
+        "which opwatch does not narrow."
     ),
     "no_graph": " No graph was captured in the failing run, so no node was narrowed.",
     "too_large": " The graphs' inputs were over repro_max_bytes, so none was kept and no node was narrowed.",
@@ -335,6 +336,12 @@ def _narrowed(verdict) -> str:
         f"differs from eager by up to {node.difference:.4g}, outside the tolerance of its dtype (rtol {node.rtol:g}, "
         f"atol {node.atol:g})"
     )
+    if getattr(node, "phase", "forward") == "backward":
+        return (
+            f" Each captured graph's outputs agree with eager; its backward does not. The first node whose backward "
+            f"{verdict.backend} gets wrong: {node_text(node)}; with a gradient of ones on the node's output, the gradient of "
+            f"{node.gradient} {how} (eager: {_value(node.eager)}; compiled: {_value(node.compiled)})."
+        )
     return (
         f" The first node of the forward graph whose output {verdict.backend} gets wrong: {node_text(node)}; its output {how} "
         f"(eager: {_value(node.eager)}; compiled: {_value(node.compiled)})."
@@ -375,7 +382,10 @@ def graph_repro_about(node, backend: str, graphs: int, missing) -> list:
     about = [f"backend:  {backend} (the failing one; the graph is Dynamo's, before the backend)"]
     if backend.startswith("__main__:"):
         about.append("          it is defined in the training script: set TORCH_COMPILE_BACKEND=module:function to name it")
-    if node is not None:
+    if node is not None and getattr(node, "phase", "forward") == "backward":
+        about.append(f"node:     {node_text(node)}: its backward (its output agrees with eager)")
+        about.append(f"values:   the gradient of {node.gradient}: eager {_value(node.eager)}; compiled {_value(node.compiled)}")
+    elif node is not None:
         about.append(f"node:     {node_text(node)}")
         about.append(f"values:   eager {_value(node.eager)}; compiled {_value(node.compiled)}")
     else:

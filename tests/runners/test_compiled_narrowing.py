@@ -357,7 +357,7 @@ def test_the_message_of_a_node_outside_the_tolerance_gives_the_difference_and_th
 
 
 @pytest.mark.parametrize("reason, said", [
-    ("outputs_agree", "the difference is in the backward graph"),
+    ("outputs_agree", "the difference needs the step's own output gradients"),
     ("no_graph", "No graph was captured"),
     ("too_large", "over repro_max_bytes"),
     ("raised KeyError", "Narrowing it to a graph node failed (raised KeyError)."),
@@ -444,3 +444,115 @@ def test_lightning_guard_mode_skipping_warns_the_verdict_and_healthy_batches_war
     assert "optimizer step 2" in warned and "only the compiled step makes nan/inf" in warned, warned
     assert "Tensor.softmax (node attn, graph 1 of 1) at " in warned
     assert _lightning_fit(tmp_path, attention_batches(3), "skip") == []
+
+
+# -- a miscompiled backward ------------------------------------------------------------------------
+
+
+def naive_sigmoid_backward(grad, y):
+    """sigmoid's derivative from the logit recovered from its output: exp(-x) / (1 + exp(-x))**2.
+    Equal to y * (1 - y) on ordinary logits; inf/inf = nan once a logit is below about -88."""
+    e = torch.exp(-torch.log(y / (1 - y)))
+    return grad * e / (1 + e) ** 2
+
+
+class LogitSigmoidBackward:
+    """A torch.compile backend (AOTAutograd's forward and backward graphs) whose backward
+    computes sigmoid's derivative from the logit (naive_sigmoid_backward): the forward is
+    AOTAutograd's own, so every forward output agrees with eager."""
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=self.forward, bw_compiler=self.backward)(gm, example_inputs)
+
+    def forward(self, gm, example_inputs):
+        return gm
+
+    def backward(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.sigmoid_backward.default:
+                node.target = naive_sigmoid_backward
+        gm.recompile()
+        return gm
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.gate = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, 1)
+
+    def forward(self, x):
+        h = self.up(x) * torch.sigmoid(self.gate(x))  # SIGMOID GATE
+        return self.down(h)
+
+
+def _gated_training(batches, kept=None, **options):
+    torch.manual_seed(0)
+    model = GatedMLP()
+    compiled = torch.compile(model, backend=LogitSigmoidBackward())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        loss = ((compiled(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, **options)
+    if kept is not None:
+        kept.append(guarded)
+    for x, y in batches:
+        optimizer.zero_grad()
+        guarded(x, y)
+        optimizer.step()
+    return guarded, model
+
+
+def _regression_batches(count, outlier_at=None):
+    torch.manual_seed(1)
+    batches = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(count)]
+    if outlier_at is not None:
+        x, y = batches[outlier_at]
+        batches[outlier_at] = (x * 400, y)  # gate logits in the hundreds: sigmoid saturates
+    return batches
+
+
+def test_a_miscompiled_backward_is_narrowed_to_the_node_whose_gradient_is_wrong(tmp_path):
+    with pytest.raises(RuntimeError) as raised:
+        _gated_training(_regression_batches(4, outlier_at=2), repro_dir=tmp_path)
+    text = str(raised.value)
+    line = line_of("# SIGMOID GATE", __file__)
+    assert "only the compiled step makes nan/inf" in text, text
+    assert "the step's own backend (test_compiled_narrowing:LogitSigmoidBackward) is the first stage that makes it" in text, text
+    assert ("Each captured graph's outputs agree with eager; its backward does not. The first node whose backward "
+            "test_compiled_narrowing:LogitSigmoidBackward gets wrong: torch.sigmoid (node sigmoid, graph 1 of 1) at ") in text, text
+    assert f"test_compiled_narrowing.py:{line}: h = self.up(x) * torch.sigmoid(self.gate(x))  # {'SIGMOID GATE'}; " in text, text
+    assert "with a gradient of ones on the node's output, the gradient of gate." in text, text
+    assert " is not finite where eager is (eager: finite" in text and "; compiled: nan in " in text, text
+
+    # the repro (its backward of ones) reproduces it alone; Dynamo's aot_eager does not
+    repro = text.split("One-file repro (the graph on its saved inputs, eager and compiled): python ")[1].split()[0]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), HERE])
+    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "compiled (test_compiled_narrowing:LogitSigmoidBackward): outputs finite; input gradients nan/inf in" in result.stdout
+    with open(repro) as script:
+        assert "node:     torch.sigmoid (node sigmoid, graph 1 of 1) at " in script.read()
+    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env={**env, "TORCH_COMPILE_BACKEND": "aot_eager"},
+                            timeout=300)
+    assert result.returncode == 0 and "not reproduced" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_backward_verdict_names_the_parameter_and_healthy_steps_say_nothing(tmp_path):
+    guarded, model = _gated_training(_regression_batches(3), repro=False)  # the same backend, no outlier
+    assert guarded.last_verdict is None and not guarded.anomalies and not guarded.failures
+    kept: list = []
+    with pytest.raises(RuntimeError):
+        _gated_training(_regression_batches(2, outlier_at=1), kept, repro=False)
+    node = kept[0].last_verdict.node
+    assert (node.phase, node.op, node.name, node.why) == ("backward", "torch.sigmoid", "sigmoid", "nan/inf")
+    assert node.gradient in ("gate.weight", "gate.bias"), node.gradient
+    assert node.eager.kind == "finite" and node.compiled.kind == "nan"

@@ -12,10 +12,19 @@ dtype-aware tolerance (:data:`opwatch.runners.divergence.DEFAULT_TOLERANCES`). N
 eager value depends on the random numbers (their value changes with the RNG state) are compared
 for nan/inf only: a backend may draw other random numbers than eager by design.
 
-What it covers: the forward graphs Dynamo captured, on the inputs of their first call in the
-step. Not the backward graph (AOTAutograd traces it inside the backend, from the forward), nor
-a later call of the same graph in the step. The bisection assumes that once a node is wrong,
-the nodes after it that read it are wrong too (the usual case: nan propagates).
+When every captured graph's forward outputs agree, :func:`first_wrong_node` turns to their
+backward: each graph runs with autograd, eagerly and through the failing backend (which compiles
+its backward too: AOTAutograd's graph, inductor's kernels), a gradient of ones on its outputs,
+and the gradients of its inputs are compared the same way. When they differ, the same bisection
+over *k* runs on the graph's prefixes (a prefix's backward is the backward of the nodes up to
+*k*, a gradient of ones on node *k*'s output): the first node whose backward the failing backend
+gets wrong, and the input (a parameter, by its name in the model) whose gradient shows it.
+
+What it covers: the graphs Dynamo captured, forward and backward, on the inputs of their first
+call in the step. Not a later call of the same graph in the step, nor a backward that goes wrong
+only with the step's own output gradients (a gradient of ones stands for them). The bisection
+assumes that once a node is wrong, the nodes after it that read it are wrong too (the usual
+case: nan propagates).
 """
 
 from __future__ import annotations
@@ -45,13 +54,15 @@ _FRAME = re.compile(r'\s*File "(.+)", line ([0-9]+)')  # a frame's head line; it
 class Captured(NamedTuple):
     """One FX graph Dynamo handed the backend: ``graph`` (a ``GraphModule`` copied before the
     backend saw it), ``inputs`` (its example inputs, tensors cloned; ``None`` when they were
-    over the byte limit), ``rng`` (the CPU RNG state when it was compiled) and ``backend`` (the
-    callable that compiled it)."""
+    over the byte limit), ``rng`` (the CPU RNG state when it was compiled), ``backend`` (the
+    callable that compiled it) and ``input_names`` (each input as the program knows it:
+    ``fc1.weight``, ``args[0]``; from Dynamo's sources, ``""`` where none is known)."""
 
     graph: object
     inputs: tuple | None
     rng: object
     backend: object
+    input_names: tuple = ()
 
 
 class Capture:
@@ -76,8 +87,34 @@ class Capture:
         if size <= self._budget:
             self._budget -= size
             inputs = tuple(_fresh(value) for value in example_inputs)
-        self.graphs.append(Captured(copy_graph(gm), inputs, torch.get_rng_state(), inner))
+        self.graphs.append(Captured(copy_graph(gm), inputs, torch.get_rng_state(), inner, input_names(gm)))
         return inner(gm, example_inputs)
+
+
+def input_names(gm) -> tuple:
+    """Each placeholder of Dynamo's graph as the program names it: the source Dynamo read it
+    from (``L['self']._modules['fc1']._parameters['weight']``) made readable (``fc1.weight``)."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        try:
+            text = name() if callable(name) else name
+        except Exception:
+            text = None
+        names.append(readable_source(text) if isinstance(text, str) else "")
+    return tuple(names)
+
+
+def readable_source(text: str) -> str:
+    """``L['self']._modules['fc1']._parameters['weight']`` -> ``fc1.weight``; ``L['x']`` ->
+    ``x``; ``L['args'][0]`` -> ``args[0]``."""
+    readable = re.sub(r"^[LG]\['(?:self|fn|mod)'\]", "", text)  # the compiled module itself
+    readable = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", readable)
+    readable = re.sub(r"^[LG]\['([^']+)'\]", r"\1", readable)
+    return readable.lstrip(".") or text
 
 
 def run_with(backend, step, args, kwargs, *, restore, finite) -> str:
@@ -240,7 +277,12 @@ class NodeFact(NamedTuple):
     (``file:line`` of the user's line that made it, from the node's stack trace, or ``None``)
     and ``code`` (that line's text), its ``eager`` and ``compiled`` :class:`Value`, ``why``
     (``"nan/inf"`` or ``"tolerance"``), ``difference`` (the largest absolute difference where
-    both are finite, or ``None``), ``rtol`` and ``atol`` (its dtype's tolerance)."""
+    both are finite, or ``None``), ``rtol`` and ``atol`` (its dtype's tolerance).
+
+    ``phase`` is ``"forward"`` (the node's output is wrong) or ``"backward"`` (the node's
+    output agrees; its backward is wrong): then ``gradient`` names the graph input whose
+    gradient shows it (``fc1.weight``; ``input 3`` when Dynamo gave no name), and ``eager`` and
+    ``compiled`` are that gradient's values."""
 
     graph: int
     graphs: int
@@ -254,13 +296,16 @@ class NodeFact(NamedTuple):
     difference: float | None
     rtol: float
     atol: float
+    phase: str = "forward"
+    gradient: str | None = None
 
 
 class Narrowed(NamedTuple):
     """What narrowing found: ``node`` (a :class:`NodeFact`, or ``None``), ``reason``
     (``"found"``; ``"no_graph"``: nothing was captured; ``"too_large"``: the inputs were over
-    the byte limit; ``"outputs_agree"``: every captured forward graph's outputs agree with
-    eager on its inputs; ``"raised <Type>"``: compiling or running a graph raised) and
+    the byte limit; ``"outputs_agree"``: every captured graph's outputs, and its inputs'
+    gradients under a gradient of ones, agree with eager on its inputs; ``"raised <Type>"``:
+    compiling or running a graph raised) and
     ``captured``: the graph the repro is made of (the node's, else the first), or ``None``."""
 
     node: NodeFact | None
@@ -286,14 +331,29 @@ def first_wrong_node(graphs) -> Narrowed:
             return Narrowed(None, f"raised {type(error).__name__}", captured)
         if node is not None:
             return Narrowed(node, "found", captured)
+    # Every forward output agrees: the backward (which runs after every forward graph).
+    for position, captured in enumerate(graphs, 1):
+        if captured.inputs is None:
+            continue
+        try:
+            node = _narrow_backward(captured, position, len(graphs))
+        except Exception as error:
+            return Narrowed(None, f"raised {type(error).__name__}", captured)
+        if node is not None:
+            return Narrowed(node, "found", captured)
     first, *_ = usable
     return Narrowed(None, "outputs_agree", first)
 
 
+def _random_nodes(captured, eager) -> set:
+    """The nodes whose eager value changes with the RNG state (a random op, what reads it)."""
+    reseeded = _eager(captured, seed=torch.initial_seed() + 1)
+    return {name for name, value in eager.items() if _floating(value) and not _same(value, reseeded.get(name))}
+
+
 def _narrow_graph(captured, position, count) -> NodeFact | None:
     eager = _eager(captured)
-    reseeded = _eager(captured, seed=torch.initial_seed() + 1)
-    random = {name for name, value in eager.items() if _floating(value) and not _same(value, reseeded.get(name))}
+    random = _random_nodes(captured, eager)
     nodes = [node for node in captured.graph.graph.nodes if node.op.startswith("call") and _floating(eager.get(node.name))]
     order = {node.name: index for index, node in enumerate(nodes)}
     (output,) = [node for node in captured.graph.graph.nodes if node.op == "output"]
@@ -334,6 +394,79 @@ def _narrow_graph(captured, position, count) -> NodeFact | None:
     rtol, atol = DEFAULT_TOLERANCES.get(str(eager[node.name].dtype).removeprefix("torch."), (0.0, 0.0))
     return NodeFact(position, count, node.name, target_name(node), where, code, value_of(eager[node.name]), value_of(value), why,
                     difference, rtol, atol)
+
+
+def _gradients(captured, output=None, *, compiled: bool) -> dict:
+    """The gradients of ``captured``'s inputs (``{position: gradient}``) from a backward of a
+    gradient of ones on its outputs (cut after node ``output``), its graph run eagerly or
+    compiled with its backend (which compiles the backward too), from its RNG state."""
+    gm = copy_graph(captured.graph, output)
+    fn = captured.backend(gm, [_fresh(value) for value in captured.inputs]) if compiled else gm
+    inputs = [_fresh(value) for value in captured.inputs]
+    with _rng(captured.rng), torch.enable_grad():
+        out = fn(*inputs)
+        outputs = [value for value in (out if isinstance(out, (tuple, list)) else [out])
+                   if _floating(value) and value.requires_grad]
+        if not outputs:
+            return {}
+        torch.autograd.backward(outputs, [torch.ones_like(value) for value in outputs])
+    return {position: value.grad.detach() for position, value in enumerate(inputs)
+            if isinstance(value, torch.Tensor) and value.grad is not None}
+
+
+def _wrong_gradient(captured, output, random) -> tuple | None:
+    """``(position, (why, difference), eager gradient, compiled gradient)`` of the first input
+    whose gradient the compiled backward (of the graph cut after ``output``) gets wrong, or
+    ``None``."""
+    eager = _gradients(captured, output, compiled=False)
+    if not eager:
+        return None
+    compiled = _gradients(captured, output, compiled=True)
+    for position, expected in eager.items():
+        found = wrong(expected, compiled.get(position), random=random)
+        if found is not None:
+            return position, found, expected, compiled[position]
+    return None
+
+
+def _narrow_backward(captured, position, count) -> NodeFact | None:
+    """The first node whose backward the failing backend gets wrong, when the graph's outputs
+    agree: the whole graph's input gradients first, then a bisection over its prefixes."""
+    eager = _eager(captured)
+    random = _random_nodes(captured, eager)
+    nodes = [node for node in captured.graph.graph.nodes if node.op.startswith("call") and _floating(eager.get(node.name))]
+    whole = _wrong_gradient(captured, None, bool(random))
+    if whole is None or not nodes:
+        return None
+    known: dict = {}
+
+    def judged(index):
+        if index not in known:
+            cut = {node.name for node in nodes[:index + 1]}
+            try:
+                known[index] = _wrong_gradient(captured, nodes[index].name, bool(cut & random))
+            except Exception:  # a backend that cannot compile this prefix: no verdict on it
+                known[index] = None
+        return known[index] is not None
+
+    # The whole graph is wrong: its last node's prefix, unless the graph returns more than it.
+    low, high = -1, len(nodes) - 1
+    if not judged(high):
+        known[high] = whole
+    while high - low > 1:
+        middle = (low + high) // 2
+        if judged(middle):
+            high = middle
+        else:
+            low = middle
+    node = nodes[high]
+    at, (why, difference), expected, value = known[high]
+    where, code = source_line(node)
+    names = captured.input_names
+    name = names[at] if at < len(names) and names[at] else f"input {at}"
+    rtol, atol = DEFAULT_TOLERANCES.get(str(expected.dtype).removeprefix("torch."), (0.0, 0.0))
+    return NodeFact(position, count, node.name, target_name(node), where, code, value_of(expected), value_of(value), why,
+                    difference, rtol, atol, "backward", name)
 
 
 def _same(a, b) -> bool:
