@@ -1,7 +1,8 @@
 """A guarded and a left-on compiled step against the compiled step, interleaved in one
-process: python -m bench.compiled [ROUNDS] [--backend inductor|eager].
+process: python -m bench.compiled [ROUNDS] [--backend inductor|eager] [--width N].
 
-One small MLP (64 -> 256 -> 256 -> 64, batch 64), compiled once (inductor on CPU by default);
+One small MLP (64 -> N -> N -> 64, N = 256 by default, batch 64), compiled once (inductor on
+CPU by default); the guard's cost per step is fixed, so its share falls as ``--width`` grows;
 three lanes step it, each step being ``zero_grad``, the forward and backward, ``optimizer.step()``:
 
 - ``compiled``: the compiled step as it is;
@@ -42,6 +43,7 @@ def main() -> None:
     args = sys.argv[1:]
     rounds = int(args[0]) if args[:1] and args[0].isdigit() else 5
     backend = args[args.index("--backend") + 1] if "--backend" in args else "inductor"
+    width = int(args[args.index("--width") + 1]) if "--width" in args else 256
     opwatch, status = load_opwatch()
     if opwatch is None:
         sys.exit(status)
@@ -52,7 +54,7 @@ def main() -> None:
 
     warnings.simplefilter("ignore", opwatch.OpwatchWarning)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 64))
     compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(64, 64)
@@ -95,7 +97,7 @@ def main() -> None:
         optimizer.step()
     for lane in (plain_step, guarded_step, left_on_step):
         lane()
-    print(f"compile and warm-up: {clock() - started:.1f} s CPU; backend {backend}; forward grad_fn after the audits: {grad_fns[-1]}")
+    print(f"compile and warm-up: {clock() - started:.1f} s CPU; backend {backend}; width {width}; forward grad_fn after the audits: {grad_fns[-1]}")
     graphs = counters["stats"]["unique_graphs"]
 
     lanes = {"compiled": plain_step, "guard": guarded_step, "leave-on": left_on_step}
