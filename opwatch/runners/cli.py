@@ -1,6 +1,7 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
     python -m opwatch [--strict] [--guard [--on-failure skip|raise|apply]] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
+    python -m opwatch [options] -m package.module [args...]
     python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
     python -m opwatch demo
@@ -13,7 +14,9 @@ The script runs as ``python script.py args...`` would run it: ``__main__`` with 
 ``__file__``, ``sys.argv[0]`` the path as given, ``sys.path[0]`` the script's real directory,
 Python's warning filters, ``sys.exit`` codes and messages, the traceback of an uncaught exception
 (without opwatch's and runpy's frames) through ``sys.excepthook``, and Ctrl-C ending the process
-by SIGINT. The one difference is opwatch's report, printed to stderr at the end.
+by SIGINT. The one difference is opwatch's report, printed to stderr at the end. With ``-m``
+the module runs as ``python -m package.module args...`` runs it (``runpy.run_module``: its
+``__spec__``, ``sys.argv[0]`` its file, ``sys.path[0]`` the working directory).
 
 ``--guard`` leaves opwatch on at eager speed for a long run (:mod:`opwatch.runners.leave_on`): a full
 watch until the first optimizer step has run, then one fused finiteness check of the gradients
@@ -78,19 +81,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     try:
-        if options.script == "demo" and not os.path.exists("demo"):
+        subcommand = not options.module  # with -m the name is a module's, whatever it is
+        if subcommand and options.script == "demo" and not os.path.exists("demo"):
             return run_demo(last=options.last)
-        if options.script == "show" and not os.path.exists("show"):
+        if subcommand and options.script == "show" and not os.path.exists("show"):
             return run_show(options.args)
-        if options.script == "report" and not os.path.exists("report"):
+        if subcommand and options.script == "report" and not os.path.exists("report"):
             from .cli_report import run_report
 
             return run_report(options.args)
-        if options.script == "diff" and not os.path.exists("diff"):
+        if subcommand and options.script == "diff" and not os.path.exists("diff"):
             from .cli_diff import run_diff
 
             return run_diff(options.args)
-        if not os.path.isfile(options.script):
+        if options.module:
+            problem = _module_problem(options.script)
+            if problem is not None:
+                parser.error(problem)
+        elif not os.path.isfile(options.script):
             parser.error(f"no such script: {options.script}")
         return run_script(
             options.script,
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             fingerprints=options.fingerprints,
             tensorboard=options.tensorboard,
             checks=checks,
+            module=options.module,
         )
     except KeyboardInterrupt as interrupt:
         # Reported already. Python ends a process that Ctrl-C interrupted by SIGINT (exit status
@@ -130,6 +139,7 @@ examples:
   {prog} --strict train.py              stop at the first anomaly
   {prog} --checks device_mismatch,nonfinite train.py
   {prog} --guard train.py               a long run at eager speed
+  {prog} --guard -m mypkg.train         a module, as python -m mypkg.train runs it
   {prog} --jsonl run.jsonl train.py     save the log; read it with: {prog} show run.jsonl
   {prog} diff a.jsonl b.jsonl           the first op where two saved runs differ
   {prog} demo                           three small scripts with real bugs
@@ -173,7 +183,8 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
     )
     parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
-    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'")
+    parser.add_argument("-m", dest="module", action="store_true", help="run a module as python -m does: the first argument is its name (package.module)")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'; with -m, the module's name")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
 
@@ -199,9 +210,10 @@ def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[s
 
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
-    fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None, prog: str | None = None,
+    fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None, prog: str | None = None, module: bool = False,
 ) -> int:
-    """Run ``path`` as ``python path args...`` would, under a watch (``guard``: under
+    """Run ``path`` as ``python path args...`` would (``module``: ``path`` is a module's name,
+    run as ``python -m path args...`` would), under a watch (``guard``: under
     :class:`opwatch.runners.leave_on.LeaveOn`), then print the summary to ``out`` (stderr) and write the
     log to ``jsonl`` / ``trace`` and the counts to a TensorBoard log in ``tensorboard`` (after
     each optimizer step and at the end) when given. Where the summary cannot speak for the
@@ -217,7 +229,7 @@ def run_script(
 
     def command(strict_run: bool) -> str:
         """The command that runs this script again under a full watch."""
-        return shlex.join([*prog.split(), *(["--strict"] if strict_run else []), path, *args])
+        return shlex.join([*prog.split(), *(["--strict"] if strict_run else []), *(["-m"] if module else []), path, *args])
 
     if guard:
         from .leave_on import LeaveOn
@@ -227,14 +239,16 @@ def run_script(
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     counts = _tensorboard_counts(tensorboard, runner if guard else w)
-    with _running_as_main(path, args) as module:
+    with _running_as_module(path, args) if module else _running_as_main(path, args) as main_module:
         try:
-            program = _compile(module.__file__)
+            program = None if module else _compile(main_module.__file__)
             with runner if guard else w, counts or contextlib.nullcontext():
-                if program is None:  # a zip application or a .pyc: runpy knows those
+                if module:  # runpy sets __main__, sys.argv[0] and the module's __spec__, as python -m does
+                    runpy.run_module(path, run_name="__main__", alter_sys=True)
+                elif program is None:  # a zip application or a .pyc: runpy knows those
                     runpy.run_path(path, run_name="__main__")
                 else:
-                    exec(program, module.__dict__)
+                    exec(program, main_module.__dict__)
         except SystemExit as exit_:
             status = _exit_status(exit_)
         except BaseException as error:  # noqa: BLE001 -- reported as Python reports it
@@ -346,6 +360,44 @@ def _running_as_main(path: str, args: list[str]):
         yield module
     finally:
         sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
+
+
+@contextlib.contextmanager
+def _running_as_module(name: str, args: list[str]):
+    """``sys`` set up as ``python -m name args...`` sets it before running the module (which
+    ``runpy.run_module(..., alter_sys=True)`` then finishes: ``sys.argv[0]``, ``__main__``);
+    everything restored on exit. Yields ``None``: runpy makes the module."""
+    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
+    sys.argv = [name, *args]
+    # python -m puts the working directory first (the console script's own folder otherwise).
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[:1] = [os.getcwd()]
+    try:
+        yield None
+    finally:
+        sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` would not run (a usage error's words), or ``None``: the module is
+    found (a package: its ``__main__``), with the working directory first on the path as
+    ``python -m`` has it. Like ``python -m``, this imports the module's parent packages (their
+    ``__init__`` runs before the watch starts)."""
+    if not name or name.startswith(".") or name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
+        return f"-m takes a module's name (package.module, as for python -m), got {name!r}"
+    saved = sys.path[:]
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[:1] = [os.getcwd()]
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                return f"{name!r} is a package without a __main__ module: it cannot be run with -m"
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path[:] = saved
+    return None if spec is not None else f"no module named {name!r} (looked for from {os.getcwd()}, as python -m does)"
 
 
 def _compile(file: str) -> types.CodeType | None:

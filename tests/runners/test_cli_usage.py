@@ -145,3 +145,71 @@ def test_a_bad_opwatch_disable_is_one_line_naming_the_accepted_values(train):
         "python -m opwatch: error: OPWATCH_DISABLE='maybe' is not understood; use '1', 'true', 'yes' to turn opwatch off, "
         "'0', 'false', 'no' (or leave it unset) to watch\n"
     )
+
+
+# -- a module, as python -m runs it ----------------------------------------------------------------
+
+
+@pytest.fixture
+def package(tmp_path) -> Path:
+    """``trainpkg.train`` (the training step above, saying how Python ran it) and a package
+    ``trainpkg.app`` that runs with -m through its ``__main__``."""
+    root = tmp_path / "trainpkg"
+    (root / "app").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    saying = "import sys\nprint('ran', __name__, __spec__.name, sys.argv[1:], sys.argv[0].endswith('.py'), sys.path[0])\n"
+    (root / "train.py").write_text(saying + textwrap.dedent(SCRIPT))
+    (root / "app" / "__init__.py").write_text("")
+    (root / "app" / "__main__.py").write_text(saying + textwrap.dedent(SCRIPT))
+    return tmp_path
+
+
+def test_a_module_runs_as_python_dash_m_runs_it_and_its_anomalies_are_at_its_lines(package):
+    plain = subprocess.run([sys.executable, "-m", "trainpkg.train", "--epochs", "1"], capture_output=True, text=True, cwd=package, env=ENV, timeout=300)
+    watched = cli("-m", "trainpkg.train", "--epochs", "1", cwd=package)
+    assert watched.returncode == plain.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout == f"ran __main__ trainpkg.train ['--epochs', '1'] True {package}\ndone\n"
+    assert "broadcast in aten.sub.Tensor at trainpkg/train.py:10 (forward)" in watched.stderr, watched.stderr
+    # a package runs its __main__
+    app = cli("-m", "trainpkg.app", cwd=package)
+    assert app.returncode == 0 and app.stdout.startswith("ran __main__ trainpkg.app.__main__ [] True"), app.stderr
+    assert "broadcast in aten.sub.Tensor at trainpkg/app/__main__.py:10 (forward)" in app.stderr
+
+
+LOOP = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = (model(torch.randn(5, 4)).squeeze(-1) - torch.randn(5)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("eval", tuple(model(torch.randn(2, 4)).shape))
+"""
+
+
+def test_a_module_under_guard_runs_left_on_and_the_commands_that_check_the_rest_name_it(package):
+    (package / "trainpkg" / "loop.py").write_text(LOOP)
+    guarded = cli("--guard", "-m", "trainpkg.loop", cwd=package)
+    assert guarded.returncode == 0 and guarded.stdout == "eval (2, 1)\n", guarded.stderr
+    assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in guarded.stderr, guarded.stderr
+    # the evaluation after the last step ran unjudged: the full watch it names runs the module again
+    assert guarded.stderr.rstrip().endswith("a full watch checks every op: python -m opwatch --strict -m trainpkg.loop"), guarded.stderr
+    some = cli("--checks", "nonfinite", "-m", "trainpkg.loop", cwd=package)
+    assert some.stderr.rstrip().endswith("opwatch: to run every check: python -m opwatch -m trainpkg.loop"), some.stderr
+
+
+@pytest.mark.parametrize("name, said", [
+    ("trainpkg.nosuch", "no module named 'trainpkg.nosuch' (looked for from "),
+    ("trainpkg", "'trainpkg' is a package without a __main__ module: it cannot be run with -m"),
+    ("trainpkg/train.py", "-m takes a module's name (package.module, as for python -m), got 'trainpkg/train.py'"),
+    ("show", "no module named 'show'"),  # with -m a sub-command's name is a module's
+])
+def test_a_module_that_cannot_run_is_a_usage_error(package, name, said):
+    result = cli("-m", name, cwd=package)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert f"python -m opwatch: error: {said}" in result.stderr, result.stderr
