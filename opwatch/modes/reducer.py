@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 
+from ..core.compat import compiled_module_inner
 from ..core.notation import format_meta
 
 __all__ = ["ReducerSites"]
@@ -53,8 +54,13 @@ class ReducerSites:
         return self._log.label_site(f"{prefix}gradient of {name}")
 
     def _root(self):
+        """The outermost module called, through ``torch.compile``'s wrapper (``torch.compile(ddp)``
+        names the parameters as DDP does, not ``_orig_mod.module.fc.weight``)."""
         ref = getattr(self._modules, "_root", None)
-        return ref() if ref is not None else None
+        root = ref() if ref is not None else None
+        while (inner := compiled_module_inner(root)) is not None:
+            root = inner
+        return root
 
     def _name(self, root, node) -> str:
         try:

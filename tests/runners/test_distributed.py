@@ -80,6 +80,11 @@ def test_ddp_origin_on_its_rank_received_on_the_other(two_ranks):
     assert zero["summary"].startswith("opwatch (rank 0): 1 anomaly")
     assert one["summary"].startswith("opwatch (rank 1): 1 anomaly")
     assert f"at dist_cases.py:{STEP_LINE} (forward, rank 1)" in one["summary"]
+    # torch.compile(ddp) under the watch: the same findings, the bucket named as DDP names it
+    # (not torch.compile's _orig_mod.module.2.bias)
+    assert one["compiled"] == one["anomalies"]
+    assert [row[:2] + row[3:] for row in zero["compiled"]] == [["nan", "c10d.allreduce_.default", "backward", True, 0]]
+    assert zero["compiled"][0][2].startswith("DDP bucket [2.bias, 2.weight, 0.bias, +1]"), zero["compiled"]
 
 
 def test_ddp_reducer_ops_are_backward_and_named(two_ranks):

@@ -91,6 +91,11 @@ def ddp(rank, world):
     with opwatch.watch(warn=False) as w:
         _step(model, x, NAN_SHIFT if rank == nan_rank else 0.0)
     result = {"same_grads": same, "healthy": healthy.summary(), **_seen(w)}
+    # torch.compile(ddp): the watch runs it eagerly; the bucket is named as DDP names it
+    compiled = torch.compile(ddp_model(_mlp()), backend="aot_eager")
+    with opwatch.watch(warn=False) as under_compile:
+        _step(compiled, x, NAN_SHIFT if rank == nan_rank else 0.0)
+    result["compiled"] = _seen(under_compile)["anomalies"]
     if rank == 0:
         result["all"] = _every_rank(w)
     return result
