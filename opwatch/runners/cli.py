@@ -37,11 +37,13 @@ import types
 import zipfile
 from importlib.machinery import SourceFileLoader
 
+from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, post_mortem
+from ..render.notices import DEMO_STORIES, post_mortem, rank_files
 from ..render.summary import every_check, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
+from ..storage.per_rank import rank_folder, rank_path
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -226,7 +228,9 @@ def run_script(
         runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=command(strict_mode))
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
-    counts = _tensorboard_counts(tensorboard, runner if guard else w)
+    # Under torchrun, every rank writes a file of its own (opwatch.storage.per_rank): rank 0 the
+    # path given, rank r > 0 the path with .rank<r> (TensorBoard: a run rank<r> in the folder).
+    counts = _tensorboard_counts(tensorboard and rank_folder(tensorboard, current_rank()), runner if guard else w)
     with _running_as_main(path, args) as module:
         try:
             program = _compile(module.__file__)
@@ -244,9 +248,9 @@ def run_script(
         if jsonl:  # before printing: a closed stderr must not lose the log
             from ..storage.jsonl import write_jsonl
 
-            write_jsonl(w, jsonl, whole_script=True)  # the watch ran from the script's first line
+            write_jsonl(w, rank_path(jsonl, w.rank), whole_script=True)  # the watch ran from the script's first line
         if trace:
-            w.export_chrome_trace(trace)
+            w.export_chrome_trace(rank_path(trace, w.rank))
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
@@ -254,7 +258,7 @@ def run_script(
             print(every_check(command(strict_mode)), file=out)
         if guard:  # a run that ended unjudged: strict finds the first anomaly at once
             print(runner.summary(rerun=command(True)), file=out)
-        _print_every_rank(w, out)
+        _print_every_rank(w, out, files={"--jsonl": jsonl, "--trace": trace, "--tensorboard": tensorboard})
         if failure is not None:
             if dump.getvalue():
                 out.write("\n" + dump.getvalue() + "\n")
@@ -292,15 +296,21 @@ class _Held(io.StringIO):
         return self._stream.fileno()
 
 
-def _print_every_rank(w, out) -> None:
+def _print_every_rank(w, out, files: dict) -> None:
     """In a job of several ranks (``torchrun ... -m opwatch script.py``), rank 0 also prints the
     combined summary: every rank's anomalies, naming the rank, op and line that made the first
-    nan/inf. The other ranks' summaries arrive through the process group's store."""
+    nan/inf, then where each rank wrote the ``files`` given (option -> path or ``None``). The
+    other ranks' summaries arrive through the process group's store."""
     if w.rank != 0:
         return
     everyone = w.all_anomalies()
     if everyone.world and everyone.world > 1:
         print(everyone.summary(), file=out)
+    world = everyone.world or current_world_size()
+    given = [(option, path) for option, path in files.items() if path]
+    if world and world > 1 and given:
+        name = {"--tensorboard": rank_folder}
+        print(rank_files([(option, [name.get(option, rank_path)(path, rank) for rank in range(world)]) for option, path in given]), file=out)
 
 
 def run_show(argv: list[str]) -> int:
