@@ -57,7 +57,7 @@ def rank_files(files: list[tuple[str, list[str]]]) -> str:
         return ", ".join(shown) if len(shown) <= 3 else f"{shown[0]}, {shown[1]} ... {shown[-1]}"
 
     world = max(len(names) for _, names in files)
-    return f"opwatch, all {world} ranks: each rank writes its own file: " + "; ".join(f"{option} {ranks(names)}" for option, names in files)
+    return f"opwatch, all {world} ranks: each rank writes its own: " + "; ".join(f"{option} {ranks(names)}" for option, names in files)
 
 
 def compiled_ran_eagerly(eager) -> str:
