@@ -54,7 +54,10 @@ def rank_files(files: list[tuple[str, list[str]]]) -> str:
 
     def ranks(names: list[str]) -> str:
         shown = [f"{name} (rank {rank})" for rank, name in enumerate(names)]
-        return ", ".join(shown) if len(shown) <= 3 else f"{shown[0]}, {shown[1]} ... {shown[-1]}"
+        if len(shown) <= 3:
+            return ", ".join(shown)
+        first, second, *_, last = shown
+        return f"{first}, {second} ... {last}"
 
     world = max(len(names) for _, names in files)
     return f"opwatch, all {world} ranks: each rank writes its own: " + "; ".join(f"{option} {ranks(names)}" for option, names in files)
