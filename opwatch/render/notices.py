@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly", "rank_files"]
+__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly", "rank_files", "traces_merged"]
 
 # The built-in demo: each example script of opwatch/examples with what it shows.
 DEMO_STORIES = (
@@ -61,6 +61,11 @@ def rank_files(files: list[tuple[str, list[str]]]) -> str:
 
     world = max(len(names) for _, names in files)
     return f"opwatch, all {world} ranks: each rank writes its own: " + "; ".join(f"{option} {ranks(names)}" for option, names in files)
+
+
+def traces_merged(count: int, path) -> str:
+    """The command line's line after ``merge-traces`` wrote ``count`` traces into one."""
+    return f"opwatch: {count} trace{'s' if count != 1 else ''} merged into {path} (open it in https://ui.perfetto.dev or chrome://tracing)"
 
 
 def compiled_ran_eagerly(eager) -> str:

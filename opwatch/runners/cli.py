@@ -3,6 +3,7 @@
     python -m opwatch [--strict] [--guard [--on-failure skip|raise|apply]] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
     python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
+    python -m opwatch merge-traces trace.json trace.rank1.json ... -o FILE   (opwatch/runners/cli_trace.py)
     python -m opwatch demo
     python -m opwatch --version
 
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             from .cli_report import run_report
 
             return run_report(options.args)
+        if options.script == "merge-traces" and not os.path.exists("merge-traces"):
+            from .cli_trace import run_merge_traces
+
+            return run_merge_traces(options.args)
         if options.script == "diff" and not os.path.exists("diff"):
             from .cli_diff import run_diff
 
@@ -125,7 +130,8 @@ def _parser(*, console: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opwatch" if console else "python -m opwatch",
         description="Run a Python script with every PyTorch op watched; print the anomalies found "
-        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, 'demo' runs the built-in demo.",
+        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, "
+        "'merge-traces' puts the ranks' traces in one, 'demo' runs the built-in demo.",
         epilog="""\
 examples:
   {prog} train.py --epochs 1            watch every op; the anomalies at the end
@@ -175,7 +181,7 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         help="accept matching anomalies (fields kind, op, module, where; glob patterns), e.g. --allow kind=broadcast,where=train.py:42; repeatable",
     )
     parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
-    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs), 'report' (a saved log as HTML), 'merge-traces' (the ranks' traces in one) or 'demo'")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
 

@@ -19,13 +19,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import opwatch
 from opwatch.render.notices import rank_files
+from opwatch.storage.chrome_trace import chrome_trace, merge_chrome_traces, merged_chrome_trace
 from opwatch.storage.per_rank import rank_folder, rank_path
 from support import SCENARIOS
-from support.helpers import line_of
+from support.helpers import MLP, line_of
+from support.traces import validate_trace_events
 
 SCRIPT = "dist_rank_files.py"
 LOSS_LINE = line_of("# broadcasts on the bad rank", str(SCENARIOS / SCRIPT))
@@ -158,6 +161,30 @@ def test_each_rank_writes_its_own_chrome_trace(two_ranks):
 
 
 @needs_gloo
+def test_merge_traces_puts_the_ranks_in_one_trace_a_process_each(two_ranks):
+    _, folder = two_ranks
+    merged = _opwatch(["merge-traces", "trace.rank1.json", "trace.json", "-o", "all.json"], folder)
+    assert merged.returncode == 0, merged.stderr
+    assert merged.stdout == "opwatch: 2 traces merged into all.json (open it in https://ui.perfetto.dev or chrome://tracing)\n"
+    ranks = [json.loads((folder / name).read_text(encoding="utf-8")) for name in ("trace.json", "trace.rank1.json")]
+    trace = json.loads((folder / "all.json").read_text(encoding="utf-8"))
+    events = validate_trace_events(trace)  # one flow id a flow, each arrow within its rank's ops
+    assert trace["otherData"]["rank"] == [0, 1] and trace["otherData"]["aligned"] is True
+    assert len(events) == sum(len(one["traceEvents"]) for one in ranks)
+    first = min(one["otherData"]["origin_unix_ns"] for one in ranks)
+    for rank, one in enumerate(ranks):
+        (pid,) = {event["pid"] for event in one["traceEvents"]}
+        mine = [event for event in events if event["pid"] == pid]
+        (process,) = [event for event in mine if event["name"] == "process_name"]
+        assert process["args"]["name"] == f"opwatch (rank {rank})"
+        # Each rank's events, in order, moved by where its first op lies on the shared clock.
+        shift = (one["otherData"]["origin_unix_ns"] - first) / 1000
+        assert [event["name"] for event in mine] == [event["name"] for event in one["traceEvents"]]
+        assert [event.get("ts") for event in mine] == pytest.approx([None if "ts" not in event else event["ts"] + shift for event in one["traceEvents"]], abs=2e-3)
+    assert min(event["ts"] for event in events if event.get("cat") == "op") == 0
+
+
+@needs_gloo
 def test_each_rank_writes_its_own_tensorboard_run(two_ranks):
     pytest.importorskip("tensorboard")
     _, folder = two_ranks
@@ -181,6 +208,69 @@ def test_one_process_writes_the_path_given(tmp_path):
     assert result.stderr.startswith("opwatch: 3 anomalies at 1 place:") and "(rank " not in result.stderr
     assert "each rank writes" not in result.stderr
     assert json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))["otherData"]["rank"] == 0
+
+
+# -- merging traces ----------------------------------------------------------------------------
+
+
+def _trained_trace(steps: int) -> dict:
+    """The trace of a watched training run of a small model: forward, backward, SGD steps."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with opwatch.watch(warn=False) as w:
+        for _ in range(steps):
+            model(torch.randn(4, 4)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return chrome_trace(w)
+
+
+def test_merged_traces_of_one_process_get_a_process_and_flows_each():
+    first, second = _trained_trace(1), _trained_trace(2)
+    second["otherData"]["rank"] = 0  # two runs of one process: one pid, the same flow ids
+    (pid,) = {event["pid"] for event in first["traceEvents"]} | {event["pid"] for event in second["traceEvents"]}
+    flow_ids = [{event["id"] for event in trace["traceEvents"] if event["ph"] == "s"} for trace in (first, second)]
+    assert flow_ids[0] and flow_ids[0] <= flow_ids[1]  # put side by side as they are, their arrows would mix
+    merged = merged_chrome_trace([first, second])
+    events = validate_trace_events(merged)
+    assert sorted({event["pid"] for event in events}) == [pid, pid + 1]
+    flows = [{event["id"] for event in events if event["ph"] == "s" and event["pid"] == one} for one in (pid, pid + 1)]
+    assert flows[0] and flows[1] and not flows[0] & flows[1]
+    # The second run started later on the wall clock: its ops lie after the first's.
+    assert merged["otherData"]["aligned"] is True
+    last_of_first = max(event["ts"] for event in events if event["pid"] == pid and event.get("cat") == "op")
+    assert min(event["ts"] for event in events if event["pid"] == pid + 1 and event.get("cat") == "op") > last_of_first
+
+
+def test_merged_traces_are_in_rank_order_and_a_trace_without_its_origin_starts_at_0(tmp_path):
+    with opwatch.watch(warn=False) as w:
+        torch.ones(2).log()
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    saved = chrome_trace(opwatch.load(path))  # a saved log's clock was another process's: no origin
+    assert "origin_unix_ns" not in saved["otherData"]
+    later = _trained_trace(1)
+    later["otherData"]["rank"], saved["otherData"]["rank"] = 0, 1
+    merged = merged_chrome_trace([saved, later])
+    assert merged["otherData"]["rank"] == [0, 1] and merged["otherData"]["aligned"] is False
+    events = validate_trace_events(merged)
+    assert events[: len(later["traceEvents"])] == later["traceEvents"]
+    assert [event.get("ts") for event in events[len(later["traceEvents"]) :]] == [event.get("ts") for event in saved["traceEvents"]]
+
+
+def test_merge_traces_refuses_what_opwatch_did_not_write(tmp_path):
+    (tmp_path / "profile.json").write_text(json.dumps({"traceEvents": [], "otherData": {"producer": "torch.profiler"}}))
+    (tmp_path / "cut.json").write_text('{"traceEvents": [')
+    for name, told in [("profile.json", "not a trace written by opwatch"), ("cut.json", "not JSON"), ("missing.json", "No such file")]:
+        result = _opwatch(["merge-traces", name, "-o", "all.json"], tmp_path)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr.startswith(f"python -m opwatch merge-traces: error: ") and told in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "all.json").exists()
+    with pytest.raises(TypeError, match="paths must be a list of trace files"):
+        merge_chrome_traces("trace.json", tmp_path / "all.json")
+    with pytest.raises(ValueError, match="paths is empty"):
+        merge_chrome_traces([], tmp_path / "all.json")
 
 
 # -- the names, as data --------------------------------------------------------------------------
