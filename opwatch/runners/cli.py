@@ -167,11 +167,15 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         + " (default: all but collective_mismatch; 'none': only record)",
     )
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
-    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
-    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
-    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
     parser.add_argument(
-        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard)"
+        "--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show'); under torchrun, rank r > 0 writes PATH with .rank<r> before its extension"
+    )
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
+    parser.add_argument(
+        "--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing); under torchrun, one a rank, as --jsonl (merge them with 'merge-traces')"
+    )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard); under torchrun, rank r > 0 into DIR/rank<r>"
     )
     parser.add_argument(
         "--allow",

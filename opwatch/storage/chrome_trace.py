@@ -161,7 +161,7 @@ def merged_chrome_trace(traces: list[dict]) -> dict:
                 event["id"] += flows
             events.append(event)
         flows += max(ids, default=0)
-    other = dict(traces[0]["otherData"]) if traces else {}
+    other = dict(next((trace["otherData"] for trace in traces), {}))  # the first trace's, by rank
     other.pop("origin_unix_ns", None)
     other["rank"] = [trace["otherData"].get("rank") for trace in traces]
     other["aligned"] = aligned  # the traces' clocks lined up by their wall-clock origins

@@ -140,6 +140,9 @@ def test_show_and_diff_read_the_ranks_logs(two_ranks):
     assert "Output 0 has another shape: f32[4, 1] cpu in a, f32[4, 4] cpu in b." in compared.stdout
     same = _opwatch(["diff", "run.rank1.jsonl", "run.rank1.jsonl"], folder)
     assert same.returncode == 0, same.stdout + same.stderr
+    # The folder holds the job's logs alone: diff reads them as one run of 2 ranks.
+    job = _opwatch(["diff", ".", "."], folder)
+    assert job.returncode == 0 and job.stdout.startswith("opwatch diff: a = 2 ranks (.)"), job.stdout + job.stderr
 
 
 @needs_gloo
