@@ -43,6 +43,7 @@ CLI_PAGES = {
     "cli-show": ["show", "--help"],
     "cli-diff": ["diff", "--help"],
     "cli-report": ["report", "--help"],
+    "cli-merge-traces": ["merge-traces", "--help"],
 }
 _AUTO = re.compile(r"^\.\. auto(?:function|class|exception|data|attribute|module)::\s*(\S+)", re.M)
 

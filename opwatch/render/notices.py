@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly"]
+__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly", "rank_files", "traces_merged"]
 
 # The built-in demo: each example script of opwatch/examples with what it shows.
 DEMO_STORIES = (
@@ -45,6 +45,27 @@ def exchange_failed(publishing: bool, error: BaseException) -> str:
 def counts_not_written(error: BaseException) -> str:
     """The warning when opwatch's counts could not be written to TensorBoard (it stops trying)."""
     return f"opwatch could not write its counts to TensorBoard and stops writing them: {type(error).__name__}: {error}"
+
+
+def rank_files(files: list[tuple[str, list[str]]]) -> str:
+    """Rank 0's one line on where each rank writes what the command line was given one path for
+    (``python -m opwatch --jsonl PATH`` under torchrun): ``files`` holds ``(option, names)``,
+    ``names[r]`` rank r's file. A job of more than 3 ranks shows the first two and the last."""
+
+    def ranks(names: list[str]) -> str:
+        shown = [f"{name} (rank {rank})" for rank, name in enumerate(names)]
+        if len(shown) <= 3:
+            return ", ".join(shown)
+        first, second, *_, last = shown
+        return f"{first}, {second} ... {last}"
+
+    world = max(len(names) for _, names in files)
+    return f"opwatch, all {world} ranks: each rank writes its own: " + "; ".join(f"{option} {ranks(names)}" for option, names in files)
+
+
+def traces_merged(count: int, path) -> str:
+    """The command line's line after ``merge-traces`` wrote ``count`` traces into one."""
+    return f"opwatch: {count} trace{'s' if count != 1 else ''} merged into {path} (open it in https://ui.perfetto.dev or chrome://tracing)"
 
 
 def compiled_ran_eagerly(eager) -> str:

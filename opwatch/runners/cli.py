@@ -4,6 +4,7 @@
     python -m opwatch [options] -m package.module [args...]
     python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
+    python -m opwatch merge-traces trace.json trace.rank1.json ... -o FILE   (opwatch/runners/cli_trace.py)
     python -m opwatch demo
     python -m opwatch --version
 
@@ -40,11 +41,13 @@ import types
 import zipfile
 from importlib.machinery import SourceFileLoader
 
+from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, post_mortem
+from ..render.notices import DEMO_STORIES, post_mortem, rank_files
 from ..render.summary import every_check, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
+from ..storage.per_rank import rank_folder, rank_path
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             from .cli_report import run_report
 
             return run_report(options.args)
+        if subcommand and options.script == "merge-traces" and not os.path.exists("merge-traces"):
+            from .cli_trace import run_merge_traces
+
+            return run_merge_traces(options.args)
         if subcommand and options.script == "diff" and not os.path.exists("diff"):
             from .cli_diff import run_diff
 
@@ -132,7 +139,8 @@ def _parser(*, console: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opwatch" if console else "python -m opwatch",
         description="Run a Python script with every PyTorch op watched; print the anomalies found "
-        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, 'demo' runs the built-in demo.",
+        "and, if the script fails, the last ops before the failure. 'show' prints a saved log, 'diff' compares two, "
+        "'merge-traces' puts the ranks' traces in one, 'demo' runs the built-in demo.",
         epilog="""\
 examples:
   {prog} train.py --epochs 1            watch every op; the anomalies at the end
@@ -169,11 +177,15 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         + " (default: all but collective_mismatch; 'none': only record)",
     )
     parser.add_argument("--last", type=int, default=20, metavar="N", help="ops shown when the script fails (default 20)")
-    parser.add_argument("--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show')")
-    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
-    parser.add_argument("--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing)")
     parser.add_argument(
-        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard)"
+        "--jsonl", metavar="PATH", help="write the op log to PATH as JSON Lines (read it with 'show'); under torchrun, rank r > 0 writes PATH with .rank<r> before its extension"
+    )
+    parser.add_argument("--fingerprints", action="store_true", help="record output fingerprints, for 'diff' of two --jsonl logs")
+    parser.add_argument(
+        "--trace", metavar="PATH", help="write the op log to PATH as a Chrome trace (Perfetto, chrome://tracing); under torchrun, one a rank, as --jsonl (merge them with 'merge-traces')"
+    )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write the anomaly counts to a TensorBoard log in DIR after each optimizer step and at the end (needs tensorboard); under torchrun, rank r > 0 into DIR/rank<r>"
     )
     parser.add_argument(
         "--allow",
@@ -184,7 +196,7 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
     )
     parser.add_argument("--pdb", action="store_true", help="on an uncaught exception, open pdb post-mortem in your frame of the failing op")
     parser.add_argument("-m", dest="module", action="store_true", help="run a module as python -m does: the first argument is its name (package.module)")
-    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs) or 'demo'; with -m, the module's name")
+    parser.add_argument("script", help="the script to run, 'show' (a saved log), 'diff' (two saved logs), 'report' (a saved log as HTML), 'merge-traces' (the ranks' traces in one) or 'demo'; with -m, the module's name")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
 
@@ -238,7 +250,9 @@ def run_script(
         runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=command(strict_mode))
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
-    counts = _tensorboard_counts(tensorboard, runner if guard else w)
+    # Under torchrun, every rank writes a file of its own (opwatch.storage.per_rank): rank 0 the
+    # path given, rank r > 0 the path with .rank<r> (TensorBoard: a run rank<r> in the folder).
+    counts = _tensorboard_counts(tensorboard and rank_folder(tensorboard, current_rank()), runner if guard else w)
     with _running_as_module(path, args) if module else _running_as_main(path, args) as main_module:
         try:
             program = None if module else _compile(main_module.__file__)
@@ -258,9 +272,9 @@ def run_script(
         if jsonl:  # before printing: a closed stderr must not lose the log
             from ..storage.jsonl import write_jsonl
 
-            write_jsonl(w, jsonl, whole_script=True)  # the watch ran from the script's first line
+            write_jsonl(w, rank_path(jsonl, w.rank), whole_script=True)  # the watch ran from the script's first line
         if trace:
-            w.export_chrome_trace(trace)
+            w.export_chrome_trace(rank_path(trace, w.rank))
         if counts is not None:
             counts.close()
         print(w.summary(), file=out)
@@ -268,7 +282,7 @@ def run_script(
             print(every_check(command(strict_mode)), file=out)
         if guard:  # a run that ended unjudged: strict finds the first anomaly at once
             print(runner.summary(rerun=command(True)), file=out)
-        _print_every_rank(w, out)
+        _print_every_rank(w, out, files={"--jsonl": jsonl, "--trace": trace, "--tensorboard": tensorboard})
         if failure is not None:
             if dump.getvalue():
                 out.write("\n" + dump.getvalue() + "\n")
@@ -306,15 +320,21 @@ class _Held(io.StringIO):
         return self._stream.fileno()
 
 
-def _print_every_rank(w, out) -> None:
+def _print_every_rank(w, out, files: dict) -> None:
     """In a job of several ranks (``torchrun ... -m opwatch script.py``), rank 0 also prints the
     combined summary: every rank's anomalies, naming the rank, op and line that made the first
-    nan/inf. The other ranks' summaries arrive through the process group's store."""
+    nan/inf, then where each rank wrote the ``files`` given (option -> path or ``None``). The
+    other ranks' summaries arrive through the process group's store."""
     if w.rank != 0:
         return
     everyone = w.all_anomalies()
     if everyone.world and everyone.world > 1:
         print(everyone.summary(), file=out)
+    world = everyone.world or current_world_size()
+    given = [(option, path) for option, path in files.items() if path]
+    if world and world > 1 and given:
+        name = {"--tensorboard": rank_folder}
+        print(rank_files([(option, [name.get(option, rank_path)(path, rank) for rank in range(world)]) for option, path in given]), file=out)
 
 
 def run_show(argv: list[str]) -> int:

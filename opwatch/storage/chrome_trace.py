@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
 from ..core.notation import format_meta
 from ..core.records import short_op_name
 from ..render.phrases import module_path
-from .jsonl import anomaly_groups, rank_of_process
+from .jsonl import SavedLog, anomaly_groups, rank_of_process
 
-__all__ = ["write_chrome_trace", "chrome_trace"]
+__all__ = ["write_chrome_trace", "chrome_trace", "merge_chrome_traces", "merged_chrome_trace"]
 
 
 def write_chrome_trace(watch, path) -> None:
@@ -94,17 +95,106 @@ def chrome_trace(watch) -> dict:
                 }
             )
     timed = bool(records) and records[0].start_ns is not None
-    return {
-        "schemaVersion": 1,
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "producer": f"opwatch {__version__}",
-            "torch": torch.__version__,
-            "rank": rank,
-            "timestamps": "perf_counter_ns around each kernel" if timed else "synthetic: op index, 1 us per op",
-        },
+    other = {
+        "producer": f"opwatch {__version__}",
+        "torch": torch.__version__,
+        "rank": rank,
+        "timestamps": "perf_counter_ns around each kernel" if timed else "synthetic: op index, 1 us per op",
     }
+    origin = _origin_unix_ns(watch, records)
+    if origin is not None:  # where ts 0 lies on the wall clock: the ranks' traces line up when merged
+        other["origin_unix_ns"] = origin
+    return {"schemaVersion": 1, "traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _origin_unix_ns(watch, records) -> int | None:
+    """The wall-clock time (ns since the epoch) of the first op's start, the trace's ts 0, for a
+    live watch whose ops were timed; ``None`` for a saved log (its perf_counter was another
+    process's) or synthetic times. perf_counter_ns is the host's monotonic clock, shared by the
+    processes of one machine; across machines the wall clocks are as close as their sync."""
+    starts = [record.start_ns for record in records]
+    if isinstance(watch, SavedLog) or not starts or any(start is None for start in starts):
+        return None
+    return min(starts) + time.time_ns() - time.perf_counter_ns()
+
+
+def merge_chrome_traces(paths, path) -> int:
+    """Write the traces at ``paths`` (each written by ``--trace`` or
+    :meth:`opwatch.Watch.export_chrome_trace`: the ranks of a torchrun job, ``trace.json``,
+    ``trace.rank1.json``, ...) into one trace at ``path``, for Perfetto and ``chrome://tracing``;
+    returns the number of traces merged. See :func:`merged_chrome_trace`."""
+    paths = [os.fspath(one) for one in _paths(paths)]
+    traces = [_read_trace(one) for one in paths]
+    merged = merged_chrome_trace(traces)
+    with open(path, "w", encoding="utf-8") as stream:
+        json.dump(merged, stream, ensure_ascii=False, allow_nan=False)
+    return len(traces)
+
+
+def merged_chrome_trace(traces: list[dict]) -> dict:
+    """One trace-event object holding each of ``traces`` (as :func:`chrome_trace` makes them)
+    as a process of its own, in rank order: a process id that an earlier trace holds already
+    (two machines' ranks) is renumbered; the backward flows' ids are renumbered so that each
+    arrow stays within its trace; where every trace knows its wall-clock origin, their times
+    are shifted to line up (the earliest first op at 0), else each starts at 0."""
+    traces = sorted(traces, key=lambda trace: _rank_key(trace["otherData"].get("rank")))
+    origins = [trace["otherData"].get("origin_unix_ns") for trace in traces]
+    aligned = bool(traces) and all(isinstance(origin, int) for origin in origins)
+    first = min(origins) if aligned else 0
+    taken: set = set()
+    flows = 0  # the flow ids the traces merged so far use
+    events: list[dict] = []
+    for trace, origin in zip(traces, origins):
+        shift = round((origin - first) / 1000, 3) if aligned else 0.0
+        pids = {}
+        for event in trace["traceEvents"]:
+            pid = event.get("pid")
+            if pid not in pids:
+                pids[pid] = pid if pid not in taken else max(taken) + 1
+                taken.add(pids[pid])
+        ids = [event["id"] for event in trace["traceEvents"] if event.get("cat") == "fwdbwd" and isinstance(event.get("id"), int)]
+        for event in trace["traceEvents"]:
+            event = {**event, "pid": pids[event.get("pid")]}
+            if "ts" in event and shift:
+                event["ts"] = round(event["ts"] + shift, 3)
+            if event.get("cat") == "fwdbwd" and isinstance(event.get("id"), int):
+                event["id"] += flows
+            events.append(event)
+        flows += max(ids, default=0)
+    other = dict(next((trace["otherData"] for trace in traces), {}))  # the first trace's, by rank
+    other.pop("origin_unix_ns", None)
+    other["rank"] = [trace["otherData"].get("rank") for trace in traces]
+    other["aligned"] = aligned  # the traces' clocks lined up by their wall-clock origins
+    return {"schemaVersion": 1, "traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _rank_key(rank) -> tuple:
+    return (0, rank) if isinstance(rank, int) else (1, 0)
+
+
+def _paths(paths) -> list:
+    if isinstance(paths, (str, bytes, os.PathLike)) or not isinstance(paths, (list, tuple)):
+        raise TypeError(f"paths must be a list of trace files (str or os.PathLike), got {type(paths).__name__}")
+    if not paths:
+        raise ValueError("paths is empty: give the traces to merge (trace.json, trace.rank1.json, ...)")
+    for one in paths:
+        if not isinstance(one, (str, os.PathLike)):
+            raise TypeError(f"paths must hold file paths (str or os.PathLike), got {type(one).__name__}")
+    return list(paths)
+
+
+def _read_trace(path: str) -> dict:
+    """The trace at ``path``, which opwatch wrote (``--trace``, ``Watch.export_chrome_trace``)."""
+    with open(path, encoding="utf-8") as stream:
+        try:
+            trace = json.load(stream)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON ({error}); expected a trace written by --trace or Watch.export_chrome_trace") from None
+    other = trace.get("otherData") if isinstance(trace, dict) else None
+    producer = other.get("producer") if isinstance(other, dict) else None
+    if not isinstance(producer, str) or not producer.startswith("opwatch") or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError(f"{path}: not a trace written by opwatch (--trace or Watch.export_chrome_trace); merge-traces merges opwatch's traces")
+    return trace
 
 
 def _op_times(records) -> list[tuple[float, float]]:
