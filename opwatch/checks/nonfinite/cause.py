@@ -15,13 +15,21 @@ The causes, tried in this order:
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
-- ``unknown``: an input made before the watch is no longer alive: whether it held the value
-  cannot be told (``tensor`` names it);
+- ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
+  into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
+  values before the write never read): whether it held the value cannot be told (``tensor``
+  names it);
 - ``deliberate``: a forward reduction took deliberate infs (masking constants) into its result,
   which became the loss (cross_entropy's label smoothing averages the log-probabilities of
   every class, masked ones too). Known when the replay finds it: no lookup.
 
 Where none applies the finding has no cause (``None``).
+
+An op that writes in place (``x.sqrt_()``, ``buf.copy_(src)``) reads an input that holds its
+result by the check point: that input's range is the one the replay knew before the write
+(``replay._written_in_place``), never read from the tensor now, and the tensors it was viewed
+from are not read either; ``copy_``'s destination is not read by the op at all, so its range
+takes no part in the cause (:func:`read_ranges`).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -71,6 +79,25 @@ class Cause(NamedTuple):
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
 DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
+# The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
+WRITTEN = "written"
+
+
+def written_inputs(inputs, outputs) -> frozenset:
+    """The idents of the inputs an op wrote its result into: those that are also its outputs
+    (``x.sqrt_()``, ``buf.copy_(src)``, ``out=``); an op that makes new tensors has none (a new
+    tensor cannot take the id of an input alive while it runs). Metas, as records hold them."""
+    if not outputs:
+        return frozenset()
+    made = {meta[M_IDENT] for meta in outputs}
+    return frozenset(meta[M_IDENT] for meta in inputs if meta[M_IDENT] in made)
+
+
+def read_ranges(name, ranges) -> list:
+    """Of the floating inputs' ``ranges`` (in order) of op ``name`` (short, ``copy``), those the
+    op reads: ``copy_`` overwrites its destination, the first, without reading it."""
+    ranges = list(ranges)
+    return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges
 
 
 def decide_causes(origins, log) -> None:
@@ -93,8 +120,10 @@ def decide_causes(origins, log) -> None:
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
     for origin in decided:
-        for _, value in origin.input_ranges:
-            _want(value, wanted, writes)
+        written = written_inputs(origin.record.inputs, origin.record.outputs)
+        for meta, value in origin.input_ranges:
+            if meta[M_IDENT] not in written:  # it holds the result now, and so may its base
+                _want(value, wanted, writes)
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             for meta in origin.record.inputs:
@@ -105,7 +134,8 @@ def decide_causes(origins, log) -> None:
     health = {ident: _health(tensor) for ident, tensor in found.items()}
     for origin in origins:
         recipes = origin.input_ranges
-        origin.input_ranges = [(meta, _worked_out(value, health)) for meta, value in recipes]
+        written = written_inputs(origin.record.inputs, origin.record.outputs)
+        origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes, log)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, modules)
@@ -301,8 +331,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
+    name = facts_of(record.func).name
     ranges = [value_range for _, value_range in origin.input_ranges]
-    detail = range_cause(facts_of(record.func).name, origin.kind, record.outputs or (), ranges)
+    detail = range_cause(name, origin.kind, record.outputs or (), ranges)
     rerun = _rerun(record, found)
     if rerun is not None:
         wider, largest = rerun
@@ -311,7 +342,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
     if detail is not None and detail not in OVERFLOWS:
         return Cause(MATH, detail)
-    bound = _bound(record, origin.kind, ranges)
+    bound = _bound(record, origin.kind, read_ranges(name, ranges))
     if bound is not None:
         dtype = _dtype_of(record)
         for wider in (torch.float32, torch.float64):
@@ -321,17 +352,29 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if detail is not None:
         return Cause(MATH, detail)
     # An input whose range is unknown, made before the watch (or by an op whose values are not
-    # read: empty*, set_) and gone: it may have held it.
-    for (_, value), (_, known) in zip(recipes, origin.input_ranges):
-        if known is None:
+    # read: empty*, set_) and gone, or written by the op itself: it may have held it.
+    written = written_inputs(record.inputs, record.outputs)
+    unread = _unread(name, recipes)
+    for (meta, value), (_, known) in zip(recipes, origin.input_ranges):
+        if known is None and meta[M_IDENT] != unread:
             for leaf in _leaves(value):
                 if leaf[M_IDENT] in found:
                     continue
+                how = WRITTEN if meta[M_IDENT] in written else None
                 maker = writes.made_by(leaf[M_IDENT], index)
                 if maker is None and not writes.lost_ops:
-                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
+                    return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=BeforeWatch())
                 if maker is not None and facts_of(maker.func).makes_new_data:
-                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
+                    return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
+    return None
+
+
+def _unread(name, recipes):
+    """The ident of the floating input the op overwrites without reading (``copy_``'s
+    destination, see :func:`read_ranges`), else ``None``."""
+    if name == "copy" and len(recipes) > 1:
+        meta, _ = recipes[0]
+        return meta[M_IDENT]
     return None
 
 
@@ -340,7 +383,10 @@ def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None
     ran: alive now, unwritten since, and not finite."""
     index = origin.record.index
     recipes = dict((meta[M_IDENT], value) for meta, value in recipes)
+    written = written_inputs(origin.record.inputs, origin.record.outputs)
     for through in origin.record.inputs:
+        if through[M_IDENT] in written:
+            continue  # it holds the op's result now, and so may the tensor it was viewed from
         for meta in [through, *_leaves(recipes.get(through[M_IDENT]))]:
             found_held = _held(meta, through, index, found, health, writes, origin.record.module, modules)
             if found_held is not None:
@@ -504,6 +550,7 @@ def range_cause(name, kind, outputs, ranges) -> str | None:
     ``div_zero``, ...); ``None`` when the ranges do not tell. The cause must fit the kind: log
     of a negative number is nan, log(0) is -inf. A range carried through indexing or cat
     (``within``) bounds the values: its ends are read as they are."""
+    ranges = read_ranges(name, ranges)
     first, second, *_ = [*ranges, None, None]
     if name == "div" and _holds_zero(second):
         if kind == "nan" and _holds_zero(first):

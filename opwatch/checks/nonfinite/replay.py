@@ -240,6 +240,7 @@ class Origins:
         reduced = None if input_origin is not None else next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
         deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
         record = None
+        before = _written_in_place(state, entry, outputs) if facts.mutated_args else None
         for position, meta in enumerate(outputs):
             ident = meta[M_IDENT]
             key = (index, position)
@@ -265,17 +266,17 @@ class Origins:
                         origin.carried_by(record, kind)
                 elif kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.status):
                     record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
             elif deliberate and not input_states:
                 # A deliberate constant: masked_fill(mask, -inf), finfo.min; or a forward
                 # reduction that overflowed finfo.min held by an input, followed like the above.
                 origin = reduced  # set by an earlier output of this op
                 if origin is None and kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.holds_sentinel):
                     record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
             else:
                 record = record or state.log.view(entry)
-                origin = self._origin(state, entry, facts, record, kind, bool(input_states))
+                origin = self._origin(state, entry, facts, record, kind, bool(input_states), before)
             state.status[ident] = (kind, origin)
             if origin is not None:
                 _mark_sinks(origin, flags.refs[key], state.accumulates)
@@ -286,26 +287,27 @@ class Origins:
                 state.status[base_ident] = (kind, origin)
                 state.live[base_ident] = base_ref
 
-    def _origin(self, state, entry, facts, record, kind, from_deliberate) -> Origin:
+    def _origin(self, state, entry, facts, record, kind, from_deliberate, before=None) -> Origin:
         """Non-finite from finite inputs, or nan from deliberate infs (a softmax over a fully
         masked row): an origin, unless it is a forward op recomputed during backward (activation
         checkpointing) that was one already. A collective's output was received from other
-        ranks, never recomputed."""
+        ranks, never recomputed. ``before``: the inputs' ranges of an op that writes in place,
+        taken before its outputs' were noted (see ``_written_in_place``)."""
         received = state.received
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
-            origin.input_ranges = _input_ranges(state, entry)
+            origin.input_ranges = before if before is not None else _input_ranges(state, entry)
             state.origins.append(origin)
             self._remember_site(origin, entry)
         return origin
 
-    def _reduction_of_deliberate(self, state, entry, record, kind) -> Origin:
+    def _reduction_of_deliberate(self, state, entry, record, kind, before=None) -> Origin:
         """A forward reduction whose inf comes from deliberate infs in its inputs (the sum of
         masked log-probabilities in cross_entropy with label smoothing): followed, and judged
         as an origin only if its values reach a loss (see :meth:`judge`). Its cause is known."""
         origin = Origin(record, kind, from_deliberate=True, reduces_deliberate=True)
-        origin.input_ranges = _input_ranges(state, entry)
+        origin.input_ranges = before if before is not None else _input_ranges(state, entry)
         origin.cause = DELIBERATE_CAUSE
         origin.note_loss(record)
         state.origins.append(origin)
@@ -377,6 +379,28 @@ def _input_ranges(state, entry) -> list:
         for meta in entry_inputs(entry)
         if meta[M_DTYPE] in CHECKED_DTYPES
     ]
+
+
+def _written_in_place(state, entry, outputs) -> list | None:
+    """An op that writes in place (``x.sqrt_()``, ``buf.copy_(src)``): its output is its input,
+    so the range noted for the output is the value written, not the one read. Returns its
+    inputs' ranges as they were before the write (what the op that last wrote each one left:
+    a range, a recipe, or a :class:`~.origin.LeafRecipe` that :func:`.cause.decide_causes`
+    does not read from the tensor, which holds the result now), when an output of it was found
+    non-finite (an origin may be made of it); else ``None``. A write into a view puts values
+    into its base: the base's range is not known any more."""
+    index = entry[E_INDEX]
+    flags = state.flags
+    positions = range(len(outputs))
+    before = _input_ranges(state, entry) if any((index, position) in flags.flagged for position in positions) else None
+    if flags.written_bases:
+        for position in positions:
+            base = flags.written_bases.get(index << 32 | position)
+            if base is not None:
+                base_ident, _ = base
+                state.value_ranges[base_ident] = None
+                state.recipes.pop(base_ident, None)
+    return before
 
 
 def _reduces(entry, output, holders) -> bool:
