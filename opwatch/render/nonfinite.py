@@ -257,7 +257,7 @@ def _written_why(made) -> str:
     the result now, and the range of what it held was not kept (``input_made``: where that was
     made)."""
     if made == "before_watch":
-        return "made before the watch, and not read by a watched op before"
+        return "made before the watch"
     if made == "left_log":
         return "made by an op that has left the bounded log (max_records)"
     if made is None:
