@@ -373,7 +373,7 @@ def _unread(name, recipes):
     """The ident of the floating input the op overwrites without reading (``copy_``'s
     destination, see :func:`read_ranges`), else ``None``."""
     if name == "copy" and len(recipes) > 1:
-        meta, _ = recipes[0]
+        (meta, _), *_ = recipes
         return meta[M_IDENT]
     return None
 
