@@ -199,7 +199,7 @@ def _not_known_finite(facts) -> bool:
     alive = facts.get("input_alive") or (False,) * len(input_ranges)
     unread = _unread(facts, input_ranges)
     return any(
-        value_range is None and meta[M_IDENT] != unread and (where is None or isinstance(where, str) or living is not False or named_new_data(_place(where).op))
+        value_range is None and meta[M_IDENT] != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
         for (meta, value_range), where, living in zip(input_ranges, made, alive)
     )
 
@@ -275,10 +275,22 @@ def _held_input(cause):
     return carried[M_IDENT]
 
 
-def _unknown_why(made, alive: bool | None = False) -> str:
+def _unknown_why(made, alive: bool | str | None = False) -> str:
     """Why an input's range is unknown, from where it was made (``input_made``) and whether it
     was alive at the check point (``input_alive``: its values could not be read then; ``None``
-    when it was not looked for, at a step GradScaler skipped)."""
+    when it was not looked for, at a step GradScaler skipped; ``"written"`` when it was written
+    in place after the op read it, so that what it holds now is not what the op read)."""
+    if alive == WRITTEN:
+        written = "it (or a tensor sharing its storage) was written in place after this op read it"
+        if made is None:
+            return f"made before the watch or the last check point; {written}"
+        if made == "before_watch":
+            return f"made before the watch; {written}"
+        if made == "left_log":
+            return f"made by an op that has left the bounded log (max_records); {written}"
+        if named_new_data(_place(made).op):
+            return f"made by {_at(_place(made))}, whose values opwatch does not read; {written}"
+        return f"made by {_at(_place(made))}; its range was not kept, and {written}"
     if alive is None:
         now = "not looked for at a step GradScaler skipped"
     else:

@@ -214,3 +214,55 @@ def test_an_ema_made_before_the_watch_and_updated_in_place(poisoned):
         "  cause:    unknown: input f32[4, 8] cpu was made before the watch, and mul wrote its result into it in place: "
         "its values before the write were never read, so whether it already held nan cannot be told"
     )
+
+
+# -- views of a tensor written in place -------------------------------------------------------
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_a_view_taken_before_its_base_is_scaled_in_place_does_not_keep_the_old_range(written):
+    """``flat = h.view(-1)`` keeps the range ``h`` had (about 1); ``h.mul_(1e30)`` then changes
+    ``flat``'s values too, so the overflow of ``flat * 1e10`` is shown with what ``flat`` held
+    when it was read (about 1e30), not the range from before the write. Without the write, the
+    range carried through the view is kept."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        with torch.no_grad():
+            h = model(torch.randn(16, 8))
+            flat = h.view(-1)
+            if written:
+                h.mul_(1e30)  # a scale applied in place, after the view was taken
+            else:
+                h = h * 1e30  # a new tensor: flat keeps its values
+            y = flat * (1e10 if written else 1e40)
+        print(y.sum().item())
+    anomaly = nonfinite(w)[0]
+    assert anomaly.op == "aten.mul.Tensor" and anomaly.kind == "inf"
+    ((_, read),) = anomaly.finding.facts["input_ranges"]
+    largest = max(abs(read.low), abs(read.high))
+    assert (1e29 < largest < 1e31) if written else (0.1 < largest < 10), read
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.wider == torch.float64 and 1e39 < cause.largest < 1e41, cause
+
+
+def test_a_buffer_reused_in_place_after_the_origin_read_it_is_not_read_for_its_values():
+    """A float16 activation buffer made before a check point, read through a view by the op that
+    overflows, then zeroed in place for reuse: what it holds at the check point is not what the
+    op read, so the cause is not decided from it ("reaches 0 in magnitude") and the message says
+    why the range is unknown."""
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        buffer = torch.ones(4, 8, dtype=torch.float16) * 300
+        tokens = buffer.view(-1)
+        print(tokens.float().mean().item())  # a check point: all finite, ranges not kept
+        energy = tokens * tokens  # 90000 > float16's 65504
+        buffer.zero_()  # reused for the next micro-batch
+        print(energy.float().sum().item())
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.mul.Tensor"
+    facts = anomaly.finding.facts
+    assert [value_range for _, value_range in facts["input_ranges"]] == [None, None]
+    assert list(facts["input_alive"]) == [WRITTEN, WRITTEN]
+    assert facts["cause"] is None or facts["cause"].kind != PRECISION, facts["cause"]
+    assert "min 0, max 0" not in anomaly.message
+    assert "(or a tensor sharing its storage) was written in place after this op read it" in anomaly.message

@@ -47,6 +47,7 @@ from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
+from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
@@ -154,14 +155,18 @@ def _where_made(origin, recipes, found, wanted, writes, log) -> None:
     origin.input_alive = tuple(_alive(value, found, wanted, writes, looked) if known is None else False for (_, value), (_, known) in pairs)
 
 
-def _alive(value, found, wanted, writes, looked) -> bool | None:
+def _alive(value, found, wanted, writes, looked) -> bool | str | None:
     """Whether the tensor of an input whose range stays unknown was alive at the check point
-    (found, but unreadable); ``None`` when it was not looked for and may be."""
+    (found, but unreadable); :data:`WRITTEN` when an op wrote it in place (or a tensor sharing
+    its storage) since the op read it, so that it was not read; ``None`` when it was not looked
+    for and may be."""
     if not isinstance(value, LeafRecipe):
         return False
     ident = value.meta[M_IDENT]
     if ident in found:
         return True
+    if writes.wrote(ident, value.read_at - 1):
+        return WRITTEN
     if looked or ident in wanted or writes.after(ident, value.read_at - 1):
         return False  # not found, or its id is a later tensor's: dead
     return None
@@ -189,24 +194,44 @@ class _Health(NamedTuple):
 
 
 class _Writes:
-    """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked)."""
+    """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked): an op
+    that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
+    view of it, its base: :class:`~.aliases.Aliases`)."""
 
     def __init__(self, log):
         self._log = log
         self._last = None
+        self._wrote: dict = {}  # ident -> the last op that wrote it in place
 
     def after(self, ident, index) -> bool:
         """Whether an op after op ``index`` wrote (or made, the id reused) the tensor ``ident``."""
         if self._last is None:
-            self._last = {}
+            self._last = last = {}
+            aliases = Aliases()
             for entry in self._log.entries:
                 at = entry[E_INDEX]
-                for meta in entry_outputs(entry) or ():
-                    self._last[meta[M_IDENT]] = at
-                if facts_of(self._log.funcs[entry[E_FUNC]]).mutated_args and not entry_outputs(entry):
-                    for meta in entry_inputs(entry):
-                        self._last[meta[M_IDENT]] = at
+                outputs = entry_outputs(entry) or ()
+                for meta in outputs:
+                    last[meta[M_IDENT]] = at
+                facts = facts_of(self._log.funcs[entry[E_FUNC]])
+                if facts.is_view and outputs:
+                    inputs = entry_inputs(entry)
+                    if inputs:
+                        aliases.view(inputs[0][M_IDENT], [meta[M_IDENT] for meta in outputs])
+                elif facts.mutated_args:
+                    inputs = entry_inputs(entry)
+                    written = written_inputs(inputs, outputs) if outputs else [meta[M_IDENT] for meta in inputs]
+                    for ident in written:
+                        for other in aliases.sharing(ident):
+                            last[other] = self._wrote[other] = at
         return self._last.get(ident, -1) > index
+
+    def wrote(self, ident, index) -> bool:
+        """Whether the last op after op ``index`` that wrote ``ident`` wrote it in place (its
+        values changed; its id is not a newer tensor's)."""
+        self.after(ident, index)  # the walk
+        wrote = self._wrote.get(ident, -1)
+        return wrote > index and wrote >= self._last.get(ident, -1)
 
     def made_by(self, ident, index):
         """The latest op before op ``index`` that output ``ident``, or ``None``."""
