@@ -217,7 +217,7 @@ class _Writes:
                 if facts.is_view and outputs:
                     inputs = entry_inputs(entry)
                     if inputs:
-                        aliases.view(inputs[0][M_IDENT], [meta[M_IDENT] for meta in outputs])
+                        aliases.view(_first(inputs)[M_IDENT], [meta[M_IDENT] for meta in outputs])
                 elif facts.mutated_args:
                     inputs = entry_inputs(entry)
                     written = written_inputs(inputs, outputs) if outputs else [meta[M_IDENT] for meta in inputs]

@@ -194,7 +194,7 @@ class Origins:
         if facts.is_view:
             viewed = entry_inputs(entry)
             if viewed:
-                state.aliases.view(viewed[0][M_IDENT], [meta[M_IDENT] for meta in outputs])
+                state.aliases.view(next(iter(viewed))[M_IDENT], [meta[M_IDENT] for meta in outputs])
         seen = state.flags.first_seen.get(entry[E_INDEX]) if state.flags.first_seen else None
         if seen:
             _note_first_seen(state, entry, seen)
