@@ -190,7 +190,7 @@ def test_float16_copies_of_master_weights_in_range_report_nothing():
 
 
 @pytest.mark.parametrize("poisoned", [True, False])
-def test_an_ema_made_before_the_watch_and_updated_in_place(poisoned):
+def test_an_ema_made_before_the_watch_and_updated_in_place(poisoned, tmp_path):
     """Holding nan (loaded so): ``mul_`` reads values no watched op read before, and it writes
     over them: whether they held the nan cannot be told, and the message says so rather than
     "made nan from finite inputs". Clean: nothing."""
@@ -214,6 +214,10 @@ def test_an_ema_made_before_the_watch_and_updated_in_place(poisoned):
         "  cause:    unknown: input f32[4, 8] cpu was made before the watch, and mul wrote its result into it in place: "
         "its values before the write were never read, so whether it already held nan cannot be told"
     )
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    (saved,) = [a for a in load(path).anomalies if a.kind == "nan"]
+    assert saved.finding.facts["cause"] == cause and saved.message == anomaly.message
 
 
 # -- views of a tensor written in place -------------------------------------------------------
@@ -246,7 +250,7 @@ def test_a_view_taken_before_its_base_is_scaled_in_place_does_not_keep_the_old_r
     assert cause.kind == PRECISION and cause.wider == torch.float64 and 1e39 < cause.largest < 1e41, cause
 
 
-def test_a_buffer_reused_in_place_after_the_origin_read_it_is_not_read_for_its_values():
+def test_a_buffer_reused_in_place_after_the_origin_read_it_is_not_read_for_its_values(tmp_path):
     """A float16 activation buffer made before a check point, read through a view by the op that
     overflows, then zeroed in place for reuse: what it holds at the check point is not what the
     op read, so the cause is not decided from it ("reaches 0 in magnitude") and the message says
@@ -266,3 +270,7 @@ def test_a_buffer_reused_in_place_after_the_origin_read_it_is_not_read_for_its_v
     assert facts["cause"] is None or facts["cause"].kind != PRECISION, facts["cause"]
     assert "min 0, max 0" not in anomaly.message
     assert "(or a tensor sharing its storage) was written in place after this op read it" in anomaly.message
+    path = tmp_path / "run.jsonl"
+    w.export_jsonl(path)
+    (saved,) = [a for a in load(path).anomalies if a.kind == "inf"]
+    assert list(saved.finding.facts["input_alive"]) == [WRITTEN, WRITTEN] and saved.message == anomaly.message
