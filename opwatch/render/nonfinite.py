@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, range_cause
+from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -197,10 +197,19 @@ def _not_known_finite(facts) -> bool:
     input_ranges = _input_ranges(facts)
     made = facts.get("input_made") or (None,) * len(input_ranges)
     alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    unread = _unread(facts, input_ranges)
     return any(
-        value_range is None and (where is None or isinstance(where, str) or living is not False or named_new_data(_place(where).op))
-        for (_, value_range), where, living in zip(input_ranges, made, alive)
+        value_range is None and meta[M_IDENT] != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
+        for (meta, value_range), where, living in zip(input_ranges, made, alive)
     )
+
+
+def _unread(facts, input_ranges):
+    """The ident of ``copy_``'s destination, overwritten without being read, else ``None``."""
+    if facts["op_name"] != "copy" or len(input_ranges) < 2:
+        return None
+    (meta, _), *_ = input_ranges
+    return meta[M_IDENT] if meta[M_IDENT] in written_inputs(facts["inputs"], facts["outputs"]) else None
 
 
 def _input_health(finding) -> str:
@@ -212,20 +221,50 @@ def _input_health(finding) -> str:
     parts = []
     cause = _cause(finding)
     held = _held_input(cause)
-    made = finding.facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
-    alive = finding.facts.get("input_alive") or (False,) * len(input_ranges)
+    facts = finding.facts
+    made = facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
+    alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    # An op that writes in place: the input it wrote holds the result now; its range is the
+    # one it had before the write, when known.
+    written = written_inputs(facts["inputs"], facts["outputs"])
+    unread = _unread(facts, input_ranges)
+    name = facts["op_name"]
     for (meta, value_range), where, living in zip(input_ranges, made, alive):
-        if value_range is None and meta[M_IDENT] == held:
+        if meta[M_IDENT] == unread:
+            parts.append(f"input {format_meta(meta)}: the destination, overwritten: {name} does not read it")
+        elif meta[M_IDENT] in written:
+            before = "range before the write unknown" if value_range is None else _range_text(value_range)
+            parts.append(f"input {format_meta(meta)}, which {name} wrote its result into: {before} ({_written_why(where)})" if value_range is None else f"input {format_meta(meta)}, before {name} wrote its result into it: {before}")
+        elif value_range is None and meta[M_IDENT] == held:
             parts.append(f"input {format_meta(meta)}: already held {cause.held}")
         elif value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
-        elif value_range.within:  # carried through an op that kept some of its source's values
-            parts.append(f"input {format_meta(meta)}: values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}")
         else:
-            parts.append(f"input {format_meta(meta)}: min {value_range.low:.4g}, max {value_range.high:.4g}")
+            parts.append(f"input {format_meta(meta)}: {_range_text(value_range)}")
     text = "; ".join(parts)
     reason = _reason(finding)
     return f"{text} -> {reason}" if reason else text
+
+
+def _range_text(value_range) -> str:
+    if value_range.within:  # carried through an op that kept some of its source's values
+        return f"values taken from a range of min {value_range.low:.4g}, max {value_range.high:.4g}"
+    return f"min {value_range.low:.4g}, max {value_range.high:.4g}"
+
+
+def _written_why(made) -> str:
+    """Why the range an in-place op's input had before the write is unknown: the tensor holds
+    the result now, and the range of what it held was not kept (``input_made``: where that was
+    made)."""
+    if made == "before_watch":
+        return "made before the watch"
+    if made == "left_log":
+        return "made by an op that has left the bounded log (max_records)"
+    if made is None:
+        return "made before the watch or the last check point"
+    if named_new_data(_place(made).op):
+        return f"made by {_at(_place(made))}, whose values opwatch does not read (uninitialised, or filled with no op)"
+    return f"it held what {_at(_place(made))} left there, whose range was not kept"
 
 
 def _held_input(cause):
@@ -236,10 +275,22 @@ def _held_input(cause):
     return carried[M_IDENT]
 
 
-def _unknown_why(made, alive: bool | None = False) -> str:
+def _unknown_why(made, alive: bool | str | None = False) -> str:
     """Why an input's range is unknown, from where it was made (``input_made``) and whether it
     was alive at the check point (``input_alive``: its values could not be read then; ``None``
-    when it was not looked for, at a step GradScaler skipped)."""
+    when it was not looked for, at a step GradScaler skipped; ``"written"`` when it was written
+    in place after the op read it, so that what it holds now is not what the op read)."""
+    if alive == WRITTEN:
+        written = "it (or a tensor sharing its storage) was written in place after this op read it"
+        if made is None:
+            return f"made before the watch or the last check point; {written}"
+        if made == "before_watch":
+            return f"made before the watch; {written}"
+        if made == "left_log":
+            return f"made by an op that has left the bounded log (max_records); {written}"
+        if named_new_data(_place(made).op):
+            return f"made by {_at(_place(made))}, whose values opwatch does not read; {written}"
+        return f"made by {_at(_place(made))}; its range was not kept, and {written}"
     if alive is None:
         now = "not looked for at a step GradScaler skipped"
     else:
@@ -306,7 +357,7 @@ def _overflow_reason(detail, name, facts) -> str | None:
     if detail == "exp_overflow":
         bound = math.log2(limit) if name == "exp2" else math.log(limit)
         return f"{name} overflows {format_dtype(dtype)} above {bound:.4g}"
-    ranges = [value_range for _, value_range in _input_ranges(facts) if value_range is not None]
+    ranges = [value_range for value_range in read_ranges(name, [value_range for _, value_range in _input_ranges(facts)]) if value_range is not None]
     if not ranges:
         return None
     largest = max(max(abs(known.low), abs(known.high)) for known in ranges)
@@ -379,6 +430,11 @@ def explain_cause(finding) -> str | None:
         made = "was made before the watch"
         if getattr(cause.made, "how", None) == "made_by":
             made = f"was made by {_at(_place(cause.made.place))}, whose values opwatch does not read (uninitialised, or filled with no op, as torch.load does),"
+        if cause.detail == WRITTEN:
+            return (
+                f"unknown: input {format_meta(cause.tensor)} {made.rstrip(',')}, and {name} wrote its result into it "
+                f"in place: its values before the write were never read, so whether it already held {what} cannot be told"
+            )
         return (
             f"unknown: input {format_meta(cause.tensor)} {made} and is gone by the check point, "
             f"so whether it already held {what} cannot be told"

@@ -50,7 +50,8 @@ even when a later op absorbs it (``rsqrt(inf) = 0``).
 The package, one job a module: :mod:`.rules` (what is checked, deliberate values, headroom),
 :mod:`.tracker` (the flags on the hot path, read at a check point), :mod:`.replay` (the replay
 that judges origins), :mod:`.collectives` (collectives' outputs until read, received values),
-:mod:`.origin` (origins and risks as facts), :mod:`.cause` (why an origin's values are not finite). Every sentence is made in
+:mod:`.origin` (origins and risks as facts), :mod:`.cause` (why an origin's values are not finite),
+:mod:`.aliases` (which tensors share storage, for writes in place). Every sentence is made in
 :mod:`opwatch.render.nonfinite`.
 """
 

@@ -15,13 +15,21 @@ The causes, tried in this order:
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
-- ``unknown``: an input made before the watch is no longer alive: whether it held the value
-  cannot be told (``tensor`` names it);
+- ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
+  into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
+  values before the write never read): whether it held the value cannot be told (``tensor``
+  names it);
 - ``deliberate``: a forward reduction took deliberate infs (masking constants) into its result,
   which became the loss (cross_entropy's label smoothing averages the log-probabilities of
   every class, masked ones too). Known when the replay finds it: no lookup.
 
 Where none applies the finding has no cause (``None``).
+
+An op that writes in place (``x.sqrt_()``, ``buf.copy_(src)``) reads an input that holds its
+result by the check point: that input's range is the one the replay knew before the write
+(``replay._written_in_place``), never read from the tensor now, and the tensors it was viewed
+from are not read either; ``copy_``'s destination is not read by the op at all, so its range
+takes no part in the cause (:func:`read_ranges`).
 """
 
 from __future__ import annotations
@@ -39,10 +47,11 @@ from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
+from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -71,6 +80,25 @@ class Cause(NamedTuple):
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
 DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
+# The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
+WRITTEN = "written"
+
+
+def written_inputs(inputs, outputs) -> frozenset:
+    """The idents of the inputs an op wrote its result into: those that are also its outputs
+    (``x.sqrt_()``, ``buf.copy_(src)``, ``out=``); an op that makes new tensors has none (a new
+    tensor cannot take the id of an input alive while it runs). Metas, as records hold them."""
+    if not outputs:
+        return frozenset()
+    made = {meta[M_IDENT] for meta in outputs}
+    return frozenset(meta[M_IDENT] for meta in inputs if meta[M_IDENT] in made)
+
+
+def read_ranges(name, ranges) -> list:
+    """Of the floating inputs' ``ranges`` (in order) of op ``name`` (short, ``copy``), those the
+    op reads: ``copy_`` overwrites its destination, the first, without reading it."""
+    ranges = list(ranges)
+    return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges
 
 
 def decide_causes(origins, log) -> None:
@@ -93,8 +121,10 @@ def decide_causes(origins, log) -> None:
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
     for origin in decided:
-        for _, value in origin.input_ranges:
-            _want(value, wanted, writes)
+        written = written_inputs(origin.record.inputs, origin.record.outputs)
+        for meta, value in origin.input_ranges:
+            if meta[M_IDENT] not in written:  # it holds the result now, and so may its base
+                _want(value, wanted, writes)
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             for meta in origin.record.inputs:
@@ -105,7 +135,8 @@ def decide_causes(origins, log) -> None:
     health = {ident: _health(tensor) for ident, tensor in found.items()}
     for origin in origins:
         recipes = origin.input_ranges
-        origin.input_ranges = [(meta, _worked_out(value, health)) for meta, value in recipes]
+        written = written_inputs(origin.record.inputs, origin.record.outputs)
+        origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes, log)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, modules)
@@ -124,14 +155,18 @@ def _where_made(origin, recipes, found, wanted, writes, log) -> None:
     origin.input_alive = tuple(_alive(value, found, wanted, writes, looked) if known is None else False for (_, value), (_, known) in pairs)
 
 
-def _alive(value, found, wanted, writes, looked) -> bool | None:
+def _alive(value, found, wanted, writes, looked) -> bool | str | None:
     """Whether the tensor of an input whose range stays unknown was alive at the check point
-    (found, but unreadable); ``None`` when it was not looked for and may be."""
+    (found, but unreadable); :data:`WRITTEN` when an op wrote it in place (or a tensor sharing
+    its storage) since the op read it, so that it was not read; ``None`` when it was not looked
+    for and may be."""
     if not isinstance(value, LeafRecipe):
         return False
     ident = value.meta[M_IDENT]
     if ident in found:
         return True
+    if writes.wrote(ident, value.read_at - 1):
+        return WRITTEN
     if looked or ident in wanted or writes.after(ident, value.read_at - 1):
         return False  # not found, or its id is a later tensor's: dead
     return None
@@ -159,24 +194,44 @@ class _Health(NamedTuple):
 
 
 class _Writes:
-    """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked)."""
+    """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked): an op
+    that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
+    view of it, its base: :class:`~.aliases.Aliases`)."""
 
     def __init__(self, log):
         self._log = log
         self._last = None
+        self._wrote: dict = {}  # ident -> the last op that wrote it in place
 
     def after(self, ident, index) -> bool:
         """Whether an op after op ``index`` wrote (or made, the id reused) the tensor ``ident``."""
         if self._last is None:
-            self._last = {}
+            self._last = last = {}
+            aliases = Aliases()
             for entry in self._log.entries:
                 at = entry[E_INDEX]
-                for meta in entry_outputs(entry) or ():
-                    self._last[meta[M_IDENT]] = at
-                if facts_of(self._log.funcs[entry[E_FUNC]]).mutated_args and not entry_outputs(entry):
-                    for meta in entry_inputs(entry):
-                        self._last[meta[M_IDENT]] = at
+                outputs = entry_outputs(entry) or ()
+                for meta in outputs:
+                    last[meta[M_IDENT]] = at
+                facts = facts_of(self._log.funcs[entry[E_FUNC]])
+                if facts.is_view and outputs:
+                    inputs = entry_inputs(entry)
+                    if inputs:
+                        aliases.view(_first(inputs)[M_IDENT], [meta[M_IDENT] for meta in outputs])
+                elif facts.mutated_args:
+                    inputs = entry_inputs(entry)
+                    written = written_inputs(inputs, outputs) if outputs else [meta[M_IDENT] for meta in inputs]
+                    for ident in written:
+                        for other in aliases.sharing(ident):
+                            last[other] = self._wrote[other] = at
         return self._last.get(ident, -1) > index
+
+    def wrote(self, ident, index) -> bool:
+        """Whether the last op after op ``index`` that wrote ``ident`` wrote it in place (its
+        values changed; its id is not a newer tensor's)."""
+        self.after(ident, index)  # the walk
+        wrote = self._wrote.get(ident, -1)
+        return wrote > index and wrote >= self._last.get(ident, -1)
 
     def made_by(self, ident, index):
         """The latest op before op ``index`` that output ``ident``, or ``None``."""
@@ -301,8 +356,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
+    name = facts_of(record.func).name
     ranges = [value_range for _, value_range in origin.input_ranges]
-    detail = range_cause(facts_of(record.func).name, origin.kind, record.outputs or (), ranges)
+    detail = range_cause(name, origin.kind, record.outputs or (), ranges)
     rerun = _rerun(record, found)
     if rerun is not None:
         wider, largest = rerun
@@ -311,7 +367,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
     if detail is not None and detail not in OVERFLOWS:
         return Cause(MATH, detail)
-    bound = _bound(record, origin.kind, ranges)
+    bound = _bound(record, origin.kind, read_ranges(name, ranges))
     if bound is not None:
         dtype = _dtype_of(record)
         for wider in (torch.float32, torch.float64):
@@ -321,17 +377,29 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if detail is not None:
         return Cause(MATH, detail)
     # An input whose range is unknown, made before the watch (or by an op whose values are not
-    # read: empty*, set_) and gone: it may have held it.
-    for (_, value), (_, known) in zip(recipes, origin.input_ranges):
-        if known is None:
+    # read: empty*, set_) and gone, or written by the op itself: it may have held it.
+    written = written_inputs(record.inputs, record.outputs)
+    unread = _unread(name, recipes)
+    for (meta, value), (_, known) in zip(recipes, origin.input_ranges):
+        if known is None and meta[M_IDENT] != unread:
             for leaf in _leaves(value):
                 if leaf[M_IDENT] in found:
                     continue
+                how = WRITTEN if meta[M_IDENT] in written else None
                 maker = writes.made_by(leaf[M_IDENT], index)
                 if maker is None and not writes.lost_ops:
-                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=BeforeWatch())
+                    return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=BeforeWatch())
                 if maker is not None and facts_of(maker.func).makes_new_data:
-                    return Cause(UNKNOWN, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
+                    return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
+    return None
+
+
+def _unread(name, recipes):
+    """The ident of the floating input the op overwrites without reading (``copy_``'s
+    destination, see :func:`read_ranges`), else ``None``."""
+    if name == "copy" and len(recipes) > 1:
+        (meta, _), *_ = recipes
+        return meta[M_IDENT]
     return None
 
 
@@ -340,7 +408,10 @@ def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None
     ran: alive now, unwritten since, and not finite."""
     index = origin.record.index
     recipes = dict((meta[M_IDENT], value) for meta, value in recipes)
+    written = written_inputs(origin.record.inputs, origin.record.outputs)
     for through in origin.record.inputs:
+        if through[M_IDENT] in written:
+            continue  # it holds the op's result now, and so may the tensor it was viewed from
         for meta in [through, *_leaves(recipes.get(through[M_IDENT]))]:
             found_held = _held(meta, through, index, found, health, writes, origin.record.module, modules)
             if found_held is not None:
@@ -504,6 +575,7 @@ def range_cause(name, kind, outputs, ranges) -> str | None:
     ``div_zero``, ...); ``None`` when the ranges do not tell. The cause must fit the kind: log
     of a negative number is nan, log(0) is -inf. A range carried through indexing or cat
     (``within``) bounds the values: its ends are read as they are."""
+    ranges = read_ranges(name, ranges)
     first, second, *_ = [*ranges, None, None]
     if name == "div" and _holds_zero(second):
         if kind == "nan" and _holds_zero(first):

@@ -20,7 +20,8 @@ None)`` per floating input), ``input_made`` (per floating input whose range is u
 was made: the :class:`Place` of the op that made it in the watch, ``"before_watch"``, or
 ``"left_log"`` when that op has left the bounded log; ``None`` for a known range),
 ``input_alive`` (per floating input, whether one of those was still alive at the check point,
-its values unreadable then: nan/inf, or a kind of tensor not measured), ``cause`` (a
+its values unreadable then: nan/inf, or a kind of tensor not measured; ``"written"`` when it, or
+a tensor sharing its storage, was written in place after the op read it), ``cause`` (a
 :class:`~.cause.Cause` or ``None``: precision, undefined math, an input or a parameter that
 already held it), ``absorbed`` (a forward overflow reported although its values died before a
 sink: what they fed is finite and wrong); and, for a forward reduction of deliberate infs that

@@ -23,7 +23,8 @@ from torch.nn import Parameter
 
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
-from .cause import DELIBERATE_CAUSE, MATH, OVERFLOWS, PRECISION
+from .aliases import Aliases
+from .cause import DELIBERATE_CAUSE, MATH, OVERFLOWS, PRECISION, written_inputs
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -59,9 +60,9 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "aliases")
 
-    def __init__(self, log, flags, carry, sentinels, known_ranges):
+    def __init__(self, log, flags, carry, sentinels, known_ranges, aliases):
         self.log = log
         self.flags = flags
         # ident -> (kind, origin). Carried tensors count even if they died since: ops in this
@@ -87,6 +88,8 @@ class _Window:
         self.received = None
         # Tensors made before the watch that held nan/inf when first read in this window.
         self.entered: set = set()
+        # Which tensors share storage (views), for the ranges a write in place makes stale.
+        self.aliases = aliases
 
 
 class Origins:
@@ -109,6 +112,8 @@ class Origins:
         # while every window since was replayed (a window not replayed may have written into
         # these tensors: ``forget_ranges``). Shape and dtype tell a reused id.
         self.ranges: dict = {}
+        # Views and their bases seen in those windows: a write into one makes the others' ranges stale.
+        self.aliases = Aliases()
         # Tensors made before the watch that held nan/inf when first read: carried like any
         # other, but their own life says nothing of harm (the program made them before).
         self.entered: set = set()
@@ -124,6 +129,8 @@ class Origins:
         """A window went by without a replay: the ranges known may be stale."""
         if self.ranges:
             self.ranges = {}
+        if self.aliases:
+            self.aliases.clear()
 
     def remember_sentinels(self, sentinels) -> None:
         """Keep the finite sentinel-holding tensors that are still alive, for later windows."""
@@ -142,7 +149,7 @@ class Origins:
 
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
-        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges)
+        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases)
         sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
             outputs = entry_outputs(entry)
@@ -184,6 +191,10 @@ class Origins:
         """One entry, by kind."""
         facts = facts_of(state.log.funcs[entry[E_FUNC]])
         status = state.status
+        if facts.is_view:
+            viewed = entry_inputs(entry)
+            if viewed:
+                state.aliases.view(next(iter(viewed))[M_IDENT], [meta[M_IDENT] for meta in outputs])
         seen = state.flags.first_seen.get(entry[E_INDEX]) if state.flags.first_seen else None
         if seen:
             _note_first_seen(state, entry, seen)
@@ -240,6 +251,7 @@ class Origins:
         reduced = None if input_origin is not None else next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
         deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
         record = None
+        before = _written_in_place(state, entry, outputs) if facts.mutated_args else None
         for position, meta in enumerate(outputs):
             ident = meta[M_IDENT]
             key = (index, position)
@@ -265,17 +277,17 @@ class Origins:
                         origin.carried_by(record, kind)
                 elif kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.status):
                     record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
             elif deliberate and not input_states:
                 # A deliberate constant: masked_fill(mask, -inf), finfo.min; or a forward
                 # reduction that overflowed finfo.min held by an input, followed like the above.
                 origin = reduced  # set by an earlier output of this op
                 if origin is None and kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.holds_sentinel):
                     record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind)
+                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
             else:
                 record = record or state.log.view(entry)
-                origin = self._origin(state, entry, facts, record, kind, bool(input_states))
+                origin = self._origin(state, entry, facts, record, kind, bool(input_states), before)
             state.status[ident] = (kind, origin)
             if origin is not None:
                 _mark_sinks(origin, flags.refs[key], state.accumulates)
@@ -286,26 +298,27 @@ class Origins:
                 state.status[base_ident] = (kind, origin)
                 state.live[base_ident] = base_ref
 
-    def _origin(self, state, entry, facts, record, kind, from_deliberate) -> Origin:
+    def _origin(self, state, entry, facts, record, kind, from_deliberate, before=None) -> Origin:
         """Non-finite from finite inputs, or nan from deliberate infs (a softmax over a fully
         masked row): an origin, unless it is a forward op recomputed during backward (activation
         checkpointing) that was one already. A collective's output was received from other
-        ranks, never recomputed."""
+        ranks, never recomputed. ``before``: the inputs' ranges of an op that writes in place,
+        taken before its outputs' were noted (see ``_written_in_place``)."""
         received = state.received
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
-            origin.input_ranges = _input_ranges(state, entry)
+            origin.input_ranges = before if before is not None else _input_ranges(state, entry)
             state.origins.append(origin)
             self._remember_site(origin, entry)
         return origin
 
-    def _reduction_of_deliberate(self, state, entry, record, kind) -> Origin:
+    def _reduction_of_deliberate(self, state, entry, record, kind, before=None) -> Origin:
         """A forward reduction whose inf comes from deliberate infs in its inputs (the sum of
         masked log-probabilities in cross_entropy with label smoothing): followed, and judged
         as an origin only if its values reach a loss (see :meth:`judge`). Its cause is known."""
         origin = Origin(record, kind, from_deliberate=True, reduces_deliberate=True)
-        origin.input_ranges = _input_ranges(state, entry)
+        origin.input_ranges = before if before is not None else _input_ranges(state, entry)
         origin.cause = DELIBERATE_CAUSE
         origin.note_loss(record)
         state.origins.append(origin)
@@ -379,6 +392,32 @@ def _input_ranges(state, entry) -> list:
     ]
 
 
+def _written_in_place(state, entry, outputs) -> list | None:
+    """An op that writes in place (``x.sqrt_()``, ``buf.copy_(src)``): its output is its input,
+    so the range noted for the output is the value written, not the one read. Returns its
+    inputs' ranges as they were before the write (what the op that last wrote each one left:
+    a range, a recipe, or a :class:`~.origin.LeafRecipe` that :func:`.cause.decide_causes`
+    does not read from the tensor, which holds the result now), when an output of it was found
+    non-finite (an origin may be made of it); else ``None``. The other tensors that share the
+    written one's storage (its base, its views: see :class:`~.aliases.Aliases`) hold other values
+    now: their ranges are not known any more."""
+    index = entry[E_INDEX]
+    flags = state.flags
+    positions = range(len(outputs))
+    before = _input_ranges(state, entry) if any((index, position) in flags.flagged for position in positions) else None
+    if state.aliases:
+        for ident in written_inputs(entry_inputs(entry), outputs):
+            _forget_aliases(state, ident)
+    if flags.written_bases:  # also a base the log shows no view of (made before these windows)
+        for position in positions:
+            base = flags.written_bases.get(index << 32 | position)
+            if base is not None:
+                base_ident, _ = base
+                state.value_ranges[base_ident] = None
+                state.recipes.pop(base_ident, None)
+    return before
+
+
 def _reduces(entry, output, holders) -> bool:
     """Whether ``output`` holds fewer values than an input among ``holders`` (idents of those
     that held nan/inf, or a sentinel): the op combined several of its values into one (a sum, a
@@ -419,10 +458,20 @@ def _step_lift(state, entry, outputs) -> None:
 
 def _forget_written(state, entry) -> None:
     """An op that wrote in place and returned nothing (``_foreach_add_`` of an optimizer): the
-    ranges of its tensors are not known any more."""
+    ranges of its tensors, and of those that share their storage, are not known any more."""
     for meta in entry_inputs(entry):
         state.value_ranges[meta[M_IDENT]] = None
         state.recipes.pop(meta[M_IDENT], None)
+        if state.aliases:
+            _forget_aliases(state, meta[M_IDENT])
+
+
+def _forget_aliases(state, ident) -> None:
+    """``ident`` was written in place: the others that share its storage hold other values now."""
+    for other in state.aliases.sharing(ident):
+        if other != ident:
+            state.value_ranges[other] = None
+            state.recipes.pop(other, None)
 
 
 def _step_grad_scaler(status, fed) -> None:
