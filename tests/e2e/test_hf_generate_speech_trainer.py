@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: every model here is built from a config
 transformers = pytest.importorskip("transformers")
 
 import opwatch  # noqa: E402
 from support import equivalence as eq  # noqa: E402
 from support.helpers import line_of  # noqa: E402
 from support.hf_models import PAD, VOCAB, make_gpt2, make_llama, make_t5  # noqa: E402
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 NEW_TOKENS = 4
 
@@ -226,21 +225,28 @@ def ctc_step(model):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_a_wav2vec2_ctc_training_step_is_quiet(attn):
-    model = wav2vec2()
-    model.set_attn_implementation(attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    caught = fail_on_opwatch_warnings()
-    try:
-        with opwatch.watch() as w:
+def test_a_wav2vec2_ctc_training_step_is_quiet_and_unchanged(attn):
+    def train(mode):
+        model = wav2vec2()  # seeds torch, numpy (SpecAugment's masks) and random
+        model.set_attn_implementation(attn)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with mode:
             loss = ctc_step(model)(*speech_batch(0))
             optimizer.step()
+        return loss, [p.detach().clone() for p in model.parameters()]
+
+    bare_loss, bare_weights = train(eq.PassthroughMode())
+    caught = fail_on_opwatch_warnings()
+    try:
+        watch = opwatch.watch()
+        loss, weights = train(watch)
     finally:
         caught.__exit__(None, None, None)
-    assert torch.isfinite(loss) and w.anomalies == []
+    assert torch.isfinite(loss) and watch.anomalies == []
+    assert torch.equal(loss, bare_loss) and all(torch.equal(a, b) for a, b in zip(weights, bare_weights))
     # CTC's forward variables hold log(0) = -inf by design; they die unread: contained
-    assert [a.op for a in w.contained] in ([], ["aten._ctc_loss.Tensor"])
-    assert any((r.module or "").startswith("wav2vec2.feature_extractor") for r in w.records)
+    assert [a.op for a in watch.contained] in ([], ["aten._ctc_loss.Tensor"])
+    assert any((r.module or "").startswith("wav2vec2.feature_extractor") for r in watch.records)
 
 
 def test_guarded_wav2vec2_steps_are_quiet_until_a_clip_is_shorter_than_its_transcript():
