@@ -179,13 +179,74 @@ def test_a_nan_weight_under_sampling_is_named_and_the_error_is_unchanged(name):
     assert_named_at_the_layer(w.anomalies[0], name)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: greedy search's argmax turns the nan logits into token ids; "
-                   "the origin is judged absorbed (w.contained), though every token it picked is wrong")
-def test_a_nan_weight_under_greedy_search_is_reported():
+def test_a_nan_weight_under_greedy_search_is_named_with_the_argmax_that_picked_from_it():
+    # argmax turns the nan logits into token ids: no nan is left to see, every token is wrong
+    model = poisoned("gpt2")
+    with opwatch.watch(warn=False) as w:
+        out = generate(model, do_sample=False)
+    assert w.contained == [] and len(w.anomalies) >= 1
+    anomaly = w.anomalies[0]
+    assert_named_at_the_layer(anomaly, "gpt2")
+    picked = anomaly.finding.facts["picked_by"]
+    assert picked.op == "aten.argmax.default" and picked.filename.replace(os.sep, "/").endswith("transformers/generation/utils.py")
+    assert f"{picked.op} at transformers/generation/utils.py:{picked.lineno} (forward) picked indices by comparing its nan values" in str(anomaly)
+    assert out.sequences.shape == (2, 6 + NEW_TOKENS)
+
+
+def test_the_picked_nan_survives_the_export(tmp_path):
     model = poisoned("gpt2")
     with opwatch.watch(warn=False) as w:
         generate(model, do_sample=False)
-    assert len(w.anomalies) == 1
+    w.export_jsonl(tmp_path / "run.jsonl")
+    saved = opwatch.load(tmp_path / "run.jsonl")
+    assert [str(a) for a in saved.anomalies] == [str(a) for a in w.anomalies]
+
+
+# -- picked indices: a masked mean pooling that divides 0 by 0 for an all-padding row ---------------
+
+
+class Pooled(torch.nn.Module):
+    """Token embeddings, mean-pooled over the unmasked tokens, then a linear classifier."""
+
+    def __init__(self, clean):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, 3)
+        self.clean = clean
+
+    def forward(self, ids, mask):
+        kept = mask.unsqueeze(-1).float()
+        pooled = (self.embed(ids) * kept).sum(1) / kept.sum(1)  # POOL: 0 / 0 for an all-padding row
+        if self.clean:
+            pooled = torch.nan_to_num(pooled)  # the fix: an empty row pools to zeros
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("picker", ["argmax", "topk", "max"])
+def test_predictions_picked_from_nan_logits_are_reported_at_the_pooling(picker):
+    torch.manual_seed(0)
+    model = Pooled(clean=False).eval()
+    ids, mask = prompt()
+    mask[1] = 0  # a row of padding only
+    pick = {"argmax": lambda z: z.argmax(-1), "topk": lambda z: z.topk(2, -1).indices,
+            "max": lambda z: z.max(-1).indices}[picker]
+    with opwatch.watch(warn=False) as w, torch.no_grad():
+        predictions = pick(model(ids, mask)).tolist()
+    assert [(a.kind, a.op, a.lineno) for a in w.anomalies] == [("nan", "aten.div.Tensor", line_of("POOL: 0 / 0", __file__))]
+    assert "picked indices by comparing its nan values" in str(w.anomalies[0]) and len(predictions) == 2
+
+
+def test_predictions_from_cleaned_logits_and_finite_ones_are_not_reported():
+    torch.manual_seed(0)
+    ids, mask = prompt()
+    mask[1] = 0
+    with opwatch.watch(warn=False) as w, torch.no_grad():
+        cleaned = Pooled(clean=True).eval()(ids, mask).argmax(-1)  # the nan was removed before argmax
+        finite = Pooled(clean=False).eval()(*prompt()).topk(2, -1).indices
+        # sort puts nan last on purpose (missing values after every number): no pick
+        ranked = Pooled(clean=False).eval()(ids, mask).sort(-1).indices
+    assert cleaned.shape == finite.shape[:1] == ranked.shape[:1] == (2,)
+    assert w.anomalies == [] and [a.op for a in w.contained] == ["aten.div.Tensor"] * 2
 
 
 # -- speech: wav2vec2 CTC training, Whisper generate ------------------------------------------------
