@@ -193,6 +193,19 @@ def test_a_nan_weight_under_greedy_search_is_named_with_the_argmax_that_picked_f
     assert out.sequences.shape == (2, 6 + NEW_TOKENS)
 
 
+def test_a_guarded_generate_that_returns_its_scores_names_the_nan_weight():
+    # the guard checks what the step returns: token ids hold no nan, the scores do
+    model = poisoned("gpt2")
+
+    def decode(seed):
+        out = generate(model, seed=seed, do_sample=False, output_scores=True)
+        return out.sequences, out.scores
+
+    step = opwatch.guard(decode, model)
+    with pytest.raises(RuntimeError, match=r"call 1 of \S*decode failed and the weights already hold nan/inf: transformer\.h\.1\.mlp\.c_fc\.weight \(nan\)"):
+        step(0)
+
+
 def test_the_picked_nan_survives_the_export(tmp_path):
     model = poisoned("gpt2")
     with opwatch.watch(warn=False) as w:
