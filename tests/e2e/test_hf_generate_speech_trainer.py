@@ -6,12 +6,15 @@ under leave-on (``OpwatchCallback(mode="guard")``) and ``guard_trainer``, in flo
 Each runs under ``opwatch.watch()`` (every check) and under ``opwatch.guard`` and must report no
 anomaly and no ``OpwatchWarning``; a watched ``generate()`` returns the same tokens as the bare
 one. Beside each, the natural bug that must be reported: a logits processor adding a float64
-(NumPy) bias, a nan in one layer's weights, an audio clip shorter than its transcript (CTC loss
-inf), a weight turned nan during training. Tiny configs, random weights, no download.
+(NumPy) bias, a nan in one layer's weights (also under greedy search, where argmax turns the nan
+logits into token ids), an audio clip shorter than its transcript (CTC loss inf), a batch whose
+labels are all ignored (0 / 0), float64 regression labels under ``python -m opwatch --guard``.
+Tiny configs, random weights, no download.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
@@ -72,12 +75,13 @@ def generate(model, *, seed=0, **options):
                           use_cache=True, return_dict_in_generate=True, **options)
 
 
-def fail_on_opwatch_warnings():
-    caught = warnings.catch_warnings()
-    caught.__enter__()
-    warnings.simplefilter("ignore", UserWarning)  # transformers' own notices
-    warnings.simplefilter("error", opwatch.OpwatchWarning)
-    return caught
+@contextlib.contextmanager
+def opwatch_warnings_fail():
+    """An ``OpwatchWarning`` (an anomaly warned, or opwatch's own error) fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # transformers' own notices
+        warnings.simplefilter("error", opwatch.OpwatchWarning)
+        yield
 
 
 # -- generate(): quiet -----------------------------------------------------------------------------
@@ -90,12 +94,9 @@ def test_generate_with_the_kv_cache_is_quiet_and_unchanged(name, attn, sampling)
     model = generator_model(name, attn)
     options = SAMPLING if sampling else dict(do_sample=False)
     bare = generate(model, **options)
-    caught = fail_on_opwatch_warnings()
-    try:
+    with opwatch_warnings_fail():
         with opwatch.watch() as w:
             watched = generate(model, **options)
-    finally:
-        caught.__exit__(None, None, None)
     assert w.anomalies == [] and torch.equal(watched.sequences, bare.sequences)
     # T5's relative position buckets take log(0) = -inf on the diagonal and drop it (torch.where):
     # contained, never an anomaly
@@ -112,12 +113,9 @@ def test_generate_with_the_kv_cache_is_quiet_and_unchanged(name, attn, sampling)
 @pytest.mark.parametrize("name", list(GENERATORS))
 def test_guarded_generate_audits_once_and_finds_nothing(name):
     model = generator_model(name)
-    caught = fail_on_opwatch_warnings()
-    try:
+    with opwatch_warnings_fail():
         step = opwatch.guard(lambda seed: generate(model, seed=seed, **SAMPLING).sequences, model)
         outputs = [step(seed) for seed in range(3)]
-    finally:
-        caught.__exit__(None, None, None)
     assert (step.calls, step.audits, len(step.failures), list(step.anomalies)) == (3, 1, 0, [])
     assert torch.equal(outputs[0], generate(model, seed=0, **SAMPLING).sequences)
 
@@ -310,12 +308,9 @@ def test_a_wav2vec2_ctc_training_step_is_quiet_and_unchanged(attn):
         return loss, [p.detach().clone() for p in model.parameters()]
 
     bare_loss, bare_weights = train(eq.PassthroughMode())
-    caught = fail_on_opwatch_warnings()
-    try:
+    with opwatch_warnings_fail():
         watch = opwatch.watch()
         loss, weights = train(watch)
-    finally:
-        caught.__exit__(None, None, None)
     assert torch.isfinite(loss) and watch.anomalies == []
     assert torch.equal(loss, bare_loss) and all(torch.equal(a, b) for a, b in zip(weights, bare_weights))
     # CTC's forward variables hold log(0) = -inf by design; they die unread: contained
@@ -346,15 +341,12 @@ def test_whisper_generate_is_quiet():
 
     model, inputs = build("whisper", "sdpa")
     model.eval()
-    caught = fail_on_opwatch_warnings()
-    try:
+    with opwatch_warnings_fail():
         torch.manual_seed(0)
         bare = model.generate(input_features=inputs["input_features"], max_new_tokens=NEW_TOKENS)
         with opwatch.watch() as w:
             torch.manual_seed(0)
             watched = model.generate(input_features=inputs["input_features"], max_new_tokens=NEW_TOKENS)
-    finally:
-        caught.__exit__(None, None, None)
     assert w.anomalies == [] and torch.equal(watched, bare)
     assert {"conv1", "conv2"} <= {r.module for r in w.records if r.op == "aten.convolution.default"}
 
@@ -386,12 +378,9 @@ def train_gpt2(tmp_path, callback, *, bf16=False, guard=None, ignored_batch=None
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     guarded = guard(trainer) if guard else None
-    caught = fail_on_opwatch_warnings()
-    try:
+    with opwatch_warnings_fail():
         with callback:
             trainer.train()
-    finally:
-        caught.__exit__(None, None, None)
     return trainer, guarded
 
 
