@@ -81,6 +81,13 @@ PRIMARY_OUTPUT_ONLY = {
 }
 # Ops that drop the values they do not select (the torch.where gradient trap).
 MASKING = {"aten::where", "aten::masked_fill", "aten::masked_fill_", "aten::nan_to_num", "aten::nan_to_num_"}
+# Ops that pick the indices of the largest or smallest values (argmax, top-k): a nan among them
+# is what gets picked (torch ranks nan above every number, and below for min/argmin), and the
+# indices hold no nan to see. ARG_PICKS return the indices alone; the overloads of VALUE_PICKS
+# that return two tensors return (values, indices) (``max.dim``; ``max.default`` and
+# ``max.other`` return values). Not sort: putting nan last on purpose is documented use.
+ARG_PICKS = {"aten::argmax", "aten::argmin"}
+VALUE_PICKS = {"aten::max", "aten::min", "aten::topk"}
 # GradScaler's overflow check of the scaled gradients (torch.amp.grad_scaler).
 GRAD_SCALER_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 # Ops that write a source tensor's values into ``self`` (in place, or into a copy in ``self``'s
@@ -135,6 +142,8 @@ class OpFacts:
         needs_carrier: its unchecked outputs must be remembered weakly (see the nan/inf check).
         checked_outputs: how many leading outputs need the nan/inf reduction (``None``: all).
         is_masking: drops the values it does not select (``where``, ``masked_fill``).
+        picks_indices: picks the indices of the largest or smallest values (``argmax``,
+            ``topk``; ``max`` / ``min`` with a ``dim``, which return indices).
         is_grad_scaler_check: GradScaler's overflow check.
         collective: its :class:`Collective`, or ``None``.
         is_collective: moves data between ranks (a c10d op or a functional collective).
@@ -153,7 +162,7 @@ class OpFacts:
     __slots__ = (
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
-        "is_masking", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
+        "is_masking", "picks_indices", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
         "written", "source", "accumulates", "takes_several_tensors", "aliases_storage",
     )
 
@@ -180,6 +189,7 @@ class OpFacts:
         )
         self.checked_outputs = 1 if name in PRIMARY_OUTPUT_ONLY else None
         self.is_masking = name in MASKING
+        self.picks_indices = name in ARG_PICKS or (name in VALUE_PICKS and len(schema.returns) >= 2)
         self.is_grad_scaler_check = name == GRAD_SCALER_CHECK
         self.collective = collective_of(func)
         self.is_collective = self.collective is not None and self.collective.kind in (C10D, FUNCTIONAL)

@@ -157,6 +157,12 @@ def _story(finding) -> str:
         story += "; it reached a parameter"
     elif facts["reached_gradient"]:
         story += "; it reached a .grad"
+    picked = _place(facts.get("picked_by"))
+    if picked is not None:
+        story += (
+            f"; {_at(picked)} ({picked.phase}) picked indices by comparing its nan values: "
+            "the indices it chose are wrong, though no nan is left to see"
+        )
     if facts["contained"] and facts["skipped_by_grad_scaler"]:
         story += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
     elif facts["contained"]:

@@ -26,7 +26,9 @@ propagation:
   (a sum over masked log-probabilities: ``cross_entropy`` with ``label_smoothing``) once its
   values are the loss (one value) and reach a sink; one that reaches no loss is not reported;
 - an origin **matters** once its values reach a sink: a host read, an ``nn.Parameter``
-  written by an op, a ``.grad`` accumulation, or a program-chosen check point (the end of the
+  written by an op, a ``.grad`` accumulation, a forward op that picks indices by comparing nan
+  values (``argmax``, ``topk``: greedy decoding over nan logits), or a
+  program-chosen check point (the end of the
   block, ``Watch.check()``) while still alive. Alive at another check point, it waits (autograd
   keeps a softmax output until backward). Values that died first were absorbed, and so were
   overflows GradScaler found in the scaled gradients: reported as *contained*, not anomalies;

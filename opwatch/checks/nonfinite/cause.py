@@ -294,6 +294,7 @@ def fold_same_source(origins) -> tuple[list, dict]:
         earlier.reached_gradient |= origin.reached_gradient
         earlier.reached_parameter |= origin.reached_parameter
         earlier.read_on_host |= origin.read_on_host
+        earlier.picked_by = earlier.picked_by or origin.picked_by
         folded[id(origin)] = earlier
     return kept, folded
 

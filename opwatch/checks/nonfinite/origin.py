@@ -92,7 +92,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "entered")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered")
 
     def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -128,6 +128,9 @@ class Origin:
         # The first op that read its values and made finite ones of them (rsqrt(inf) = 0): an
         # overflow no op read changed nothing, and is not reported as absorbed.
         self.absorbed_by = None
+        # The first forward op that picked indices by comparing its nan values (argmax over nan
+        # logits): what it chose is wrong though no nan is left to see, so it matters.
+        self.picked_by = None
         # The input (its meta) made before the watch that already held nan when this op first
         # read it: the values entered the watch here (see tracker.FIRST_SEEN); else None.
         self.entered = None
@@ -175,6 +178,7 @@ class Origin:
             cause=self.cause,
             absorbed=self.absorbed,
             absorbed_by=_place(self.absorbed_by) if self.absorbed else None,
+            picked_by=_place(self.picked_by),
         )
         if self.reduces_deliberate:
             facts.update(loss=_place(self.loss), loss_kind=self.loss_kind)

@@ -252,6 +252,8 @@ class Origins:
         deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
         record = None
         before = _written_in_place(state, entry, outputs) if facts.mutated_args else None
+        if facts.picks_indices and entry[E_PHASE] != BACKWARD:
+            record = _note_picked(state, entry, input_states)
         for position, meta in enumerate(outputs):
             ident = meta[M_IDENT]
             key = (index, position)
@@ -341,7 +343,8 @@ class Origins:
         host read. One whose values are still alive waits, unless ``final``: the program may yet
         drop them (autograd keeps a softmax output until backward), use them, or hand them to
         GradScaler. Then, or once they died: GradScaler's skipped steps are contained; values
-        accumulated into a ``.grad`` or alive at the end matter; a forward overflow of its dtype
+        accumulated into a ``.grad`` or alive at the end matter; nan values an argmax or top-k
+        picked indices from matter (greedy decoding over nan logits); a forward overflow of its dtype
         (a ``precision`` cause) matters even when absorbed later (``rsqrt(inf) = 0`` silently
         zeroes what it scaled); others were absorbed."""
         entered = self.entered
@@ -365,7 +368,7 @@ class Origins:
                     continue  # a masking constant that stayed one: not reported, not contained
                 judged.append(origin)
                 continue
-            if origin.reached_parameter or (origin.read_on_host and not origin.skipped_by_grad_scaler):
+            if origin.reached_parameter or origin.picked_by is not None or (origin.read_on_host and not origin.skipped_by_grad_scaler):
                 origin.matters = True
             elif _overflowed_in_forward(origin) and not is_alive and origin.absorbed_by is not None:
                 # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
@@ -427,6 +430,19 @@ def _reduces(entry, output, holders) -> bool:
         return False
     size = math.prod(shape)
     return any(meta[M_SHAPE] is not None and math.prod(meta[M_SHAPE]) > size for meta in entry_inputs(entry) if meta[M_IDENT] in holders)
+
+
+def _note_picked(state, entry, input_states):
+    """A forward op that picks the indices of the largest or smallest values (argmax, top-k)
+    read an origin's nan: it decided what was picked, and its integer results carry no nan on.
+    Returns the entry's record when one was made."""
+    record = None
+    for found in input_states:
+        origin = found[ST_ORIGIN]
+        if origin is not None and found[ST_KIND] == "nan" and origin.picked_by is None and not origin.reduces_deliberate:
+            record = record or state.log.view(entry)
+            origin.picked_by = record
+    return record
 
 
 def _overflowed_in_forward(origin) -> bool:
