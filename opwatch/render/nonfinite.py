@@ -41,6 +41,14 @@ _CAUSE_FIXES = {
     "domain_unit": "{name} is nan outside [-1, 1]: clamp the input (x.clamp(-1, 1)); a cosine or normalised dot product can round just past 1",
     "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan: clamp the input to (-1 + eps, 1 - eps)",
     "exp_overflow": "{name} overflowed: subtract the max first (x - x.amax(-1, keepdim=True)) or use logsumexp/softmax; in float16, run it in float32",
+    "ctc_no_alignment": (
+        "pass zero_infinity=True to ctc_loss (nn.CTCLoss(zero_infinity=True)): those samples' loss and gradients become 0; "
+        "or leave out the samples whose input is shorter than their target (an audio clip shorter than its transcript)"
+    ),
+    "div_count_zero": (
+        "0 / 0 = nan: the divisor is a count (an integer tensor) that is 0, a batch with nothing to count (every label ignored, "
+        "an empty mask): skip such batches, or divide by count.clamp_min(1) (the loss is then 0, with no gradient)"
+    ),
     "overflow": "the values outgrew the dtype: compute this op in a wider dtype (float32), scale its inputs down (normalise before it), or lower the learning rate if values grew over steps",
 }
 # The cause when the inputs' ranges do not tell, from the op and the kind it made.
@@ -352,6 +360,10 @@ _REASONS = {
     "pow_zero_base": "the base holds 0, and 0 to a negative power is inf",
     "domain_unit": "{name} of a value outside [-1, 1] is nan",
     "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan",
+    "ctc_no_alignment": (
+        "CTC's loss is inf for a sample no alignment fits: its input is shorter than its target "
+        "(plus one step between each pair of repeated labels)"
+    ),
 }
 
 
@@ -514,7 +526,18 @@ def _fix(finding) -> str:
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
         return _wider_fix(cause)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
+    if detail == "div_zero_zero" and _divides_by_a_count(facts):
+        detail = "div_count_zero"
     return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
+
+
+def _divides_by_a_count(facts) -> bool:
+    """A division whose divisor is an integer or bool tensor: a count (``mask.sum()``)."""
+    inputs = facts["inputs"]
+    if len(inputs) < 2:
+        return False
+    dtype = inputs[1][M_DTYPE]
+    return isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
 
 
 def _explain_reached_loss(finding) -> tuple[str, str, str]:

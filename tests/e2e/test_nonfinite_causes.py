@@ -451,3 +451,96 @@ def test_a_healthy_training_loop_reports_nothing(mode):
             optimizer.zero_grad()
             assert math.isfinite(loss.item())
     assert nonfinite(w) == []
+
+
+# -- losses whose nan/inf has a cause of their own ---------------------------------------------------
+
+
+class TinySpeechModel(nn.Module):
+    """A convolutional encoder that halves the frames twice, then a CTC head (wav2vec2-style)."""
+
+    def __init__(self, features=8, vocab=6):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv1d(features, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv1d(16, 16, 3, stride=2, padding=1), nn.GELU())
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, audio):  # (batch, features, frames) -> (frames / 4, batch, vocab) log-probabilities
+        return self.head(self.encoder(audio).transpose(1, 2)).log_softmax(-1).transpose(0, 1)
+
+
+def _ctc_training(frames, target_length, zero_infinity=False, steps=2):
+    torch.manual_seed(0)
+    model = TinySpeechModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    criterion = nn.CTCLoss(zero_infinity=zero_infinity)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(steps):
+            audio = torch.randn(2, 8, frames)
+            log_probs = model(audio)
+            targets = torch.randint(1, 6, (2, target_length))
+            input_lengths = torch.full((2,), log_probs.shape[0], dtype=torch.long)
+            loss = criterion(log_probs, targets, input_lengths, torch.full((2,), target_length, dtype=torch.long))  # CTC LOSS
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def test_a_clip_shorter_than_its_transcript_makes_ctc_inf_with_its_own_cause():
+    w = _ctc_training(frames=16, target_length=9)  # 4 encoder frames for 9 labels
+    (origin, *_) = nonfinite(w)
+    assert (origin.kind, origin.op, origin.lineno) == ("inf", "aten._ctc_loss.Tensor", line_of("# CTC LOSS", __file__))
+    assert origin.finding.facts["cause"] == Cause(MATH, "ctc_no_alignment")
+    assert cause_line(origin) == (
+        "  cause:    undefined math: CTC's loss is inf for a sample no alignment fits: its input is shorter than its target "
+        "(plus one step between each pair of repeated labels), in float64 too"
+    )
+    assert "  fix:      pass zero_infinity=True to ctc_loss (nn.CTCLoss(zero_infinity=True))" in origin.message
+
+
+@pytest.mark.parametrize("frames, target_length, zero_infinity", [(64, 9, False), (16, 9, True)])
+def test_ctc_with_room_for_the_transcript_or_zero_infinity_reports_nothing(frames, target_length, zero_infinity):
+    assert nonfinite(_ctc_training(frames, target_length, zero_infinity=zero_infinity)) == []
+
+
+def _token_loss_training(labels_of, clamp):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 20))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for step in range(3):
+            tokens = torch.randint(0, 20, (4, 6))
+            labels = labels_of(step, tokens)
+            logits = model(tokens)
+            summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            count = (labels != -100).sum()
+            loss = summed / (count.clamp_min(1) if clamp else count)  # MEAN OVER LABELS
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def _all_ignored_at_step_1(step, tokens):
+    return torch.full_like(tokens, -100) if step == 1 else tokens
+
+
+def test_a_batch_whose_labels_are_all_ignored_divides_zero_by_a_zero_count():
+    (origin, *_) = nonfinite(_token_loss_training(_all_ignored_at_step_1, clamp=False))
+    assert (origin.kind, origin.op, origin.lineno) == ("nan", "aten.div.Tensor", line_of("# MEAN OVER LABELS", __file__))
+    assert ("  fix:      0 / 0 = nan: the divisor is a count (an integer tensor) that is 0, a batch with nothing to count "
+            "(every label ignored, an empty mask): skip such batches, or divide by count.clamp_min(1)") in origin.message
+
+
+def test_the_count_clamped_or_labels_present_report_nothing():
+    assert nonfinite(_token_loss_training(_all_ignored_at_step_1, clamp=True)) == []
+    assert nonfinite(_token_loss_training(lambda step, tokens: tokens, clamp=False)) == []
+
+
+def test_a_float_divisor_of_zero_keeps_the_epsilon_fix():
+    """A masked mean whose float mask is all zeros: a float divisor, not a count."""
+    values, mask = torch.randn(4, 5), torch.zeros(4, 5)
+    w, pooled = watched(lambda: (values * mask).sum(1) / mask.sum(1))
+    (origin, *_) = nonfinite(w)
+    assert origin.op == "aten.div.Tensor" and not torch.isfinite(pooled).any()
+    assert "  fix:      0 / 0 = nan: add an epsilon to the denominator" in origin.message

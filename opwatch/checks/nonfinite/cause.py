@@ -578,6 +578,9 @@ def range_cause(name, kind, outputs, ranges) -> str | None:
     (``within``) bounds the values: its ends are read as they are."""
     ranges = read_ranges(name, ranges)
     first, second, *_ = [*ranges, None, None]
+    if name == "_ctc_loss" and kind == "inf":
+        # From finite log-probabilities CTC's loss is inf only where no alignment exists.
+        return "ctc_no_alignment"
     if name == "div" and _holds_zero(second):
         if kind == "nan" and _holds_zero(first):
             return "div_zero_zero"
