@@ -457,6 +457,9 @@ def explain_cause(finding) -> str | None:
             f"unknown: input {format_meta(cause.tensor)} {made} and is gone by the check point, "
             f"so whether it already held {what} cannot be told"
         )
+    if kind == DELIBERATE and cause.detail == "nan_constant":
+        reached = "the loss" if finding.facts.get("loss") is not None else "the gradients"
+        return f"deliberate: the program wrote this nan itself ({name} of a nan constant): no op made it; it reached {reached}"
     if kind == DELIBERATE and name in _NLL:
         return (
             f"deliberate: the masked entries hold a masking constant (-inf, or torch.finfo(dtype).min), and {name} "
@@ -536,7 +539,8 @@ def _divides_by_a_count(facts) -> bool:
     inputs = facts["inputs"]
     if len(inputs) < 2:
         return False
-    dtype = inputs[1][M_DTYPE]
+    _, divisor, *_ = inputs
+    dtype = divisor[M_DTYPE]
     return isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
 
 
@@ -555,8 +559,30 @@ def _explain_reached_loss(finding) -> tuple[str, str, str]:
     return problem, "masked entries left out of the loss: a finite loss", fix
 
 
+def _explain_nan_written(finding) -> tuple[str, str, str]:
+    """A nan the program wrote itself (a placeholder) that became the loss or reached the
+    gradients."""
+    facts = finding.facts
+    loss = _place(facts["loss"])
+    reached = f"the loss, {_at(loss)}, which is nan" if loss is not None else "the gradients (the loss itself is finite: the nan was left out of it, not out of its backward)"
+    problem = f"the program wrote nan here ({_signature(facts)}: a nan constant, not a value any op computed), and it reached {reached}{_story(finding)}"
+    fix = (
+        "a nan kept as a placeholder (a missing value, a padded position) must stay out of every op the loss is computed "
+        "with: select the valid entries first (pred[valid], target[valid]), or write a finite value there instead; masking "
+        "the result (nanmean, torch.where on the loss) still sends nan into the gradients (0 * nan = nan in backward)"
+    )
+    return problem, "no nan among the values the loss is computed from", fix
+
+
+def _nan_written(finding) -> bool:
+    cause = finding.facts.get("cause")
+    return cause is not None and tuple(cause)[:2] == (DELIBERATE, "nan_constant")
+
+
 @explains("nonfinite.origin")
 def explain_origin(finding) -> tuple[str, str, str]:
+    if _nan_written(finding):
+        return _explain_nan_written(finding)
     if finding.facts.get("loss") is not None:
         return _explain_reached_loss(finding)
     what = finding.kind

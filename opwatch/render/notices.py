@@ -15,6 +15,17 @@ DEMO_STORIES = (
 )
 
 
+def module_problem(name: str, why: str, where: str = "") -> str:
+    """Why ``python -m opwatch -m name`` cannot run ``name``, as ``python -m`` would not:
+    ``why`` is ``"not_a_name"``, ``"package"`` (no ``__main__``) or ``"missing"`` (looked for
+    from ``where``)."""
+    if why == "not_a_name":
+        return f"-m takes a module's name (package.module, as for python -m), got {name!r}"
+    if why == "package":
+        return f"{name!r} is a package without a __main__ module: it cannot be run with -m"
+    return f"no module named {name!r} (looked for from {where}, as python -m does)"
+
+
 def post_mortem(filename: str, lineno: int) -> str:
     """The line before ``--pdb`` opens the debugger in the user's frame."""
     return f"opwatch: post-mortem in {filename}:{lineno}"

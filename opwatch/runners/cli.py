@@ -44,7 +44,7 @@ from importlib.machinery import SourceFileLoader
 from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, post_mortem, rank_files
+from ..render.notices import DEMO_STORIES, module_problem, post_mortem, rank_files
 from ..render.summary import every_check, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
 from ..storage.per_rank import rank_folder, rank_path
@@ -404,7 +404,7 @@ def _module_problem(name: str) -> str | None:
     ``python -m`` has it. Like ``python -m``, this imports the module's parent packages (their
     ``__init__`` runs before the watch starts)."""
     if not name or name.startswith(".") or name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
-        return f"-m takes a module's name (package.module, as for python -m), got {name!r}"
+        return module_problem(name, "not_a_name")
     saved = sys.path[:]
     if not getattr(sys.flags, "safe_path", False):
         sys.path[:1] = [os.getcwd()]
@@ -412,12 +412,12 @@ def _module_problem(name: str) -> str | None:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
             if importlib.util.find_spec(f"{name}.__main__") is None:
-                return f"{name!r} is a package without a __main__ module: it cannot be run with -m"
+                return module_problem(name, "package")
     except (ImportError, ValueError):
         spec = None
     finally:
         sys.path[:] = saved
-    return None if spec is not None else f"no module named {name!r} (looked for from {os.getcwd()}, as python -m does)"
+    return None if spec is not None else module_problem(name, "missing", os.getcwd())
 
 
 def _compile(file: str) -> types.CodeType | None:

@@ -544,3 +544,98 @@ def test_a_float_divisor_of_zero_keeps_the_epsilon_fix():
     (origin, *_) = nonfinite(w)
     assert origin.op == "aten.div.Tensor" and not torch.isfinite(pooled).any()
     assert "  fix:      0 / 0 = nan: add an epsilon to the denominator" in origin.message
+
+
+# -- a nan the program wrote itself ---------------------------------------------------------------
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _missing_targets_training(loss_of, steps=3, guarded=False):
+    """Multi-target regression where some targets are missing: the step marks them with nan
+    (``torch.where(observed, y, nan)``), logs the loss with ``.item()`` (a check point between
+    forward and backward), then steps."""
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logged = []
+
+    def step(x, y, observed):
+        y = torch.where(observed, y, torch.nan)  # MISSING AS NAN
+        loss = loss_of(model(x), y, observed)
+        logged.append(loss.item())
+        loss.backward()
+        return loss
+
+    run = opwatch.guard(step, model, repro=False) if guarded else step
+    with opwatch.watch(warn=False, dump_on_error=False) if not guarded else _no_watch() as w:
+        for _ in range(steps):
+            x, y = torch.randn(16, 6), torch.randn(16, 3)
+            observed = torch.rand(16, 3) > 0.2
+            optimizer.zero_grad()
+            run(x, y, observed)
+            optimizer.step()
+    return w, run
+
+
+class _no_watch:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _mse_everywhere(pred, y, observed):
+    return F.mse_loss(pred, y)
+
+
+def _nanmean(pred, y, observed):
+    return ((pred - y) ** 2).nanmean()
+
+
+def _mse_observed(pred, y, observed):
+    return F.mse_loss(pred[observed], y[observed])
+
+
+def test_a_nan_written_as_a_missing_target_is_named_where_it_was_written():
+    w, _ = _missing_targets_training(_mse_everywhere)
+    found = nonfinite(w)
+    assert [(a.op, a.lineno) for a in found] == [("aten.scalar_tensor.default", line_of("# MISSING AS NAN", __file__))], [a.message for a in found]
+    (origin,) = found
+    assert "  problem:  the program wrote nan here (aten.scalar_tensor" in origin.message
+    assert "and it reached the loss, aten.mse_loss.default at " in origin.message
+    assert cause_line(origin) == "  cause:    deliberate: the program wrote this nan itself (scalar_tensor of a nan constant): no op made it; it reached the loss"
+    assert "select the valid entries first (pred[valid], target[valid])" in origin.message
+
+
+def test_a_nan_left_out_of_the_loss_by_nanmean_still_reaches_the_gradients():
+    found = nonfinite(_missing_targets_training(_nanmean, steps=1)[0])  # (the next steps' weights hold nan)
+    assert [(a.op, a.lineno) for a in found] == [("aten.scalar_tensor.default", line_of("# MISSING AS NAN", __file__))]
+    assert "it reached the gradients (the loss itself is finite" in found[0].message
+
+
+def test_guard_replays_the_missing_target_to_where_it_was_written_not_to_a_backward_op():
+    with pytest.raises(opwatch.AnomalyError) as raised:
+        _missing_targets_training(_mse_everywhere, guarded=True)
+    anomaly = raised.value.anomaly
+    assert (anomaly.op, anomaly.lineno) == ("aten.scalar_tensor.default", line_of("# MISSING AS NAN", __file__)), anomaly.message
+
+
+def test_missing_targets_selected_out_and_nan_placeholders_never_used_report_nothing():
+    assert nonfinite(_missing_targets_training(_mse_observed)[0]) == []
+    scores = torch.full((5,), float("nan"))  # a metric table, filled as batches come
+    with opwatch.watch(warn=False) as w:
+        table = torch.full((8,), torch.nan)
+        for i in range(5):
+            table[i] = scores.nan_to_num(0.5)[i] * 2
+        mean = torch.nanmean(table)
+        listed = table.tolist()
+    assert nonfinite(w) == [] and math.isfinite(mean.item()) and math.isnan(listed[-1])

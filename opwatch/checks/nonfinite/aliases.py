@@ -5,9 +5,11 @@ the values of all of them: the replay forgets the ranges it knew for the others
 (:mod:`.cause`).
 
 By ident only, outside the hot path (the replay and the causes' walk of the log). An id reused
-by a new tensor stays in its old group: a write then makes more ranges unknown, never a stale
-one known. Bounded: past ``_MAX`` members the groups are dropped (the views made before then
-are not known as views any more: a rare step of that many views may show a stale range).
+by a new tensor (an op that makes new data, not a view or a write in place) leaves its old group
+(:meth:`Aliases.forget`): else a later write into the new tensor would count as a write into
+the old group, a parameter that a dead ``w.t()`` viewed included. Bounded: past ``_MAX``
+members the groups are dropped (the views made before then are not known as views any more: a
+rare step of that many views may show a stale range).
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ class Aliases:
                 self._root[ident] = root
                 members.add(ident)
                 self._count += 1
+
+    def forget(self, ident) -> None:
+        """``ident`` is a new tensor's now: it leaves the group its old tensor was in."""
+        root = self._root.pop(ident, None)
+        if root is None:
+            return
+        members = self._members.pop(root)
+        members.discard(ident)
+        if len(members) > 1:
+            if root == ident:  # the group's other members keep sharing their storage
+                root = next(iter(members))
+                for member in members:
+                    self._root[member] = root
+            self._members[root] = members
+        else:
+            for member in members:
+                self._root.pop(member, None)
 
     def sharing(self, ident) -> set | tuple:
         """The idents that share ``ident``'s storage, ``ident`` included."""

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...core.compat import dtensor_class, dtensor_parts
+from ...core.compat import dtensor_class, dtensor_parts, tensor_base
 from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
@@ -51,7 +51,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -66,7 +66,7 @@ class Cause(NamedTuple):
     kind: str  # PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN or DELIBERATE
     # MATH / PRECISION: what the inputs' ranges show (``log_zero``, ``div_zero``, ``overflow``,
     # ``exp_overflow``, ``masked``, ...; the keys of render.nonfinite's fixes), or None;
-    # DELIBERATE: ``reduced``
+    # DELIBERATE: ``reduced`` (masking infs a reduction took in) or ``nan_constant``
     detail: str | None = None
     dtype: Any = None  # PRECISION: the op's dtype
     wider: Any = None  # PRECISION: the dtype in which its result is finite
@@ -80,6 +80,8 @@ class Cause(NamedTuple):
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
 DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
+# The cause of a nan the program wrote itself (``full(nan)``, ``x[i] = float("nan")``).
+NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -214,6 +216,9 @@ class _Writes:
                 for meta in outputs:
                     last[meta[M_IDENT]] = at
                 facts = facts_of(self._log.funcs[entry[E_FUNC]])
+                if aliases and not facts.is_view and not facts.mutated_args:
+                    for meta in outputs:  # a new tensor: its id's old views are not its
+                        aliases.forget(meta[M_IDENT])
                 if facts.is_view and outputs:
                     inputs = entry_inputs(entry)
                     if inputs:
@@ -221,8 +226,8 @@ class _Writes:
                 elif facts.mutated_args:
                     inputs = entry_inputs(entry)
                     written = written_inputs(inputs, outputs) if outputs else [meta[M_IDENT] for meta in inputs]
-                    for ident in written:
-                        for other in aliases.sharing(ident):
+                    for written_ident in written:  # (not ``ident``: the one asked about)
+                        for other in aliases.sharing(written_ident):
                             last[other] = self._wrote[other] = at
         return self._last.get(ident, -1) > index
 
@@ -428,6 +433,11 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, modules)
+    base = tensor_base(tensor) if owner is None and type(tensor) in PLAIN_TYPES else None
+    if base is not None and (isinstance(base, torch.nn.Parameter) or _owner(base, path, modules) is not None):
+        # A view of a parameter or buffer (``w.t()`` into a matmul): the values are its.
+        tensor, owner = base, _owner(base, path, modules)
+        meta = TensorMeta(tuple(base.shape), base.dtype, base.device, id(base))
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)

@@ -100,9 +100,10 @@ class Origin:
         # Made nan from inputs holding only deliberate infs (masking constants).
         self.from_deliberate = from_deliberate
         # A forward reduction that took deliberate infs into its result (a sum over masked
-        # log-probabilities: cross_entropy's label smoothing): followed, not an origin unless
-        # its values reach a loss (``loss``: the first op whose one-value output held them,
-        # ``loss_kind`` what it held) that the program reads or keeps (see ``Origins.judge``).
+        # log-probabilities: cross_entropy's label smoothing), or a nan the program wrote
+        # itself (a placeholder): followed, not an origin unless its values reach a loss
+        # (``loss``: the first op whose one-value output held them, ``loss_kind`` what it
+        # held) that the program reads or keeps (see ``Origins.judge``).
         self.reduces_deliberate = reduces_deliberate
         self.loss = None
         self.loss_kind = None
@@ -142,7 +143,9 @@ class Origin:
             self.held = kind
         if kind == "nan" and self.kind == "inf" and self.became_nan is None:
             self.became_nan = record
-        if self.reduces_deliberate and self.loss is None:
+        if self.reduces_deliberate and self.loss is None and (self.kind != "nan" or _of_many(record)):
+            # (a nan written on purpose becomes the loss through an op that computes one value
+            # of many, not through a copy or a select of one placeholder)
             self.note_loss(record)
         if self.masked_by is not None and self.back_in_backward is None and record.phase == BACKWARD and not facts_of(record.func).preserves_values:
             self.back_in_backward = record
@@ -224,6 +227,15 @@ def headroom_risks(window, half, ranges, log) -> list[OverflowRisk]:
             continue  # GradScaler's scaled gradients live near the limit on purpose
         risks.append(OverflowRisk(log.view(entry), largest))
     return risks
+
+
+def _of_many(record) -> bool:
+    """An op that computes from a tensor of more than one value (a reduction, when its result
+    is one value): not a view, a copy or an op that only moves values (a select of one)."""
+    facts = facts_of(record.func)
+    if facts.is_view or facts.preserves_values or facts.mutated_args:
+        return False
+    return any(meta[M_SHAPE] is not None and math.prod(meta[M_SHAPE]) > 1 for meta in record.inputs or ())
 
 
 def _one_value(meta) -> bool:

@@ -24,7 +24,7 @@ from torch.nn import Parameter
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
 from .aliases import Aliases
-from .cause import DELIBERATE_CAUSE, MATH, OVERFLOWS, PRECISION, written_inputs
+from .cause import DELIBERATE_CAUSE, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, written_inputs
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -195,12 +195,15 @@ class Origins:
             viewed = entry_inputs(entry)
             if viewed:
                 state.aliases.view(next(iter(viewed))[M_IDENT], [meta[M_IDENT] for meta in outputs])
+        elif state.aliases and not facts.mutated_args:
+            for meta in outputs:  # a new tensor: its id's old views are not its
+                state.aliases.forget(meta[M_IDENT])
         seen = state.flags.first_seen.get(entry[E_INDEX]) if state.flags.first_seen else None
         if seen:
             _note_first_seen(state, entry, seen)
         state.received = delivered(entry, facts, state.deliveries, status, state.origins) if state.deliveries else None
         if facts.is_lift:
-            _step_lift(state, entry, outputs)
+            _step_lift(state, entry, outputs, self)
             return
         fed = [meta[M_IDENT] for meta in entry_inputs(entry) if meta[M_IDENT] in status]
         if facts.is_collective:
@@ -287,6 +290,13 @@ class Origins:
                 if origin is None and kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.holds_sentinel):
                     record = record or state.log.view(entry)
                     origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
+                elif origin is None and kind == "nan" and entry[E_PHASE] != BACKWARD:
+                    # A nan the program wrote (a placeholder, a missing value): no mask needs
+                    # one, so it is followed as an origin to be (a check point between forward
+                    # and backward must not leave its values to look made by a backward op),
+                    # and reported once it becomes the loss.
+                    record = record or state.log.view(entry)
+                    origin = reduced = self._nan_constant(state, entry, record, before)
             else:
                 record = record or state.log.view(entry)
                 origin = self._origin(state, entry, facts, record, kind, bool(input_states), before)
@@ -326,6 +336,15 @@ class Origins:
         state.origins.append(origin)
         return origin
 
+    def _nan_constant(self, state, entry, record, before=None) -> Origin:
+        """A nan the program wrote itself: judged like a reduction of deliberate infs (an
+        origin only once its values are the loss, see :meth:`judge`), its cause known."""
+        origin = Origin(record, "nan", from_deliberate=True, reduces_deliberate=True)
+        origin.input_ranges = before if before is not None else _input_ranges(state, entry)
+        origin.cause = NAN_CONSTANT_CAUSE
+        state.origins.append(origin)
+        return origin
+
     def _recomputed(self, record, entry):
         """The earlier origin this op repeats, when it is a forward op run again in backward
         (a checkpoint's recomputation: user code, not an autograd formula); else ``None``."""
@@ -356,8 +375,12 @@ class Origins:
             if origin.reduces_deliberate:
                 # Deliberate infs a reduction took in: an origin only once they are the loss
                 # (a one-value forward tensor) and the program reads it, steps on it or keeps it.
+                # A nan the program wrote matters too once it reaches the gradients (nanmean
+                # leaves it out of the loss, not out of the backward: 0 * nan = nan).
                 loss = origin.loss is not None
-                if loss and (origin.reached_parameter or origin.read_on_host):
+                if origin.cause == NAN_CONSTANT_CAUSE and (origin.reached_gradient or origin.reached_parameter):
+                    origin.matters = True
+                elif loss and (origin.reached_parameter or origin.read_on_host):
                     origin.matters = True
                 elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
                     waiting.append(origin)
@@ -455,9 +478,10 @@ def _overflowed_in_forward(origin) -> bool:
     return cause.kind == PRECISION or (cause.kind == MATH and cause.detail in OVERFLOWS)
 
 
-def _step_lift(state, entry, outputs) -> None:
+def _step_lift(state, entry, outputs, origins) -> None:
     """Python data: new here (its input's id may be a dead tensor's, whose state it must not
-    inherit). A non-finite value in it is a constant the program wrote on purpose."""
+    inherit). A non-finite value in it is a constant the program wrote on purpose; a nan one
+    (``x[i] = float("nan")``) is followed as an origin to be (:meth:`Origins._nan_constant`)."""
     index = entry[E_INDEX]
     flags = state.flags
     for position, meta in enumerate(outputs):
@@ -467,9 +491,13 @@ def _step_lift(state, entry, outputs) -> None:
         _note_range(state, meta, key)
         if kind is None:
             state.status.pop(ident, None)
-        else:
-            state.status[ident] = (kind, None)
-            state.live[ident] = flags.refs[key]
+            continue
+        origin = None
+        if kind == "nan" and entry[E_PHASE] != BACKWARD:
+            origin = origins._nan_constant(state, entry, state.log.view(entry))
+            _mark_sinks(origin, flags.refs[key], state.accumulates)
+        state.status[ident] = (kind, origin)
+        state.live[ident] = flags.refs[key]
 
 
 def _forget_written(state, entry) -> None:

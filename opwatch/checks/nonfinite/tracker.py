@@ -141,8 +141,13 @@ class NonFiniteTracker:
             self._reduce(entry[E_INDEX], outputs, metas)
 
     def _observe_first(self, entry, inputs, outputs, metas) -> None:
-        """Like ``_observe_all`` for ops whose later outputs are statistics of the first."""
+        """Like ``_observe_all`` for ops whose later outputs are statistics of the first. The
+        statistics are remembered, not read: a layer norm's mean and rstd, saved for its
+        backward, are the watch's own tensors there, not ones made before it."""
         self._observe_all(entry, inputs, outputs[:1], metas)
+        for tensor in outputs[1:]:
+            if type(tensor) in PLAIN_TYPES:
+                self._remember(tensor, weakref.ref(tensor))
 
     def _observe_written(self, entry, inputs, outputs, metas) -> None:
         """Like ``_observe_all`` for ops that write in place: a write into a view
