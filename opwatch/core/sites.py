@@ -117,6 +117,17 @@ def user_frame(frame, stop_frame=None, stop_answer=None):
     return None, 0, False
 
 
+def program_line(frame) -> str | None:
+    """``file:line`` of the innermost frame, from ``frame`` outwards, that runs the program's
+    own code (not torch, opwatch, the standard library or an installed package), or ``None``."""
+    while frame is not None:
+        code = frame.f_code
+        if classify_code(code) == USER and _top_level_package(code.co_filename) is None:
+            return f"{display_path(code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
 def warn_at_user(warning: Warning, *, frame=None) -> None:
     """Issue ``warning`` at the user's line, the way Python shows its own warnings: the
     innermost frame from ``frame`` (the caller's by default) outwards that runs the program's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import threading
 import warnings
 from typing import NamedTuple
@@ -20,7 +21,7 @@ import torch
 
 from ..core.compat import count_compiled_calls, dynamo_loaded, force_eager_stance
 from ..core.fact_tuples import fact_tuple
-from ..core.sites import display_path
+from ..core.sites import USER, classify_code, display_path, program_line
 
 __all__ = ["EagerCompiled", "hold", "release", "eager_calls"]
 
@@ -29,12 +30,24 @@ __all__ = ["EagerCompiled", "hold", "release", "eager_calls"]
 class EagerCompiled(NamedTuple):
     """One compiled callable that ran eagerly under a watch: its name (a module's class, or a
     function's qualified name), whether it is a ``"module"`` or a ``"function"``, its
-    ``file:line`` and how many calls ran eagerly."""
+    ``file:line`` (where its ``forward`` or the function is defined in the program's code; for
+    a module class of torch or of an installed package, ``nn.Sequential``, the program's line
+    that first called it) and how many calls ran eagerly."""
 
     name: str
     kind: str
     where: str
     calls: int
+
+
+class _Calls:
+    """A compiled callable's calls under one watch, and the program's line of the first."""
+
+    __slots__ = ("count", "first_line")
+
+    def __init__(self, first_line):
+        self.count = 1
+        self.first_line = first_line
 
 
 class _Stance:
@@ -102,7 +115,11 @@ class _Stance:
         thread = threading.get_ident()
         for held_by, calls in self._held:
             if held_by == thread:
-                calls[fn] = calls.get(fn, 0) + 1
+                counted = calls.get(fn)
+                if counted is None:  # the first call: the program's line that made it
+                    calls[fn] = _Calls(program_line(sys._getframe(1)))
+                else:
+                    counted.count += 1
 
 
 def _quiet_hooks_warning():
@@ -126,14 +143,14 @@ release = _STANCE.release
 def eager_calls(calls: dict) -> list[EagerCompiled]:
     """A watch's counts as facts, most calls first (callables of one name and place merged)."""
     merged: dict = {}
-    for fn, count in calls.items():
-        key = _described(fn)
-        merged[key] = merged.get(key, 0) + count
+    for fn, counted in calls.items():
+        key = _described(fn, counted.first_line)
+        merged[key] = merged.get(key, 0) + counted.count
     facts = [EagerCompiled(name, kind, where, count) for (name, kind, where), count in merged.items()]
     return sorted(facts, key=lambda fact: -fact.calls)
 
 
-def _described(fn) -> tuple[str, str, str]:
+def _described(fn, called_at=None) -> tuple[str, str, str]:
     for _ in range(8):  # Dynamo's own wrappers keep the function in __wrapped__
         inner = getattr(fn, "__wrapped__", None)
         if inner is None:
@@ -143,12 +160,16 @@ def _described(fn) -> tuple[str, str, str]:
     if isinstance(owner, torch.nn.Module):
         cls = type(owner)
         code = getattr(getattr(cls, "forward", None), "__code__", None)
-        return cls.__name__, "module", _where(code)
+        return cls.__name__, "module", _where(code, called_at)
     _, _, name = (getattr(fn, "__qualname__", None) or type(fn).__name__).rpartition("<locals>.")
-    return name, "function", _where(getattr(fn, "__code__", None))
+    return name, "function", _where(getattr(fn, "__code__", None), called_at)
 
 
-def _where(code) -> str:
+def _where(code, called_at=None) -> str:
+    """Where a compiled callable is defined, or, when that is not the program's own code (a
+    module class of torch's, an installed package's), where the program first called it."""
     if code is None:
-        return "?"
+        return called_at or "?"
+    if called_at is not None and classify_code(code) != USER:
+        return called_at
     return f"{display_path(code.co_filename)}:{code.co_firstlineno}"

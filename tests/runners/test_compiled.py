@@ -193,6 +193,20 @@ def test_a_watch_says_once_which_compiled_code_ran_eagerly_under_it(counted):
     assert not [record.module for record in w.records if record.module and "_orig_mod" in record.module]
 
 
+def test_a_compiled_module_of_torchs_own_class_is_placed_at_the_programs_call(counted):
+    backend, _, _ = counted
+    model = Net()
+    stack = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), backend=backend)
+    with opwatch.watch(warn=False) as w:
+        stack(torch.ones(2, 3))  # SEQUENTIAL CALLED
+        torch.compile(model, backend=backend)(torch.ones(2, 6))
+    placed = {fact.name: fact.where for fact in w.compiled_eagerly}
+    # nn.Sequential's forward is torch's: the program's line that called it says more
+    assert placed["Sequential"].endswith(f"test_compiled.py:{line_of('# SEQUENTIAL CALLED', __file__)}"), placed
+    # the program's own module: where its forward is defined
+    assert placed["Net"].endswith(f"test_compiled.py:{Net.forward.__code__.co_firstlineno}"), placed
+
+
 def test_a_watch_over_eager_code_says_nothing_about_compiled_code(counted):
     backend, _, _ = counted
     model = Net()
