@@ -11,6 +11,7 @@ again in the process. The stance keeps Dynamo from looking at the frame at all.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import sys
 import threading
@@ -159,7 +160,12 @@ def _described(fn, called_at=None) -> tuple[str, str, str]:
     owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         cls = type(owner)
-        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        forward = getattr(cls, "forward", None)
+        try:  # a decorated forward (transformers' @can_return_tuple): the function it wraps
+            forward = inspect.unwrap(forward) if forward is not None else None
+        except ValueError:  # a cycle of __wrapped__
+            pass
+        code = getattr(forward, "__code__", None)
         return cls.__name__, "module", _where(code, called_at)
     _, _, name = (getattr(fn, "__qualname__", None) or type(fn).__name__).rpartition("<locals>.")
     return name, "function", _where(getattr(fn, "__code__", None), called_at)

@@ -5,6 +5,7 @@ step under ``opwatch.guard`` gets a verdict: eager fails too, or only the compil
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import io
@@ -205,6 +206,33 @@ def test_a_compiled_module_of_torchs_own_class_is_placed_at_the_programs_call(co
     assert placed["Sequential"].endswith(f"test_compiled.py:{line_of('# SEQUENTIAL CALLED', __file__)}"), placed
     # the program's own module: where its forward is defined
     assert placed["Net"].endswith(f"test_compiled.py:{Net.forward.__code__.co_firstlineno}"), placed
+
+
+def _returns_tuple(forward):
+    """A decorator on forward, as transformers' @can_return_tuple is."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    @_returns_tuple
+    def forward(self, x):  # DECORATED FORWARD
+        return self.fc(x)
+
+
+def test_a_compiled_module_whose_forward_is_decorated_is_placed_at_the_forward_itself(counted):
+    backend, _, _ = counted
+    compiled = torch.compile(Decorated(), backend=backend)
+    with opwatch.watch(warn=False) as w:
+        compiled(torch.ones(2, 3))
+    (fact,) = w.compiled_eagerly
+    assert fact.where.endswith(f"test_compiled.py:{line_of('# DECORATED FORWARD', __file__) - 1}"), fact  # the def, below its decorator
 
 
 def test_a_watch_over_eager_code_says_nothing_about_compiled_code(counted):
