@@ -207,9 +207,21 @@ def test_a_module_under_guard_runs_left_on_and_the_commands_that_check_the_rest_
     ("trainpkg.nosuch", "no module named 'trainpkg.nosuch' (looked for from "),
     ("trainpkg", "'trainpkg' is a package without a __main__ module: it cannot be run with -m"),
     ("trainpkg/train.py", "-m takes a module's name (package.module, as for python -m), got 'trainpkg/train.py'"),
-    ("show", "no module named 'show'"),  # with -m a sub-command's name is a module's
 ])
-def test_a_module_that_cannot_run_is_a_usage_error(package, name, said):
-    result = cli("-m", name, cwd=package)
+def test_a_module_that_cannot_run_is_named_why(package, name, said, monkeypatch):
+    from opwatch.runners.cli import _module_problem
+
+    monkeypatch.chdir(package)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert _module_problem(name).startswith(said)
+        assert _module_problem("trainpkg.train") is None
+    finally:  # finding a module imports its package, as python -m does
+        for imported in [key for key in sys.modules if key == "trainpkg" or key.startswith("trainpkg.")]:
+            del sys.modules[imported]
+
+
+def test_a_module_that_cannot_run_is_a_usage_error_even_with_a_sub_commands_name(package):
+    result = cli("-m", "show", cwd=package)  # with -m a sub-command's name is a module's
     assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert f"python -m opwatch: error: {said}" in result.stderr, result.stderr
+    assert "python -m opwatch: error: no module named 'show'" in result.stderr, result.stderr

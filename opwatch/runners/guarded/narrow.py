@@ -322,25 +322,17 @@ def first_wrong_node(graphs) -> Narrowed:
     if not usable:
         first, *_ = graphs
         return Narrowed(None, "too_large", first)
-    for position, captured in enumerate(graphs, 1):
-        if captured.inputs is None:
-            continue
-        try:
-            node = _narrow_graph(captured, position, len(graphs))
-        except Exception as error:
-            return Narrowed(None, f"raised {type(error).__name__}", captured)
-        if node is not None:
-            return Narrowed(node, "found", captured)
-    # Every forward output agrees: the backward (which runs after every forward graph).
-    for position, captured in enumerate(graphs, 1):
-        if captured.inputs is None:
-            continue
-        try:
-            node = _narrow_backward(captured, position, len(graphs))
-        except Exception as error:
-            return Narrowed(None, f"raised {type(error).__name__}", captured)
-        if node is not None:
-            return Narrowed(node, "found", captured)
+    # The forward graphs first, then their backward (which runs after every forward graph).
+    for narrow_one in (_narrow_graph, _narrow_backward):
+        for position, captured in enumerate(graphs, 1):
+            if captured.inputs is None:
+                continue
+            try:
+                node = narrow_one(captured, position, len(graphs))
+            except Exception as error:
+                return Narrowed(None, f"raised {type(error).__name__}", captured)
+            if node is not None:
+                return Narrowed(node, "found", captured)
     first, *_ = usable
     return Narrowed(None, "outputs_agree", first)
 
