@@ -375,9 +375,9 @@ def compiled_section(workload, smoke, schedule, mode):
     # builds (a minute or more on a small machine).
     how = dict(backend="aot_eager") if smoke else dict(mode=mode)
 
-    def compiled_lane(name, make=None):
+    def compiled_lane(name, make=None, kind=Lane):
         lane_parts = parts()
-        return Lane(name, lane_parts, module=torch.compile(lane_parts.model, **how), make=make, fresh=False, mark_step=graphs)
+        return kind(name, lane_parts, module=torch.compile(lane_parts.model, **how), make=make, fresh=False, mark_step=graphs)
 
     def ran_compiled(lane):
         """Whether the lane's latest step ran the compiled code (its output's grad_fn)."""
@@ -404,33 +404,27 @@ def compiled_section(workload, smoke, schedule, mode):
             row(workload, plain, eager=eager, syncs=syncs.get(plain.name)),
             row(workload, never, eager=eager, base=plain, syncs=syncs.get(never.name), note=f"x base: over {label}")]
 
-    # guard(audit='new'): its first call is a full watch. Timed after the others' rounds, side by
-    # side with them again, since a watch may leave compiled code running eagerly afterwards.
-    audited = compiled_lane(f"{label} + guard(audit='new')", lambda lane: opwatch.guard(lane.forward_backward, lane.parts.model))
-    start = time.perf_counter()
-    warm([audited])
-    if audited.error is None:
-        audited.note = f"compile, audit and warm-up {time.perf_counter() - start:.1f} s; timed after its audit"
-        count_syncs(audited, device, syncs)
-    timed_rounds([eager, plain, audited], rounds, steps, block, sync, seed=1)
-    if audited.error is None:
-        audited.note += f"; ran compiled: {ran_compiled(audited)}; the plain {label} lane beside it: {ran_compiled(plain) if plain.error is None else '-'}"
-    rows.append(row(workload, audited, eager=eager, base=plain, syncs=syncs.get(audited.name), note=f"x base: over {label}"))
+    def timed_after_its_audit(lane, seed, more=lambda lane: ""):
+        """A lane whose first step runs under a full watch: compiled and audited in the warm-up,
+        then timed beside the eager and plain lanes again, since a watch may leave compiled code
+        running eagerly afterwards."""
+        start = time.perf_counter()
+        warm([lane])
+        if lane.error is None:
+            lane.note = f"compile, audit and warm-up {time.perf_counter() - start:.1f} s; timed after its audit"
+            count_syncs(lane, device, syncs)
+        timed_rounds([eager, plain, lane], rounds, steps, block, sync, seed=seed)
+        if lane.error is None:
+            lane.note += f"; ran compiled: {ran_compiled(lane)}; the plain {label} lane beside it: {ran_compiled(plain) if plain.error is None else '-'}"
+            lane.note += more(lane)
+        return row(workload, lane, eager=eager, base=plain, syncs=syncs.get(lane.name), note=f"x base: over {label}")
 
-    # leave-on: its audit (the first step, eagerly under the full watch) in the warm-up, then
-    # the fused gradient check before every optimizer step, the compiled code running.
-    lane_parts = parts()
-    left_on = LeaveOnLane(f"{label} + leave-on", lane_parts, module=torch.compile(lane_parts.model, **how), fresh=False, mark_step=graphs)
-    start = time.perf_counter()
-    warm([left_on])
-    if left_on.error is None:
-        left_on.note = f"compile, audit and warm-up {time.perf_counter() - start:.1f} s; timed after its audit"
-        count_syncs(left_on, device, syncs)
-    timed_rounds([eager, plain, left_on], rounds, steps, block, sync, seed=2)
-    if left_on.error is None:
-        failures = len(left_on.run.failures)
-        left_on.note += f"; ran compiled: {ran_compiled(left_on)}" + (f"; {failures} failed steps" if failures else "")
-    rows.append(row(workload, left_on, eager=eager, base=plain, syncs=syncs.get(left_on.name), note=f"x base: over {label}"))
+    # guard(audit='new'), then leave-on: the fused gradient check before every optimizer step.
+    audited = compiled_lane(f"{label} + guard(audit='new')", lambda lane: opwatch.guard(lane.forward_backward, lane.parts.model))
+    rows.append(timed_after_its_audit(audited, seed=1))
+    left_on = compiled_lane(f"{label} + leave-on", kind=LeaveOnLane)
+    failed = lambda lane: f"; {len(lane.run.failures)} failed steps" if lane.run.failures else ""
+    rows.append(timed_after_its_audit(left_on, seed=2, more=failed))
     return rows
 
 

@@ -234,6 +234,14 @@ class ModuleStack:
             handle.remove()
         self._stale.clear()
 
+    def model(self) -> nn.Module | None:
+        """The outermost module of the current (or last) forward as the program wrote it:
+        ``torch.compile``'s wrapper looked through (``torch.compile(ddp)`` is the DDP module)."""
+        root = self._root() if self._root is not None else None
+        while (inner := compiled_module_inner(root)) is not None:
+            root = inner
+        return root
+
     def _names_for_root(self, root: nn.Module) -> weakref.WeakKeyDictionary:
         names = self._names.get(root)
         if names is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 
-from ..core.compat import compiled_module_inner
 from ..core.notation import format_meta
 
 __all__ = ["ReducerSites"]
@@ -56,11 +55,7 @@ class ReducerSites:
     def _root(self):
         """The outermost module called, through ``torch.compile``'s wrapper (``torch.compile(ddp)``
         names the parameters as DDP does, not ``_orig_mod.module.fc.weight``)."""
-        ref = getattr(self._modules, "_root", None)
-        root = ref() if ref is not None else None
-        while (inner := compiled_module_inner(root)) is not None:
-            root = inner
-        return root
+        return self._modules.model()
 
     def _name(self, root, node) -> str:
         try:

@@ -369,17 +369,11 @@ def _running_as_main(path: str, args: list[str]):
     module.__dict__.update(
         __file__=file, __cached__=None, __loader__=SourceFileLoader("__main__", file), __builtins__=builtins, __annotations__={}
     )
-    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
-    sys.argv = [path, *args]
     # sys.path[0] is where ``python -m`` (or the ``opwatch`` console script) was started from;
     # ``python script.py`` puts the script's real directory there instead, unless -P / -I.
-    if not getattr(sys.flags, "safe_path", False):
-        sys.path[:1] = [os.path.dirname(os.path.realpath(path))]
-    sys.modules["__main__"] = module
-    try:
+    with _program_sys([path, *args], os.path.dirname(os.path.realpath(path))):
+        sys.modules["__main__"] = module
         yield module
-    finally:
-        sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
 
 
 @contextlib.contextmanager
@@ -387,13 +381,21 @@ def _running_as_module(name: str, args: list[str]):
     """``sys`` set up as ``python -m name args...`` sets it before running the module (which
     ``runpy.run_module(..., alter_sys=True)`` then finishes: ``sys.argv[0]``, ``__main__``);
     everything restored on exit. Yields ``None``: runpy makes the module."""
-    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
-    sys.argv = [name, *args]
     # python -m puts the working directory first (the console script's own folder otherwise).
-    if not getattr(sys.flags, "safe_path", False):
-        sys.path[:1] = [os.getcwd()]
-    try:
+    with _program_sys([name, *args], os.getcwd()):
         yield None
+
+
+@contextlib.contextmanager
+def _program_sys(argv: list[str], first_path: str):
+    """``sys.argv`` and ``sys.path[0]`` (unless -P / -I) as the program expects them; those and
+    ``sys.modules["__main__"]`` put back on exit."""
+    saved_argv, saved_path, saved_main = sys.argv, sys.path[:], sys.modules["__main__"]
+    sys.argv = argv
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[:1] = [first_path]
+    try:
+        yield
     finally:
         sys.argv, sys.path[:], sys.modules["__main__"] = saved_argv, saved_path, saved_main
 
@@ -405,18 +407,14 @@ def _module_problem(name: str) -> str | None:
     ``__init__`` runs before the watch starts)."""
     if not name or name.startswith(".") or name.endswith(".py") or not all(part.isidentifier() for part in name.split(".")):
         return module_problem(name, "not_a_name")
-    saved = sys.path[:]
-    if not getattr(sys.flags, "safe_path", False):
-        sys.path[:1] = [os.getcwd()]
-    try:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
-            if importlib.util.find_spec(f"{name}.__main__") is None:
-                return module_problem(name, "package")
-    except (ImportError, ValueError):
-        spec = None
-    finally:
-        sys.path[:] = saved
+    with _program_sys(sys.argv, os.getcwd()):
+        try:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+                if importlib.util.find_spec(f"{name}.__main__") is None:
+                    return module_problem(name, "package")
+        except (ImportError, ValueError):
+            spec = None
     return None if spec is not None else module_problem(name, "missing", os.getcwd())
 
 

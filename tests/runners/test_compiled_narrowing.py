@@ -35,6 +35,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def run_repro(repro, backend=None):
+    """A one-file repro, alone in a fresh process (the backend by its import path, or
+    ``backend`` through ``TORCH_COMPILE_BACKEND``)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), HERE])
+    if backend is not None:
+        env["TORCH_COMPILE_BACKEND"] = backend
+    return subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+
+
 def naive_softmax(x, dim=-1):
     e = torch.exp(x)
     return e / e.sum(dim, keepdim=True)
@@ -129,16 +139,13 @@ def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_tha
     assert len(os.listdir(tmp_path)) == 1  # one repro: the graph's (the healthy steps made none)
 
     # the repro, alone in a fresh process: the backend by its import path, eager finite, compiled nan
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), HERE])
-    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+    result = run_repro(repro)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "eager:    outputs finite; input gradients finite" in result.stdout, result.stdout
     assert "compiled (test_compiled_narrowing:Softmaxless): outputs nan/inf in 0" in result.stdout, result.stdout
     assert "reproduced: the compiled graph makes nan/inf where eager does not" in result.stdout
     # the same graph through Dynamo's eager backend: not reproduced
-    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env={**env, "TORCH_COMPILE_BACKEND": "eager"},
-                            timeout=300)
+    result = run_repro(repro, "eager")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "not reproduced" in result.stdout
 
@@ -534,15 +541,12 @@ def test_a_miscompiled_backward_is_narrowed_to_the_node_whose_gradient_is_wrong(
 
     # the repro (its backward of ones) reproduces it alone; Dynamo's aot_eager does not
     repro = text.split("One-file repro (the graph on its saved inputs, eager and compiled): python ")[1].split()[0]
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OPWATCH_", "TORCH_COMPILE"))}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), HERE])
-    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+    result = run_repro(repro)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "compiled (test_compiled_narrowing:LogitSigmoidBackward): outputs finite; input gradients nan/inf in" in result.stdout
     with open(repro) as script:
         assert "node:     torch.sigmoid (node sigmoid, graph 1 of 1) at " in script.read()
-    result = subprocess.run([sys.executable, repro], capture_output=True, text=True, cwd=HERE, env={**env, "TORCH_COMPILE_BACKEND": "aot_eager"},
-                            timeout=300)
+    result = run_repro(repro, "aot_eager")
     assert result.returncode == 0 and "not reproduced" in result.stdout, result.stdout + result.stderr
 
 

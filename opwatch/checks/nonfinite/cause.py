@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...core.compat import dtensor_class, dtensor_parts, tensor_base
+from ...core.compat import dtensor_class, dtensor_parts
 from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
@@ -433,11 +433,6 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, modules)
-    base = tensor_base(tensor) if owner is None and type(tensor) in PLAIN_TYPES else None
-    if base is not None and (isinstance(base, torch.nn.Parameter) or _owner(base, path, modules) is not None):
-        # A view of a parameter or buffer (``w.t()`` into a matmul): the values are its.
-        tensor, owner = base, _owner(base, path, modules)
-        meta = TensorMeta(tuple(base.shape), base.dtype, base.device, id(base))
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)

@@ -265,7 +265,7 @@ def wrong(eager, compiled, *, random=False) -> tuple | None:
             return "nan/inf", largest
         if random or difference.numel() == 0:
             return None
-        rtol, atol = DEFAULT_TOLERANCES.get(str(eager.dtype).removeprefix("torch."), (0.0, 0.0))
+        rtol, atol = _tolerance(eager.dtype)
         if bool((difference > atol + rtol * eager.abs()[both]).any()):
             return "tolerance", largest
     return None
@@ -373,19 +373,31 @@ def _narrow_graph(captured, position, count) -> NodeFact | None:
         found, _ = known[index]
         return found is not None
 
-    low, high = -1, min(known)  # the first wrong output: wrong in the whole graph
+    high = _first_judged(min(known), judged)  # the first wrong output: wrong in the whole graph
+    node = nodes[high]
+    (why, difference), value = known[high]
+    where, code = source_line(node)
+    rtol, atol = _tolerance(eager[node.name].dtype)
+    return NodeFact(position, count, node.name, target_name(node), where, code, value_of(eager[node.name]), value_of(value), why,
+                    difference, rtol, atol)
+
+
+def _first_judged(high, judged) -> int:
+    """The first index in ``0..high`` that ``judged``, bisecting (``high`` is known judged): the
+    first wrong node, assuming the nodes after a wrong one are wrong too."""
+    low = -1
     while high - low > 1:
         middle = (low + high) // 2
         if judged(middle):
             high = middle
         else:
             low = middle
-    node = nodes[high]
-    (why, difference), value = known[high]
-    where, code = source_line(node)
-    rtol, atol = DEFAULT_TOLERANCES.get(str(eager[node.name].dtype).removeprefix("torch."), (0.0, 0.0))
-    return NodeFact(position, count, node.name, target_name(node), where, code, value_of(eager[node.name]), value_of(value), why,
-                    difference, rtol, atol)
+    return high
+
+
+def _tolerance(dtype) -> tuple:
+    """``(rtol, atol)`` of ``opwatch.diff`` for ``dtype`` (0, 0 where it has none)."""
+    return DEFAULT_TOLERANCES.get(str(dtype).removeprefix("torch."), (0.0, 0.0))
 
 
 def _gradients(captured, output=None, *, compiled: bool) -> dict:
@@ -442,21 +454,16 @@ def _narrow_backward(captured, position, count) -> NodeFact | None:
         return known[index] is not None
 
     # The whole graph is wrong: its last node's prefix, unless the graph returns more than it.
-    low, high = -1, len(nodes) - 1
-    if not judged(high):
-        known[high] = whole
-    while high - low > 1:
-        middle = (low + high) // 2
-        if judged(middle):
-            high = middle
-        else:
-            low = middle
+    last = len(nodes) - 1
+    if not judged(last):
+        known[last] = whole
+    high = _first_judged(last, judged)
     node = nodes[high]
     at, (why, difference), expected, value = known[high]
     where, code = source_line(node)
     names = captured.input_names
     name = names[at] if at < len(names) and names[at] else f"input {at}"
-    rtol, atol = DEFAULT_TOLERANCES.get(str(expected.dtype).removeprefix("torch."), (0.0, 0.0))
+    rtol, atol = _tolerance(expected.dtype)
     return NodeFact(position, count, node.name, target_name(node), where, code, value_of(expected), value_of(value), why,
                     difference, rtol, atol, "backward", name)
 
