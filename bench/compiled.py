@@ -3,11 +3,13 @@ process: python -m bench.compiled [ROUNDS] [--backend inductor|eager] [--width N
 
 One small MLP (64 -> N -> N -> 64, N = 256 by default, batch 64), compiled once (inductor on
 CPU by default); the guard's cost per step is fixed, so its share falls as ``--width`` grows;
-three lanes step it, each step being ``zero_grad``, the forward and backward, ``optimizer.step()``:
+four lanes step it, each step being ``zero_grad``, the forward and backward, ``optimizer.step()``:
 
 - ``compiled``: the compiled step as it is;
 - ``guard``: ``opwatch.guard(step, model)`` around the forward and backward (its first call, the
   audit, runs eagerly under a full watch and is made before the timing);
+- ``check's kernel``: the compiled step, then GradScaler's kernel over the gradients and one read
+  of its flag, with no opwatch at all: the floor of any check of every gradient;
 - ``leave-on``: ``python -m opwatch --guard``'s runner (``LeaveOn``), its first step audited
   before the timing; its fused gradient check runs in the optimizer's pre-hook. Its hooks are
   global, so the run is entered around each of this lane's steps only (registering and removing
@@ -23,6 +25,7 @@ before and after (no recompile).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -81,6 +84,19 @@ def main() -> None:
         guarded(batch, target)
         optimizer.step()
 
+    # The floor of any check of a step's gradients, with no opwatch at all: GradScaler's kernel
+    # over them (the guard's and leave-on's check) and one read of its flag.
+    found, one = torch.zeros(1), torch.ones(1)
+    params = list(model.parameters())
+
+    def kernel_step():
+        optimizer.zero_grad()
+        loss = forward_backward(batch, target)
+        torch._amp_foreach_non_finite_check_and_unscale_([param.grad for param in params], found, one)
+        if found.item() != 0 or not math.isfinite(loss.item()):
+            raise RuntimeError("the benchmark's step made nan/inf")
+        optimizer.step()
+
     def left_on_step():
         with left_on:
             optimizer.zero_grad()
@@ -95,17 +111,17 @@ def main() -> None:
         optimizer.zero_grad()
         forward_backward(batch, target)
         optimizer.step()
-    for lane in (plain_step, guarded_step, left_on_step):
+    for lane in (plain_step, kernel_step, guarded_step, left_on_step):
         lane()
     print(f"compile and warm-up: {clock() - started:.1f} s CPU; backend {backend}; width {width}; forward grad_fn after the audits: {grad_fns[-1]}")
     graphs = counters["stats"]["unique_graphs"]
 
-    lanes = {"compiled": plain_step, "guard": guarded_step, "leave-on": left_on_step}
-    ratios: dict = {"guard": [], "leave-on": []}
+    lanes = {"compiled": plain_step, "check's kernel": kernel_step, "guard": guarded_step, "leave-on": left_on_step}
+    ratios: dict = {"check's kernel": [], "guard": [], "leave-on": []}
     names = list(lanes)
     for round_ in range(rounds):
         totals = dict.fromkeys(lanes, 0.0)
-        order = names[round_ % 3:] + names[:round_ % 3]
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
         for _ in range(STEPS):
             for name in order:
                 begin = clock()

@@ -24,7 +24,8 @@ the GPU's time dominates):
   watches one step in five blocks (three; a fresh ``watch()`` around each).
 - **compiled steps**: ``torch.compile(model)`` (inductor; the small fp32 and the large step) and
   ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; the small fp32 step, where
-  launches dominate), each in a process of its own, plain and under
+  launches dominate), each in a process of its own, plain, with one host read of the loss after
+  the backward and no opwatch (the floor of any decision the host takes each step), and under
   ``guard(audit="never")`` side by side, then under ``guard(audit="new")`` after its audit (the
   audit is a full watch: the row says whether the compiled code still ran after it, read from the
   output's ``grad_fn``). Compilation is warm-up, never timed; its seconds are in the notes. A
@@ -387,7 +388,10 @@ def compiled_section(workload, smoke, schedule, mode):
     eager = Lane("eager", parts())
     plain = compiled_lane(f"{label}")
     never = compiled_lane(f"{label} + guard(audit='never')", lambda lane: opwatch.guard(lane.forward_backward, lane.parts.model, audit="never"))
-    lanes = [eager, plain, never]
+    # The floor of any decision on the host after the backward, with no opwatch at all: the
+    # loss read once the backward is queued (the read waits for it, as the guard's check does).
+    read = compiled_lane(f"{label} + one host read (no opwatch)", lambda lane: lambda: float(lane.forward_backward().detach()))
+    lanes = [eager, plain, read, never]
     for lane in lanes:
         start = time.perf_counter()
         warm([lane])
@@ -397,11 +401,12 @@ def compiled_section(workload, smoke, schedule, mode):
     for lane in lanes:
         count_syncs(lane, device, syncs)
     timed_rounds(lanes, rounds, steps, block, sync)
-    for lane in (plain, never):
+    for lane in (plain, read, never):
         if lane.error is None:
             lane.note += f"; ran compiled: {ran_compiled(lane)}"
     rows = [row(workload, eager, eager=eager, syncs=syncs.get("eager"), note=f"{label} part's own eager lane"),
             row(workload, plain, eager=eager, syncs=syncs.get(plain.name)),
+            row(workload, read, eager=eager, base=plain, syncs=syncs.get(read.name), note=f"x base: over {label}"),
             row(workload, never, eager=eager, base=plain, syncs=syncs.get(never.name), note=f"x base: over {label}")]
 
     def timed_after_its_audit(lane, seed, more=lambda lane: ""):

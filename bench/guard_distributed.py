@@ -2,6 +2,8 @@
 interleaved round by round in one run, for DDP and FSDP2 (``fully_shard`` on a CPU mesh):
 
 - ``plain``: the unguarded step;
+- ``plain, bare flag``: the unguarded step followed by one all-reduce of one slot per rank on a
+  gloo group of its own, no opwatch at all: what any decision taken together each step costs;
 - ``guard``: ``opwatch.guard`` (snapshot, fused check, the failure flag's all-reduce);
 - ``guard, default group``: the flag on the program's default group instead of its own gloo group
   (measured, not offered: a rank whose step raised before a collective the others run would meet
@@ -83,7 +85,19 @@ def _lanes(layout: str, width: int, world: int, x, y) -> dict:
     on_default = opwatch.guard(train_step, model, audit="never")
     on_default(x, y)
     on_default._agreement._group = None  # the flag on the program's own (default) group, as before
-    lanes = {f"{layout} plain": stepping(train_step), f"{layout} guard": stepping(guarded), f"{layout} guard, no flag": stepping(no_flag),
+    # The floor of any per-step decision across ranks: one all-reduce of one slot per rank on a
+    # gloo group of its own after the backward, with no opwatch at all.
+    import torch.distributed as dist
+
+    group, flag = dist.new_group(backend="gloo"), torch.zeros(world)
+
+    def bare_flag_step(x, y):
+        loss = train_step(x, y)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return loss
+
+    lanes = {f"{layout} plain": stepping(train_step), f"{layout} plain, bare flag": stepping(bare_flag_step),
+             f"{layout} guard": stepping(guarded), f"{layout} guard, no flag": stepping(no_flag),
              f"{layout} guard, default group": stepping(on_default)}
     if layout == "ddp":
         runner = LeaveOn(audit="manual", warn=False)
@@ -102,7 +116,7 @@ def _lanes(layout: str, width: int, world: int, x, y) -> dict:
     return lanes
 
 
-RATIOS = (("guard", "plain"), ("guard", "guard, no flag"), ("guard, default group", "plain"), ("guard, no flag", "plain"), ("leave-on", "plain"), ("leave-on", "leave-on, no flag"))
+RATIOS = (("plain, bare flag", "plain"), ("guard", "plain"), ("guard", "guard, no flag"), ("guard, default group", "plain"), ("guard, no flag", "plain"), ("leave-on", "plain"), ("leave-on", "leave-on, no flag"))
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int, layouts: list) -> None:

@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EAGER_LANES = ["eager", "watch()", "watch() check point", "guard(audit='new')", "guard(audit='never')", "leave-on (LeaveOn)"]
 COMPILED_LANES = [f"{label}{suffix}" for label in ("compiled", "CUDA-graphed")
-                  for suffix in ("", " + guard(audit='never')", " + guard(audit='new')", " + leave-on")]
+                  for suffix in ("", " + one host read (no opwatch)", " + guard(audit='never')", " + guard(audit='new')", " + leave-on")]
 
 
 def bench(*args):
@@ -25,13 +25,13 @@ def test_the_cpu_smoke_prints_a_row_for_every_lane_and_no_failure():
     out, rows = bench("--cpu-smoke")
     assert "bench.gpu on CPU (cpu smoke)" in out and out.rstrip().splitlines()[-2] == "(cpu smoke)"
     lanes = [(workload, lane) for workload, lane, *_ in rows]
-    assert lanes == [("small-fp32", lane) for lane in EAGER_LANES + ["eager"] + COMPILED_LANES[:4] + ["eager"] + COMPILED_LANES[4:]] + [
+    assert lanes == [("small-fp32", lane) for lane in EAGER_LANES + ["eager"] + COMPILED_LANES[:5] + ["eager"] + COMPILED_LANES[5:]] + [
         ("small-bf16", lane) for lane in EAGER_LANES]
     assert not [row for row in rows if "failed" in row[-1]], out
     for workload, lane, ms, x_eager, *_ in rows:
         if lane != "watch() check point":
             assert float(ms) > 0 and float(x_eager) > 0, (workload, lane)
-    compiled = {lane: notes for _, lane, *_, notes in rows if lane in ("compiled", "compiled + guard(audit='never')", "compiled + leave-on")}
+    compiled = {lane: notes for _, lane, *_, notes in rows if lane in ("compiled", "compiled + one host read (no opwatch)", "compiled + guard(audit='never')", "compiled + leave-on")}
     assert all("ran compiled: yes" in notes for notes in compiled.values()), compiled
 
 
