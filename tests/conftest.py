@@ -18,6 +18,16 @@ from support import SCENARIOS  # noqa: E402
 import pytest
 import torch
 
+# pytest-xdist runs one worker a core, and each worker's torch would run one intra-op thread a
+# core as well: the workers' threads then wait on each other (OpenMP spins). One thread a
+# worker, and the processes the tests start (ranks, torchrun, pytest in pytest) inherit it; a
+# value set outside is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ["OMP_NUM_THREADS"] == "1":
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests marked ``cuda`` need a CUDA device: skipped here without one, run on a GPU machine
     # (bench/gpu_check.sh selects them with ``-m cuda``).
