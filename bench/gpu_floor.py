@@ -4,6 +4,7 @@ guard's parts one at a time, from no opwatch at all to the whole guard.
     python -m bench.gpu_floor small-fp32 5      # a workload of bench.gpu, 5 rounds of 100 steps
     python -m bench.gpu_floor large-bf16 3
     python -m bench.gpu_floor small-fp32 1 --cpu   # the same code on the CPU, tiny (aot_eager): a smoke run
+    python -m bench.gpu_floor large-bf16 3 --fused # fused SGD, and a lane that decides on the device
 
 Each lane is a compiled copy of the workload (``torch.compile``, inductor; ``aot_eager`` with
 ``--cpu``), stepped as ``bench.gpu`` steps it (``zero_grad``, the call, ``optimizer.step()``) and
@@ -20,6 +21,13 @@ timed as it times them (blocks of ten steps between two syncs, shuffled, one pro
 - ``snapshot + check``: both;
 - ``guard``: ``opwatch.guard(step, model, audit="never")``.
 
+With ``--fused`` every lane steps a fused SGD (``fused=True``) instead, and one more lane runs:
+
+- ``kernel, flag to the optimizer``: GradScaler's kernel over the gradients into a flag that the
+  fused optimizer reads as ``optimizer.found_inf`` (as GradScaler hands it over), so a step whose
+  gradients hold nan/inf is skipped on the device, with no host read (no opwatch): what a
+  leave-on that decides on the device, and reads its flag a step later, would cost at most.
+
 Prints each lane's milliseconds per step (median over rounds) and its ratio over the compiled
 lane (the median of the rounds' ratios).
 """
@@ -35,14 +43,29 @@ import torch
 from bench.gpu import Lane, per_step, ratio, setup, timed_rounds, warm
 
 
-def _lanes(parts, smoke: bool) -> list:
+def _lanes(parts, smoke: bool, fused: bool) -> list:
     import opwatch
 
     backend = "aot_eager" if smoke else "inductor"
 
     def lane(name, make=None):
         lane_parts = parts()
+        if fused:
+            lane_parts.optimizer = torch.optim.SGD(lane_parts.model.parameters(), lr=lane_parts.optimizer.defaults["lr"], fused=True)
         return Lane(name, lane_parts, module=torch.compile(lane_parts.model, backend=backend), make=make, fresh=False)
+
+    def flag_to_the_optimizer(lane):
+        params = list(lane.parts.model.parameters())
+        found, one = torch.zeros(1, device=params[0].device), torch.ones(1, device=params[0].device)
+        lane.parts.optimizer.found_inf = found  # read by the fused step: nonzero skips it on the device
+
+        def call():
+            loss = lane.forward_backward()
+            found.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_([param.grad for param in params], found, one)
+            return loss
+
+        return call
 
     def host_read(lane):
         return lambda: float(lane.forward_backward().detach())
@@ -79,13 +102,16 @@ def _lanes(parts, smoke: bool) -> list:
         return make
 
     kinds = ("kernel + read", "snapshot + read", "check", "snapshot + check", "guard")
-    return [lane("compiled"), lane("one host read", host_read)] + [lane(kind, guard_part(kind)) for kind in kinds]
+    lanes = [lane("compiled"), lane("one host read", host_read)]
+    if fused:
+        lanes.append(lane("kernel, flag to the optimizer", flag_to_the_optimizer))
+    return lanes + [lane(kind, guard_part(kind)) for kind in kinds]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    smoke = "--cpu" in args
-    args = [arg for arg in args if arg != "--cpu"]
+    smoke, fused = "--cpu" in args, "--fused" in args
+    args = [arg for arg in args if arg not in ("--cpu", "--fused")]
     workload = args[0] if args else "small-fp32"
     rounds = int(args[1]) if len(args) > 1 else 5
     if not smoke and not torch.cuda.is_available():
@@ -93,17 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _, _, parts, sync = setup(workload, smoke)
     warnings.simplefilter("ignore")
-    lanes = _lanes(parts, smoke)
+    lanes = _lanes(parts, smoke, fused)
     warm(lanes, 5)
     timed_rounds(lanes, rounds, 100, 10, sync)
     base = lanes[0]
     where = "CPU (smoke)" if smoke else torch.cuda.get_device_name()
-    print(f"bench.gpu_floor on {where}, torch {torch.__version__}: {workload}, {rounds} rounds of 100 steps")
+    print(f"bench.gpu_floor on {where}, torch {torch.__version__}: {workload}, {rounds} rounds of 100 steps"
+          + (", fused SGD" if fused else ", SGD"))
     for lane in lanes:
         if lane.error:
-            print(f"{lane.name:<18} failed: {lane.error}")
+            print(f"{lane.name:<30} failed: {lane.error}")
             continue
-        print(f"{lane.name:<18} {statistics.median(per_step(lane)) * 1e3:8.3f} ms/step  x compiled {ratio(lane, base) or 1.0:.3f}")
+        print(f"{lane.name:<30} {statistics.median(per_step(lane)) * 1e3:8.3f} ms/step  x compiled {ratio(lane, base) or 1.0:.3f}")
     return 0
 
 
