@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["DEMO_STORIES", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly", "rank_files", "traces_merged"]
+__all__ = ["DEMO_STORIES", "command_error", "post_mortem", "test_failed", "internal_error", "exchange_failed", "counts_not_written", "compiled_ran_eagerly", "rank_files", "traces_merged"]
 
 # The built-in demo: each example script of opwatch/examples with what it shows.
 DEMO_STORIES = (
@@ -24,6 +24,12 @@ def module_problem(name: str, why: str, where: str = "") -> str:
     if why == "package":
         return f"{name!r} is a package without a __main__ module: it cannot be run with -m"
     return f"no module named {name!r} (looked for from {where}, as python -m does)"
+
+
+def command_error(prog: str, error: BaseException) -> str:
+    """A subcommand's error on one line, in argparse's own form (``prog: error: ...``): a
+    missing file, a foreign log, a bad environment variable, rather than a traceback."""
+    return f"{prog}: error: {error}"
 
 
 def post_mortem(filename: str, lineno: int) -> str:

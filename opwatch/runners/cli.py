@@ -44,7 +44,7 @@ from importlib.machinery import SourceFileLoader
 from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, module_problem, post_mortem, rank_files
+from ..render.notices import DEMO_STORIES, command_error, module_problem, post_mortem, rank_files
 from ..render.summary import every_check, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
 from ..storage.per_rank import rank_folder, rank_path
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _disabled_by_environment()
     except ValueError as error:  # a bad OPWATCH_DISABLE: one line, not a traceback
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(command_error(prog, error), file=sys.stderr)
         return 2
     try:
         allow = [parse_allow(text) for text in options.allow]
@@ -351,7 +351,7 @@ def run_show(argv: list[str]) -> int:
     try:
         log = load(options.log, partial=options.partial)
     except (OSError, ValueError) as error:  # one line: a missing, foreign or cut-short log
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        print(command_error(parser.prog, error), file=sys.stderr)
         return 1
     print(log.table(last=options.last))
     print()

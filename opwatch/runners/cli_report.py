@@ -17,6 +17,7 @@ __all__ = ["run_report"]
 def run_report(argv: list[str], out=None) -> int:
     """Write the HTML report of a log written by ``--jsonl`` or ``Watch.export_jsonl``."""
     from ..render.html import report_written
+    from ..render.notices import command_error
     from ..storage.jsonl import load
 
     out = out if out is not None else sys.stdout
@@ -35,7 +36,7 @@ def run_report(argv: list[str], out=None) -> int:
         log = load(options.log, partial=options.partial)
         log.report_html(output)
     except (OSError, ValueError) as error:  # one line: a missing, foreign or cut-short log
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        print(command_error(parser.prog, error), file=sys.stderr)
         return 1
     print(report_written(output), file=out)
     return 0

@@ -17,7 +17,7 @@ __all__ = ["run_merge_traces"]
 
 def run_merge_traces(argv: list[str], out=None) -> int:
     """Merge traces written by ``--trace`` or ``Watch.export_chrome_trace`` into one."""
-    from ..render.notices import traces_merged
+    from ..render.notices import command_error, traces_merged
     from ..storage.chrome_trace import merge_chrome_traces
 
     out = out if out is not None else sys.stdout
@@ -32,7 +32,7 @@ def run_merge_traces(argv: list[str], out=None) -> int:
     try:
         count = merge_chrome_traces(options.traces, options.output)
     except (OSError, ValueError) as error:  # one line: a missing or foreign trace, a folder that is not there
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        print(command_error(parser.prog, error), file=sys.stderr)
         return 1
     print(traces_merged(count, options.output), file=out)
     return 0
