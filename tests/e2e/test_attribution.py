@@ -16,7 +16,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 import opwatch
-from support import SCENARIOS
+from support import SCENARIOS, needs
 from support.helpers import line_of as _line_of
 from opwatch.checks.finding import Attribute, BeforeWatch, DefaultDtype, MadeBy, Owned, Place
 from opwatch.storage.codec import decode, encode
@@ -101,7 +101,7 @@ def test_a_torch_function_behind_a_deprecation_wrapper_points_at_the_call():
 
 
 def test_hugging_face_modeling_code_stays_attributed_to_its_file():
-    pytest.importorskip("transformers")
+    needs("transformers")
     from support import hf_models as hf
 
     model, inputs = hf.build("gpt2", "eager")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import opwatch
-from support import SCENARIOS
+from support import SCENARIOS, needs
 from support.helpers import StubContext
 from support.helpers import line_of as _line_of
 
@@ -133,12 +133,12 @@ def test_a_forward_promotion_is_reported_once_not_again_by_its_backward():
 
 # -- tiny Hugging Face models -------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
 from support import hf_models as hf  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(hf.MODELS))
 def test_tiny_hf_models_under_bf16_autocast_have_no_anomalies(name):
+    needs("transformers")
     model, inputs = hf.build(name, "sdpa")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' own notices
@@ -152,6 +152,7 @@ def test_tiny_hf_models_under_bf16_autocast_have_no_anomalies(name):
 
 
 def test_tiny_hf_model_under_float16_autocast_with_eager_attention():
+    needs("transformers")
     model, inputs = hf.build("llama", "eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

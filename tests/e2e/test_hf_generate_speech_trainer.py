@@ -24,7 +24,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: every model here is built from a config
-transformers = pytest.importorskip("transformers")
+from support import needs  # noqa: E402
+
+transformers = needs("transformers")
 
 import opwatch  # noqa: E402
 from support import equivalence as eq  # noqa: E402

@@ -40,9 +40,9 @@ import warnings
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from support import equivalence as eq, needs
 
-from support import equivalence as eq
+transformers = needs("transformers")
 
 from support.hf_models import ATTENTION, MODELS, build  # noqa: E402
 

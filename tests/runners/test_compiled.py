@@ -347,11 +347,17 @@ print(f"compiles={backend.compiles} runs={backend.runs}")
 '''
 
 
-@pytest.mark.parametrize("mode, after", [("plain", "runs=1"), ("watch", "runs=3")])
+# Up to torch 2.13 a bare TorchDispatchMode seen by Dynamo's frame callback marks the compiled
+# frame's code skipped for good; torch 2.14 no longer does. A watch keeps it compiled on both.
+PLAIN_MODE_KEEPS_COMPILED = torch.__version__ >= "2.14"
+
+
+@pytest.mark.parametrize("mode, after", [("plain", "runs=3" if PLAIN_MODE_KEEPS_COMPILED else "runs=1"), ("watch", "runs=3")])
 def test_a_plain_dispatch_mode_drops_the_compiled_code_for_good_and_a_watch_does_not(tmp_path, mode, after):
     """What a watch protects against, in a process of its own (Dynamo marks the code of its
-    wrapper skipped, shared by every compiled module): a bare TorchDispatchMode around one call
-    leaves the compiled module running eagerly from then on."""
+    wrapper skipped, shared by every compiled module): on torch <= 2.13 a bare TorchDispatchMode
+    around one call leaves the compiled module running eagerly from then on (torch 2.14: it runs
+    compiled again after the mode, as under a watch)."""
     (tmp_path / "modes.py").write_text(PLAIN_MODE)
     result = subprocess.run([sys.executable, "modes.py", mode], capture_output=True, text=True, cwd=tmp_path, env=environment(), timeout=300)
     assert result.returncode == 0, result.stderr

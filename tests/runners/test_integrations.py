@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import opwatch
-from support import trainers
+from support import needs, trainers
 from support.trainers import (
     STEPS, broadcast_loss, lightning_fit, lightning_module, lightning_trainer, matched_loss, regression_loader,
     transformers_train,
@@ -39,6 +39,7 @@ def assert_one_broadcast_per_step(callback, phases=("forward", "backward")):
 
 
 def test_lightning_fit(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -62,6 +63,7 @@ def test_lightning_fit(tmp_path):
 
 
 def test_lightning_strict_stops_at_the_first_anomaly(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -89,6 +91,7 @@ def _csv_rows(trainer):
 
 
 def test_lightning_validation_step_is_watched_and_counted_apart(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -115,6 +118,7 @@ def test_lightning_validation_step_is_watched_and_counted_apart(tmp_path):
 
 
 def test_lightning_healthy_validation_reports_nothing(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -129,6 +133,7 @@ def test_lightning_healthy_validation_reports_nothing(tmp_path):
 
 
 def test_lightning_test_and_predict_are_watched_alone(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -148,6 +153,7 @@ def test_lightning_test_and_predict_are_watched_alone(tmp_path):
 
 
 def test_lightning_strict_stops_in_validation(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -160,6 +166,7 @@ def test_lightning_strict_stops_in_validation(tmp_path):
 
 
 def test_lightning_guard_mode_watches_no_validation_batch(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     out = io.StringIO()
@@ -173,6 +180,7 @@ def test_lightning_guard_mode_watches_no_validation_batch(tmp_path):
 
 
 def test_transformers_train(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
@@ -191,6 +199,7 @@ def test_transformers_train(tmp_path):
 
 
 def test_transformers_strict_stops_at_the_first_anomaly(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
@@ -218,6 +227,7 @@ def test_frameworks_are_imported_only_when_used():
 def test_transformers_evaluation_is_watched_by_a_watch_around_it(tmp_path):
     """The callback cannot watch evaluation (no hook before a prediction step): the way the
     docs give, a watch around ``trainer.evaluate()``, finds its broadcast; healthy, nothing."""
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     callback = OpwatchCallback(file=io.StringIO(), warn=False)

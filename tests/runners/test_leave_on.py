@@ -18,6 +18,7 @@ from torch import nn
 
 import opwatch
 from opwatch.runners.leave_on import LeaveOn
+from support import needs
 from support.helpers import line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its opwatch in the subprocesses
@@ -365,6 +366,7 @@ def test_guard_cli_a_two_step_data_glitch_in_a_30_step_momentum_run(tmp_path, on
 
 
 def test_on_failure_is_checked_everywhere_with_the_same_words(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     expected = "on_failure must be one of 'skip', 'raise', 'apply', got 'ignore'"
@@ -452,6 +454,7 @@ def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=Non
 
 @pytest.mark.parametrize("bug, kind", [("broadcast", "broadcast"), ("float64", "dtype_mismatch")])
 def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
@@ -462,6 +465,7 @@ def test_lightning_guard_audit_reports_the_silent_bug_once(tmp_path, bug, kind):
 
 
 def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
@@ -472,6 +476,7 @@ def test_lightning_guard_audit_reports_a_device_mix(tmp_path):
 
 
 def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
@@ -481,6 +486,7 @@ def test_lightning_guard_audits_a_new_batch_signature(tmp_path):
 
 
 def test_lightning_guard_strict_replays_the_failing_batch_and_raises_its_origin(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", strict=True, warn=False, file=io.StringIO())
@@ -492,6 +498,7 @@ def test_lightning_guard_strict_replays_the_failing_batch_and_raises_its_origin(
 
 
 def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_its_step(tmp_path):
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
@@ -508,8 +515,8 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
 def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
     """A Hugging Face train; ``nan_at``: the forward call that makes a backward nan;
     ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    transformers = needs("transformers")
+    needs("accelerate")
 
     class Regression(nn.Module):
         def __init__(self):
@@ -541,6 +548,7 @@ def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad
 
 
 def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     out = io.StringIO()
@@ -552,6 +560,7 @@ def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
 
 
 def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
     from opwatch.runners.leave_on import GradientsNotFinite
 
@@ -562,6 +571,7 @@ def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
 
 
 def test_guard_trainer_replays_the_failing_batch_and_raises_its_origin_with_the_callbacks_on_failure(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
     callback = OpwatchCallback(mode="guard", on_failure="raise", warn=False, file=io.StringIO())
@@ -572,6 +582,7 @@ def test_guard_trainer_replays_the_failing_batch_and_raises_its_origin_with_the_
 
 
 def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
     guarded = []
@@ -584,6 +595,7 @@ def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
 
 
 def test_a_bad_mode_is_a_value_error_naming_the_modes():
+    needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
     with pytest.raises(ValueError, match="'watch', 'guard'"):

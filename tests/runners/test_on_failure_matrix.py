@@ -16,6 +16,7 @@ import torch
 import on_failure_bugs as bugs
 import opwatch
 from opwatch.runners.leave_on import GradientsNotFinite, LeaveOn
+from support import needs
 from support.helpers import line_of
 
 SCENARIO = bugs.__file__
@@ -120,8 +121,8 @@ def run_lightning(bug, on_failure, tmp_path):
 
 
 def run_huggingface(bug, on_failure, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    transformers = needs("transformers")
+    needs("accelerate")
     from torch import nn
     from torch.utils.data import SequentialSampler
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import opwatch
-from support import hf_models
+from support import hf_models, needs
 from support.helpers import line_of
 from support.trainers import STEPS, broadcast_loss, lightning_fit, matched_loss, transformers_train
 
@@ -142,7 +142,7 @@ def test_a_writer_that_fails_is_told_once_and_the_program_goes_on():
 
 @pytest.mark.parametrize("loss", [broadcast_loss, matched_loss], ids=["broadcast", "healthy"])
 def test_lightning_counts_reach_the_tensorboard_logger(tmp_path, loss):
-    pytest.importorskip("lightning")
+    needs("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from opwatch.runners.lightning import OpwatchCallback
@@ -162,7 +162,7 @@ def test_lightning_counts_reach_the_tensorboard_logger(tmp_path, loss):
 
 
 def test_lightning_logs_the_final_counts_when_the_last_batches_were_not_logged(tmp_path):
-    pytest.importorskip("lightning")
+    needs("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from opwatch.runners.lightning import OpwatchCallback
@@ -177,7 +177,7 @@ def test_lightning_logs_the_final_counts_when_the_last_batches_were_not_logged(t
 
 
 def test_lightning_guard_mode_logs_steps_audits_and_failures(tmp_path):
-    pytest.importorskip("lightning")
+    needs("lightning")
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from opwatch.runners.lightning import OpwatchCallback
@@ -198,6 +198,7 @@ def test_lightning_guard_mode_logs_steps_audits_and_failures(tmp_path):
 
 
 def test_transformers_counts_reach_the_report_to_tensorboard(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     callback = OpwatchCallback(file=io.StringIO(), warn=False)
@@ -215,6 +216,7 @@ def test_transformers_counts_reach_the_report_to_tensorboard(tmp_path):
 
 
 def test_transformers_healthy_tiny_model_logs_zero(tmp_path):
+    needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
 
     model, inputs = hf_models.build("bert", "sdpa")

@@ -27,6 +27,16 @@ UPDATE_GOLDENS = os.environ.get("OPWATCH_UPDATE_GOLDENS") == "1"
 needs_columns = pytest.mark.skipif(sys.version_info < (3, 11), reason="goldens show 3.11+ column positions")
 
 
+def needs(package: str):
+    """The optional test package ``package`` (the test extra installs it), or a skip that names
+    it (``pytest.importorskip``). transformers is also skipped where it is installed but turned
+    its PyTorch side off (transformers 5 needs torch >= 2.6). Callable at a module's top."""
+    module = pytest.importorskip(package)
+    if package == "transformers" and not module.utils.is_torch_available():
+        pytest.skip(f"transformers {module.__version__} does not run on torch {torch.__version__}", allow_module_level=True)
+    return module
+
+
 def assert_golden(name: str, text: str) -> None:
     path = GOLDENS / name
     if UPDATE_GOLDENS:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import needs
+
 STEPS = 3
 
 
@@ -27,7 +29,7 @@ def matched_loss(pred, target):
 def lightning_module(loss=broadcast_loss, eval_loss=None):
     """The regression as a ``LightningModule``; with ``eval_loss``, its ``validation_step``,
     ``test_step`` and ``predict_step`` (which returns the loss) compute it."""
-    lightning = pytest.importorskip("lightning")
+    lightning = needs("lightning")
 
     class Regression(lightning.LightningModule):
         def __init__(self):
@@ -54,7 +56,7 @@ def lightning_module(loss=broadcast_loss, eval_loss=None):
 def lightning_trainer(tmp_path, callback, steps=STEPS, *, logger=None, log_every_n_steps=1, **options):
     """A ``lightning.Trainer`` on the CPU for ``steps`` batches, logging every
     ``log_every_n_steps`` to ``logger`` (a ``CSVLogger`` in ``tmp_path`` by default)."""
-    lightning = pytest.importorskip("lightning")
+    lightning = needs("lightning")
     from lightning.pytorch.loggers import CSVLogger
 
     return lightning.Trainer(
@@ -101,8 +103,8 @@ def transformers_train(tmp_path, callback, steps=STEPS, *, model=None, dataset=N
     """``transformers.Trainer.train`` for ``steps`` steps (of the regression, or of ``model``
     on ``dataset``), logging every step, inside ``with callback:``; ``report_to`` names the
     integrations (TensorBoard's log goes under ``tmp_path / "runs"``)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    transformers = needs("transformers")
+    needs("accelerate")
 
     if model is None:
         x, y = regression_data()

@@ -7,7 +7,6 @@ tensorboard is skipped where that package is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from support import needs
 
 REPO = Path(__file__).resolve().parent.parent.parent
 PAGES = [REPO / "README.md"] + sorted(page for page in (REPO / "docs").rglob("*.md") if "_build" not in page.parts)
@@ -71,8 +72,7 @@ def test_an_excerpt_says_what_it_leaves_out():
 def test_the_block_runs_as_written(page, code, tmp_path):
     for name in _OPTIONAL:
         if re.search(rf"^\s*(?:from|import) {name}\b|^\s*from \S*\.{name} import|torch\.utils\.{name}", code, re.MULTILINE):
-            if importlib.util.find_spec(name) is None:
-                pytest.skip(f"needs {name}")
+            needs(name)
     result = run_block(code, tmp_path)
     assert result.returncode == 0, (
         f"{page.relative_to(REPO)}: this block fails when run as written; fix it, or make its first line "
