@@ -13,7 +13,7 @@ for _path in (_TESTS / "scenarios", _TESTS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from support import SCENARIOS  # noqa: E402
+from support import SCENARIOS, compat_subset  # noqa: E402
 
 import pytest
 import torch
@@ -29,6 +29,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The compatibility subset (support/compat_subset.py) is marked here, from one list: the
+    # tests of every check, mode and runner that .ci/run runs on the oldest and newest pairs.
+    chosen = compat_subset.selectors()
+    for item in items:
+        if compat_subset.is_compat(item.nodeid, chosen):
+            item.add_marker(pytest.mark.compat)
     # Tests marked ``cuda`` need a CUDA device: skipped here without one, run on a GPU machine
     # (bench/gpu_check.sh selects them with ``-m cuda``).
     if torch.cuda.is_available():

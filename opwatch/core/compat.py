@@ -1,7 +1,8 @@
 """Every private torch API opwatch uses, in one place: the torch version that has it, and what
 opwatch does without it. Nothing else in opwatch reaches into ``torch._C`` or private modules.
 
-The package supports ``torch >= 2.5``; an entry without a fallback exists in every such torch.
+The package supports ``torch >= 2.6`` (tested: 2.6.0 and 2.14.1 besides 2.13.0); an entry without a
+fallback exists in every such torch.
 """
 
 from __future__ import annotations

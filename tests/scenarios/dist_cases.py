@@ -107,16 +107,20 @@ def functional(rank, world):
     import torch.distributed._functional_collectives as funcol
 
     group = dist.group.WORLD
+    # all_gather_single and reduce_scatter_single are newer than torch 2.6: the older names
+    # take the same arguments and run the same ops there.
+    gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+    reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
     alarms = []
     for _ in range(6):
         x = torch.randn(1000)
         with opwatch.watch(warn=False) as w:
             junk = torch.full((1000 * world,), float("nan"))  # freed: the gather's output may reuse it
             del junk
-            gathered = funcol.all_gather_single(x, 0, group)
+            gathered = gather_single(x, 0, group)
             doubled = gathered * 2
             reduced = funcol.all_reduce(x * 1, "sum", group).view(10, 100) * 3
-            scattered = funcol.reduce_scatter_single(x.repeat(world), "sum", 0, group).wait()
+            scattered = reduce_scatter_single(x.repeat(world), "sum", 0, group).wait()
             total = float(doubled.sum() + reduced.sum() + scattered.sum())
         alarms += [a.message for a in w.anomalies]
     x = torch.ones(4)
