@@ -49,6 +49,15 @@ _CAUSE_FIXES = {
         "0 / 0 = nan: the divisor is a count (an integer tensor) that is 0, a batch with nothing to count (every label ignored, "
         "an empty mask): skip such batches, or divide by count.clamp_min(1) (the loss is then 0, with no gradient)"
     ),
+    "all_ignored": (
+        "every target of this batch was ignore_index, so the mean has nothing to average: skip the loss of such a batch "
+        "(if (target != ignore_index).any(): loss.backward()), or take the sum and divide by the count clamped "
+        "(F.cross_entropy(..., reduction='sum') / (target != ignore_index).sum().clamp_min(1))"
+    ),
+    "zero_weight": (
+        "no target of this batch weighs anything (each is ignore_index or of a class whose weight is 0), so the mean divides "
+        "by a total weight of 0: give every class a target can take a positive weight, or skip such batches"
+    ),
     "overflow": "the values outgrew the dtype: compute this op in a wider dtype (float32), scale its inputs down (normalise before it), or lower the learning rate if values grew over steps",
 }
 # The cause when the inputs' ranges do not tell, from the op and the kind it made.
@@ -344,7 +353,7 @@ def _reason(finding) -> str | None:
     name = facts["op_name"]
     if detail in ("exp_overflow", "overflow"):
         return _overflow_reason(detail, name, facts)
-    return _REASONS.get(detail, "").format(name=name) or None
+    return _REASONS.get(detail, "").format(name=name, ignore_index=_cause(finding).constant) or None
 
 
 _REASONS = {
@@ -360,11 +369,17 @@ _REASONS = {
     "pow_zero_base": "the base holds 0, and 0 to a negative power is inf",
     "domain_unit": "{name} of a value outside [-1, 1] is nan",
     "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan",
+    "all_ignored": "every target was ignore_index ({ignore_index}): the mean divided a sum of 0 by a count of 0, 0 / 0 = nan",
+    "zero_weight": "every target was ignore_index or of a class of weight 0: the mean divided a sum of 0 by a total weight of 0, 0 / 0 = nan",
     "ctc_no_alignment": (
         "CTC's loss is inf for a sample no alignment fits: its input is shorter than its target "
         "(plus one step between each pair of repeated labels)"
     ),
 }
+
+
+# Details of a mean over no counted target: a 0 / 0 in any dtype.
+_COUNTS = frozenset(("all_ignored", "zero_weight"))
 
 
 def _overflow_reason(detail, name, facts) -> str | None:
@@ -433,6 +448,8 @@ def explain_cause(finding) -> str | None:
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
         if cause.detail == "masked":
             return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
+        if reason and cause.detail in _COUNTS:
+            return f"undefined math: {reason}"
         if reason:
             return f"undefined math: {reason}, in float64 too"
         return f"undefined math: {name} is {what} in float64 too"
@@ -516,6 +533,8 @@ def _fix(finding) -> str:
     told = _cause_fix(finding, cause) if cause is not None else None
     if told is not None:
         return told
+    if cause is not None and cause.detail in _COUNTS:  # forward or backward: the batch is the matter
+        return _CAUSE_FIXES[cause.detail]
     if facts["from_deliberate"]:
         return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX).format(name=name)
     forward = facts["forward_op_name"]

@@ -15,6 +15,9 @@ The causes, tried in this order:
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
+  an nll_loss mean over finite log-probabilities that is nan divided by a total weight of 0
+  (``all_ignored``: every target was ``ignore_index``; ``zero_weight``: each target was
+  ignored or of a class of weight 0);
 - ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
   into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
   values before the write never read): whether it held the value cannot be told (``tensor``
@@ -51,7 +54,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -76,6 +79,7 @@ class Cause(NamedTuple):
     held: str | None = None  # INPUT / WEIGHTS: "nan" or "inf"
     made: Any = None  # INPUT / WEIGHTS / UNKNOWN: where it came from (Owned, MadeBy, BeforeWatch)
     through: Any = None  # INPUT / WEIGHTS: the op's input that carried it (``tensor`` or a view or copy of it)
+    constant: Any = None  # MATH ``all_ignored``: the ``ignore_index`` every target held
 
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
@@ -129,12 +133,14 @@ def decide_causes(origins, log) -> None:
                 _want(value, wanted, writes)
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
+            target = _nll_target(origin)
+            target = None if target is None else target[M_IDENT]  # an integer input it must read
             for meta in origin.record.inputs:
                 # Not written by the op itself either (``x.log_()``): it holds the result now.
-                if meta[M_DTYPE] in CHECKED_DTYPES and not writes.after(meta[M_IDENT], index - 1):
+                if (meta[M_DTYPE] in CHECKED_DTYPES or meta[M_IDENT] == target) and not writes.after(meta[M_IDENT], index - 1):
                     wanted[meta[M_IDENT]] = meta
     found, modules = _live(wanted)
-    health = {ident: _health(tensor) for ident, tensor in found.items()}
+    health = {ident: _health(tensor) for ident, tensor in found.items() if tensor.dtype in CHECKED_DTYPES}
     for origin in origins:
         recipes = origin.input_ranges
         written = written_inputs(origin.record.inputs, origin.record.outputs)
@@ -362,6 +368,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
+    counted = _nothing_counted(origin, found)
+    if counted is not None:
+        return Cause(MATH, counted, constant=dict(record.args).get("ignore_index", -100) if counted == "all_ignored" else None)
     name = facts_of(record.func).name
     ranges = [value_range for _, value_range in origin.input_ranges]
     detail = range_cause(name, origin.kind, record.outputs or (), ranges)
@@ -398,6 +407,45 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
                 if maker is not None and facts_of(maker.func).makes_new_data:
                     return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
     return None
+
+
+# The negative log-likelihood ops, forward and backward: a mean divides by the total weight of
+# the targets counted (the backward by the forward's ``total_weight``, one of its inputs).
+NLL_OPS = frozenset(("nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward", "nll_loss2d_backward"))
+_MEAN = 1  # torch's Reduction::Mean
+
+
+def _nll_target(origin):
+    """The target (its meta: the op's integer input) of an nll_loss op that made nan by a mean
+    that may have divided by zero, else ``None``."""
+    record = origin.record
+    if origin.kind != "nan" or facts_of(record.func).name not in NLL_OPS or dict(record.args).get("reduction") != _MEAN:
+        return None
+    return next((meta for meta in record.inputs if not meta[M_DTYPE].is_floating_point), None)
+
+
+def _nothing_counted(origin, found) -> str | None:
+    """An nll_loss mean that is nan from finite log-probabilities (and finite class weights):
+    the total weight it divides by is 0, a 0 / 0. ``"all_ignored"`` when every target was
+    ``ignore_index``: certain without class weights (the total weight is then the count of the
+    targets not ignored), else when the target, read, holds only ``ignore_index``;
+    ``"zero_weight"`` otherwise (each target ignored or of a class of weight 0)."""
+    target = _nll_target(origin)
+    if target is None or any(value_range is None for _, value_range in origin.input_ranges):
+        return None
+    record = origin.record
+    floating = sum(1 for meta in record.inputs if meta[M_DTYPE].is_floating_point)
+    weighted = floating > (1 if facts_of(record.func).name.endswith("_forward") else 3)
+    if not weighted:
+        return "all_ignored"
+    tensor = found.get(target[M_IDENT])
+    if tensor is not None:
+        try:
+            if not bool((tensor != dict(record.args).get("ignore_index", -100)).any()):
+                return "all_ignored"
+        except Exception:  # a tensor subclass that does not compare: the weights may be why
+            pass
+    return "zero_weight"
 
 
 def _unread(name, recipes):
