@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
+from ..checks.nonfinite.cause import DATA, DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -453,6 +453,12 @@ def explain_cause(finding) -> str | None:
         if reason:
             return f"undefined math: {reason}, in float64 too"
         return f"undefined math: {name} is {what} in float64 too"
+    if kind == INPUT and cause.detail == DATA:
+        return (
+            f"input: the data {format_meta(cause.tensor)} already held {cause.held} when it came into torch here "
+            f"({name}: torch.from_numpy, torch.tensor or torch.as_tensor of an array, as a dataset or a DataLoader's "
+            "collate makes a batch); no op made it"
+        )
     if kind in (INPUT, WEIGHTS):
         which = "parameter" if kind == WEIGHTS else "input"
         text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
@@ -492,6 +498,13 @@ def explain_cause(finding) -> str | None:
 
 def _cause_fix(finding, cause) -> str | None:
     what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
+    if cause.kind == INPUT and cause.detail == DATA:
+        return (
+            f"the data held {what} before torch saw it (a missing value in a table, a nodata pixel of a raster, a corrupt "
+            "record): check it where it is read (torch.isfinite(x).all() in the dataset's __getitem__ or the collate_fn, or "
+            "np.isfinite(array).all() after loading), then fill the missing values (np.nan_to_num, an imputed value) or leave "
+            "those samples out; nothing in the model is wrong"
+        )
     if cause.kind == INPUT and cause.made is not None and cause.made.how == "buffer":
         return (
             f"the buffer was {what} before this op: a running statistic updated from a batch that held {what} "
@@ -605,8 +618,11 @@ def explain_origin(finding) -> tuple[str, str, str]:
     if finding.facts.get("loss") is not None:
         return _explain_reached_loss(finding)
     what = finding.kind
-    problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
     cause = _cause(finding)
+    if cause is not None and cause.kind == INPUT and cause.detail == DATA:
+        problem = f"{what} came into torch here with the data: {_signature(finding.facts)} holds {what} it was given, not a value any op computed{_story(finding)}"
+        return problem, "finite data", _fix(finding)
+    problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
     if cause is not None and cause.kind in (INPUT, WEIGHTS):
         return problem, f"finite {'parameters' if cause.kind == WEIGHTS else 'inputs'}: this op passed on the {what} it was given", _fix(finding)
     return problem, "finite outputs from finite inputs", _fix(finding)

@@ -120,3 +120,132 @@ def test_class_weights_of_zero_for_every_target_counted_are_named():
     assert first.op == "aten.nll_loss_backward.default"
     assert first.finding.facts["cause"].detail == "zero_weight"
     assert "of a class of weight 0" in cause_line(first) and "learning rate" not in fix_line(first)
+
+
+# --------------------------------------------------------------------------------------------
+# data that came with nan: input, not deliberate
+# --------------------------------------------------------------------------------------------
+
+
+def housing_table(missing: bool) -> np.ndarray:
+    """A numeric table as pandas hands it over (``df.to_numpy()``): features, then the price."""
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(32, 5)).astype(np.float32)
+    if missing:
+        table[7, 2] = np.nan  # a missing value left in the frame
+    return table
+
+
+def fit_regressor(table, to_tensor):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        data = to_tensor(table)  # TABLE TO TORCH
+        features, price = data[:, :4], data[:, 4:]
+        for _ in range(2):
+            loss = F.mse_loss(model(features), price)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+@pytest.mark.parametrize("to_tensor", [torch.from_numpy, torch.tensor, torch.as_tensor], ids=["from_numpy", "tensor", "as_tensor"])
+def test_a_table_with_a_missing_value_is_input_with_a_fix_about_the_data(to_tensor, tmp_path):
+    w = fit_regressor(housing_table(missing=True), to_tensor)
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.lift_fresh.default" and anomaly.lineno == line_of("# TABLE TO TORCH", __file__)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.detail == "data" and cause.held == "nan"
+    assert cause_line(anomaly).startswith("  cause:    input: the data f32[32, 5] cpu already held nan when it came into torch here")
+    assert "deliberate" not in anomaly.message and "placeholder" not in anomaly.message
+    assert "torch.isfinite(x).all() in the dataset's __getitem__ or the collate_fn" in fix_line(anomaly)
+    w.export_jsonl(tmp_path / "table.jsonl")
+    (loaded,) = [a for a in load(tmp_path / "table.jsonl").anomalies if a.kind == "nan"]
+    assert loaded.finding.facts["cause"] == cause and loaded.message == anomaly.message
+
+
+def test_the_same_table_without_missing_values_reports_nothing():
+    w = fit_regressor(housing_table(missing=False), torch.from_numpy)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+class RasterTiles(Dataset):
+    """Elevation tiles of a geospatial raster, read as numpy arrays (rasterio's ``read()``), with
+    their nodata pixels turned into nan as rasterio's masked reads do."""
+
+    def __init__(self, nodata_in: int | None):
+        rng = np.random.default_rng(1)
+        self.tiles = rng.uniform(100, 900, size=(8, 1, 16, 16)).astype(np.float32)
+        if nodata_in is not None:
+            self.tiles[nodata_in, 0, :3, :5] = np.nan  # the edge of the survey
+        self.labels = rng.integers(0, 3, size=8)
+
+    def __len__(self):
+        return len(self.tiles)
+
+    def __getitem__(self, index):
+        return self.tiles[index], int(self.labels[index])  # the default collate lifts the arrays
+
+
+def classify_tiles(dataset):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for tiles, labels in DataLoader(dataset, batch_size=4):  # THE LOADER
+            loss = F.cross_entropy(model((tiles - 500.0) / 200.0), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def test_nodata_pixels_of_a_raster_loaded_by_a_dataloader_are_input():
+    w = classify_tiles(RasterTiles(nodata_in=5))
+    first, *_ = nonfinite(w)
+    assert first.op == "aten.lift_fresh.default" and first.lineno == line_of("# THE LOADER", __file__)
+    assert first.finding.facts["cause"].kind == INPUT and first.finding.facts["cause"].detail == "data"
+    assert "a DataLoader's collate" in cause_line(first)
+
+
+def test_raster_tiles_without_nodata_report_nothing():
+    w = classify_tiles(RasterTiles(nodata_in=None))
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+def impute_and_fit(leak: bool):
+    """Sensor readings gathered into a table the program fills: nan where no reading came
+    (``full(nan)``), then ``x[i] = nan`` for a reading known bad; the loss takes the readings
+    present only, unless ``leak``."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 6)
+    readings = {0: [0.5, 0.1, 0.3], 1: [0.2, 0.9], 3: [0.4, 0.4, 0.8, 0.1]}
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        table = torch.full((4, 6), float("nan"))  # PLACEHOLDER
+        for row, values in readings.items():
+            table[row, : len(values)] = torch.tensor(values)
+        table[3, 2] = float("nan")  # a reading known bad
+        present = ~table.isnan()
+        prediction = model(torch.nan_to_num(table))
+        if leak:
+            loss = (prediction - table).pow(2).mean()
+        else:
+            loss = (prediction[present] - table[present]).pow(2).mean()
+        loss.backward()
+    return w
+
+
+def test_a_placeholder_table_the_program_fills_and_masks_reports_nothing():
+    w = impute_and_fit(leak=False)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+def test_a_placeholder_nan_the_program_wrote_that_reaches_the_loss_stays_deliberate():
+    w = impute_and_fit(leak=True)
+    (anomaly,) = nonfinite(w)
+    assert anomaly.op == "aten.full.default" and anomaly.lineno == line_of("# PLACEHOLDER", __file__)
+    cause = anomaly.finding.facts["cause"]
+    assert (cause.kind, cause.detail) == (DELIBERATE, "nan_constant")
+    assert cause_line(anomaly).startswith("  cause:    deliberate: the program wrote this nan itself")

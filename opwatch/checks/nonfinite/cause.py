@@ -3,8 +3,9 @@ at report time (once per check point that found origins, never on a healthy step
 
 The causes, tried in this order:
 
-- ``input`` / ``weights``: an input already held nan/inf when the op ran: a tensor made
-  before the watch (a batch from a DataLoader worker, a buffer) or not checked when it was made
+- ``input`` / ``weights``: an input already held nan/inf when the op ran: data that came into
+  torch holding nan (``detail`` ``"data"``: an array lifted by ``torch.from_numpy`` or
+  ``torch.tensor``, known when the replay finds it), a tensor made before the watch (a batch from a DataLoader worker, a buffer) or not checked when it was made
   (``torch.empty``), or an ``nn.Parameter`` (``weights``). Found by looking up the op's input
   tensors, and the tensors its inputs were only viewed or copied from, among the live objects
   (they must not have been written since the op ran);
@@ -54,7 +55,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -86,6 +87,9 @@ class Cause(NamedTuple):
 DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
 # The cause of a nan the program wrote itself (``full(nan)``, ``x[i] = float("nan")``).
 NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
+# The ``detail`` of an INPUT cause whose tensor came into torch holding nan: an array lifted
+# (``torch.from_numpy``, ``torch.tensor(array)``, a DataLoader's collate); no op made it.
+DATA = "data"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -118,7 +122,8 @@ def decide_causes(origins, log) -> None:
     (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
-    origins = [origin for origin in origins if not origin.reduces_deliberate]
+    # So has data that came into torch holding nan (``DATA``).
+    origins = [origin for origin in origins if not origin.reduces_deliberate and origin.cause is None]
     if not origins:
         return
     wanted: dict = {}
