@@ -412,7 +412,8 @@ class ShapeProvenance:
             name = record.func._schema.name
             if not (record.func.is_view or name in _SHAPE_PRESERVING or name == _UNSQUEEZE):
                 break
-            ident = record.inputs[0][M_IDENT]
+            source, *_ = record.inputs
+            ident = source[M_IDENT]
             idents.add(ident)
         return idents
 

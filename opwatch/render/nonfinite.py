@@ -466,6 +466,9 @@ def explain_cause(finding) -> str | None:
             text += f" (its input {format_meta(cause.through)} was taken from it)"
         if cause.made is not None:
             text += f"; {where_made(cause.made)}"
+        loaded = _place(getattr(cause, "loaded", None))
+        if loaded is not None:
+            text += f"; it came from the loaded state: {_at(loaded)} copied it from the checkpoint's tensors (load_state_dict of torch.load)"
         return text + f"; {name} did not make it"
     if kind == UNKNOWN:
         made = "was made before the watch"
@@ -517,6 +520,12 @@ def _cause_fix(finding, cause) -> str | None:
             "(torch.isfinite(batch).all() in the dataset or collate_fn)"
             + (", or start the watch before it is made (a DataLoader's batches are made outside the watch)" if before else "")
             + "; nothing in this op is wrong"
+        )
+    if cause.kind in (WEIGHTS, INPUT) and _place(getattr(cause, "loaded", None)) is not None:
+        return (
+            f"the checkpoint holds {what}: load a checkpoint saved before the values went bad, and check what is "
+            "loaded (assert all(t.isfinite().all() for t in state_dict.values() if t.is_floating_point()) before "
+            "load_state_dict); then find the step that wrote the bad values before it was saved"
         )
     if cause.kind == WEIGHTS:
         return (

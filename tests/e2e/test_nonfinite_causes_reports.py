@@ -249,3 +249,78 @@ def test_a_placeholder_nan_the_program_wrote_that_reaches_the_loss_stays_deliber
     cause = anomaly.finding.facts["cause"]
     assert (cause.kind, cause.detail) == (DELIBERATE, "nan_constant")
     assert cause_line(anomaly).startswith("  cause:    deliberate: the program wrote this nan itself")
+
+
+# --------------------------------------------------------------------------------------------
+# a checkpoint holding nan: weights, found where the weight first feeds the forward
+# --------------------------------------------------------------------------------------------
+
+
+class SurvivalNet(nn.Module):
+    """A DeepSurv-style risk model: an MLP scoring each patient's log-risk."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+        self.risk = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.risk(self.body(x)).squeeze(-1)  # SCORE
+
+
+def cox_loss(risk, time, event):
+    """The negative Cox partial log-likelihood, patients sorted by descending time."""
+    order = time.argsort(descending=True)
+    risk, event = risk[order], event[order]
+    return -((risk - risk.logcumsumexp(0)) * event).sum() / event.sum().clamp_min(1)
+
+
+def save_checkpoint(path, poisoned: bool):
+    torch.manual_seed(0)
+    trained = SurvivalNet()
+    if poisoned:
+        with torch.no_grad():
+            trained.body[2].weight[4, :3] = float("nan")  # what a diverged run saved
+    torch.save({"model": trained.state_dict(), "epoch": 7}, path)
+
+
+def resume_and_train(path):
+    torch.manual_seed(1)
+    model = SurvivalNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, time, event = torch.randn(24, 12), torch.rand(24) * 10, (torch.rand(24) > 0.3).float()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        checkpoint = torch.load(path, weights_only=True)
+        model.load_state_dict(checkpoint["model"])  # RESUME
+        loss = cox_loss(model(x), time, event)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return w
+
+
+def test_a_checkpoint_holding_nan_is_found_at_the_forward_with_cause_weights_loaded(tmp_path):
+    path = tmp_path / "deepsurv.pt"
+    save_checkpoint(path, poisoned=True)
+    w = resume_and_train(path)
+    first, *_ = nonfinite(w)
+    assert first.op == "aten.addmm.default" and first.lineno == line_of("# SCORE", __file__)
+    assert first.record.module.startswith("body.2")
+    cause = first.finding.facts["cause"]
+    assert cause.kind == WEIGHTS and cause.held == "nan"
+    assert (cause.made.how, cause.made.path, cause.made.name, cause.made.cls) == ("parameter", "body.2 (Linear)", "weight", "Linear")
+    assert cause.loaded is not None and cause.loaded.lineno == line_of("# RESUME", __file__)
+    line = cause_line(first)
+    assert line.startswith("  cause:    weights: parameter f32[16, 32] cpu already held nan when addmm ran")
+    assert "it came from the loaded state" in line and "unknown" not in line
+    assert "the checkpoint holds nan" in fix_line(first) and "learning rate" not in fix_line(first)
+    w.export_jsonl(tmp_path / "resume.jsonl")
+    loaded, *_ = [a for a in load(tmp_path / "resume.jsonl").anomalies if a.kind == "nan"]
+    assert loaded.message == first.message
+
+
+def test_a_finite_checkpoint_reports_nothing(tmp_path):
+    path = tmp_path / "deepsurv.pt"
+    save_checkpoint(path, poisoned=False)
+    w = resume_and_train(path)
+    assert w.anomalies == [], [a.message for a in w.anomalies]

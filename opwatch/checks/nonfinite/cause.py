@@ -5,8 +5,11 @@ The causes, tried in this order:
 
 - ``input`` / ``weights``: an input already held nan/inf when the op ran: data that came into
   torch holding nan (``detail`` ``"data"``: an array lifted by ``torch.from_numpy`` or
-  ``torch.tensor``, known when the replay finds it), a tensor made before the watch (a batch from a DataLoader worker, a buffer) or not checked when it was made
-  (``torch.empty``), or an ``nn.Parameter`` (``weights``). Found by looking up the op's input
+  ``torch.tensor``, known when the replay finds it), a tensor made before the watch (a batch
+  from a DataLoader worker, a buffer) or not checked when it was made (``torch.empty``), or an
+  ``nn.Parameter`` (``weights``; ``loaded`` names the copy that wrote it from a checkpoint:
+  load_state_dict's ``copy_`` of torch.load's tensors, which no op fills and which the replay
+  leaves unknown, so that the first op they feed is the origin). Found by looking up the op's input
   tensors, and the tensors its inputs were only viewed or copied from, among the live objects
   (they must not have been written since the op ran);
 - ``precision``: the op's result is not finite in its dtype, but is when the op runs in a
@@ -81,6 +84,9 @@ class Cause(NamedTuple):
     made: Any = None  # INPUT / WEIGHTS / UNKNOWN: where it came from (Owned, MadeBy, BeforeWatch)
     through: Any = None  # INPUT / WEIGHTS: the op's input that carried it (``tensor`` or a view or copy of it)
     constant: Any = None  # MATH ``all_ignored``: the ``ignore_index`` every target held
+    # INPUT / WEIGHTS: the Place of the copy that wrote it from loaded state (load_state_dict's
+    # copy_ of torch.load's tensors), when that is how it got its values
+    loaded: Any = None
 
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
@@ -486,12 +492,24 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, modules)
+    loaded = _loaded_by(writes, ident, index)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
-        return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)
+        return Cause(kind, tensor=meta, held=known.held, made=owner, through=through, loaded=loaded)
     if isinstance(tensor, torch.nn.Parameter):
-        return Cause(WEIGHTS, tensor=meta, held=known.held, through=through)
-    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through)
+        return Cause(WEIGHTS, tensor=meta, held=known.held, through=through, loaded=loaded)
+    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through, loaded=loaded)
+
+
+def _loaded_by(writes, ident, index) -> Place | None:
+    """The copy that last wrote ``ident`` before op ``index``, when it copied loaded values: a
+    source made by an op that aliases a storage filled with no op (``set_``: torch.load)."""
+    writer = writes.made_by(ident, index)
+    if writer is None or not facts_of(writer.func).is_copy or len(writer.inputs) < 2:
+        return None
+    _, copied, *_ = writer.inputs
+    source = writes.made_by(copied[M_IDENT], writer.index)
+    return Place.of(writer) if source is not None and facts_of(source.func).aliases_storage else None
 
 
 def _made_where(writes, ident, index) -> MadeBy | BeforeWatch | None:

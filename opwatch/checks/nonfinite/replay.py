@@ -298,6 +298,13 @@ class Origins:
                     # and reported once it becomes the loss.
                     record = record or state.log.view(entry)
                     origin = reduced = self._nan_constant(state, entry, record, before)
+            elif facts.is_copy and _copied_from_storage(state, entry):
+                # Loaded values (torch.load's tensors, filled with no op) copied into place
+                # (load_state_dict): no op made them; left unknown, as if made before the watch,
+                # so that the first op they feed finds them there (its cause: the weights).
+                state.status.pop(ident, None)
+                state.value_ranges[ident] = None
+                continue
             else:
                 record = record or state.log.view(entry)
                 origin = self._origin(state, entry, facts, record, kind, bool(input_states), before)
@@ -512,6 +519,17 @@ def _step_lift(state, entry, outputs, origins) -> None:
             _mark_sinks(origin, flags.refs[key], state.accumulates)
         state.status[ident] = (kind, origin)
         state.live[ident] = flags.refs[key]
+
+
+def _copied_from_storage(state, entry) -> bool:
+    """Whether a copy's source was made by an op that aliases a storage filled with no op
+    (``set_``: torch.load's tensors), as the log shows (slow: asked for a non-finite copy only)."""
+    inputs = entry_inputs(entry)
+    if not inputs or len(inputs) < 2:
+        return False
+    _, source, *_ = inputs
+    maker = state.log.producer_of(source[M_IDENT], before=entry[E_INDEX])
+    return maker is not None and facts_of(maker.func).aliases_storage
 
 
 def _forget_written(state, entry) -> None:
