@@ -414,7 +414,16 @@ def _detail(finding) -> str | None:
     return cause.detail if cause is not None and cause.kind in (MATH, PRECISION) else None
 
 
-def _wider_fix(cause) -> str:
+_CONVOLUTIONS = frozenset(("convolution", "_convolution", "conv1d", "conv2d", "conv3d"))
+
+
+def _wider_fix(cause, name) -> str:
+    if cause.wider == torch.float32 and name in _CONVOLUTIONS:
+        return (
+            "run this convolution in float32 (autocast keeps convolutions in float16): upcast the module that holds it "
+            "(a VAE decoder: vae.to(torch.float32) before decoding, as diffusers' force_upcast does), or run the model in "
+            "bfloat16 (the range of float32); or scale the weights and activations down (a normalisation before it)"
+        )
     if cause.wider == torch.float32:
         return (
             "compute this op in float32, as LlamaRMSNorm does (x.to(torch.float32) before it, the result "
@@ -568,7 +577,7 @@ def _fix(finding) -> str:
     if cause is not None and cause.kind == PRECISION and cause.dtype in FLOAT8_DTYPES:
         return _FLOAT8_FIX.format(dtype=format_dtype(cause.dtype))
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
-        return _wider_fix(cause)
+        return _wider_fix(cause, name)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
     if detail == "div_zero_zero" and _divides_by_a_count(facts):
         detail = "div_count_zero"

@@ -324,3 +324,72 @@ def test_a_finite_checkpoint_reports_nothing(tmp_path):
     save_checkpoint(path, poisoned=False)
     w = resume_and_train(path)
     assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+# --------------------------------------------------------------------------------------------
+# a float16 VAE decoder whose convolution overflows: precision
+# --------------------------------------------------------------------------------------------
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, channels), nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(8, channels), nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class VAEDecoder(nn.Module):
+    """The shape of diffusers' AutoencoderKL decoder, small: conv_in, a resnet block, two
+    upsampling stages (nearest, then a convolution), conv_out."""
+
+    def __init__(self, latent=4, channels=32):
+        super().__init__()
+        self.conv_in = nn.Conv2d(latent, channels, 3, padding=1)
+        self.mid = ResnetBlock(channels)
+        self.up = nn.ModuleList([nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2)])
+        self.norm_out, self.conv_out = nn.GroupNorm(8, channels), nn.Conv2d(channels, 3, 3, padding=1)
+
+    def forward(self, z):
+        h = self.mid(self.conv_in(z))
+        for conv in self.up:
+            h = conv(F.interpolate(h, scale_factor=2.0, mode="nearest"))  # UPSAMPLE CONV
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def decode(dtype):
+    """Decode a latent with a decoder whose late activations run large (as SDXL's VAE does,
+    the reason diffusers sets force_upcast): fine in float32, past 65504 in float16."""
+    torch.manual_seed(0)
+    decoder = VAEDecoder()
+    with torch.no_grad():
+        for conv in decoder.up:
+            conv.weight.mul_(1000.0)
+    decoder = decoder.to(dtype)
+    latents = torch.randn(1, 4, 8, 8)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        with torch.no_grad():
+            image = decoder(latents.to(dtype))
+        pixels = (image.float() / 2 + 0.5).clamp(0, 1)
+        pixels.mean().item()
+    return w
+
+
+def test_a_float16_vae_decoder_whose_convolution_overflows_is_a_precision_cause():
+    w = decode(torch.float16)
+    first, *_ = nonfinite(w)
+    assert first.op == "aten.convolution.default" and first.kind == "inf"
+    assert first.lineno == line_of("# UPSAMPLE CONV", __file__)
+    cause = first.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.dtype == torch.float16 and cause.wider == torch.float32 and cause.bound
+    assert cause.largest > torch.finfo(torch.float16).max
+    assert cause_line(first).startswith("  cause:    precision: convolution made inf in f16; its inputs' ranges bound its result by")
+    assert "force_upcast" in fix_line(first) and "learning rate" not in fix_line(first)
+
+
+def test_the_same_decoder_upcast_to_float32_reports_nothing():
+    w = decode(torch.float32)  # what force_upcast does
+    assert w.anomalies == [], [a.message for a in w.anomalies]

@@ -15,7 +15,8 @@ The causes, tried in this order:
 - ``precision``: the op's result is not finite in its dtype, but is when the op runs in a
   wider one (float32, else float64): decided by running the op again on its inputs, copied
   to the wider dtype, when they are all still alive and small enough; else from the inputs'
-  ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a cast);
+  ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a
+  convolution, a cast);
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
@@ -750,9 +751,18 @@ def _bound(record, kind, ranges) -> float | None:
             return first + inner * math.prod(rest)
         if name == "sum" and not rest:
             return _summed(record) * first
+        if name in _CONVOLUTIONS and len(rest) in (1, 2) and len(record.inputs) > 1:
+            # Each output value adds up in_channels / groups * kernel products, and the bias.
+            _, weight, *_ = record.inputs
+            weight_largest, *bias = rest
+            _out_channels, *window = weight[M_SHAPE] or ()
+            return math.prod(window) * first * weight_largest + sum(bias) if len(window) >= 2 else None
     except (OverflowError, TypeError):
         return math.inf
     return None
+
+
+_CONVOLUTIONS = frozenset(("convolution", "_convolution", "conv1d", "conv2d", "conv3d"))
 
 
 def _inner_size(record) -> int | None:
