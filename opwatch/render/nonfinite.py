@@ -441,6 +441,20 @@ def explain_cause(finding) -> str | None:
     what = finding.kind
     name = finding.facts["op_name"]
     kind = cause.kind
+    if kind == PRECISION and _place(getattr(cause, "went", None)) is not None:
+        went = _place(cause.went)
+        info = torch.finfo(cause.dtype)
+        dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
+        short, _, _ = went.op.removeprefix("aten.").partition(".")
+        if cause.went_to == "0":
+            how = f"its exact values there, at most {cause.largest:.4g} in {wider}, are below the smallest normal {dtype}, {info.tiny:.4g}"
+        else:
+            how = f"its exact values there reach {cause.largest:.4g} in {wider}, beyond the largest {dtype}, {info.max:.4g}"
+        at = _at(went).removeprefix(f"{went.op} ")
+        return (
+            f"precision: {short} {'underflowed to 0' if cause.went_to == '0' else 'overflowed to inf'} in {dtype} {at} "
+            f"({how}), and {name} made {what} of it; run again in {wider} from the same finite inputs, the chain is finite"
+        )
     if kind == PRECISION:
         limit = torch.finfo(cause.dtype).max
         dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
@@ -574,6 +588,8 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
+    if cause is not None and cause.kind == PRECISION and _place(getattr(cause, "went", None)) is not None:
+        return _chain_fix(cause)
     if cause is not None and cause.kind == PRECISION and cause.dtype in FLOAT8_DTYPES:
         return _FLOAT8_FIX.format(dtype=format_dtype(cause.dtype))
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
@@ -582,6 +598,22 @@ def _fix(finding) -> str:
     if detail == "div_zero_zero" and _divides_by_a_count(facts):
         detail = "div_count_zero"
     return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
+
+
+def _chain_fix(cause) -> str:
+    went = _place(cause.went)
+    short, _, _ = went.op.removeprefix("aten.").partition(".")
+    if cause.went_to == "0":
+        return (
+            f"the values went below what {format_dtype(cause.dtype)} holds at {short} ({_at(went)}): keep them in the log domain "
+            "instead of taking exp and multiplying (torch.logsumexp for log(sum(exp(x))): a log-domain Sinkhorn updates "
+            "log u = log a - logsumexp(log K + log v); the sum of log-densities instead of the product of densities), "
+            "or compute that part in float64; an epsilon only hides it"
+        )
+    return (
+        f"the values outgrew {format_dtype(cause.dtype)} at {short} ({_at(went)}): compute that part in a wider dtype "
+        "(float32, or float64), or keep it in the log domain (logsumexp), or scale its inputs down (normalise before it)"
+    )
 
 
 def _divides_by_a_count(facts) -> bool:

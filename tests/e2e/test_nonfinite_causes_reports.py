@@ -393,3 +393,143 @@ def test_a_float16_vae_decoder_whose_convolution_overflows_is_a_precision_cause(
 def test_the_same_decoder_upcast_to_float32_reports_nothing():
     w = decode(torch.float32)  # what force_upcast does
     assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+# --------------------------------------------------------------------------------------------
+# underflow chains: the op where the value went to 0, not the op that divided by it
+# --------------------------------------------------------------------------------------------
+
+
+def sinkhorn_distance(x, y, eps=0.1, iters=30):
+    """Entropic optimal transport between two point clouds, as often written (POT's
+    ``sinkhorn_knopp``): the Gibbs kernel ``exp(-C / eps)`` in the points' dtype."""
+    cost = torch.cdist(x, y) ** 2
+    kernel = torch.exp(-cost / eps)  # GIBBS KERNEL
+    a = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=x.dtype)
+    b = torch.full((y.shape[0],), 1.0 / y.shape[0], dtype=y.dtype)
+    u = torch.ones_like(a)
+    for _ in range(iters):
+        v = b / (kernel.T @ u)  # SINKHORN COLUMN UPDATE
+        u = a / (kernel @ v)
+    plan = u[:, None] * kernel * v[None, :]
+    return (plan * cost).sum()
+
+
+def log_sinkhorn_distance(x, y, eps=0.1, iters=30):
+    """The same in the log domain: logsumexp instead of exp and matrix products."""
+    cost = torch.cdist(x, y) ** 2
+    log_a = torch.full((x.shape[0],), -math.log(x.shape[0]), dtype=x.dtype)
+    log_b = torch.full((y.shape[0],), -math.log(y.shape[0]), dtype=y.dtype)
+    f, g = torch.zeros_like(log_a), torch.zeros_like(log_b)
+    for _ in range(iters):
+        g = eps * (log_b - torch.logsumexp((f[:, None] - cost) / eps, dim=0))
+        f = eps * (log_a - torch.logsumexp((g[None, :] - cost) / eps, dim=1))
+    plan = torch.exp((f[:, None] + g[None, :] - cost) / eps)
+    return (plan * cost).sum()
+
+
+def point_clouds():
+    torch.manual_seed(0)
+    return torch.randn(16, 2), torch.randn(16, 2) + 4  # two clouds some distance apart
+
+
+def test_a_float32_sinkhorn_whose_kernel_column_underflows_names_the_exp():
+    x, y = point_clouds()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        distance = sinkhorn_distance(x, y)
+        distance.item()
+    first, *_ = nonfinite(w)
+    assert first.op == "aten.div.Tensor" and first.kind == "inf" and first.lineno == line_of("# SINKHORN COLUMN UPDATE", __file__)
+    cause = first.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.went_to == "0" and cause.dtype == torch.float32 and cause.wider == torch.float64
+    assert cause.went.op == "aten.exp.default" and cause.went.lineno == line_of("# GIBBS KERNEL", __file__)
+    assert 0 < cause.largest < torch.finfo(torch.float32).tiny
+    line = cause_line(first)
+    assert line.startswith(f"  cause:    precision: exp underflowed to 0 in f32 at {__file__}:{line_of('# GIBBS KERNEL', __file__)}")
+    assert "and div made inf of it" in line and "undefined math" not in line
+    assert "logsumexp" in fix_line(first) and "add an epsilon" not in fix_line(first)
+    # the same computation in float64 is finite: the chain, not the division, is the cause
+    assert math.isfinite(sinkhorn_distance(x.double(), y.double()).item())
+
+
+def test_a_log_domain_sinkhorn_reports_nothing():
+    x, y = point_clouds()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        distance = log_sinkhorn_distance(x, y)
+        distance.item()
+    assert math.isfinite(distance.item()) and w.anomalies == [], [a.message for a in w.anomalies]
+
+
+def test_division_by_an_exact_zero_stays_undefined_math():
+    """A zero that no underflow made (a count of an empty mask as a float): nothing to run
+    again in float64 makes it finite."""
+    values, mask = torch.randn(4, 5), torch.zeros(4, 5)
+    mask[0] = 1.0
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        pooled = (values * mask).sum(1) / mask.sum(1)
+        pooled.sum().item()
+    first, *_ = nonfinite(w)
+    assert first.finding.facts["cause"].kind == MATH and first.finding.facts["cause"].went is None
+
+
+class MixtureDensityNetwork(nn.Module):
+    """Bishop's mixture density network: for each input, K Gaussians over a 31-dim target."""
+
+    def __init__(self, features=8, dims=31, components=5):
+        super().__init__()
+        self.dims, self.components = dims, components
+        self.body = nn.Sequential(nn.Linear(features, 64), nn.Tanh())
+        self.logits = nn.Linear(64, components)
+        self.mean = nn.Linear(64, components * dims)
+        self.log_std = nn.Linear(64, components * dims)
+
+    def forward(self, x):
+        h = self.body(x)
+        shape = (x.shape[0], self.components, self.dims)
+        return self.logits(h).softmax(-1), self.mean(h).view(shape), self.log_std(h).view(shape).exp().clamp_min(1.0)  # a floor on the spread
+
+
+def mdn_nll_by_densities(weights, mean, std, y):
+    """The likelihood as written from the formula: the product of the per-dim densities."""
+    z = (y[:, None, :] - mean) / std
+    densities = torch.exp(-0.5 * z**2) / (std * math.sqrt(2 * math.pi))
+    likelihood = (weights * densities.prod(-1)).sum(-1)  # PRODUCT OF DENSITIES
+    return -torch.log(likelihood).mean()  # LOG LIKELIHOOD
+
+
+def mdn_nll_by_logs(weights, mean, std, y):
+    """The same in the log domain: sum the log-densities, logsumexp over the components."""
+    z = (y[:, None, :] - mean) / std
+    log_densities = -0.5 * z**2 - std.log() - 0.5 * math.log(2 * math.pi)
+    return -torch.logsumexp(weights.log() + log_densities.sum(-1), dim=-1).mean()
+
+
+def fit_mdn(nll):
+    torch.manual_seed(0)
+    model = MixtureDensityNetwork()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 8)
+    y = torch.randn(32, 31) * 2.5  # targets spread wider than the untrained components
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(2):
+            loss = nll(*model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def test_a_mixture_density_network_whose_product_of_densities_underflows_names_the_product():
+    w = fit_mdn(mdn_nll_by_densities)
+    first, *_ = nonfinite(w)
+    assert first.op == "aten.log.default" and first.kind == "inf" and first.lineno == line_of("# LOG LIKELIHOOD", __file__)
+    cause = first.finding.facts["cause"]
+    assert cause.kind == PRECISION and cause.went_to == "0", cause
+    assert cause.went.lineno == line_of("# PRODUCT OF DENSITIES", __file__) and cause.went.op.startswith("aten.prod")
+    assert "underflowed to 0 in f32" in cause_line(first) and "and log made inf of it" in cause_line(first)
+    assert "undefined math" not in cause_line(first)
+
+
+def test_a_mixture_density_network_in_the_log_domain_reports_nothing():
+    w = fit_mdn(mdn_nll_by_logs)
+    assert w.anomalies == [], [a.message for a in w.anomalies]

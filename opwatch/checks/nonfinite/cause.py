@@ -17,6 +17,11 @@ The causes, tried in this order:
   to the wider dtype, when they are all still alive and small enough; else from the inputs'
   ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a
   convolution, a cast);
+  Or decided on the chain that made the op's inputs (``went``): where the op alone is not
+  finite in float64 (its input is already 0: ``b / (K.T @ u)``, ``log(prod)``), the ops that
+  led to it from finite inputs are run again in float64; when the op is then finite, the first
+  of them whose result went to 0 (below the smallest normal of its dtype) or to inf is named
+  (:class:`_Chain`);
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
@@ -88,6 +93,11 @@ class Cause(NamedTuple):
     # INPUT / WEIGHTS: the Place of the copy that wrote it from loaded state (load_state_dict's
     # copy_ of torch.load's tensors), when that is how it got its values
     loaded: Any = None
+    # PRECISION of a chain (the op's own inputs already held the 0 or inf, made by an earlier op
+    # that underflowed or overflowed): the Place of that op, and what it went to ("0" or "inf");
+    # ``largest`` is then the magnitude it had there in ``wider`` (the smallest, for an underflow)
+    went: Any = None
+    went_to: str | None = None
 
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
@@ -390,10 +400,10 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if rerun is not None:
         wider, largest = rerun
         if wider is None:
-            return Cause(MATH, detail)
+            return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
     if detail is not None and detail not in OVERFLOWS:
-        return Cause(MATH, detail)
+        return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
     bound = _bound(record, origin.kind, read_ranges(name, ranges))
     if bound is not None:
         dtype = _dtype_of(record)
@@ -401,6 +411,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
             if _rank(wider) > _rank(dtype) and bound < torch.finfo(wider).max:
                 return Cause(PRECISION, detail, dtype, wider, bound, bound=True)
         # A bound beyond float64 tells nothing: the exact result may still be far below it.
+    chain = _chain_cause(origin, writes, detail)
+    if chain is not None:
+        return chain
     if detail is not None:
         return Cause(MATH, detail)
     # An input whose range is unknown, made before the watch (or by an op whose values are not
@@ -587,6 +600,171 @@ def _rerun(record, found):
         if math.isfinite(low) and math.isfinite(high):
             return candidate, max(abs(low), abs(high))
     return (None, None)
+
+
+# -- the chain that made it -------------------------------------------------------------------
+
+# How many ops back from the origin's inputs the chain is run again, and how many in all.
+_CHAIN_DEPTH = 12
+_CHAIN_OPS = 48
+
+
+class _Chain:
+    """The ops that led to an origin's inputs, run again from the tensors they started from
+    (alive and unwritten: the leaves), once in the ops' own dtypes and once with every floating
+    tensor in float64: which op's result went to 0 (below the smallest normal of its dtype, non-
+    zero in float64) or to inf (finite in float64) first, and whether the origin's op is finite
+    in float64 on such inputs. Slow: asked only where the origin's op alone tells undefined math
+    (or nothing)."""
+
+    def __init__(self, writes):
+        self._writes = writes
+        self._plan: dict = {}  # (ident, before) -> the producing record, or None for a leaf
+        self._live: dict = {}
+        self._values: dict = {}  # (ident, before) -> (narrow, wide) or None
+        self._numel = 0
+        self.events: list = []  # (op index, record, went_to, magnitude in float64)
+
+    def plan(self, record) -> bool:
+        """Walk the log back from ``record``'s inputs; look the leaves up among the live objects."""
+        wanted: dict = {}
+        frontier = [(meta, record.index, 0) for meta in record.inputs]
+        while frontier:
+            meta, before, depth = frontier.pop()
+            key = (meta[M_IDENT], before)
+            if key in self._plan:
+                continue
+            wanted[meta[M_IDENT]] = meta
+            producer = self._writes.made_by(meta[M_IDENT], before) if depth < _CHAIN_DEPTH and len(self._plan) < _CHAIN_OPS else None
+            if producer is not None and not _rerunnable(producer):
+                producer = None
+            self._plan[key] = producer
+            if producer is not None:
+                frontier.extend((inner, producer.index, depth + 1) for inner in producer.inputs)
+        self._live, _ = _live(wanted)
+        return any(producer is not None for producer in self._plan.values())
+
+    def value(self, meta, before):
+        """``(narrow, wide)`` for the tensor ``meta`` as op ``before`` read it, or ``None``."""
+        key = (meta[M_IDENT], before)
+        if key in self._values:
+            return self._values[key]
+        self._values[key] = None  # a cycle reads as unknown
+        found = self._computed(meta, before)
+        if found is None:
+            found = self._leaf(meta, before)
+        self._values[key] = found
+        return found
+
+    def _leaf(self, meta, before):
+        tensor = self._live.get(meta[M_IDENT])
+        if tensor is None or self._writes.after(meta[M_IDENT], before - 1) or not self._afford(tensor):
+            return None
+        narrow = tensor.detach().clone()
+        return narrow, _widened(narrow)
+
+    def _computed(self, meta, before):
+        producer = self._plan.get((meta[M_IDENT], before))
+        if producer is None:
+            return None
+        values = [self.value(inner, producer.index) for inner in producer.inputs]
+        if None in values:
+            return None
+        results = run_call(producer, [narrow for narrow, _ in values], [wide for _, wide in values])
+        if results is None:
+            return None
+        position = next((at for at, out in enumerate(producer.outputs or ()) if out[M_IDENT] == meta[M_IDENT]), None)
+        if position is None or position >= len(results):
+            return None
+        narrow, wide = results[position]
+        if not self._afford(narrow):
+            return None
+        self._note(producer, [narrow_in for narrow_in, _ in values], narrow, wide)
+        return narrow, wide
+
+    def _afford(self, tensor) -> bool:
+        self._numel += tensor.numel()
+        return self._numel <= _MAX_RERUN_NUMEL
+
+    def _note(self, producer, inputs, narrow, wide) -> None:
+        """Where this op's result went to 0 or inf from finite inputs, and not in float64."""
+        if not narrow.is_floating_point() or narrow.dtype == torch.float64 or narrow.is_complex():
+            return
+        if any(inner.is_floating_point() and not bool(torch.isfinite(inner).all()) for inner in inputs):
+            return
+        info = torch.finfo(narrow.dtype)
+        wide = wide.to(torch.float64)
+        underflowed = (narrow == 0) & (wide != 0) & (wide.abs() < info.tiny)
+        if bool(underflowed.any()):
+            self.events.append((producer.index, producer, "0", float(wide.abs()[underflowed].max())))
+            return
+        overflowed = torch.isinf(narrow) & torch.isfinite(wide)
+        if bool(overflowed.any()):
+            self.events.append((producer.index, producer, "inf", float(wide.abs()[overflowed].max())))
+
+
+def _widened(tensor):
+    return tensor.detach().to(torch.float64) if tensor.is_floating_point() and not tensor.is_complex() else tensor.detach().clone()
+
+
+def _wide_args(values) -> tuple:
+    """Arguments for the float64 run: a floating dtype argument (``ones_like(x, dtype=f32)``,
+    ``x.float()``) names float64."""
+    return tuple(torch.float64 if isinstance(value, torch.dtype) and value.is_floating_point else value for value in values)
+
+
+def _rerunnable(record) -> bool:
+    facts = facts_of(record.func)
+    if facts.is_collective or facts.aliases_storage or facts.makes_new_data and not record.inputs:
+        return facts.name in ("full", "full_like", "ones", "ones_like", "zeros", "zeros_like", "scalar_tensor", "arange")
+    return torch.Tag.nondeterministic_seeded not in getattr(record.func, "tags", ()) and not facts.is_lift
+
+
+def run_call(record, narrow, wide):
+    """Run ``record``'s op on ``narrow`` tensors and on ``wide`` ones (copies: the op may write
+    in place): a ``(narrow, wide)`` pair per tensor output, or ``None`` when it cannot be run."""
+    call = _call_of(record.func, record, len(narrow))
+    if call is None:
+        return None
+    outs = []
+    for tensors, args, kwargs in ((narrow, call.args, call.kwargs), (wide, _wide_args(call.args), dict(zip(call.kwargs, _wide_args(call.kwargs.values()))))):
+        copies = [tensor.clone() for tensor in tensors]
+        try:
+            with torch.no_grad():
+                out = record.func(*_fill(args, copies), **_fill_kwargs(kwargs, copies))
+        except Exception:
+            return None
+        outs.append([out] if isinstance(out, torch.Tensor) else [item for item in out if isinstance(item, torch.Tensor)] if isinstance(out, (tuple, list)) else [])
+    narrow_outs, wide_outs = outs
+    wide_outs = [_widened(out) for out in wide_outs]
+    if len(narrow_outs) != len(wide_outs):
+        return None
+    return list(zip(narrow_outs, wide_outs))
+
+
+def _chain_cause(origin, writes, detail) -> Cause | None:
+    """PRECISION when the ops that made the origin's inputs, run again in float64 from finite
+    inputs, keep the origin's op finite, and one of them went to 0 or inf in its own dtype
+    (the first in the program is named): a float32 ``exp`` that underflowed to 0 before
+    ``b / (K.T @ u)``, a product of densities before ``log``."""
+    record = origin.record
+    dtype = _dtype_of(record)
+    if dtype is None or dtype == torch.float64 or dtype in COMPLEX or facts_of(record.func).is_collective:
+        return None
+    chain = _Chain(writes)
+    if not chain.plan(record):
+        return None
+    values = [chain.value(meta, record.index) for meta in record.inputs]
+    if None in values or not chain.events:
+        return None
+    results = run_call(record, [narrow for narrow, _ in values], [wide for _, wide in values])
+    if not results:
+        return None
+    (narrow, wide), *_ = results
+    if not wide.is_floating_point() or bool(torch.isfinite(narrow).all()) or not bool(torch.isfinite(wide).all()):
+        return None  # not reproduced, or not finite in float64 either
+    _, went, went_to, magnitude = min(chain.events, key=_first)  # the first in the program (by op index)
+    return Cause(PRECISION, detail, _dtype_of(went) or dtype, torch.float64, magnitude, went=Place.of(went), went_to=went_to)
 
 
 class _Call(NamedTuple):
