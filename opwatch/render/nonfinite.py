@@ -436,10 +436,10 @@ def _wider_fix(cause, name) -> str:
 def explain_cause(finding) -> str | None:
     """The ``cause:`` line of a nan/inf origin: what kind of cause, and the facts that show it."""
     cause = _cause(finding)
-    if cause is None:
-        return None
     what = finding.kind
     name = finding.facts["op_name"]
+    if cause is None:
+        return _undecided(finding, name, what)
     kind = cause.kind
     if kind == PRECISION and _place(getattr(cause, "went", None)) is not None:
         went = _place(cause.went)
@@ -520,6 +520,22 @@ def explain_cause(finding) -> str | None:
             f"softmax, max and logsumexp, which leave them out, but {name} adds them into its result; the loss holds the {what}"
         )
     return None
+
+
+def _undecided(finding, name, what) -> str:
+    """Why no cause could be decided, in one clause."""
+    facts = finding.facts
+    if facts["skipped_by_grad_scaler"]:
+        return "none to decide: GradScaler's scaled gradients overflow now and then by design, and it skipped this step"
+    if _not_known_finite(facts):
+        return (
+            f"not decided: an input's values were not known (made before the watch or by an op whose values opwatch does "
+            f"not read, and gone by the check point), so whether {name} made the {what} or was given it cannot be told"
+        )
+    return (
+        f"not decided: {name} could not be run again in a wider dtype (an input was gone by the check point, or its call "
+        f"cannot be rebuilt from the log), and its inputs' ranges do not show what made the {what}"
+    )
 
 
 def _cause_fix(finding, cause) -> str | None:
