@@ -526,7 +526,10 @@ def _undecided(finding, name, what) -> str:
     """Why no cause could be decided, in one clause."""
     facts = finding.facts
     if facts["skipped_by_grad_scaler"]:
-        return "none to decide: GradScaler's scaled gradients overflow now and then by design, and it skipped this step"
+        return (
+            f"transient: {name} overflowed in the gradients GradScaler scaled up, by design now and then: it skipped "
+            "this step and lowers its scale (how it finds one); only a run of skipped steps is a fault"
+        )
     if _not_known_finite(facts):
         return (
             f"not decided: an input's values were not known (made before the watch or by an op whose values opwatch does "

@@ -112,4 +112,4 @@ def test_an_origin_without_a_cause_says_in_one_clause_why_none_was_decided():
     assert explain_cause(unknown).startswith("not decided: an input's values were not known")
     skipped = origin("aten.mul.Tensor", "inf", [(1.0, 2.0)])
     skipped.facts.update(cause=None, skipped_by_grad_scaler=True, contained=True)
-    assert explain_cause(skipped).startswith("none to decide: GradScaler")
+    assert explain_cause(skipped).startswith("transient: mul overflowed in the gradients GradScaler scaled up")
