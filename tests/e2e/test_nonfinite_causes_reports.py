@@ -433,7 +433,7 @@ def point_clouds():
     return torch.randn(16, 2), torch.randn(16, 2) + 4  # two clouds some distance apart
 
 
-def test_a_float32_sinkhorn_whose_kernel_column_underflows_names_the_exp():
+def test_a_float32_sinkhorn_whose_kernel_column_underflows_names_the_exp(tmp_path):
     x, y = point_clouds()
     with opwatch.watch(warn=False, dump_on_error=False) as w:
         distance = sinkhorn_distance(x, y)
@@ -450,6 +450,9 @@ def test_a_float32_sinkhorn_whose_kernel_column_underflows_names_the_exp():
     assert "logsumexp" in fix_line(first) and "add an epsilon" not in fix_line(first)
     # the same computation in float64 is finite: the chain, not the division, is the cause
     assert math.isfinite(sinkhorn_distance(x.double(), y.double()).item())
+    w.export_jsonl(tmp_path / "sinkhorn.jsonl")
+    loaded, *_ = [a for a in load(tmp_path / "sinkhorn.jsonl").anomalies if a.kind == "inf"]
+    assert loaded.finding.facts["cause"] == cause and loaded.message == first.message
 
 
 def test_a_log_domain_sinkhorn_reports_nothing():

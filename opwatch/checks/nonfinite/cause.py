@@ -714,10 +714,13 @@ def _wide_args(values) -> tuple:
 
 
 def _rerunnable(record) -> bool:
+    """Whether the chain may run ``record``'s op again: not one that makes values opwatch does
+    not read (``empty_like``, ``set_``), draws random numbers, lifts Python data or talks to
+    other ranks (factories of given values, ``full``, ``ones_like``, are run)."""
     facts = facts_of(record.func)
-    if facts.is_collective or facts.aliases_storage or facts.makes_new_data and not record.inputs:
-        return facts.name in ("full", "full_like", "ones", "ones_like", "zeros", "zeros_like", "scalar_tensor", "arange")
-    return torch.Tag.nondeterministic_seeded not in getattr(record.func, "tags", ()) and not facts.is_lift
+    if facts.is_collective or facts.makes_new_data or facts.is_lift:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(record.func, "tags", ())
 
 
 def run_call(record, narrow, wide):
