@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from . import checks as _checks
 from .findings.allow import Allow
-from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
 from .modes.functions import FunctionWatch
 from .modes import compiled as _compiled
 from .modes import compiled_graphs as _graphs
@@ -474,7 +474,7 @@ class Watch:
     def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
         failed = self._failed_record(interceptor, error)
         if failed is not None and not isinstance(error, AnomalyError):
-            error.add_note(exception_note(failed))
+            add_note(error, exception_note(failed))
         if self._dump_on_error and self._last:
             records = self._log.records()[-self._last :]
             stream = self._file if self._file is not None else sys.stderr

@@ -29,10 +29,12 @@ before ends the wait):
   tensor of its own shape made otherwise (the ``(N, M)`` matmul of ``x_norm + y_norm - 2 * x @
   y.T``): deliberate, dropped; reduced straight away by ``mean``/``sum``: reported there;
 - ``broadcast.paired``: not flagged above because the column's size-1 dims were made with
-  ``unsqueeze``, but the column shares no dim with a vector of two or more dims and its own size
-  equals the vector's leading one, so the result holds it twice (``(B, 1, 1)`` positives plus
-  ``(B, K)`` negatives give ``(B, B, K)``): reported when reduced straight away by
-  ``mean``/``sum``.
+  ``unsqueeze``, but the column shares no dim with the vector and its own size equals the
+  vector's leading one, so the result holds it twice (``(B, 1, 1)`` positives plus ``(B, K)``
+  negatives give ``(B, B, K)``; ``(B, 1)`` positive scores against ``(B,)`` negative ones give
+  ``(B, B)``): reported when reduced straight away by ``mean``/``sum``. Against a 1-d vector
+  only when the column was made from other values: ``t[:, None] - t`` and ``labels[:, None] ==
+  labels`` are one set's pairwise table.
 
 Limit: ``F.mse_loss`` and its kin broadcast with ``torch.broadcast_tensors`` (two ``expand``
 ops) before a loss kernel that sees equal shapes; torch itself warns there, opwatch does not.
@@ -65,6 +67,8 @@ _K_SHAPE, _K_DELIBERATE, _K_SITE = 0, 1, 2
 # Ops whose output keeps its input's shape and meaning: size-1 dims made on purpose stay so.
 # Reductions that judge a broadcast result waiting for its use (see ShapeProvenance.reduced).
 _REDUCTIONS = {"aten::mean", "aten::sum"}
+# How many views and copies back the source of an operand is looked for.
+_SOURCE_STEPS = 6
 # A waiting broadcast result is judged only if each next step on it comes within this many ops.
 _STRAIGHT_AWAY = 8
 _PENDING_LIMIT = 64
@@ -191,7 +195,7 @@ def _paired(func, tensors, result, result_numel, implicit, context) -> Finding |
     vector, *_ = implicit
     column = next(meta for meta in tensors if meta is not vector)
     shape, own = column[M_SHAPE], vector[M_SHAPE]
-    if len(own) < 2 or len(shape) != len(result):
+    if not own or len(shape) != len(result):
         return None
     lead, *_ = own
     covered = len(result) - len(own)  # result dims the vector does not have
@@ -199,6 +203,8 @@ def _paired(func, tensors, result, result_numel, implicit, context) -> Finding |
         return None  # the operands share a dim: a per-row comparison (k-means, distances)
     if lead not in shape[:covered]:
         return None
+    if len(own) == 1 and context.shapes.same_source(column, vector):
+        return None  # one set against itself (t[:, None] - t, labels[:, None] == labels): a table
     facts = {
         "op": _op_name(func),
         "vector": vector,
@@ -389,6 +395,28 @@ class ShapeProvenance:
             return None
         return last
 
+    def same_source(self, first, second) -> bool:
+        """Whether two tensors hold the same values: one is the other, or both were made from
+        one tensor by views and copies (``t[:, None]``, ``t.unsqueeze(1).float()``), as the op
+        log shows (slow: asked only for a broadcast about to be judged)."""
+        return not self._sources(first).isdisjoint(self._sources(second))
+
+    def _sources(self, meta) -> set:
+        """``meta``'s ident and those of the tensors it was made from by views and copies."""
+        idents = {meta[M_IDENT]}
+        ident = meta[M_IDENT]
+        for _ in range(_SOURCE_STEPS):
+            record = self._log.producer_of(ident)
+            if record is None or not record.inputs:
+                break
+            name = record.func._schema.name
+            if not (record.func.is_view or name in _SHAPE_PRESERVING or name == _UNSQUEEZE):
+                break
+            source, *_ = record.inputs
+            ident = source[M_IDENT]
+            idents.add(ident)
+        return idents
+
     def _entry(self, meta):
         known = self._known.get(meta[M_IDENT])
         # An id is reused once its tensor dies; a different shape means another tensor.
@@ -427,7 +455,8 @@ class ShapeProvenance:
 
     def _after_shape_preserving_view(self, entry, inputs, outputs, metas) -> None:
         if self._deferring is not None or self._pending:
-            self._follow(entry, inputs, metas)
+            # A view (detach: autograd saving relu's output) leaves its input waiting as well.
+            self._follow(entry, inputs, metas, keep=True)
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:
@@ -467,9 +496,9 @@ class ShapeProvenance:
             for ident in list(islice(kept, len(kept) // 2)):
                 del kept[ident]
 
-    def _follow(self, entry, inputs, metas) -> None:
+    def _follow(self, entry, inputs, metas, keep=False) -> None:
         """A pointwise op: the broadcast results waiting for their use that it takes, and the
-        one its own check deferred."""
+        one its own check deferred. ``keep``: the inputs wait still (the op was a view)."""
         index = entry[E_INDEX]
         pending = self._pending
         carried = None
@@ -477,7 +506,8 @@ class ShapeProvenance:
             waiting = pending.get(meta[M_IDENT])
             if waiting is None or waiting.shape != meta[M_SHAPE]:
                 continue
-            del pending[meta[M_IDENT]]
+            if not keep:
+                del pending[meta[M_IDENT]]
             if index - waiting.index > _STRAIGHT_AWAY:
                 continue  # not straight away: no longer judged
             partners = [other for other in inputs if other is not meta and other[M_SHAPE] == meta[M_SHAPE]]

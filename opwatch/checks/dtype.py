@@ -20,8 +20,10 @@
 4. An elementwise loss (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``soft_margin_loss``,
    ``binary_cross_entropy[_with_logits]``) whose target has another floating dtype than its
    input: ``F.mse_loss(f32, f64)`` silently runs the loss and its backward in float64,
-   ``huber_loss`` raises only in backward. The ``binary_cross_entropy`` losses also need a
-   floating target (an ``i64`` multi-hot target raises a cryptic cast error).
+   ``huber_loss`` raises only in backward, for an integer target too (``nn.HuberLoss()(out,
+   i64_target)``: *Found dtype Long but expected Float*), flagged at the loss line in forward.
+   The ``binary_cross_entropy`` losses also need a floating target (an ``i64`` multi-hot target
+   raises a cryptic cast error).
 5. Class-index targets of ``nll_loss``/``cross_entropy`` that are not ``i64`` (or ``u8``, which
    torch accepts): float labels, ``i32`` labels from numpy.
 
@@ -115,6 +117,11 @@ _ELEMENTWISE_LOSSES = {
     "aten::soft_margin_loss", "aten::binary_cross_entropy",
 }
 _FLOATING_TARGET_LOSSES = {"aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits"}
+# Losses whose backward takes the target as it is and needs it in the input's dtype: an integer
+# target passes their forward (promoted there) and raises in backward ("Found dtype Long but
+# expected Float"). The others convert an integer target exactly (mse_loss, smooth_l1_loss,
+# soft_margin_loss) or need a floating one (above).
+_INPUT_DTYPE_TARGET_LOSSES = {"aten::huber_loss"}
 # Class-index losses: ``(input, target, weight?, ...)``; the kernel takes int64 or uint8 targets.
 _CLASS_INDEX_LOSSES = {"aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::nll_loss", "aten::nll_loss2d", "aten::nll_loss_nd"}
 _CLASS_INDEX_DTYPES = frozenset({torch.int64, torch.uint8})
@@ -265,10 +272,10 @@ def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
     if got == wanted or not wanted.is_floating_point:
         return None
     facts = {"op": _short(func), "got": got, "wanted": wanted, "names": tensor_names(func, len(tensors))}
-    if not got.is_floating_point:
-        if name not in _FLOATING_TARGET_LOSSES:
-            return None  # an integer target of mse_loss is converted exactly; not an anomaly
+    if not got.is_floating_point and name in _FLOATING_TARGET_LOSSES:
         return Finding(KIND, "dtype.loss_floating_target", facts, operands=tuple(tensors))
+    if not got.is_floating_point and name not in _INPUT_DTYPE_TARGET_LOSSES:
+        return None  # an integer target of mse_loss is converted exactly; not an anomaly
     if _in_backward(context) or autocast_allows((got, wanted), source[M_DEVICE]):
         return None
     facts["promoted"] = torch.promote_types(wanted, got)

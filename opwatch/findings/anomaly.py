@@ -6,7 +6,7 @@ from ..checks.finding import Finding
 from ..core.ops import is_collective_op
 from ..core.records import OpRecord
 
-__all__ = ["BaseAnomaly", "Anomaly", "AnomalyError", "OpwatchWarning"]
+__all__ = ["BaseAnomaly", "Anomaly", "AnomalyError", "OpwatchWarning", "add_note"]
 
 
 class OpwatchWarning(UserWarning):
@@ -109,8 +109,40 @@ class Anomaly(BaseAnomaly):
 
 
 class AnomalyError(RuntimeError):
-    """Raised by ``strict()`` at the first anomaly; ``.anomaly`` holds it."""
+    """Raised by ``strict()`` at the first anomaly; ``.anomaly`` holds it.
+
+    What opwatch adds to it later (the guard's replay notes, a compiled verdict) is part of its
+    message on every Python: ``str(error)``, what a program logs, holds the anomaly's message
+    and then each note on its own lines; ``.notes`` holds the notes alone."""
 
     def __init__(self, anomaly: Anomaly):
         super().__init__(anomaly.message)
         self.anomaly = anomaly
+        self.notes: tuple[str, ...] = ()
+
+    def add_note(self, note: str) -> None:
+        """Add ``note`` to the message (not to ``__notes__``, which a traceback would print a
+        second time); also on Python 3.10, which has no exception notes."""
+        if not isinstance(note, str):
+            raise TypeError(f"a note must be a str, not {type(note).__name__}")
+        self.notes = (*self.notes, note)
+        self.args = ("\n".join((self.anomaly.message, *self.notes)),)
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to an exception opwatch re-raises: an :class:`AnomalyError` takes it into
+    its message; any other exception (the program's own) gets an exception note, which the
+    traceback prints on Python 3.11+. Python 3.10 has no ``add_note``: there the note goes to
+    ``__notes__`` as PEP 678 defines it (pytest and the ``exceptiongroup`` backport print it),
+    leaving the program's exception, its type and its message, as they were."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+        return
+    notes = getattr(error, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+    notes.append(note)
+    try:
+        error.__notes__ = notes
+    except (AttributeError, TypeError):  # an exception type that takes no attributes: left as it is
+        pass

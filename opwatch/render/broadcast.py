@@ -12,8 +12,8 @@ When the finding waited for its result's use (the stretched operand's size-1 dim
 
 - ``broadcast.implicit``: a pointwise op broadcast its operands.
 - ``broadcast.tensors``: ``torch.broadcast_tensors`` did (two ``expand`` ops, as the losses do).
-- ``broadcast.paired``: a column whose size-1 dims were made with ``unsqueeze`` met a vector of
-  two or more dims sharing none of its dims, the result holds one size twice, and it was
+- ``broadcast.paired``: a column whose size-1 dims were made with ``unsqueeze`` met a vector
+  (other values, for a 1-d one) sharing none of its dims, the result holds one size twice, and it was
   reduced straight away. Facts: ``op``, ``vector``, ``column``, ``dims``, ``result``,
   ``growth`` as above, ``size`` (the size held twice), ``at``, ``reduced_by``.
 """
@@ -70,9 +70,10 @@ def explain_paired(finding) -> tuple[str, str, str]:
         f"and {facts['reduced_by']} reduces it straight away"
     )
     expected = f"the {format_shape(column[M_SHAPE])} operand as {format_shape(wanted)}, so that row i meets row i of the {format_shape(own)} operand"
-    fix = (
-        f"unsqueeze only as far as the other operand needs ({format_shape(wanted)}: one .unsqueeze(1) on the "
-        f"{size}-long values); if the {format_shape(result)} table is intended, give both sides their own dims "
-        f"with unsqueeze/None before combining them"
+    how = (
+        f"leave out the unsqueeze: {format_shape(wanted)} values meet the other operand row by row"
+        if len(own) == 1
+        else f"unsqueeze only as far as the other operand needs ({format_shape(wanted)}: one .unsqueeze(1) on the {size}-long values)"
     )
+    fix = f"{how}; if the {format_shape(result)} table is intended, give both sides their own dims with unsqueeze/None before combining them"
     return problem, expected, fix

@@ -11,8 +11,9 @@ Facts of each rule (``names``: the tensor arguments' names; ``operands``: their 
 - ``dtype.arg_dtype``: ``op``, ``arg`` (``mask``, ``index``), ``got``, ``accepted`` (the
   dtypes the kernel takes there, preferred first), ``names``.
 - ``dtype.index_dtype``: ``op``, ``position`` (1 for the first index), ``index``, ``indexed``.
-- ``dtype.loss_target``: ``op`` (``mse_loss``), ``got`` (the target's dtype), ``wanted`` (the
-  input's), ``promoted``, ``names``.
+- ``dtype.loss_target``: ``op`` (``mse_loss``), ``got`` (the target's dtype: another floating
+  one, or an integer one where the loss's backward raises for it, ``huber_loss``), ``wanted``
+  (the input's), ``promoted``, ``names``.
 - ``dtype.loss_floating_target``: ``op``, ``got``, ``wanted``, ``names``.
 - ``dtype.class_target``: ``got``, ``floating`` (whether ``got`` is floating), ``target_shape``, ``input_shape``, ``names``.
 """
@@ -36,7 +37,10 @@ _LOSS_CONSEQUENCES = {
     "binary_cross_entropy": "raises 'Found dtype {target_torch} but expected {input_torch}'",
 }
 # How torch's own messages name dtypes.
-_TORCH_NAMES = {torch.float64: "Double", torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half"}
+_TORCH_NAMES = {
+    torch.float64: "Double", torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+}
 
 
 @explains("dtype.silent_upcast")
@@ -134,8 +138,9 @@ def explain_loss_target(finding) -> tuple[str, str, str]:
         promoted=_name(facts["promoted"]), target=_name(got), input=_name(wanted),
         target_torch=_TORCH_NAMES.get(got, _name(got)), input_torch=_TORCH_NAMES.get(wanted, _name(wanted)),
     )
+    target = f"a {_name(got)} target" if got.is_floating_point else f"an integer target ({_name(got)})"
     return (
-        f"{facts['op']} gets a {_name(got)} target for a {_name(wanted)} input: {named(facts['names'], finding.operands)}. It {consequence}.",
+        f"{facts['op']} gets {target} for a {_name(wanted)} input: {named(facts['names'], finding.operands)}. It {consequence}.",
         f"target in the input's dtype ({_name(wanted)})",
         f"cast the target where it is made, e.g. torch.from_numpy(y).to({wanted}) or target.to(pred.dtype)",
     )

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
+from ..checks.nonfinite.cause import DATA, DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -48,6 +48,15 @@ _CAUSE_FIXES = {
     "div_count_zero": (
         "0 / 0 = nan: the divisor is a count (an integer tensor) that is 0, a batch with nothing to count (every label ignored, "
         "an empty mask): skip such batches, or divide by count.clamp_min(1) (the loss is then 0, with no gradient)"
+    ),
+    "all_ignored": (
+        "every target of this batch was ignore_index, so the mean has nothing to average: skip the loss of such a batch "
+        "(if (target != ignore_index).any(): loss.backward()), or take the sum and divide by the count clamped "
+        "(F.cross_entropy(..., reduction='sum') / (target != ignore_index).sum().clamp_min(1))"
+    ),
+    "zero_weight": (
+        "no target of this batch weighs anything (each is ignore_index or of a class whose weight is 0), so the mean divides "
+        "by a total weight of 0: give every class a target can take a positive weight, or skip such batches"
     ),
     "overflow": "the values outgrew the dtype: compute this op in a wider dtype (float32), scale its inputs down (normalise before it), or lower the learning rate if values grew over steps",
 }
@@ -344,7 +353,7 @@ def _reason(finding) -> str | None:
     name = facts["op_name"]
     if detail in ("exp_overflow", "overflow"):
         return _overflow_reason(detail, name, facts)
-    return _REASONS.get(detail, "").format(name=name) or None
+    return _REASONS.get(detail, "").format(name=name, ignore_index=_cause(finding).constant) or None
 
 
 _REASONS = {
@@ -360,11 +369,17 @@ _REASONS = {
     "pow_zero_base": "the base holds 0, and 0 to a negative power is inf",
     "domain_unit": "{name} of a value outside [-1, 1] is nan",
     "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan",
+    "all_ignored": "every target was ignore_index ({ignore_index}): the mean divided a sum of 0 by a count of 0, 0 / 0 = nan",
+    "zero_weight": "every target was ignore_index or of a class of weight 0: the mean divided a sum of 0 by a total weight of 0, 0 / 0 = nan",
     "ctc_no_alignment": (
         "CTC's loss is inf for a sample no alignment fits: its input is shorter than its target "
         "(plus one step between each pair of repeated labels)"
     ),
 }
+
+
+# Details of a mean over no counted target: a 0 / 0 in any dtype.
+_COUNTS = frozenset(("all_ignored", "zero_weight"))
 
 
 def _overflow_reason(detail, name, facts) -> str | None:
@@ -399,7 +414,16 @@ def _detail(finding) -> str | None:
     return cause.detail if cause is not None and cause.kind in (MATH, PRECISION) else None
 
 
-def _wider_fix(cause) -> str:
+_CONVOLUTIONS = frozenset(("convolution", "_convolution", "conv1d", "conv2d", "conv3d"))
+
+
+def _wider_fix(cause, name) -> str:
+    if cause.wider == torch.float32 and name in _CONVOLUTIONS:
+        return (
+            "run this convolution in float32 (autocast keeps convolutions in float16): upcast the module that holds it "
+            "(a VAE decoder: vae.to(torch.float32) before decoding, as diffusers' force_upcast does), or run the model in "
+            "bfloat16 (the range of float32); or scale the weights and activations down (a normalisation before it)"
+        )
     if cause.wider == torch.float32:
         return (
             "compute this op in float32, as LlamaRMSNorm does (x.to(torch.float32) before it, the result "
@@ -412,11 +436,25 @@ def _wider_fix(cause) -> str:
 def explain_cause(finding) -> str | None:
     """The ``cause:`` line of a nan/inf origin: what kind of cause, and the facts that show it."""
     cause = _cause(finding)
-    if cause is None:
-        return None
     what = finding.kind
     name = finding.facts["op_name"]
+    if cause is None:
+        return _undecided(finding, name, what)
     kind = cause.kind
+    if kind == PRECISION and _place(getattr(cause, "went", None)) is not None:
+        went = _place(cause.went)
+        info = torch.finfo(cause.dtype)
+        dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
+        short, _, _ = went.op.removeprefix("aten.").partition(".")
+        if cause.went_to == "0":
+            how = f"its exact values there, at most {cause.largest:.4g} in {wider}, are below the smallest normal {dtype}, {info.tiny:.4g}"
+        else:
+            how = f"its exact values there reach {cause.largest:.4g} in {wider}, beyond the largest {dtype}, {info.max:.4g}"
+        at = _at(went).removeprefix(f"{went.op} ")
+        return (
+            f"precision: {short} {'underflowed to 0' if cause.went_to == '0' else 'overflowed to inf'} in {dtype} {at} "
+            f"({how}), and {name} made {what} of it; run again in {wider} from the same finite inputs, the chain is finite"
+        )
     if kind == PRECISION:
         limit = torch.finfo(cause.dtype).max
         dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
@@ -433,9 +471,17 @@ def explain_cause(finding) -> str | None:
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
         if cause.detail == "masked":
             return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
+        if reason and cause.detail in _COUNTS:
+            return f"undefined math: {reason}"
         if reason:
             return f"undefined math: {reason}, in float64 too"
         return f"undefined math: {name} is {what} in float64 too"
+    if kind == INPUT and cause.detail == DATA:
+        return (
+            f"input: the data {format_meta(cause.tensor)} already held {cause.held} when it came into torch here "
+            f"({name}: torch.from_numpy, torch.tensor or torch.as_tensor of an array, as a dataset or a DataLoader's "
+            "collate makes a batch); no op made it"
+        )
     if kind in (INPUT, WEIGHTS):
         which = "parameter" if kind == WEIGHTS else "input"
         text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
@@ -443,6 +489,9 @@ def explain_cause(finding) -> str | None:
             text += f" (its input {format_meta(cause.through)} was taken from it)"
         if cause.made is not None:
             text += f"; {where_made(cause.made)}"
+        loaded = _place(getattr(cause, "loaded", None))
+        if loaded is not None:
+            text += f"; it came from the loaded state: {_at(loaded)} copied it from the checkpoint's tensors (load_state_dict of torch.load)"
         return text + f"; {name} did not make it"
     if kind == UNKNOWN:
         made = "was made before the watch"
@@ -473,8 +522,34 @@ def explain_cause(finding) -> str | None:
     return None
 
 
+def _undecided(finding, name, what) -> str:
+    """Why no cause could be decided, in one clause."""
+    facts = finding.facts
+    if facts["skipped_by_grad_scaler"]:
+        return (
+            f"transient: {name} overflowed in the gradients GradScaler scaled up, by design now and then: it skipped "
+            "this step and lowers its scale (how it finds one); only a run of skipped steps is a fault"
+        )
+    if _not_known_finite(facts):
+        return (
+            f"not decided: an input's values were not known (made before the watch or by an op whose values opwatch does "
+            f"not read, and gone by the check point), so whether {name} made the {what} or was given it cannot be told"
+        )
+    return (
+        f"not decided: {name} could not be run again in a wider dtype (an input was gone by the check point, or its call "
+        f"cannot be rebuilt from the log), and its inputs' ranges do not show what made the {what}"
+    )
+
+
 def _cause_fix(finding, cause) -> str | None:
     what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
+    if cause.kind == INPUT and cause.detail == DATA:
+        return (
+            f"the data held {what} before torch saw it (a missing value in a table, a nodata pixel of a raster, a corrupt "
+            "record): check it where it is read (torch.isfinite(x).all() in the dataset's __getitem__ or the collate_fn, or "
+            "np.isfinite(array).all() after loading), then fill the missing values (np.nan_to_num, an imputed value) or leave "
+            "those samples out; nothing in the model is wrong"
+        )
     if cause.kind == INPUT and cause.made is not None and cause.made.how == "buffer":
         return (
             f"the buffer was {what} before this op: a running statistic updated from a batch that held {what} "
@@ -487,6 +562,12 @@ def _cause_fix(finding, cause) -> str | None:
             "(torch.isfinite(batch).all() in the dataset or collate_fn)"
             + (", or start the watch before it is made (a DataLoader's batches are made outside the watch)" if before else "")
             + "; nothing in this op is wrong"
+        )
+    if cause.kind in (WEIGHTS, INPUT) and _place(getattr(cause, "loaded", None)) is not None:
+        return (
+            f"the checkpoint holds {what}: load a checkpoint saved before the values went bad, and check what is "
+            "loaded (assert all(t.isfinite().all() for t in state_dict.values() if t.is_floating_point()) before "
+            "load_state_dict); then find the step that wrote the bad values before it was saved"
         )
     if cause.kind == WEIGHTS:
         return (
@@ -516,6 +597,8 @@ def _fix(finding) -> str:
     told = _cause_fix(finding, cause) if cause is not None else None
     if told is not None:
         return told
+    if cause is not None and cause.detail in _COUNTS:  # forward or backward: the batch is the matter
+        return _CAUSE_FIXES[cause.detail]
     if facts["from_deliberate"]:
         return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX).format(name=name)
     forward = facts["forward_op_name"]
@@ -524,14 +607,32 @@ def _fix(finding) -> str:
         if fix is not None:
             return fix
         return f"the gradient of {forward} is not finite for these inputs: " + _DEFAULT_FIX
+    if cause is not None and cause.kind == PRECISION and _place(getattr(cause, "went", None)) is not None:
+        return _chain_fix(cause)
     if cause is not None and cause.kind == PRECISION and cause.dtype in FLOAT8_DTYPES:
         return _FLOAT8_FIX.format(dtype=format_dtype(cause.dtype))
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
-        return _wider_fix(cause)
+        return _wider_fix(cause, name)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
     if detail == "div_zero_zero" and _divides_by_a_count(facts):
         detail = "div_count_zero"
     return _CAUSE_FIXES[detail].format(name=name) if detail in _CAUSE_FIXES else _DEFAULT_FIX
+
+
+def _chain_fix(cause) -> str:
+    went = _place(cause.went)
+    short, _, _ = went.op.removeprefix("aten.").partition(".")
+    if cause.went_to == "0":
+        return (
+            f"the values went below what {format_dtype(cause.dtype)} holds at {short} ({_at(went)}): keep them in the log domain "
+            "instead of taking exp and multiplying (torch.logsumexp for log(sum(exp(x))): a log-domain Sinkhorn updates "
+            "log u = log a - logsumexp(log K + log v); the sum of log-densities instead of the product of densities), "
+            "or compute that part in float64; an epsilon only hides it"
+        )
+    return (
+        f"the values outgrew {format_dtype(cause.dtype)} at {short} ({_at(went)}): compute that part in a wider dtype "
+        "(float32, or float64), or keep it in the log domain (logsumexp), or scale its inputs down (normalise before it)"
+    )
 
 
 def _divides_by_a_count(facts) -> bool:
@@ -586,8 +687,11 @@ def explain_origin(finding) -> tuple[str, str, str]:
     if finding.facts.get("loss") is not None:
         return _explain_reached_loss(finding)
     what = finding.kind
-    problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
     cause = _cause(finding)
+    if cause is not None and cause.kind == INPUT and cause.detail == DATA:
+        problem = f"{what} came into torch here with the data: {_signature(finding.facts)} holds {what} it was given, not a value any op computed{_story(finding)}"
+        return problem, "finite data", _fix(finding)
+    problem = f"first {what} here: {_signature(finding.facts)} made {what} from {_inputs(finding)}{_story(finding)}"
     if cause is not None and cause.kind in (INPUT, WEIGHTS):
         return problem, f"finite {'parameters' if cause.kind == WEIGHTS else 'inputs'}: this op passed on the {what} it was given", _fix(finding)
     return problem, "finite outputs from finite inputs", _fix(finding)

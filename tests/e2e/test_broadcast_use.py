@@ -52,6 +52,45 @@ def margin_loss(model, batch, margin=1.0):
     return (margin - pos + scores_neg).clamp(min=0).mean()
 
 
+def ranking_loss_needless_unsqueeze(model, batch, margin=1.0):
+    """A pairwise margin-ranking loss (BPR-style): positive scores (B, 1) against negative
+    scores (B,), a (B, B) table where row i should meet row i only."""
+    query, positive, negatives = batch
+    q = model(query)
+    scores_pos = (q * model(positive)).sum(-1).unsqueeze(1)  # (B, 1)
+    scores_neg = (q * model(negatives[:, 0])).sum(-1)  # (B,)
+    return torch.relu(margin - scores_pos + scores_neg).mean()
+
+
+def ranking_loss(model, batch, margin=1.0):
+    query, positive, negatives = batch
+    q = model(query)
+    scores_pos = (q * model(positive)).sum(-1)  # (B,)
+    scores_neg = (q * model(negatives[:, 0])).sum(-1)  # (B,)
+    return torch.relu(margin - scores_pos + scores_neg).mean()
+
+
+def ranking_loss_in_batch_negatives(model, batch, margin=1.0):
+    """Every positive against every negative of the batch on purpose: None on both sides."""
+    query, positive, negatives = batch
+    q = model(query)
+    scores_pos = (q * model(positive)).sum(-1)
+    scores_neg = (q * model(negatives[:, 0])).sum(-1)
+    return torch.relu(margin - scores_pos[:, None] + scores_neg[None, :]).mean()
+
+
+def pairwise_rank_loss_one_list(model, batch):
+    """A RankNet-style loss over one list of scores: every score against every other, written
+    ``s[:, None] - s``; and a same-label mask ``labels[:, None] == labels``."""
+    query, _, _ = batch
+    scores = model(query).sum(-1)  # (B,)
+    relevance = torch.arange(len(query)) % 3
+    differences = scores[:, None] - scores  # (B, B): one set against itself
+    preferred = (relevance[:, None] > relevance).float()
+    same = (relevance.unsqueeze(1) == relevance).float().sum()
+    return nn.functional.softplus(-differences).mul(preferred).sum() / preferred.sum().clamp_min(1) + 0 * same
+
+
 def contrastive_loss(model, batch, temperature=0.5):
     """In-batch negatives: a (B, B) table of distances, unsqueeze on both sides, reduced to a
     loss straight away."""
@@ -123,6 +162,21 @@ def test_needless_unsqueeze_in_a_margin_loss_is_flagged_at_its_line():
     message = w.anomalies[0].message
     assert "[6, 6, 5]" in message and "size 6 twice" in message and "aten.add.Tensor" in message
     assert "mean reduces it straight away" in message and "[6, 1]" in message
+
+
+def test_needless_unsqueeze_of_positive_scores_against_1d_negatives_is_flagged():
+    w = train(ranking_loss_needless_unsqueeze)
+    line = line_of(ranking_loss_needless_unsqueeze, "return torch.relu(margin - scores_pos + scores_neg).mean()")
+    assert [(a.kind, a.finding.rule, a.lineno) for a in w.anomalies] == [("broadcast", "broadcast.paired", line)] * 3
+    message = w.anomalies[0].message
+    assert "[6, 1]" in message and "[6, 6]" in message and "size 6 twice" in message and "mean reduces it straight away" in message
+    assert "leave out the unsqueeze" in message
+
+
+def test_ranking_losses_without_the_needless_unsqueeze_or_with_intended_tables_are_not_flagged():
+    assert train(ranking_loss).anomalies == []
+    assert train(ranking_loss_in_batch_negatives).anomalies == []
+    assert train(pairwise_rank_loss_one_list).anomalies == []
 
 
 def test_margin_loss_with_matching_dims_is_not_flagged():

@@ -109,6 +109,24 @@ def test_huber_loss_with_a_float64_target_is_flagged_before_its_backward_raises(
     assert found(w)[0] == ("dtype_mismatch", "aten.huber_loss.default", line_of("loss = loss_fn(pred, target)"), "forward")
 
 
+def test_huber_loss_with_integer_ratings_is_flagged_at_the_loss_line_before_its_backward_raises():
+    w = watched(rules.regress_ratings_as_integers, expect_error=RuntimeError)  # the backward's own error
+    assert found(w) == [("dtype_mismatch", "aten.huber_loss.default", line_of("# RATING LOSS"), "forward")]
+    (anomaly,) = w.anomalies
+    assert anomaly.finding.rule == "dtype.loss_target" and anomaly.finding.facts["got"] == I64
+    assert "huber_loss gets an integer target (i64) for a f32 input" in anomaly.message
+    assert "the backward raises 'Found dtype Long but expected Float'" in anomaly.message
+    with pytest.raises(opwatch.AnomalyError):  # strict stops it at the loss, before the backward
+        with opwatch.strict(warn=False, dump_on_error=False):
+            rules.regress_ratings_as_integers()
+
+
+@pytest.mark.parametrize("story", [rules.regress_ratings_as_floats, rules.regress_ratings_as_integers_with_mse, rules.rate_classes_as_integers],
+                         ids=lambda story: story.__name__)
+def test_integer_targets_a_loss_takes_are_not_flagged(story):
+    strictly(story)
+
+
 def test_multilabel_with_integer_targets_is_flagged_before_the_cast_error():
     with pytest.raises(opwatch.AnomalyError) as raised:
         with opwatch.strict(warn=False, dump_on_error=False):

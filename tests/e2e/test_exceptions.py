@@ -100,3 +100,47 @@ def test_module_paths_recover_after_an_exception_inside_a_module():
     ]
     assert {r.module for r in w.records[3:]} <= {"MLP", "fc1", "fc2"}
     assert [r.module for r in w.records if r.op == "aten.addmm.default"] == ["fc1", "fc2"]
+
+
+# -- notes opwatch adds: part of an AnomalyError's message; the program's own exception keeps its own
+
+
+def _strict_error(stream) -> opwatch.AnomalyError:
+    model = MLP()
+    with pytest.raises(opwatch.AnomalyError) as caught:
+        with opwatch.strict(file=stream):
+            (torch.randn(4) - model(torch.randn(4, 4))[:, :1]).pow(2).mean()  # (4,) - (4, 1)
+    return caught.value
+
+
+def test_a_note_on_an_anomaly_error_is_part_of_its_message_once():
+    error = _strict_error(io.StringIO())
+    before = str(error)
+    error.add_note("opwatch.guard: a replay note")
+    error.add_note("compiled: a verdict")
+    assert str(error) == f"{before}\nopwatch.guard: a replay note\ncompiled: a verdict"
+    assert error.notes == ("opwatch.guard: a replay note", "compiled: a verdict")
+    assert error.anomaly.message == before  # the anomaly's own message is unchanged
+    assert not getattr(error, "__notes__", None)  # a traceback prints the message: the notes once
+    with pytest.raises(TypeError, match="must be a str"):
+        error.add_note(3)
+
+
+def test_a_note_on_the_programs_own_exception_without_add_note():
+    """Python 3.10 has no BaseException.add_note: the note goes to __notes__ (PEP 678), the
+    exception's type, message and arguments stay as they were."""
+    from opwatch.findings.anomaly import add_note
+
+    class OldPythonError(ValueError):
+        @property
+        def add_note(self):  # what Python 3.10 looks like to hasattr()
+            raise AttributeError("add_note")
+
+    error = OldPythonError("the program's words")
+    add_note(error, "first")
+    add_note(error, "second")
+    assert error.__notes__ == ["first", "second"]
+    assert str(error) == "the program's words" and error.args == ("the program's words",)
+    mine = UserError("mine")
+    add_note(mine, "a note")
+    assert mine.__notes__ == ["a note"] and str(mine) == "mine"

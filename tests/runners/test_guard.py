@@ -243,7 +243,8 @@ def test_forward_inf_is_replayed_and_named_with_the_model_as_one_run_left_it():
     assert "and nan in the .grad of 6 parameter(s): fc1.weight, fc1.bias, bn.weight, bn.bias, +2 more;" in message
     assert "replayed from the same start (RNG states, 4 buffer(s), .grad restored) under a full watch" in message
     assert "repro:    python " in message
-    assert "the replay's last 10 ops up to op #" in caught.value.__notes__[0]
+    assert "the replay's last 10 ops up to op #" in caught.value.notes[0]
+    assert caught.value.notes[0] in message and not getattr(caught.value, "__notes__", None)  # printed once
     # The buffers are as one run of the step left them (dropout drew the same masks), the
     # gradients as the step found them, the RNG as one run leaves it.
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in plain.state_dict().items() if name.startswith("bn."))

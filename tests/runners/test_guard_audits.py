@@ -269,7 +269,8 @@ def test_a_nan_in_an_audited_step_is_reported_from_the_audit_without_a_replay():
     assert replays == [] and anomaly.kind == "nan" and anomaly.op == "aten.div.Tensor"
     assert anomaly.lineno == line_of("BUG nan", HERE) and anomaly.repro is None
     assert anomaly.context[3] is True and "found by the audit of that call" in anomaly.message
-    assert "opwatch.guard: the audit's last" in "\n".join(caught.value.__notes__)
+    assert "opwatch.guard: the audit's last" in "\n".join(caught.value.notes)
+    assert str(caught.value).endswith("\n".join(caught.value.notes))  # what a program logs holds them
 
 
 def test_grad_scaler_skipped_steps_are_not_failures_under_audits():

@@ -116,6 +116,62 @@ def regress_huber_numpy_targets():
     return regress(torch.from_numpy(np.linspace(0.0, 1.0, 8)), steps=1, loss_fn=F.huber_loss)
 
 
+class RatingRegressor(nn.Module):
+    """Star ratings (1 to 5) predicted from user and item embeddings, trained with a Huber loss."""
+
+    def __init__(self, users=20, items=30, dim=8):
+        super().__init__()
+        self.users = nn.Embedding(users, dim)
+        self.items = nn.Embedding(items, dim)
+        self.bias = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, user, item):
+        return (self.users(user) * self.items(item)).sum(-1) + self.bias
+
+
+def regress_ratings(to_target, loss=None):
+    """A rating regressor whose ratings come from the data as integers (``to_target`` maps them)."""
+    torch.manual_seed(0)
+    model = RatingRegressor()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss_fn = loss or nn.HuberLoss(delta=1.0)
+    user, item = torch.randint(0, 20, (16,)), torch.randint(0, 30, (16,))
+    stars = torch.from_numpy(np.random.default_rng(0).integers(1, 6, size=16))  # int64 from the ratings file
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = loss_fn(model(user, item), to_target(stars))  # RATING LOSS
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
+def regress_ratings_as_integers():
+    return regress_ratings(lambda stars: stars)
+
+
+def regress_ratings_as_floats():
+    return regress_ratings(lambda stars: stars.float())
+
+
+def regress_ratings_as_integers_with_mse():
+    return regress_ratings(lambda stars: stars, loss=nn.MSELoss())
+
+
+def rate_classes_as_integers():
+    """The same ratings as five classes: cross_entropy takes the integer targets as they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    user = torch.randint(0, 20, (16,))
+    stars = torch.from_numpy(np.random.default_rng(0).integers(1, 6, size=16))
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(user), stars - 1) + F.nll_loss(model(user).log_softmax(-1), stars - 1)
+        loss.backward()
+        optimizer.step()
+    return loss
+
+
 def multilabel(targets, steps=2):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))

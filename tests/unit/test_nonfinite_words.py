@@ -94,3 +94,22 @@ def test_a_cause_that_does_not_fit_the_kind_is_not_claimed():
 def test_a_backward_origin_gets_the_fix_of_its_forward_op(forward, words):
     _, _, fix = explain(origin("aten.div.Tensor", "inf", [(-1.0, 1.0), (0.0, 1.0)], forward_op_name=forward))
     assert fix.startswith(words), fix
+
+
+def test_an_origin_without_a_cause_says_in_one_clause_why_none_was_decided():
+    """Every nan/inf origin has a cause line (issue 39): where the check decided none, the line
+    says why, with the reason its facts show."""
+    from opwatch.render.nonfinite import explain_cause
+
+    finding = origin("aten.erfinv.default", "inf", [(-0.5, 0.5)])
+    finding.facts["cause"] = None
+    line = explain_cause(finding)
+    assert line.startswith("not decided: erfinv could not be run again in a wider dtype") and line.count(":") == 1
+    unknown = origin("aten.erfinv.default", "inf", [None])
+    unknown.facts["cause"] = None
+    unknown.facts["input_made"] = ("before_watch",)
+    unknown.facts["input_alive"] = (False,)
+    assert explain_cause(unknown).startswith("not decided: an input's values were not known")
+    skipped = origin("aten.mul.Tensor", "inf", [(1.0, 2.0)])
+    skipped.facts.update(cause=None, skipped_by_grad_scaler=True, contained=True)
+    assert explain_cause(skipped).startswith("transient: mul overflowed in the gradients GradScaler scaled up")

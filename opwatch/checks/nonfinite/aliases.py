@@ -6,8 +6,9 @@ the values of all of them: the replay forgets the ranges it knew for the others
 
 By ident only, outside the hot path (the replay and the causes' walk of the log). An id reused
 by a new tensor (an op that makes new data, not a view or a write in place) leaves its old group
-(:meth:`Aliases.forget`): else a later write into the new tensor would count as a write into
-the old group, a parameter that a dead ``w.t()`` viewed included. Bounded: past ``_MAX``
+(:meth:`Aliases.forget`), and so does an id a view op hands out while it still sits in another
+group (its old tensor died unseen): else a later write into the new tensor would count as a
+write into the old group, a parameter that a dead ``w.t()`` viewed included. Bounded: past ``_MAX``
 members the groups are dropped (the views made before then are not known as views any more: a
 rare step of that many views may show a stale range).
 """
@@ -44,6 +45,9 @@ class Aliases:
             self._count += 1
         for ident in outputs:
             if ident != root and self._root.get(ident) != root:
+                # an id in another group is a new tensor's now (its old one died): it leaves
+                # that group first, else the other group's bookkeeping keeps naming it
+                self.forget(ident)
                 self._root[ident] = root
                 members.add(ident)
                 self._count += 1

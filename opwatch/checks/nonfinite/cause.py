@@ -3,18 +3,31 @@ at report time (once per check point that found origins, never on a healthy step
 
 The causes, tried in this order:
 
-- ``input`` / ``weights``: an input already held nan/inf when the op ran: a tensor made
-  before the watch (a batch from a DataLoader worker, a buffer) or not checked when it was made
-  (``torch.empty``), or an ``nn.Parameter`` (``weights``). Found by looking up the op's input
+- ``input`` / ``weights``: an input already held nan/inf when the op ran: data that came into
+  torch holding nan (``detail`` ``"data"``: an array lifted by ``torch.from_numpy`` or
+  ``torch.tensor``, known when the replay finds it), a tensor made before the watch (a batch
+  from a DataLoader worker, a buffer) or not checked when it was made (``torch.empty``), or an
+  ``nn.Parameter`` (``weights``; ``loaded`` names the copy that wrote it from a checkpoint:
+  load_state_dict's ``copy_`` of torch.load's tensors, which no op fills and which the replay
+  leaves unknown, so that the first op they feed is the origin). Found by looking up the op's input
   tensors, and the tensors its inputs were only viewed or copied from, among the live objects
   (they must not have been written since the op ran);
 - ``precision``: the op's result is not finite in its dtype, but is when the op runs in a
   wider one (float32, else float64): decided by running the op again on its inputs, copied
   to the wider dtype, when they are all still alive and small enough; else from the inputs'
-  ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a cast);
+  ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a
+  convolution, a cast);
+  Or decided on the chain that made the op's inputs (``went``): where the op alone is not
+  finite in float64 (its input is already 0: ``b / (K.T @ u)``, ``log(prod)``), the ops that
+  led to it from finite inputs are run again in float64; when the op is then finite, the first
+  of them whose result went to 0 (below the smallest normal of its dtype) or to inf is named
+  (:class:`_Chain`);
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
+  an nll_loss mean over finite log-probabilities that is nan divided by a total weight of 0
+  (``all_ignored``: every target was ``ignore_index``; ``zero_weight``: each target was
+  ignored or of a class of weight 0);
 - ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
   into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
   values before the write never read): whether it held the value cannot be told (``tensor``
@@ -51,7 +64,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -76,12 +89,24 @@ class Cause(NamedTuple):
     held: str | None = None  # INPUT / WEIGHTS: "nan" or "inf"
     made: Any = None  # INPUT / WEIGHTS / UNKNOWN: where it came from (Owned, MadeBy, BeforeWatch)
     through: Any = None  # INPUT / WEIGHTS: the op's input that carried it (``tensor`` or a view or copy of it)
+    constant: Any = None  # MATH ``all_ignored``: the ``ignore_index`` every target held
+    # INPUT / WEIGHTS: the Place of the copy that wrote it from loaded state (load_state_dict's
+    # copy_ of torch.load's tensors), when that is how it got its values
+    loaded: Any = None
+    # PRECISION of a chain (the op's own inputs already held the 0 or inf, made by an earlier op
+    # that underflowed or overflowed): the Place of that op, and what it went to ("0" or "inf");
+    # ``largest`` is then the magnitude it had there in ``wider`` (the smallest, for an underflow)
+    went: Any = None
+    went_to: str | None = None
 
 
 # The cause of a reduction of deliberate infs (``Origin.reduces_deliberate``).
 DELIBERATE_CAUSE = Cause(DELIBERATE, "reduced")
 # The cause of a nan the program wrote itself (``full(nan)``, ``x[i] = float("nan")``).
 NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
+# The ``detail`` of an INPUT cause whose tensor came into torch holding nan: an array lifted
+# (``torch.from_numpy``, ``torch.tensor(array)``, a DataLoader's collate); no op made it.
+DATA = "data"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -114,7 +139,8 @@ def decide_causes(origins, log) -> None:
     (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
-    origins = [origin for origin in origins if not origin.reduces_deliberate]
+    # So has data that came into torch holding nan (``DATA``).
+    origins = [origin for origin in origins if not origin.reduces_deliberate and origin.cause is None]
     if not origins:
         return
     wanted: dict = {}
@@ -129,12 +155,14 @@ def decide_causes(origins, log) -> None:
                 _want(value, wanted, writes)
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
+            target = _nll_target(origin)
+            target = None if target is None else target[M_IDENT]  # an integer input it must read
             for meta in origin.record.inputs:
                 # Not written by the op itself either (``x.log_()``): it holds the result now.
-                if meta[M_DTYPE] in CHECKED_DTYPES and not writes.after(meta[M_IDENT], index - 1):
+                if (meta[M_DTYPE] in CHECKED_DTYPES or meta[M_IDENT] == target) and not writes.after(meta[M_IDENT], index - 1):
                     wanted[meta[M_IDENT]] = meta
     found, modules = _live(wanted)
-    health = {ident: _health(tensor) for ident, tensor in found.items()}
+    health = {ident: _health(tensor) for ident, tensor in found.items() if tensor.dtype in CHECKED_DTYPES}
     for origin in origins:
         recipes = origin.input_ranges
         written = written_inputs(origin.record.inputs, origin.record.outputs)
@@ -362,6 +390,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
+    counted = _nothing_counted(origin, found)
+    if counted is not None:
+        return Cause(MATH, counted, constant=dict(record.args).get("ignore_index", -100) if counted == "all_ignored" else None)
     name = facts_of(record.func).name
     ranges = [value_range for _, value_range in origin.input_ranges]
     detail = range_cause(name, origin.kind, record.outputs or (), ranges)
@@ -369,10 +400,10 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if rerun is not None:
         wider, largest = rerun
         if wider is None:
-            return Cause(MATH, detail)
+            return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
     if detail is not None and detail not in OVERFLOWS:
-        return Cause(MATH, detail)
+        return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
     bound = _bound(record, origin.kind, read_ranges(name, ranges))
     if bound is not None:
         dtype = _dtype_of(record)
@@ -380,6 +411,9 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
             if _rank(wider) > _rank(dtype) and bound < torch.finfo(wider).max:
                 return Cause(PRECISION, detail, dtype, wider, bound, bound=True)
         # A bound beyond float64 tells nothing: the exact result may still be far below it.
+    chain = _chain_cause(origin, writes, detail)
+    if chain is not None:
+        return chain
     if detail is not None:
         return Cause(MATH, detail)
     # An input whose range is unknown, made before the watch (or by an op whose values are not
@@ -398,6 +432,45 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
                 if maker is not None and facts_of(maker.func).makes_new_data:
                     return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
     return None
+
+
+# The negative log-likelihood ops, forward and backward: a mean divides by the total weight of
+# the targets counted (the backward by the forward's ``total_weight``, one of its inputs).
+NLL_OPS = frozenset(("nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward", "nll_loss2d_backward"))
+_MEAN = 1  # torch's Reduction::Mean
+
+
+def _nll_target(origin):
+    """The target (its meta: the op's integer input) of an nll_loss op that made nan by a mean
+    that may have divided by zero, else ``None``."""
+    record = origin.record
+    if origin.kind != "nan" or facts_of(record.func).name not in NLL_OPS or dict(record.args).get("reduction") != _MEAN:
+        return None
+    return next((meta for meta in record.inputs if not meta[M_DTYPE].is_floating_point), None)
+
+
+def _nothing_counted(origin, found) -> str | None:
+    """An nll_loss mean that is nan from finite log-probabilities (and finite class weights):
+    the total weight it divides by is 0, a 0 / 0. ``"all_ignored"`` when every target was
+    ``ignore_index``: certain without class weights (the total weight is then the count of the
+    targets not ignored), else when the target, read, holds only ``ignore_index``;
+    ``"zero_weight"`` otherwise (each target ignored or of a class of weight 0)."""
+    target = _nll_target(origin)
+    if target is None or any(value_range is None for _, value_range in origin.input_ranges):
+        return None
+    record = origin.record
+    floating = sum(1 for meta in record.inputs if meta[M_DTYPE].is_floating_point)
+    weighted = floating > (1 if facts_of(record.func).name.endswith("_forward") else 3)
+    if not weighted:
+        return "all_ignored"
+    tensor = found.get(target[M_IDENT])
+    if tensor is not None:
+        try:
+            if not bool((tensor != dict(record.args).get("ignore_index", -100)).any()):
+                return "all_ignored"
+        except Exception:  # a tensor subclass that does not compare: the weights may be why
+            pass
+    return "zero_weight"
 
 
 def _unread(name, recipes):
@@ -433,12 +506,24 @@ def _held(meta, through, index, found, health, writes, path, modules) -> Cause |
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, modules)
+    loaded = _loaded_by(writes, ident, index)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
-        return Cause(kind, tensor=meta, held=known.held, made=owner, through=through)
+        return Cause(kind, tensor=meta, held=known.held, made=owner, through=through, loaded=loaded)
     if isinstance(tensor, torch.nn.Parameter):
-        return Cause(WEIGHTS, tensor=meta, held=known.held, through=through)
-    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through)
+        return Cause(WEIGHTS, tensor=meta, held=known.held, through=through, loaded=loaded)
+    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through, loaded=loaded)
+
+
+def _loaded_by(writes, ident, index) -> Place | None:
+    """The copy that last wrote ``ident`` before op ``index``, when it copied loaded values: a
+    source made by an op that aliases a storage filled with no op (``set_``: torch.load)."""
+    writer = writes.made_by(ident, index)
+    if writer is None or not facts_of(writer.func).is_copy or len(writer.inputs) < 2:
+        return None
+    _, copied, *_ = writer.inputs
+    source = writes.made_by(copied[M_IDENT], writer.index)
+    return Place.of(writer) if source is not None and facts_of(source.func).aliases_storage else None
 
 
 def _made_where(writes, ident, index) -> MadeBy | BeforeWatch | None:
@@ -515,6 +600,174 @@ def _rerun(record, found):
         if math.isfinite(low) and math.isfinite(high):
             return candidate, max(abs(low), abs(high))
     return (None, None)
+
+
+# -- the chain that made it -------------------------------------------------------------------
+
+# How many ops back from the origin's inputs the chain is run again, and how many in all.
+_CHAIN_DEPTH = 12
+_CHAIN_OPS = 48
+
+
+class _Chain:
+    """The ops that led to an origin's inputs, run again from the tensors they started from
+    (alive and unwritten: the leaves), once in the ops' own dtypes and once with every floating
+    tensor in float64: which op's result went to 0 (below the smallest normal of its dtype, non-
+    zero in float64) or to inf (finite in float64) first, and whether the origin's op is finite
+    in float64 on such inputs. Slow: asked only where the origin's op alone tells undefined math
+    (or nothing)."""
+
+    def __init__(self, writes):
+        self._writes = writes
+        self._plan: dict = {}  # (ident, before) -> the producing record, or None for a leaf
+        self._live: dict = {}
+        self._values: dict = {}  # (ident, before) -> (narrow, wide) or None
+        self._numel = 0
+        self.events: list = []  # (op index, record, went_to, magnitude in float64)
+
+    def plan(self, record) -> bool:
+        """Walk the log back from ``record``'s inputs; look the leaves up among the live objects."""
+        wanted: dict = {}
+        frontier = [(meta, record.index, 0) for meta in record.inputs]
+        while frontier:
+            meta, before, depth = frontier.pop()
+            key = (meta[M_IDENT], before)
+            if key in self._plan:
+                continue
+            wanted[meta[M_IDENT]] = meta
+            producer = self._writes.made_by(meta[M_IDENT], before) if depth < _CHAIN_DEPTH and len(self._plan) < _CHAIN_OPS else None
+            if producer is not None and not _rerunnable(producer):
+                producer = None
+            self._plan[key] = producer
+            if producer is not None:
+                frontier.extend((inner, producer.index, depth + 1) for inner in producer.inputs)
+        self._live, _ = _live(wanted)
+        return any(producer is not None for producer in self._plan.values())
+
+    def value(self, meta, before):
+        """``(narrow, wide)`` for the tensor ``meta`` as op ``before`` read it, or ``None``."""
+        key = (meta[M_IDENT], before)
+        if key in self._values:
+            return self._values[key]
+        self._values[key] = None  # a cycle reads as unknown
+        found = self._computed(meta, before)
+        if found is None:
+            found = self._leaf(meta, before)
+        self._values[key] = found
+        return found
+
+    def _leaf(self, meta, before):
+        tensor = self._live.get(meta[M_IDENT])
+        if tensor is None or self._writes.after(meta[M_IDENT], before - 1) or not self._afford(tensor):
+            return None
+        narrow = tensor.detach().clone()
+        return narrow, _widened(narrow)
+
+    def _computed(self, meta, before):
+        producer = self._plan.get((meta[M_IDENT], before))
+        if producer is None:
+            return None
+        values = [self.value(inner, producer.index) for inner in producer.inputs]
+        if None in values:
+            return None
+        results = run_call(producer, [narrow for narrow, _ in values], [wide for _, wide in values])
+        if results is None:
+            return None
+        position = next((at for at, out in enumerate(producer.outputs or ()) if out[M_IDENT] == meta[M_IDENT]), None)
+        if position is None or position >= len(results):
+            return None
+        narrow, wide = results[position]
+        if not self._afford(narrow):
+            return None
+        self._note(producer, [narrow_in for narrow_in, _ in values], narrow, wide)
+        return narrow, wide
+
+    def _afford(self, tensor) -> bool:
+        self._numel += tensor.numel()
+        return self._numel <= _MAX_RERUN_NUMEL
+
+    def _note(self, producer, inputs, narrow, wide) -> None:
+        """Where this op's result went to 0 or inf from finite inputs, and not in float64."""
+        if not narrow.is_floating_point() or narrow.dtype == torch.float64 or narrow.is_complex():
+            return
+        if any(inner.is_floating_point() and not bool(torch.isfinite(inner).all()) for inner in inputs):
+            return
+        info = torch.finfo(narrow.dtype)
+        wide = wide.to(torch.float64)
+        underflowed = (narrow == 0) & (wide != 0) & (wide.abs() < info.tiny)
+        if bool(underflowed.any()):
+            self.events.append((producer.index, producer, "0", float(wide.abs()[underflowed].max())))
+            return
+        overflowed = torch.isinf(narrow) & torch.isfinite(wide)
+        if bool(overflowed.any()):
+            self.events.append((producer.index, producer, "inf", float(wide.abs()[overflowed].max())))
+
+
+def _widened(tensor):
+    return tensor.detach().to(torch.float64) if tensor.is_floating_point() and not tensor.is_complex() else tensor.detach().clone()
+
+
+def _wide_args(values) -> tuple:
+    """Arguments for the float64 run: a floating dtype argument (``ones_like(x, dtype=f32)``,
+    ``x.float()``) names float64."""
+    return tuple(torch.float64 if isinstance(value, torch.dtype) and value.is_floating_point else value for value in values)
+
+
+def _rerunnable(record) -> bool:
+    """Whether the chain may run ``record``'s op again: not one that makes values opwatch does
+    not read (``empty_like``, ``set_``), draws random numbers, lifts Python data or talks to
+    other ranks (factories of given values, ``full``, ``ones_like``, are run)."""
+    facts = facts_of(record.func)
+    if facts.is_collective or facts.makes_new_data or facts.is_lift:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(record.func, "tags", ())
+
+
+def run_call(record, narrow, wide):
+    """Run ``record``'s op on ``narrow`` tensors and on ``wide`` ones (copies: the op may write
+    in place): a ``(narrow, wide)`` pair per tensor output, or ``None`` when it cannot be run."""
+    call = _call_of(record.func, record, len(narrow))
+    if call is None:
+        return None
+    outs = []
+    for tensors, args, kwargs in ((narrow, call.args, call.kwargs), (wide, _wide_args(call.args), dict(zip(call.kwargs, _wide_args(call.kwargs.values()))))):
+        copies = [tensor.clone() for tensor in tensors]
+        try:
+            with torch.no_grad():
+                out = record.func(*_fill(args, copies), **_fill_kwargs(kwargs, copies))
+        except Exception:
+            return None
+        outs.append([out] if isinstance(out, torch.Tensor) else [item for item in out if isinstance(item, torch.Tensor)] if isinstance(out, (tuple, list)) else [])
+    narrow_outs, wide_outs = outs
+    wide_outs = [_widened(out) for out in wide_outs]
+    if len(narrow_outs) != len(wide_outs):
+        return None
+    return list(zip(narrow_outs, wide_outs))
+
+
+def _chain_cause(origin, writes, detail) -> Cause | None:
+    """PRECISION when the ops that made the origin's inputs, run again in float64 from finite
+    inputs, keep the origin's op finite, and one of them went to 0 or inf in its own dtype
+    (the first in the program is named): a float32 ``exp`` that underflowed to 0 before
+    ``b / (K.T @ u)``, a product of densities before ``log``."""
+    record = origin.record
+    dtype = _dtype_of(record)
+    if dtype is None or dtype == torch.float64 or dtype in COMPLEX or facts_of(record.func).is_collective:
+        return None
+    chain = _Chain(writes)
+    if not chain.plan(record):
+        return None
+    values = [chain.value(meta, record.index) for meta in record.inputs]
+    if None in values or not chain.events:
+        return None
+    results = run_call(record, [narrow for narrow, _ in values], [wide for _, wide in values])
+    if not results:
+        return None
+    (narrow, wide), *_ = results
+    if not wide.is_floating_point() or bool(torch.isfinite(narrow).all()) or not bool(torch.isfinite(wide).all()):
+        return None  # not reproduced, or not finite in float64 either
+    _, went, went_to, magnitude = min(chain.events, key=_first)  # the first in the program (by op index)
+    return Cause(PRECISION, detail, _dtype_of(went) or dtype, torch.float64, magnitude, went=Place.of(went), went_to=went_to)
 
 
 class _Call(NamedTuple):
@@ -679,9 +932,18 @@ def _bound(record, kind, ranges) -> float | None:
             return first + inner * math.prod(rest)
         if name == "sum" and not rest:
             return _summed(record) * first
+        if name in _CONVOLUTIONS and len(rest) in (1, 2) and len(record.inputs) > 1:
+            # Each output value adds up in_channels / groups * kernel products, and the bias.
+            _, weight, *_ = record.inputs
+            weight_largest, *bias = rest
+            _out_channels, *window = weight[M_SHAPE] or ()
+            return math.prod(window) * first * weight_largest + sum(bias) if len(window) >= 2 else None
     except (OverflowError, TypeError):
         return math.inf
     return None
+
+
+_CONVOLUTIONS = frozenset(("convolution", "_convolution", "conv1d", "conv2d", "conv3d"))
 
 
 def _inner_size(record) -> int | None:

@@ -21,10 +21,11 @@ import math
 
 from torch.nn import Parameter
 
+from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
 from .aliases import Aliases
-from .cause import DELIBERATE_CAUSE, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, written_inputs
+from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, Cause, written_inputs
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -297,6 +298,13 @@ class Origins:
                     # and reported once it becomes the loss.
                     record = record or state.log.view(entry)
                     origin = reduced = self._nan_constant(state, entry, record, before)
+            elif facts.is_copy and _copied_from_storage(state, entry):
+                # Loaded values (torch.load's tensors, filled with no op) copied into place
+                # (load_state_dict): no op made them; left unknown, as if made before the watch,
+                # so that the first op they feed finds them there (its cause: the weights).
+                state.status.pop(ident, None)
+                state.value_ranges[ident] = None
+                continue
             else:
                 record = record or state.log.view(entry)
                 origin = self._origin(state, entry, facts, record, kind, bool(input_states), before)
@@ -343,6 +351,15 @@ class Origins:
         origin.input_ranges = before if before is not None else _input_ranges(state, entry)
         origin.cause = NAN_CONSTANT_CAUSE
         state.origins.append(origin)
+        return origin
+
+    def _data(self, state, entry, record, meta) -> Origin:
+        """Data that came into torch holding nan (an array: ``torch.from_numpy``,
+        ``torch.tensor(array)``): an origin, its cause the input (no op made it)."""
+        origin = Origin(record, "nan")
+        origin.cause = Cause(INPUT, DATA, tensor=TensorMeta(*meta), held="nan")
+        state.origins.append(origin)
+        self._remember_site(origin, entry)
         return origin
 
     def _recomputed(self, record, entry):
@@ -480,8 +497,11 @@ def _overflowed_in_forward(origin) -> bool:
 
 def _step_lift(state, entry, outputs, origins) -> None:
     """Python data: new here (its input's id may be a dead tensor's, whose state it must not
-    inherit). A non-finite value in it is a constant the program wrote on purpose; a nan one
-    (``x[i] = float("nan")``) is followed as an origin to be (:meth:`Origins._nan_constant`)."""
+    inherit). A non-finite value in it is a constant the program wrote on purpose, when it is
+    one value (a Python scalar: ``x[i] = float("nan")`` lifts its nan); a nan one is followed
+    as an origin to be (:meth:`Origins._nan_constant`). A nan in an array (``torch.from_numpy``,
+    ``torch.tensor(array)``, a DataLoader's collate) came with the data: an origin whose cause
+    is the input (:meth:`Origins._data`). An inf stays a constant (a mask built in numpy)."""
     index = entry[E_INDEX]
     flags = state.flags
     for position, meta in enumerate(outputs):
@@ -494,10 +514,22 @@ def _step_lift(state, entry, outputs, origins) -> None:
             continue
         origin = None
         if kind == "nan" and entry[E_PHASE] != BACKWARD:
-            origin = origins._nan_constant(state, entry, state.log.view(entry))
+            record = state.log.view(entry)
+            origin = origins._nan_constant(state, entry, record) if not meta[M_SHAPE] else origins._data(state, entry, record, meta)
             _mark_sinks(origin, flags.refs[key], state.accumulates)
         state.status[ident] = (kind, origin)
         state.live[ident] = flags.refs[key]
+
+
+def _copied_from_storage(state, entry) -> bool:
+    """Whether a copy's source was made by an op that aliases a storage filled with no op
+    (``set_``: torch.load's tensors), as the log shows (slow: asked for a non-finite copy only)."""
+    inputs = entry_inputs(entry)
+    if not inputs or len(inputs) < 2:
+        return False
+    _, source, *_ = inputs
+    maker = state.log.producer_of(source[M_IDENT], before=entry[E_INDEX])
+    return maker is not None and facts_of(maker.func).aliases_storage
 
 
 def _forget_written(state, entry) -> None:

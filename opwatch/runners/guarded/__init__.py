@@ -38,7 +38,7 @@ from collections import deque
 import torch
 
 from ...core.finite import nonfinite_kind
-from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
 from ...findings.ranks import RankAnomaly
 from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
@@ -366,7 +366,7 @@ class Guarded:
                        where=raised_where(error), line=line)
         decision = agreement.decide(RAISED, self.calls, name)  # NoAnswer (bounded) when another rank never comes
         self._snapshots.put_grads(start)
-        error.add_note(words.raised_here_note(agreement.rank, decision.raised, agreement.world))
+        add_note(error, words.raised_here_note(agreement.rank, decision.raised, agreement.world))
         raise error
 
     def _checked(self, result) -> bool:
@@ -515,7 +515,7 @@ class Guarded:
         allowed = list(getattr(replay.watch, "allowed", ()))
         if error is not None:
             failed = record_at(replay.watch, replay.raised_at) if replay.error is not None else None
-            error.add_note(words.replay_raised_note(
+            add_note(error, words.replay_raised_note(
                 self.calls, self._name(), buffers, again=type(replay.error) is type(error), original=type(error).__name__,
                 replay_raised=None if replay.error is None else type(replay.error).__name__, allowed=len(allowed),
                 failed_record=failed, repro=repro,
