@@ -460,6 +460,12 @@ def _report_uncaught(error: BaseException) -> None:
             sys.stderr.flush()
             return
     sys.excepthook(type(error), error, error.__traceback__)
+    if sys.version_info < (3, 11) and sys.excepthook is sys.__excepthook__:
+        # Python 3.10's traceback leaves out exception notes (PEP 678 prints them from 3.11):
+        # opwatch's (raised in which op, the replay's) go where 3.11 puts them, after it.
+        for note in getattr(error, "__notes__", None) or ():
+            sys.stderr.write(f"{note}\n")
+        sys.stderr.flush()
 
 
 def _program_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -97,7 +97,8 @@ def test_a_torch_function_behind_a_deprecation_wrapper_points_at_the_call():
             hw.call_legacy_silu()
     silu = [r for r in w.records if r.op == "aten.silu.default"]
     assert [(r.filename, r.lineno) for r in silu] == [(SCENARIO, line_of("return legacy_silu(x) * 2"))]
-    assert silu[0].position.expression() == "legacy_silu(x)"
+    if sys.version_info >= (3, 11):  # column positions, hence the expression, are 3.11+
+        assert silu[0].position.expression() == "legacy_silu(x)"
 
 
 def test_hugging_face_modeling_code_stays_attributed_to_its_file():
