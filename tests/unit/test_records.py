@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import opwatch
-from support import SCENARIOS, needs_columns
+from support import SCENARIOS, needs_columns, known_on_torch_2_6
 from support.helpers import line_of as _line_of
 
 import stories  # noqa: E402
@@ -110,6 +110,7 @@ def test_sub_expression_of_each_op():
     assert power.position.expression() == "(pred - y) ** 2"
 
 
+@known_on_torch_2_6("the op indices count ops the watch does not keep")
 def test_ring_buffer_is_bounded_and_index_keeps_counting():
     model, x, y = training.make()
     with opwatch.watch(max_records=50) as w:
