@@ -20,6 +20,7 @@ from .modes.functions import FunctionWatch
 from .modes import compiled as _compiled
 from .modes import compiled_graphs as _graphs
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
+from .modes.module_calls import ModuleCalls
 from .modes.modules import ModuleStack
 from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
 from .core.records import OpLog, OpRecord
@@ -184,7 +185,6 @@ class Watch:
         self._interceptor: OpInterceptor | None = None
         self._modules: ModuleStack | None = None
         self._functions: FunctionWatch | None = None  # the pre-dispatch checks' function mode
-        self._next_index = 0
         self._told_internal_error = False
         self._compiled_calls: dict = {}  # compiled callable -> its calls run eagerly in the block
         self._told_compiled = False
@@ -341,15 +341,14 @@ class Watch:
                 modules=modules,
                 max_records=self._max_records,
                 on_internal_error=self._internal_error,
-                first_index=self._next_index,
                 check_every=self._check_every,
                 distributed=self._distributed,
             )
-            modules.on_call = interceptor.module_called
+            modules.on_call = ModuleCalls(checks=active, modules=modules, interceptor=interceptor)
             # Under compiled=..., no function mode: Dynamo would trace into it.
             functions = self._function_watch(interceptor, modules) if self._graphs_backend is None else None
             if self._graphs_backend is not None:
-                self._graphs = _graphs.hold(self._graphs_backend, interceptor)
+                self._graphs = _graphs.hold(self._graphs_backend, interceptor, prints=active.prints)
             else:  # under compiled=..., no global module hooks either: Dynamo would trace them
                 modules.install()
         except Exception as error:
@@ -388,7 +387,6 @@ class Watch:
             return None
         kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}
         return FunctionWatch(
-            log=self._log,
             modules=modules,
             interceptor=interceptor,
             kinds=frozenset(kinds),
@@ -411,7 +409,6 @@ class Watch:
         finally:
             self._modules.uninstall()
             self._modules = None
-            self._next_index = interceptor.next_index
             _compiled.release(self._compiled_calls)
             graphs, self._graphs = self._graphs, None
             if graphs is not None:

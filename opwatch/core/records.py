@@ -13,8 +13,11 @@ from collections import deque
 from functools import partial
 from typing import Any
 
+import torch
+
 from .bounded import BoundedCache
-from .notation import Sharding, TensorMeta, format_meta
+from .compat import dtensor_class
+from .notation import Sharding, TensorMeta, format_meta, sharding_of
 from .sites import Position, location, position_of
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "op_entry",
+    "tensor_metas",
     "entry_inputs",
     "entry_outputs",
     "short_op_name",
@@ -148,6 +152,22 @@ class OpLog:
         # Whether an op on DTensors was logged (entries with a fifth metadata item): the nan/inf
         # replay then follows values between DTensors and their local shards.
         self.sharded = False
+        # The next op's index. The log numbers every op it holds, whichever mode logs it (the
+        # interceptor, the function mode, module calls, compiled graphs), and keeps counting
+        # across the blocks of one Watch. The interceptor takes its number inline (a method
+        # call on every op costs); the others log through log_call.
+        self.next_index = 0
+
+    def log_call(self, func, site: int, module, phase: str, inputs, *, start_ns: int, end_ns: int = -1, outputs=None) -> tuple:
+        """Number one op, or a call that stands for one (a :class:`ModuleCall`), and log its
+        entry (made by :func:`op_entry`; no forward op, no other arguments). ``site``: a site id
+        of this log; ``inputs``/``outputs``: tensor metadata (:func:`tensor_metas`), ``outputs``
+        ``None`` where nothing ran. Returns the entry (:meth:`view` makes its record)."""
+        index = self.next_index
+        self.next_index = index + 1
+        entry = op_entry((index, self.func_id(func), site, module, phase, -1, ()), start_ns, end_ns, inputs, outputs)
+        self.entries.append(entry)
+        return entry
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -251,6 +271,67 @@ class OpLog:
             newer.append(entry)
         newer.reverse()
         return newer
+
+
+def tensor_metas(tensors, log: OpLog, types=()) -> list:
+    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``log.shapes``
+    (:class:`SharedShapes`). ``types``: the op's tensor subclasses (``__torch_dispatch__``'s);
+    where one is a DTensor, its tensors' tuples get their sharding."""
+    shapes = log.shapes
+    if types and _sharded(types):
+        log.sharded = True
+        return _sharded_metas(tensors, shapes)
+    try:
+        metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
+        for tensor in tensors:
+            size = tensor.shape
+            shape = shapes.get(size)
+            if shape is None:
+                shape = shapes[size]
+            metas.append((shape, tensor.dtype, tensor.device, id(tensor)))
+        return metas
+    except Exception:
+        return [_safe_meta(tensor) for tensor in tensors]
+
+
+# The op's subclass types -> whether one is a DTensor (a few distinct tuples per program).
+_SHARDED_TYPES = BoundedCache(256)
+
+
+def _sharded(types) -> bool:
+    known = _SHARDED_TYPES.get(types)
+    if known is None:
+        dtensor = dtensor_class()
+        known = _SHARDED_TYPES.put(types, dtensor is not None and any(issubclass(kind, dtensor) for kind in types))
+    return known
+
+
+def _sharded_metas(tensors, shapes) -> list:
+    """``tensor_metas`` of an op on DTensors: a DTensor's tuple gets its sharding facts as a fifth item."""
+    dtensor = dtensor_class()
+    metas = []
+    for tensor in tensors:
+        try:
+            meta = (shapes[tensor.shape], tensor.dtype, tensor.device, id(tensor))
+            if isinstance(tensor, dtensor):
+                meta = (*meta, sharding_of(tensor, shapes))
+        except Exception:
+            meta = _safe_meta(tensor)
+        metas.append(meta)
+    return metas
+
+
+def _safe_meta(tensor) -> tuple:
+    """Metadata of tensors that refuse ``.shape`` (nested tensors) or ``.device``."""
+    try:
+        shape = tuple(tensor.shape)
+    except Exception:
+        shape = None
+    try:
+        device = tensor.device
+    except Exception:
+        device = torch.device("meta")
+    return (shape, tensor.dtype, device, id(tensor))
 
 
 class BaseRecord:
