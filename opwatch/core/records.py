@@ -24,6 +24,8 @@ __all__ = [
     "BaseRecord",
     "OpRecord",
     "OpLog",
+    "MODULE_PATH",
+    "MODULE_CLASS",
     "SharedShapes",
     "FORWARD",
     "BACKWARD",
@@ -44,7 +46,7 @@ BACKWARD = "backward"
 E_INDEX = 0  # op index since the watch began
 E_FUNC = 1  # op id in OpLog.funcs
 E_SITE = 2  # source site id in OpLog.sites
-E_MODULE = 3  # module path or None
+E_MODULE = 3  # (path, class name) of the module running the op (MODULE_PATH, MODULE_CLASS), or None
 E_PHASE = 4  # FORWARD or BACKWARD
 E_FORWARD_FUNC = 5  # backward ops run by autograd: op id of the forward op they differentiate; else -1
 E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments
@@ -64,6 +66,17 @@ M_IDENT = 3  # id() of the tensor object when the op saw it: follows data from o
 # the op sees it.
 M_SHARDING = 4
 SH_LOCAL_IDENT = 3  # in the fifth item: the local shard's id()
+
+
+# An entry's module (at E_MODULE): None outside modules, else a plain tuple of two facts, its
+# dotted path (relative to the outermost module called, which is named by its class: "Net",
+# "enc.0", "enc.0.attn") and its class's name ("Linear"), None where no module class stands
+# behind the name (a compiled graph's records: "torch.compile graph 3 (forward)"). A plain
+# tuple of strings, so that the collector untracks it (a NamedTuple it would track, and every
+# entry holding it); one per module, shared by the entries of its ops
+# (opwatch.modes.modules.ModuleStack makes them).
+MODULE_PATH = 0
+MODULE_CLASS = 1
 
 
 def op_entry(head: tuple, start_ns: int, end_ns: int, inputs, outputs=None) -> tuple:
@@ -341,7 +354,8 @@ class BaseRecord:
     A subclass provides these primitive attributes (plain attributes or properties):
 
     - ``index`` (int), ``func`` (the ``OpOverload``, or the op's name where none is known),
-      ``module`` (str or ``None``), ``phase`` (``FORWARD`` / ``BACKWARD``), ``forward_func``;
+      ``module`` (the module's dotted path, or ``None``), ``module_class`` (its class's name, or
+      ``None``), ``phase`` (``FORWARD`` / ``BACKWARD``), ``forward_func``;
     - ``inputs`` / ``outputs``: metadata tuples ``(shape, dtype, device, ident)``, one a tensor
       (``outputs`` is ``None`` when the kernel raised or did not run);
     - ``args``: ``(name, value)`` pairs; ``flags``: anomaly kinds; ``rank``; ``label``;
@@ -403,8 +417,11 @@ class OpRecord(BaseRecord):
         filename / lineno: the user's source line (the innermost frame outside torch and
             opwatch). Backward ops carry the line of the forward op that created them.
         position: line and columns of the sub-expression that issued the op.
-        module: dotted path of the ``nn.Module`` running the op, relative to the outermost
-            module called (that one is named by its class); ``None`` outside modules.
+        module: dotted path of the ``nn.Module`` running the op (``"enc.0"``), relative to the
+            outermost module called (that one is named by its class); ``None`` outside modules.
+        module_class: the class name of that module (``"Linear"``); ``None`` outside modules.
+            Messages and tables show the two as one label, ``enc.0 (Linear)``, where the path
+            ends in an index.
         phase: ``"forward"`` or ``"backward"``.
         forward_func: for a backward op run by autograd, the forward ``OpOverload`` whose
             gradient it computes (``None`` otherwise).
@@ -452,7 +469,13 @@ class OpRecord(BaseRecord):
 
     @property
     def module(self) -> str | None:
-        return self._entry[E_MODULE]
+        module = self._entry[E_MODULE]
+        return None if module is None else module[MODULE_PATH]
+
+    @property
+    def module_class(self) -> str | None:
+        module = self._entry[E_MODULE]
+        return None if module is None else module[MODULE_CLASS]
 
     @property
     def phase(self) -> str:

@@ -278,11 +278,11 @@ class RankAnomaly(BaseAnomaly):
     records stay on their rank, which rendered the message (both ranks run one opwatch), so the
     attributes :class:`~opwatch.findings.anomaly.BaseAnomaly` derives from them are given here."""
 
-    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "phase", "index", "received", "count", "time_ns", "message")
+    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "module_class", "phase", "index", "received", "count", "time_ns", "message")
     record = None
     finding = None
 
-    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message):
+    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message, module_class=None):
         self.rank = rank
         self.kind = kind
         self.op = op
@@ -290,6 +290,7 @@ class RankAnomaly(BaseAnomaly):
         self.lineno = lineno
         self.where = where
         self.module = module
+        self.module_class = module_class
         self.phase = phase
         self.index = index
         self.received = received
@@ -302,7 +303,7 @@ class RankAnomaly(BaseAnomaly):
         """This rank's own ``anomaly`` in the same form (``offset``: wall clock - perf counter)."""
         return cls(
             rank=rank, kind=anomaly.kind, op=anomaly.op, filename=anomaly.filename, lineno=anomaly.lineno,
-            where=anomaly.record.where, module=anomaly.module, phase=anomaly.phase, index=anomaly.index,
+            where=anomaly.record.where, module=anomaly.module, module_class=anomaly.module_class, phase=anomaly.phase, index=anomaly.index,
             received=anomaly.received, count=1, time_ns=anomaly.record.start_ns + offset, message=anomaly.message,
         )
 

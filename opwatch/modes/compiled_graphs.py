@@ -103,7 +103,7 @@ class _Recording:
         self.prints = prints
         self.thread = threading.get_ident()
 
-    def record(self, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
+    def record(self, func, site: int, module: tuple, phase: str, inputs, outputs, start: int, end: int) -> None:
         """Log one op of a graph: ``inputs``/``outputs`` the tensors. An error of opwatch's own
         here makes the watch inert with one warning; the graph runs on."""
         interceptor = self.interceptor
@@ -114,7 +114,7 @@ class _Recording:
         except Exception as error:
             interceptor.internal_error(error)
 
-    def _record(self, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
+    def _record(self, func, site: int, module: tuple, phase: str, inputs, outputs, start: int, end: int) -> None:
         log = self.log
         in_metas = tensor_metas(inputs, log)
         out_metas = tensor_metas(outputs, log)
@@ -215,7 +215,7 @@ def _compiler(inner, phase: str):
     def compile_graph(gm, example_inputs):
         compiled = None if inner is None else inner(gm, example_inputs)
         graph = gm if inner is None else graph_module_behind(compiled)
-        module = f"{GRAPH_MODULE} {next(_GRAPHS)} ({phase})"
+        module = (f"{GRAPH_MODULE} {next(_GRAPHS)} ({phase})", None)  # a name, no module class (core.records.MODULE_PATH)
         if graph is not None:
             return _boxed(_NodesRun(graph, module, phase))
         return _boxed(_OutputsRun(gm, compiled, module, phase))
@@ -234,7 +234,7 @@ def _boxed(run):
 class _NodesRun:
     """Runs a graph as it is; under a recording watch node by node, each node's outputs logged."""
 
-    def __init__(self, graph, module: str, phase: str):
+    def __init__(self, graph, module: tuple, phase: str):
         self.graph, self.module, self.phase = graph, module, phase
         self.sites = {}  # node -> (filename, lineno) or None
 
@@ -289,7 +289,7 @@ class _OutputsRun:
     """Runs a compiled graph (inductor's); under a recording watch each output is logged as the
     op of the graph that made it (through views, to the op that made its values)."""
 
-    def __init__(self, gm, compiled, module: str, phase: str):
+    def __init__(self, gm, compiled, module: tuple, phase: str):
         self.compiled, self.module, self.phase = compiled, module, phase
         self.boxed = bool(getattr(compiled, "_boxed_call", False)) or type(compiled).__name__ == "CompiledFxGraph"
         self.makers = [_maker(node) for node in _flat(gm.graph.output_node().args)]
