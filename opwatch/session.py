@@ -22,7 +22,8 @@ from .modes import compiled_graphs as _graphs
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
 from .modes.module_calls import ModuleCalls
 from .modes.modules import ModuleStack
-from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
+from .modes.ranks import DistributedWatch
+from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
 from .core.records import OpLog, OpRecord
 from .core.sites import warn_at_user
 from .render import exception_note, render_failure, render_summary, render_table
@@ -189,7 +190,7 @@ class Watch:
         self._compiled_calls: dict = {}  # compiled callable -> its calls run eagerly in the block
         self._told_compiled = False
         self._thread = None  # the thread the watch is active on (the optimizer hook asks)
-        # The job's view from this process (opwatch.findings.ranks), where torch.distributed exists.
+        # The job's view from this process (opwatch.modes.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
 
     # -- reading ----------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Watch:
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
             active = _checks.ActiveChecks(
-                self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules,
+                self._checks, self._log, table_limit=2 * self._max_records + 4096, owners=modules.owners,
                 fingerprints=self._fingerprints, every_op_checked=self._check_every == 1,
             )
             interceptor = (OpInterceptor if self._graphs_backend is None else _graphs.GraphsInterceptor)(

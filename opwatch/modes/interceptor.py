@@ -6,7 +6,7 @@ The way of one op, in ``__torch_dispatch__``:
    ``_head`` adds the index, the user's source site, the module path and the phase;
 2. the pre-kernel checks bound to the op (:class:`~opwatch.checks.ActiveChecks`) run on the
    metadata; a finding is logged (unfinished) and handed to the one exit of findings,
-   :class:`~opwatch.checks.pipeline.FindingPipeline` (``self.findings``), in front of the
+   :class:`~opwatch.findings.pipeline.FindingPipeline` (``self.findings``), in front of the
    :class:`~opwatch.findings.report.Reporter`; in strict mode the error it hands back is raised
    before the kernel runs;
 3. the kernel runs; its own exceptions reach the program untouched;
@@ -63,6 +63,7 @@ from ..core.collective_ops import collective_outputs, describe_script_object
 from ..core.ops import facts_of
 from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, OpLog, op_entry
 from ..core.records import tensor_metas as _metas  # a module global: bench.ablate stubs it
+from ..findings.pipeline import FindingPipeline
 from ..core.sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
@@ -141,12 +142,12 @@ class OpInterceptor(TorchDispatchMode):
         self._checks = checks
         self._context = checks.context
         # The one exit of findings (defer, provenance, containment), in front of the reporter.
-        self.findings = checks.exit_to(reporter)
+        self.findings = FindingPipeline(checks, reporter)
         self._modules = modules
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
-        # A RankState with .sites (opwatch.findings.ranks.DistributedWatch) where torch.distributed is
+        # A RankState with .sites (opwatch.modes.ranks.DistributedWatch) where torch.distributed is
         # available, else None; its ReducerSites name the engine's ops without a forward line once the rank is known.
         self._distributed = distributed
         self._reducer_sites = distributed.sites if distributed is not None and distributed.rank is not None else None

@@ -27,19 +27,21 @@ __tracebackhide__ = True
 import sys
 import threading
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..checks.owners import RUNNING_NAME, ModuleOwners
 from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
 from ..core.records import MODULE_PATH
 from ..core.sites import user_frame
 
 __all__ = ["ModuleStack"]
 
-_NAME, _HELD = 0, 3  # in a stack entry ((path, class), call frame, user frame answer, held hook handle)
+# A stack entry: ((path, class), call frame, user frame answer, held hook handle); the first two
+# as checks.owners reads them (RUNNING_NAME, RUNNING_FRAME).
+_NAME, _HELD = RUNNING_NAME, 3
 
 
 class ModuleStack:
@@ -74,9 +76,9 @@ class ModuleStack:
         self._root = None  # weakref to the outermost module of the current (or last) forward
         self._strangers: weakref.WeakSet = weakref.WeakSet()  # called inside it, but not its descendants
         self._handles: list = []
-        self._forwards = 0  # outermost module calls so far: the owners table is rebuilt once per call at most
-        # root module -> (forwards when built, {id of a parameter or buffer -> (weakref, owner facts)})
-        self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Who holds a tensor (the running modules, the models' parameters and buffers), for
+        # where a finding's odd operand was made: reads this stack, told of each model called.
+        self.owners = ModuleOwners(self._stack)
 
     def install(self) -> None:
         enter = register_module_forward_pre_hook(self._enter)
@@ -109,7 +111,7 @@ class ModuleStack:
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
-            self._forwards += 1
+            self.owners.forwards += 1
             if self._stale and sys.exc_info()[0] is None:
                 self._remove_stale()  # a new forward, outside any exception handling
             if current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
@@ -148,31 +150,6 @@ class ModuleStack:
     def path(self) -> str | None:
         """The innermost running module's dotted path, ``None`` outside modules."""
         return None if self.current is None else self.current[MODULE_PATH]
-
-    def running(self) -> list[tuple[str, nn.Module]]:
-        """The modules running now, innermost first, as ``(path, module)``. For reports only
-        (it reads the frames of the module calls)."""
-        found = []
-        for name, call_frame, _, _ in reversed(self._stack):
-            module = call_frame.f_locals.get("self")
-            if isinstance(module, nn.Module):
-                found.append((name[MODULE_PATH], module))
-        return found
-
-    def owner_of(self, ident: int) -> tuple | None:
-        """``("parameter" | "buffer", class name of the module that holds it, its name there,
-        module path)`` of the live tensor ``ident`` when a module this stack has seen called
-        holds it as a parameter or buffer; ``None`` otherwise. For reports only: the table of a
-        model's parameters and buffers is built on first use and rebuilt at most once per call
-        of the model (a buffer replaced since is found then)."""
-        for root in list(self._names.keys()):
-            built = self._owners.get(root)
-            if built is None or (built.forwards != self._forwards and ident not in built.table):
-                built = self._owners[root] = _Owners(self._forwards, _owners_table(root))
-            found = built.table.get(ident)
-            if found is not None and id(found.tensor()) == ident:
-                return found.owner
-        return None
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if threading.get_ident() != self._thread or not self._stack:
@@ -261,33 +238,5 @@ class ModuleStack:
                 if path and child not in names:
                     names[child] = (path, type(child).__name__)
             self._names[root] = names
+            self.owners.seen(root)
         return names
-
-
-class _Owners(NamedTuple):
-    """A model's table of owners (see :meth:`ModuleStack.owner_of`), built during its call
-    number ``forwards``."""
-
-    forwards: int
-    table: dict  # id of a parameter or buffer -> _Owned
-
-
-class _Owned(NamedTuple):
-    """A parameter or buffer (weakly) and its owner facts (see :meth:`ModuleStack.owner_of`)."""
-
-    tensor: weakref.ref
-    owner: tuple
-
-
-def _owners_table(root: nn.Module) -> dict:
-    """``{id of a parameter or buffer of root's modules -> _Owned}`` (see
-    :meth:`ModuleStack.owner_of`); paths as :class:`ModuleStack` names modules."""
-    table = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        path = name or type(root).__name__
-        for kind, held in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
-            for attribute, tensor in held:
-                if id(tensor) not in table:
-                    table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
-    return table
-

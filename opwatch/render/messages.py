@@ -6,7 +6,7 @@ The three sentences come from the finding's facts: each rule's ``explain`` funct
 with :func:`opwatch.render.rules.explains`, is called as ``explain(finding) -> (problem,
 expected, fix)``.
 Where each odd operand was made (``Finding.made``, provenance fact tuples, see
-``opwatch.checks.CheckContext.where_made``) is appended to the problem by :func:`explain`.
+``opwatch.checks.provenance.Provenance.where_made``) is appended to the problem by :func:`explain`.
 """
 
 from __future__ import annotations

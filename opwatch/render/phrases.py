@@ -32,7 +32,7 @@ def module_of(record) -> str | None:
 
 
 def where_made(made) -> str:
-    """One provenance fact (see ``CheckContext.where_made``: an
+    """One provenance fact (see ``opwatch.checks.provenance.Provenance.where_made``: an
     :class:`~opwatch.checks.finding.Attribute`, ``Owned``, ``MadeBy`` (with its ``detail``) or
     ``BeforeWatch``) as a clause."""
     how = made.how

@@ -1,6 +1,7 @@
 """The written rules of CONTRIBUTING, kept true by parsing the package (no import, no torch):
 
-- arrows one way: a module imports only modules of its own layer or below (``FLOORS``: the folders), and no
+- arrows one way: a module imports only modules of its own layer or below (``FLOORS``: the folders,
+  in ``tests/support/floors.py``), and no
   import cycle, counting imports inside functions;
 - private torch APIs only in ``opwatch/core/compat.py``;
 - the hot path keeps its size: ``OpInterceptor`` at most 230 code lines, its
@@ -19,21 +20,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent.parent / "opwatch"
 
-# The floors, bottom to top, are the package's folders (and its few top-level files): a module
-# may import its own floor or lower ones. A new folder must be placed here, so the tree and the
-# rule cannot drift apart.
-FLOORS = [
-    {"opwatch._version"},  # a leaf: any floor may name the version
-    {"opwatch.core"},  # facts about torch and the op log: no watch state
-    {"opwatch.checks"},  # one check a module: facts in, findings out
-    {"opwatch.render"},  # every sentence a user reads
-    {"opwatch.modes"},  # the private dispatch modes: the hot path
-    {"opwatch.findings"},  # findings become anomalies, warnings, raises; across ranks
-    {"opwatch.storage"},  # saved runs: the fact codec, JSON Lines, Chrome traces
-    {"opwatch.session"},  # watch(), strict(), Watch: the public object
-    {"opwatch.runners", "opwatch.examples"},  # what users run: guard, leave-on, CLI, pytest, trainers, diff
-    {"opwatch", "opwatch.__main__"},  # the package's face re-exports the public names
-]
+from support.floors import FLOORS, floor_of as layer_of  # noqa: E402  the floors, bottom to top
 
 
 def test_every_folder_is_a_floor():
@@ -93,17 +80,6 @@ def imports() -> dict[str, set[str]]:
                         found.add(alias.name)
         graph[name] = found
     return graph
-
-
-def layer_of(name: str) -> int:
-    best, best_length = None, -1
-    for number, layer in enumerate(FLOORS):
-        for prefix in layer:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_length:
-                best, best_length = number, len(prefix)
-    if best is None:
-        raise AssertionError(f"{name} is in no layer of tests/unit/test_rules.py: add it where it belongs")
-    return best
 
 
 def test_every_import_points_down_or_sideways():
@@ -312,7 +288,7 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.checks.module_calls": 3,
     "opwatch.checks.nonfinite.collectives": 8,
     "opwatch.checks.nonfinite.replay": 3,  # an op's first input fed (fed[0], twice) and its state
-    "opwatch.checks": 1,  # an op's first input (inputs[0])
+    "opwatch.checks.provenance": 1,  # an op's first input (inputs[0])
     "opwatch.checks.nonfinite.tracker": 1,
     "opwatch.checks.pre_dispatch": 3,
     "opwatch.core.collective_ops": 2,
@@ -495,7 +471,7 @@ def test_the_code_line_counter_itself():
 
 
 def test_the_interceptor_names_no_check():
-    """Findings leave the hot path by one exit (opwatch.checks.pipeline): the interceptor imports
+    """Findings leave the hot path by one exit (opwatch.findings.pipeline): the interceptor imports
     no check and names none of their modules or internals."""
     checks = {path.stem for path in (PACKAGE / "checks").iterdir() if path.stem != "__init__" and (path.suffix == ".py" or path.is_dir())}
     checks -= {"pipeline", "finding", "__pycache__"}
