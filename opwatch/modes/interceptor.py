@@ -2,8 +2,10 @@
 
 The way of one op, in ``__torch_dispatch__``:
 
-1. its arguments are read into tensor metadata and a flat tuple of the other arguments;
-   ``_head`` adds the index, the user's source site, the module path and the phase;
+1. its arguments are read into tensor metadata (:func:`~opwatch.core.records.tensor_metas`)
+   and a flat tuple of the other arguments; ``_head`` adds the index the log gives the op
+   (``OpLog.next_index``: the modes beside this one number their calls in the same log, by
+   ``OpLog.log_call``), the user's source site, the module (its path and class) and the phase;
 2. the pre-kernel checks bound to the op (:class:`~opwatch.checks.ActiveChecks`) run on the
    metadata; a finding is logged (unfinished) and handed to the one exit of findings,
    :class:`~opwatch.findings.pipeline.FindingPipeline` (``self.findings``), in front of the

@@ -366,3 +366,19 @@ def test_named_modules_keep_their_paths():
     assert not {m for m in named if m and "(" in m}  # a path, never a label
     classes = {(r.module, r.module_class) for r in records if r.module}
     assert {("Net", "Net"), ("blocks.0", "Block"), ("blocks.0.proj", "Linear")} <= classes
+
+
+def test_the_log_numbers_every_call_it_logs():
+    """OpLog.log_call numbers a call and logs its entry; the interceptor takes its numbers from
+    the same counter (OpLog.next_index), so a Watch's ops and calls share one sequence."""
+    from opwatch.core.records import ModuleCall, OpLog
+
+    log = OpLog(8)
+    log.next_index = 5  # a Watch's second block goes on where the first stopped
+    meta = (log.shapes[torch.Size([2, 3])], torch.float32, torch.device("cpu"), 1)
+    first = log.view(log.log_call(ModuleCall("LSTM.forward"), 0, ("rnn", "LSTM"), "forward", [meta], start_ns=10))
+    second = log.view(log.log_call(torch.ops.aten.add.Tensor, 0, None, "backward", [meta, meta], start_ns=11, end_ns=12, outputs=[meta]))
+    assert (first.index, second.index, log.next_index) == (5, 6, 7)
+    assert (str(first.func), first.module, first.module_class, first.outputs, first.end_ns) == ("LSTM.forward", "rnn", "LSTM", None, None)
+    assert (second.op, second.module, second.phase, len(second.inputs), second.end_ns) == ("aten.add.Tensor", None, "backward", 2, 12)
+    assert [record.index for record in log.records()] == [5, 6]
