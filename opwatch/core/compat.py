@@ -16,6 +16,7 @@ __all__ = [
     "current_autograd_node",
     "inference_mode_enabled",
     "no_python_dispatch",
+    "no_torch_function",
     "dispatch_modes_outside",
     "engine_entry_code",
     "restore_caller_state",
@@ -72,6 +73,9 @@ inference_mode_enabled = torch._C.is_inference_mode_enabled
 # A context manager that turns Python dispatch off: no dispatch mode, ours or another, sees
 # the ops run inside it (opwatch's own reductions and read-backs). torch >= 1.13.
 no_python_dispatch = torch._C._DisableTorchDispatch
+# Every __torch_function__ off for the block, modes included (torch 1.13+): opwatch's own torch
+# calls at a check point must not enter its function mode (opwatch.modes.functions).
+no_torch_function = torch._C.DisableTorchFunction
 
 # How many dispatch modes are on the thread's stack right now (inside ``__torch_dispatch__``
 # ours is popped, so a non-zero count means modes entered outside opwatch). torch >= 2.0.

@@ -23,6 +23,7 @@ from html import escape
 from ..core.records import BACKWARD, FORWARD, M_IDENT, short_op_name
 from ..core.sites import location
 from .messages import message_parts
+from .phrases import module_of
 from .summary import count_places
 from .table import TABLE_HEADERS, table_row
 
@@ -146,7 +147,7 @@ def _finding(anomaly, indices: list, number: int, log: tuple) -> str:
     head = (
         f'<div class="head"><span class="kind k-{escape(anomaly.kind)}">{escape(anomaly.kind)}</span> '
         f'<code class="op">{escape(record.op)}</code> at <code class="where">{escape(location(record))}</code>'
-        f'{_field("module", record.module)}{_field("phase", record.phase)}{count}</div>'
+        f'{_field("module", module_of(record))}{_field("phase", record.phase)}{count}</div>'
     )
     lines = [head]
     if parts.code:
@@ -253,13 +254,13 @@ def module_tree_svg(records: list, anomalies: list) -> str:
     flagged: dict[str, int] = {}
     order: list[str] = []
     for record in records:
-        for path in _ancestry(record.module):
+        for path in _ancestry(module_of(record)):
             if path not in ops:
                 ops[path] = 0
                 order.append(path)
             ops[path] += 1
     for anomaly in anomalies:
-        for path in _ancestry(anomaly.module):
+        for path in _ancestry(module_of(anomaly)):
             flagged[path] = flagged.get(path, 0) + 1
     if not order:
         return '<p class="none">No ops were recorded.</p>'

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..core.records import BaseRecord
 from ..core.sites import location
+from .phrases import module_of
 from .table import DUMP_WIDTH, render_table
 
 __all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
@@ -124,7 +125,7 @@ def exception_note(failed: BaseRecord) -> str:
         note += f": {code}"
     note += "\n  inputs: " + ", ".join(str(meta) for meta in failed.inputs)
     if failed.module:
-        note += f"\n  module: {failed.module}"
+        note += f"\n  module: {module_of(failed)}"
     return note
 
 
