@@ -6,8 +6,11 @@ The package supports ``torch >= 2.5``; an entry without a fallback exists in eve
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import sys
+import types
 
 import torch
 
@@ -51,6 +54,7 @@ __all__ = [
     "dtensor_class",
     "dtensor_parts",
     "frame_backends",
+    "compiled_code_set_aside",
     "registered_backend",
     "backend_identity",
     "is_inductor",
@@ -468,16 +472,109 @@ def frame_backends() -> list:
     """Called from inside a backend while Dynamo compiles a frame: the backends of that frame's
     code's cache entries, most recently used first (``InstructionTranslator.current_tx()`` and
     ``_debug_get_cache_entry_list``, torch 2.6-2.13; ``CacheEntry.backend`` since 2.4): one of
-    them is the backend the frame was compiled with by ``torch.compile``. ``[]`` where torch
-    has none of this."""
+    them is the backend the frame was compiled with by ``torch.compile``. For a copy of a code
+    object made by :func:`compiled_code_set_aside`, those of the program's code object. ``[]``
+    where torch has none of this."""
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         code = InstructionTranslator.current_tx().f_code
+        code = _PROGRAM_CODE.get(id(code), code)  # a copy run by compiled_code_set_aside: the program's entries
         return [_innermost_backend(entry.backend) for entry in _debug_get_cache_entry_list(code)]
     except Exception:
         return []
+
+
+# id(copy) -> the program's code object, for each copy compiled_code_set_aside has handed out
+# and not yet taken back (frame_backends reads the program's cache entries through it).
+_PROGRAM_CODE: dict = {}
+
+
+def compiled_code_set_aside():
+    """A context manager under which Dynamo's compiles land beside the program's compiled code,
+    never in it: every function whose code object holds Dynamo's cache entries runs a fresh
+    copy of that code object (``code.replace()``: the same code, no cache entries), so that a
+    frame compiled in the block is compiled for the copy, with its own recompile budget; on
+    leaving, each function gets its own code object back and every cache entry the block made is
+    dropped (``reset_code`` of each copy, and of each code object Dynamo first compiled in the
+    block, such as the resume functions of a copy's graph breaks). The program's code objects,
+    their cache entries, their order and their frame counters are never touched.
+
+    Reads Dynamo's list of the code objects it converted (``convert_frame.input_codes``),
+    their cache entries (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``) and drops
+    a code object's entries with ``reset_code`` (all three in torch 2.0-2.14); a copy also gets
+    its original's ``always_optimize_code_objects`` flag and ``code_context`` (the same
+    modules, torch 2.0-2.14, skipped where missing). Functions are found with
+    ``gc.get_referrers``: a function made in the block from a compiled code object (a closure
+    made anew on each call) runs the program's code object, and what the block compiles for it
+    stays. ``None`` where torch lacks one of the three (then the block would compile into the
+    program's code objects: callers do not run it)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+        from torch._dynamo import convert_frame
+
+        converted = convert_frame.input_codes.seen
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(converted, list):
+        return None
+    return _set_aside(convert_frame.input_codes, _debug_get_cache_entry_list, reset_code)
+
+
+def _converted_codes(tracker) -> list:
+    return [code for code in (ref() for ref in list(tracker.seen)) if code is not None]
+
+
+def _copy_code(original):
+    """A code object equal to ``original`` with no cache entries, and the flags Dynamo keeps per
+    code object (compile it even without a torch global; its code context)."""
+    copy = original.replace()
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    always = getattr(eval_frame, "always_optimize_code_objects", None)
+    try:
+        if always is not None and original in always:
+            always[copy] = always[original]
+    except Exception:
+        pass
+    contexts = getattr(sys.modules.get("torch._dynamo.code_context"), "code_context", None)
+    try:
+        if contexts is not None and contexts.has_context(original):
+            contexts.get_context(copy).update(contexts.get_context(original))
+    except Exception:
+        pass
+    return copy
+
+
+@contextlib.contextmanager
+def _set_aside(tracker, entries_of, reset_code):
+    before = _converted_codes(tracker)
+    compiled = {id(code): code for code in before if entries_of(code)}
+    copies: dict = {}  # id(the program's code) -> its copy
+    swapped = []  # (function, the program's code, its copy)
+    try:
+        for function in gc.get_referrers(*compiled.values()) if compiled else ():
+            original = getattr(function, "__code__", None) if isinstance(function, types.FunctionType) else None
+            if original is None or compiled.get(id(original)) is not original:
+                continue
+            copy = copies.get(id(original))
+            if copy is None:
+                copy = copies[id(original)] = _copy_code(original)
+                _PROGRAM_CODE[id(copy)] = original
+            function.__code__ = copy
+            swapped.append((function, original, copy))
+        yield
+    finally:
+        for function, original, copy in swapped:
+            if function.__code__ is copy:
+                function.__code__ = original
+        for copy in copies.values():
+            _PROGRAM_CODE.pop(id(copy), None)
+            reset_code(copy)
+        known = {id(code) for code in before}
+        for code in _converted_codes(tracker):
+            if id(code) not in known and entries_of(code):
+                reset_code(code)
 
 
 def registered_backend(name: str):

@@ -33,7 +33,9 @@ class CompiledVerdict(NamedTuple):
     """The facts of a failing step that runs compiled code: ``compiled`` (the
     ``EagerCompiled`` facts of what its replay ran eagerly), ``eager_fails``, ``origin`` (the
     replay's origin: ``(op, where)``, or ``None``) and ``stages`` (``(backend, outcome)`` per
-    stage run: ``"finite"``, ``"nan/inf"``, ``"raised <Type>"`` or ``"not run"``).
+    stage run: ``"finite"``, ``"nan/inf"``, ``"raised <Type>"``, ``"not run"`` (no
+    ``set_stance`` in this torch) or ``"not apart"`` (no way in this torch to keep the runs'
+    compiles out of the program's compiled code)).
 
     For a step only the compiled run fails: ``backend`` (the failing backend: a stage's name,
     a registered backend's name such as ``"inductor"``, or a custom backend's
@@ -79,7 +81,7 @@ def narrow(step, args, kwargs, *, restore, finite, max_bytes=128 * 2**20) -> tup
         capture = Capture(registered_backend(backend), max_bytes=max_bytes)
         outcome = run_with(capture, step, args, kwargs, restore=restore, finite=finite)
         outcomes.append((backend, outcome))
-        if outcome == "not run":
+        if outcome in ("not run", "not apart"):
             return tuple(outcomes), None, None, ()
         if outcome != "finite":
             return tuple(outcomes), None, backend, tuple(capture.graphs)
