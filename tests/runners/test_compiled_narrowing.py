@@ -321,12 +321,19 @@ def test_real_inductor_drawing_other_random_numbers_than_eager_is_told_by_fallba
     else:
         pytest.fail("inductor drew eager's random numbers for 20 seeds")
     guarded = opwatch.guard(step, model, audit="never", repro_dir=tmp_path)
+    before = dynamo_cache()
     torch.manual_seed(seed)
     with pytest.raises(RuntimeError) as raised:
         guarded(x)
     text = str(raised.value)
     verdict = guarded.last_verdict
     assert verdict.backend == "inductor" and verdict.own == "nan/inf", verdict
+    # six runs compiled for the verdict (three stages, inductor, its two settings), none kept
+    assert dynamo_cache() == before and len(before[Gated.forward.__code__]) == 1
+    graphs = counters["stats"]["unique_graphs"]
+    model.floor.zero_()
+    assert type(compiled(x).grad_fn).__name__ == "CompiledFunctionBackward"
+    assert counters["stats"]["unique_graphs"] == graphs
     assert verdict.settings == (("emulate_precision_casts", "nan/inf"), ("fallback_random", "finite")), verdict.settings
     assert "fallback_random makes the step finite: random numbers that differ from eager's." in text, text
     assert "the step's own backend (inductor) is the first stage that makes it" in text
@@ -746,4 +753,57 @@ def test_code_set_aside_compiles_into_copies_and_drops_them_leaving_the_programs
     # the program's compiled code still runs, with no compile
     graphs = counters["stats"]["unique_graphs"]
     assert torch.allclose(compiled_scaled(x), scaled(x)) and torch.allclose(compiled_model(x), model(x))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def dynamo_cache() -> dict:
+    """Every code object Dynamo holds compiled code for, with its cache entries' guard managers
+    in order: ``{code: [guard manager, ...]}``."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo import convert_frame
+
+    codes = [ref() for ref in convert_frame.input_codes.seen]
+    return {code: [entry.guard_manager for entry in _debug_get_cache_entry_list(code)] for code in codes
+            if code is not None and _debug_get_cache_entry_list(code)}
+
+
+class BrokenBlock(Block):
+    """Block with a graph break before its attention: the softmax lies in the graph of Dynamo's
+    resume function, a code object Dynamo makes for the rest of the forward."""
+
+    def forward(self, x):
+        x = x + self.mlp(self.norm(x))
+        torch._dynamo.graph_break()
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(dim=-1)  # SOFTMAX AFTER THE BREAK
+        return self.head(x + self.proj(attn @ v)).mean(1)
+
+
+def test_a_verdict_across_a_graph_break_narrows_the_resume_graph_and_leaves_every_code_objects_entries():
+    torch.manual_seed(0)
+    model = BrokenBlock()
+    compiled = torch.compile(model, backend=Softmaxless())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = ((compiled(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, audit="never", repro=False)
+    healthy, outlier = attention_batches(2, outlier_at=1)
+    guarded(healthy)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = dynamo_cache()
+    assert len(before) == 2 and all(len(entries) == 1 for entries in before.values())  # forward, its resume function
+    with pytest.raises(RuntimeError):
+        guarded(outlier)
+    verdict = guarded.last_verdict
+    assert verdict.own == "nan/inf" and verdict.backend == "test_compiled_narrowing:Softmaxless", verdict
+    assert (verdict.node.op, verdict.node.graph, verdict.node.graphs) == ("Tensor.softmax", 2, 2), verdict.node
+    assert verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# SOFTMAX AFTER THE BREAK', __file__)}")
+    assert dynamo_cache() == before  # the same code objects, the same entries
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.isfinite(compiled(healthy)).all() and not torch.isfinite(compiled(outlier)).all()  # its own compiled code
     assert counters["stats"]["unique_graphs"] == graphs
