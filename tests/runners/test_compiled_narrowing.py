@@ -775,7 +775,7 @@ class BrokenBlock(Block):
         x = x + self.mlp(self.norm(x))
         torch._dynamo.graph_break()
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        attn = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(dim=-1)  # SOFTMAX AFTER THE BREAK
+        attn = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(dim=-1)  # ATTENTION AFTER THE BREAK
         return self.head(x + self.proj(attn @ v)).mean(1)
 
 
@@ -802,7 +802,7 @@ def test_a_verdict_across_a_graph_break_narrows_the_resume_graph_and_leaves_ever
     verdict = guarded.last_verdict
     assert verdict.own == "nan/inf" and verdict.backend == "test_compiled_narrowing:Softmaxless", verdict
     assert (verdict.node.op, verdict.node.graph, verdict.node.graphs) == ("Tensor.softmax", 2, 2), verdict.node
-    assert verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# SOFTMAX AFTER THE BREAK', __file__)}")
+    assert verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# ATTENTION AFTER THE BREAK', __file__)}")
     assert dynamo_cache() == before  # the same code objects, the same entries
     graphs = counters["stats"]["unique_graphs"]
     assert torch.isfinite(compiled(healthy)).all() and not torch.isfinite(compiled(outlier)).all()  # its own compiled code
