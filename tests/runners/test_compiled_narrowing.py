@@ -12,6 +12,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -593,6 +594,19 @@ class DynamoLog(logging.Handler):
     def emit(self, record):
         self.messages.append(record.getMessage())
 
+    def limits_hit(self) -> list:
+        """``torch._dynamo hit config.recompile_limit (8)`` (``cache_size_limit`` before torch 2.7)."""
+        return [message for message in self.messages if re.search(r"hit config\.(recompile|cache_size)_limit", message)]
+
+
+def without_set_aside(monkeypatch, replacement):
+    """The verdict's runs with ``replacement`` for compat.compiled_code_set_aside."""
+    from opwatch.runners.guarded import compiled as verdicts
+    from opwatch.runners.guarded import narrow as narrowing
+
+    for module in (verdicts, narrowing):
+        monkeypatch.setattr(module, "compiled_code_set_aside", replacement)
+
 
 @pytest.fixture
 def dynamo_log():
@@ -668,31 +682,27 @@ def test_three_compiled_only_failures_leave_the_programs_compiled_code_running_c
     assert [type(out.grad_fn).__name__ for out in outputs] == ["CompiledFunctionBackward"] * 2
     assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, by the program
     assert len(cache_entries(GatedMLP.forward)) == 4
-    assert not [message for message in dynamo_log.messages if "recompile_limit" in message], dynamo_log.messages
+    assert not dynamo_log.limits_hit(), dynamo_log.messages
 
 
 def test_without_setting_the_programs_code_aside_the_verdicts_spend_its_recompile_budget(dynamo_log, monkeypatch):
     """The twin of the test above, with the verdict's runs compiling into the program's code
     objects (as before issue 36): its checks see the loss of compiled code."""
-    from opwatch.runners.guarded import narrow as narrowing
-
-    monkeypatch.setattr(narrowing, "compiled_code_set_aside", contextlib.nullcontext)
+    without_set_aside(monkeypatch, contextlib.nullcontext)
     warned: list = []
     models = _gated_models_failing(3, warned=warned)
     *_, second = models[1]
     assert second.own == "finite"  # its own backend's run hit the limit and ran eagerly: "did not reproduce"
     skipped, after, _, _ = models[-1]
     assert skipped == 0 and after == ["AddmmBackward0"] * 3  # the third model ran uncompiled: its outlier did not fail
-    assert [message for message in dynamo_log.messages if "recompile_limit" in message], dynamo_log.messages
+    assert dynamo_log.limits_hit(), dynamo_log.messages
     assert len(cache_entries(GatedMLP.forward)) == 8
     compiled = torch.compile(GatedMLP())  # inductor: Dynamo no longer compiles this code object
     assert type(compiled(torch.randn(16, 8)).grad_fn).__name__ == "AddmmBackward0"
 
 
 def test_a_torch_without_a_way_to_set_the_code_aside_runs_no_stage_and_says_so(monkeypatch):
-    from opwatch.runners.guarded import narrow as narrowing
-
-    monkeypatch.setattr(narrowing, "compiled_code_set_aside", lambda: None)
+    without_set_aside(monkeypatch, lambda: None)
     kept: list = []
     with pytest.raises(RuntimeError) as raised:
         _gated_training(_regression_batches(2, outlier_at=1), kept, repro=False)

@@ -121,7 +121,7 @@ def readable_source(text: str) -> str:
     return readable.lstrip(".") or text
 
 
-def run_with(backend, step, args, kwargs, *, restore, finite) -> str:
+def run_with(backend, step, args, kwargs, *, restore, finite, apart=None) -> str:
     """Run ``step`` from its start with ``backend`` as every compiled function's backend:
     ``"finite"``, ``"nan/inf"``, ``"raised <Type>"``, ``"not run"`` (no stance in this torch) or
     ``"not apart"`` (this torch gives no way to keep the run's compiles out of the
@@ -129,8 +129,10 @@ def run_with(backend, step, args, kwargs, *, restore, finite) -> str:
 
     The run compiles each frame afresh for ``backend``, on copies of the program's code objects:
     its compiles never count towards the recompile budget of the program's frames, and they are
-    dropped when it ends (the program's cache entries are left as they were)."""
-    apart = compiled_code_set_aside()
+    dropped when it ends (the program's cache entries are left as they were). ``apart``: a
+    :func:`~opwatch.core.compat.compiled_code_set_aside` made for several runs (it looks for the
+    functions once), else one is made for this run."""
+    apart = compiled_code_set_aside() if apart is None else apart
     if apart is None:
         return "not apart"
     restore()
@@ -149,10 +151,11 @@ def run_with(backend, step, args, kwargs, *, restore, finite) -> str:
     return outcome
 
 
-def settings_runs(step, args, kwargs, *, restore, finite, max_bytes) -> tuple:
+def settings_runs(step, args, kwargs, *, restore, finite, max_bytes, apart=None) -> tuple:
     """Run ``step`` from its start once per inductor setting of :data:`SETTINGS`, set to
-    ``True`` for that run only, each compiling afresh with the frames' own backends:
-    ``((setting, outcome), ...)``."""
+    ``True`` for that run only, each compiling afresh with the frames' own backends (beside the
+    program's compiled code, as :func:`run_with` says): ``((setting, outcome), ...)``."""
+    apart = compiled_code_set_aside() if apart is None else apart
     outcomes = []
     for name in SETTINGS:
         patch = inductor_settings(**{name: True})
@@ -160,7 +163,7 @@ def settings_runs(step, args, kwargs, *, restore, finite, max_bytes) -> tuple:
             outcomes.append((name, "not run"))
             continue
         with patch:
-            outcomes.append((name, run_with(Capture(max_bytes=max_bytes), step, args, kwargs, restore=restore, finite=finite)))
+            outcomes.append((name, run_with(Capture(max_bytes=max_bytes), step, args, kwargs, restore=restore, finite=finite, apart=apart)))
     return tuple(outcomes)
 
 
