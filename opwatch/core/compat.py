@@ -568,16 +568,20 @@ class _CodeSetAside:
 
     def __enter__(self):
         self._before = _converted_codes(self._tracker)
-        for function in self._functions:
-            original = function.__code__
-            if not self._entries_of(original):
-                continue
-            copy = self._copies.get(id(original))
-            if copy is None:
-                copy = self._copies[id(original)] = _copy_code(original)
-                _PROGRAM_CODE[id(copy)] = original
-            function.__code__ = copy
-            self._swapped.append((function, original, copy))
+        try:
+            for function in self._functions:
+                original = function.__code__
+                if not self._entries_of(original):
+                    continue
+                copy = self._copies.get(id(original))
+                if copy is None:
+                    copy = self._copies[id(original)] = _copy_code(original)
+                    _PROGRAM_CODE[id(copy)] = original
+                function.__code__ = copy
+                self._swapped.append((function, original, copy))
+        except BaseException:
+            self.__exit__(None, None, None)  # no function left on a copy
+            raise
         return self
 
     def __exit__(self, *exc_info):
