@@ -93,11 +93,20 @@ def _kinds(bad: list) -> str:
     return "/".join(kind for kind in ("nan", "inf") if kind in kinds)
 
 
-def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
+def poisoned(step: int, bad: list, *, from_finite: bool, rank=None, by_program: bool = False) -> str:
     """The weights hold nan/inf: written by the optimizer step ``step`` that applied non-finite
     gradients, or (``from_finite``) found at step ``step + 1``, written from finite ones
-    (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty)."""
-    if from_finite and not bad:
+    (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty); ``by_program``:
+    written in place after optimizer step ``step`` left them (or before the first), not by it."""
+    if from_finite and bad and by_program:
+        when = f"between optimizer steps {step} and {step + 1}" if step else "before the first optimizer step"
+        head = (
+            f"{_who(rank)}: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. They were written by the "
+            f"program {when}, not by the optimizer: an in-place write changed them "
+            + (f"after optimizer step {step} left them" if step else "before any optimizer step ran")
+            + " (an assignment such as w[i] = ..., a state-dict load, an init)."
+        )
+    elif from_finite and not bad:
         head = (
             f"{_who(rank)}: the weights hold nan/inf on another rank before optimizer step {step + 1} (this rank's are finite). "
             "An earlier optimizer step wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or "
@@ -222,7 +231,7 @@ def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poiso
         why = f"the first, step {first_step}: {_held_then(bad, loss)}; no full watch named an op for it"
     return (
         f"opwatch: the run is stuck: {in_a_row} optimizer steps in a row failed (steps {first_step} to {step}), "
-        f"{'the optimizer applied them' if applied else 'none of them applied'}; {why}. opwatch stops the run here (at most {limit} failed steps in a row: max_failed_in_a_row=, "
+        f"{'the optimizer applied all but the last' if applied else 'none of them applied'}; {why}. opwatch stops the run here (at most {limit} failed steps in a row: max_failed_in_a_row=, "
         "--max-failed-steps N)."
     )
 

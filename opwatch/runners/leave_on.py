@@ -41,7 +41,7 @@ import torch
 
 from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..findings.ranks import RankAnomaly
-from ..core.compat import no_python_dispatch
+from ..core.compat import no_python_dispatch, version_counters
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
 from ..core.sites import warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
@@ -141,6 +141,9 @@ class LeaveOn:
         self._job_read = False
         self._watched_all_at: int | None = None  # in a job: the step every rank watched (audit or replay)
         self._decided_origin = None  # the origin told at the latest failure (in a job, maybe another rank's)
+        # optimizer -> (its last step, the version counters of its parameters after it): a weight
+        # whose counter moved since was written by the program, not by that optimizer step
+        self._left_by_step = weakref.WeakKeyDictionary()
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
         self._backward = None  # torch.Tensor.backward as it was before the run
         self._forward_after_step = False
@@ -374,11 +377,11 @@ class LeaveOn:
         if agreement is not None:  # a shard may hold them on one rank only
             with no_python_dispatch():
                 poisoned = agreement.failed(poisoned, step, "", "poisoned")
-        if poisoned:  # written between two optimizer steps, from finite gradients
+        if poisoned:  # written between two optimizer steps: by the last one (from finite gradients) or by the program
             failure.cause = "weights"
             ledger.poisoned_since = step - 1
             self._stop_rechecking()
-            text = words.poisoned(step - 1, weights, from_finite=True, rank=_rank(agreement))
+            text = words.poisoned(step - 1, weights, from_finite=True, rank=_rank(agreement), by_program=self._written_by_program(optimizer))
             if self.on_failure == "raise":
                 ledger.decide(failure, "raised")
                 raise GradientsNotFinite(text, step=step, parameters=bad)
@@ -508,7 +511,22 @@ class LeaveOn:
         """Whether the newest failure is one of those warned and re-checked one by one."""
         return len(self.failures) <= _TOLD_FAILURES
 
+    def _written_by_program(self, optimizer) -> bool:
+        """Whether a parameter holding nan/inf was written in place after ``optimizer``'s last
+        step left it (its version counter moved), or before its first step: the program wrote it."""
+        left = self._left_by_step.get(optimizer)
+        if left is None:
+            return True  # no optimizer step ran yet: an init or a load wrote them
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if len(parameters) != len(left):
+            return False  # groups changed: no fact to tell
+        with torch.no_grad(), no_python_dispatch():
+            return any(now != then and nonfinite_kind(parameter) is not None
+                       for parameter, now, then in zip(parameters, version_counters(parameters), left))
+
     def _after_step(self, optimizer, args, kwargs) -> None:
+        # The parameters' version counters as this step left them (a Python read each, no kernel).
+        self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])
         self._judge_step(optimizer)
         if self._audit_first and not self._auditing:
             # Armed after every step: a forward after the run's last step is seen (one call).

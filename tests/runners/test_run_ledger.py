@@ -30,6 +30,7 @@ import torch
 
 BLOW_AT = int(os.environ.get("BLOW_AT", "-1"))  # the step whose learning rate blows the weights up
 NAN_AT = int(os.environ.get("NAN_AT", "-1"))  # the step whose numpy batch holds a nan
+WRITE_AT = int(os.environ.get("WRITE_AT", "-1"))  # the step after which the program writes an inf weight
 torch.manual_seed(0)
 rng = np.random.default_rng(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -45,6 +46,9 @@ for step in range(int(os.environ.get("STEPS", "60"))):
     for group in optimizer.param_groups:
         group["lr"] = 1e36 if step == BLOW_AT else 0.01
     optimizer.step()
+    if step == WRITE_AT:
+        with torch.no_grad():
+            model[2].weight[0, 3] = float("inf")
 print("weights finite:", all(bool(torch.isfinite(p).all()) for p in model.parameters()))
 """
 
@@ -259,3 +263,70 @@ def test_guard_skip_keeps_each_failed_call_in_its_ledger_with_its_origin():
     assert row["origin"]["where"].endswith(f":{line_of('LOG LINE', __file__)}")
     assert ledger.failures[0].origin is step.failures[0]
     assert not math.isnan(sum(float(p.sum()) for p in model.parameters()))
+
+
+# -- the saved run keeps the guard's story ------------------------------------------------------
+
+
+def test_jsonl_of_a_guard_run_keeps_each_failed_step_and_the_report_marks_it(tmp_path):
+    from opwatch.storage.jsonl import load
+
+    result = run_cli(tmp_path, "--guard", "--jsonl", "run.jsonl", STEPS="12", NAN_AT="5")
+    assert result.returncode == 0, result.stderr
+    log = load(tmp_path / "run.jsonl")
+    assert {name: log.guard[name] for name in ("steps", "failed", "skipped")} == {"steps": 12, "failed": 1, "skipped": 1}
+    (row,) = log.guard["failures"]
+    assert (row["step"], row["cause"], row["action"]) == (6, "gradients", "skipped") and ["0.weight", "nan"] in row["parameters"]
+    report = subprocess.run([sys.executable, "-m", "opwatch", "report", "run.jsonl", "-o", "run.html"], capture_output=True, text=True,
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "run.html").read_text()
+    assert '<section id="guard">' in page and "<td>6</td><td>gradients</td><td>skipped</td>" in page
+    assert page.count('class="failed"') == 1 and "step 6: 1 failed" in page
+
+
+def test_jsonl_of_a_plain_watch_has_no_guard_story(tmp_path):
+    from opwatch.storage.jsonl import load
+
+    result = run_cli(tmp_path, "--jsonl", "run.jsonl", STEPS="3")
+    assert result.returncode == 0, result.stderr
+    log = load(tmp_path / "run.jsonl")
+    assert log.guard is None
+    from opwatch.render.html import render_report
+
+    assert '<section id="guard">' not in render_report(log)
+
+
+# -- weights the program wrote ------------------------------------------------------------------
+
+
+def test_cli_guard_names_a_weight_the_program_wrote_between_two_optimizer_steps(tmp_path):
+    result = run_cli(tmp_path, "--guard", STEPS="12", WRITE_AT="4")
+    assert result.returncode == 0, result.stderr
+    assert ("the weights hold inf before optimizer step 6: 2.weight (inf). They were written by the program between optimizer steps 5 "
+            "and 6, not by the optimizer") in result.stderr
+    assert "learning rate" not in result.stderr and "masking" not in result.stderr
+
+
+def test_a_weight_the_optimizer_wrote_from_finite_gradients_is_not_blamed_on_the_program():
+    runner = LeaveOn(warn=False, file=io.StringIO(), audit="manual")
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck):
+        gpt_run(runner, steps=30, blow_at=5)  # AdamW with lr 1e30 writes huge weights, then inf
+    text = "\n".join(str(warning.message) for warning in told)
+    assert "written by the program" not in text
+    assert "An earlier optimizer step wrote them from finite gradients" in text or "weights hold" not in text
+
+
+def test_an_inf_weight_before_the_first_step_is_the_programs():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with torch.no_grad():
+        model.mlp[0].weight[0, 0] = float("inf")  # a bad init
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runner = LeaveOn(warn=False, file=io.StringIO(), audit="manual")
+    ids = torch.randint(0, 48, (4, 16))
+    with runner, pytest.warns(opwatch.OpwatchWarning, match="written by the program before the first optimizer step, not by the optimizer"):
+        runner.know(model)
+        model(ids, torch.roll(ids, -1, dims=1)).backward()
+        optimizer.step()
+    assert runner.failures[0].cause == "weights"
