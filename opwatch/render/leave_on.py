@@ -7,7 +7,7 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 from __future__ import annotations
 
 __all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere", "stuck", "no_op_named"]
+           "made_elsewhere", "stuck", "no_op_named", "bad_input"]
 
 
 def parameters(bad: list) -> str:
@@ -247,3 +247,28 @@ def unjudged_end(step: int, rerun: str | None) -> str:
         f"followed (a script that stops on a nan loss before backward() ends so), so no check saw them; "
         f"a full watch checks every op{command}"
     )
+
+
+def bad_input(step: int, bad: list, on_failure: str, module: str, argument: tuple, kind: str, where: str | None, *,
+              rerun: str | None = None) -> str:
+    """The gradients (or loss) of ``step`` failed and what the step fed the model (``module``'s
+    ``argument``: ``(name, dtype, shape, device)``) held ``kind`` when it entered it, at
+    ``where`` (``file:line``): cause *input*. ``rerun``: with ``on_failure="raise"``, the
+    command that watches every op."""
+    from ..core.notation import format_dtype, format_shape
+
+    name, dtype, shape, device = argument
+    argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
+    held = f"the gradients about to be applied hold nan/inf: {parameters(bad)}" if bad else "the loss is not finite"
+    entered = f" at {where}" if where else ""
+    head = (
+        f"opwatch: optimizer step {step}: {held}. cause: input: the batch held {kind} before the model ran: {module}'s {argument} "
+        f"held {kind} when it entered the model{entered}, so no op of the model made them: the data did (the line that made the "
+        "batch, or what it read: a file, a numpy array, a sample)."
+    )
+    if on_failure == "raise":
+        then = " The optimizer did not run on them."
+        if rerun:
+            then += f" To see the ops that made the batch, if torch made it: {rerun}."
+        return head + then
+    return head + _ACTIONS[on_failure]

@@ -44,8 +44,8 @@ from importlib.machinery import SourceFileLoader
 from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, command_error, module_problem, post_mortem, rank_files
-from ..render.summary import every_check, raised_above
+from ..render.notices import DEMO_STORIES, command_error, compiled_ran_eagerly, module_problem, post_mortem, rank_files
+from ..render.summary import every_check, for_the_command_line, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
 from ..storage.per_rank import rank_folder, rank_path
 from .ledger import MAX_FAILED_IN_A_ROW
@@ -294,7 +294,9 @@ def run_script(
             w.export_chrome_trace(rank_path(trace, w.rank))
         if counts is not None:
             counts.close()
-        print(runner.watch_summary() if guard else w.summary(), file=out)
+        print(for_the_command_line(runner.watch_summary() if guard else w.summary()), file=out)
+        if w.compiled_eagerly:  # the Python API warns it; the command line says it beside the summary
+            print(compiled_ran_eagerly(w.compiled_eagerly), file=out)
         if checks is not None and checks_off(checks):
             print(every_check(command(strict_mode)), file=out)
         if guard:  # a run that ended unjudged: strict finds the first anomaly at once

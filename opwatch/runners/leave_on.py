@@ -43,7 +43,7 @@ from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..findings.ranks import RankAnomaly
 from ..core.compat import no_python_dispatch, version_counters
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
-from ..core.sites import warn_at_user
+from ..core.sites import display_path, position_of, user_frame, warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from ..render import guard as guard_words
@@ -136,7 +136,8 @@ class LeaveOn:
         self._replayed_at: int | None = None
         # audit="first" (the CLI): whether a module ran forward after the last optimizer step
         # outside a full watch, seen by a one-shot hook armed after each step (one call a step).
-        self._after_last_step = None  # the hook's handle while armed
+        self._inputs_hook = None  # the model's forward pre-hook, after the first audit
+        self._inputs = None  # (model, args, kwargs, user frame) of the model's latest call outside a watch: references
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first step)
         self._job_read = False
         self._watched_all_at: int | None = None  # in a job: the step every rank watched (audit or replay)
@@ -173,7 +174,7 @@ class LeaveOn:
         self._handles = []
         self._unsee_losses()
         pending = self._pending_recheck()
-        self._disarm()
+        self._unwatch_inputs()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
@@ -387,6 +388,9 @@ class LeaveOn:
                 raise GradientsNotFinite(text, step=step, parameters=bad)
             _warn(text)
             return self._skips(failure)
+        bad_input = None if self._auditing or agreement is not None else self._bad_input()
+        if bad_input is not None:  # the batch held them before the model ran: no op of the step made them
+            return self._input_failure(failure, bad, bad_input, recheck)
         origin = self._origin() if self._auditing else None
         watched = self._auditing
         audited = watched
@@ -435,6 +439,21 @@ class LeaveOn:
             text = words.failure(step, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
                                  origin=_facts(origin), last=last, elsewhere=elsewhere, rank=_rank(agreement), loss=loss)
             _warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
+        return self._skips(failure)
+
+    def _input_failure(self, failure, bad, bad_input, recheck) -> bool:
+        """A failed step whose batch held nan/inf when it entered the model: told (or raised)
+        with the line that fed it, cause ``input``; the next step is re-checked as after any
+        failure (a batch torch made recurs there with the op and line that made it)."""
+        if self.on_failure == "raise":
+            self._stop_rechecking()
+        failure.cause = "input"
+        text = words.bad_input(failure.step, bad, self.on_failure, *bad_input, rerun=self._rerun if self.on_failure == "raise" else None)
+        if self.on_failure == "raise":
+            self.ledger.decide(failure, "raised")
+            raise GradientsNotFinite(text, step=failure.step, parameters=bad)
+        if self._told():
+            _warn(text)
         return self._skips(failure)
 
     def _failed_at_check(self, optimizer, step: int, losses: list, error: AnomalyError) -> None:
@@ -528,9 +547,21 @@ class LeaveOn:
         # The parameters' version counters as this step left them (a Python read each, no kernel).
         self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])
         self._judge_step(optimizer)
-        if self._audit_first and not self._auditing:
-            # Armed after every step: a forward after the run's last step is seen (one call).
-            self._after_last_step = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_seen)
+        self._watch_inputs()
+
+    def _watch_inputs(self) -> None:
+        """After the first audit: a forward pre-hook on the model alone (the outermost module
+        the audit saw, or the trainer's), never a global one: it keeps a reference to what the
+        step fed the model (no copy) and where, and sees a forward after the run's last step."""
+        if self._inputs_hook is not None or not self._modules:
+            return
+        model = next(iter(self._modules))  # outermost first
+        self._inputs_hook = model.register_forward_pre_hook(self._fed, with_kwargs=True)
+
+    def _fed(self, module, args, kwargs) -> None:
+        self._forward_after_step = True
+        if not self._auditing:
+            self._inputs = (module, args, kwargs, user_frame(sys._getframe(1)))
 
     def _judge_step(self, optimizer) -> None:
         """After the optimizer step: end an audit or re-check, and start the re-check of a failure."""
@@ -554,7 +585,10 @@ class LeaveOn:
             if origin is not None and not failed_now:  # a failing re-check kept it already
                 self.ledger.explain(next((failure for failure in self.failures if failure.step == recheck), None), origin)
             self.end_audit()
-            if recheck is not None:
+            rechecked = next((failure for failure in self.failures if failure.step == recheck), None)
+            # A bad batch told as such needs no "did not recur": only an origin the re-check found is news.
+            quiet = rechecked is not None and rechecked.cause == "input" and origin is None
+            if recheck is not None and not quiet:
                 _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now, rank=_rank(self._agreement)))
         if not failed_now or self.poisoned_since is not None:
             return
@@ -574,17 +608,29 @@ class LeaveOn:
             self.start_audit()
 
     def _step_ended(self) -> None:
-        self._disarm()
         self._forward_after_step = False
 
-    def _forward_seen(self, module, args) -> None:
-        self._forward_after_step = True
-        self._disarm()
+    def _unwatch_inputs(self) -> None:
+        if self._inputs_hook is not None:
+            self._inputs_hook.remove()
+        self._inputs_hook = self._inputs = None
 
-    def _disarm(self) -> None:
-        if self._after_last_step is not None:
-            self._after_last_step.remove()
-            self._after_last_step = None
+    def _bad_input(self):
+        """``(module name, argument, kind, where)`` when what the step fed the model holds
+        nan/inf (read after a failed check only), else ``None``."""
+        if self._inputs is None:
+            return None
+        module, args, kwargs, (code, lasti, _) = self._inputs
+        named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
+        with torch.no_grad(), no_python_dispatch():
+            for name, value in named:
+                for tensor in _tensors(value):
+                    kind = nonfinite_kind(tensor) if tensor.is_floating_point() or tensor.is_complex() else None
+                    if kind is not None:
+                        position = position_of(code, lasti)
+                        where = None if code is None else f"{display_path(position.filename)}:{position.lineno}"
+                        return type(module).__name__, (name, tensor.dtype, tuple(tensor.shape), str(tensor.device)), kind, where
+        return None
 
     # -- names --------------------------------------------------------------------------------
 
@@ -668,6 +714,18 @@ def _facts(origin):
         return None
     facts = (origin.kind, origin.op, origin.where, origin.phase)
     return facts + (origin.rank,) if isinstance(origin, RankAnomaly) else facts
+
+
+def _tensors(value):
+    """The tensors in a model's argument (nested lists, tuples and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _loss_kind(losses) -> str | None:

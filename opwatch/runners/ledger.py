@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 __all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES"]
 
 MAX_FAILED_IN_A_ROW = 10  # the default of LeaveOn(max_failed_in_a_row=) and --max-failed-steps
-CAUSES = ("gradients", "loss", "weights", "raised")
+CAUSES = ("gradients", "loss", "weights", "input", "raised")
 _KEPT = 1000  # failures kept one by one (the counts go on)
 
 

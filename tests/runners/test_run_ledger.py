@@ -40,7 +40,7 @@ for step in range(int(os.environ.get("STEPS", "60"))):
     if step == NAN_AT:
         xs[3, 2] = np.nan
     x = torch.from_numpy(xs)
-    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))  # LOSS LINE
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))  # LOSS LINE: x enters the model here
     optimizer.zero_grad()
     loss.backward()
     for group in optimizer.param_groups:
@@ -78,14 +78,35 @@ def test_cli_guard_max_failed_steps_sets_the_limit_and_zero_never_stops(tmp_path
     assert "60 optimizer steps ran" in never.stderr and "49 failed" in never.stderr and "RunStuck" not in never.stderr
 
 
-def test_cli_guard_a_one_batch_glitch_is_not_a_stuck_run(tmp_path):
+def test_cli_guard_a_one_batch_glitch_is_not_a_stuck_run_and_its_batch_is_named(tmp_path):
     result = run_cli(tmp_path, "--guard", "--max-failed-steps", "2", NAN_AT="5")
     assert result.returncode == 0, result.stderr
     assert "weights finite: True" in result.stdout
+    line = line_of("LOSS LINE", tmp_path / "train.py")
+    assert ("optimizer step 6: the gradients about to be applied hold nan/inf: 0.weight (nan), 0.bias (nan), 2.weight (nan), 2.bias (nan). "
+            "cause: input: the batch held nan before the model ran: Sequential's argument 0 (f32[32, 8] cpu) held nan when it entered "
+            f"the model at train.py:{line}") in result.stderr, result.stderr
+    assert "did not recur" not in result.stderr  # a bad batch told as such: the quiet re-check is no news
     assert "1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr and "RunStuck" not in result.stderr
     # a failed step is never summed up as "no anomalies"
     assert "opwatch: no anomalies." not in result.stderr
     assert "opwatch: no op was named in the fully watched steps, but 1 optimizer step failed" in result.stderr
+
+
+def test_cli_guard_strict_names_the_bad_batch_and_the_next_command(tmp_path):
+    result = run_cli(tmp_path, "--guard", "--strict", NAN_AT="5")
+    assert result.returncode == 1
+    line = line_of("LOSS LINE", tmp_path / "train.py")
+    assert (f"GradientsNotFinite: opwatch: optimizer step 6: the gradients about to be applied hold nan/inf: 0.weight (nan), 0.bias (nan), "
+            f"2.weight (nan), 2.bias (nan). cause: input: the batch held nan before the model ran") in result.stderr, result.stderr
+    assert f"entered the model at train.py:{line}" in result.stderr
+    assert "To see the ops that made the batch, if torch made it: python -m opwatch --strict train.py" in result.stderr
+    assert "6 optimizer steps ran, 1 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
+
+
+def test_a_failure_of_finite_inputs_is_not_blamed_on_the_batch(tmp_path):
+    result = run_cli(tmp_path, "--guard", "--max-failed-steps", "3", BLOW_AT="10")
+    assert "cause: input" not in result.stderr and "3 optimizer steps in a row failed" in result.stderr, result.stderr
 
 
 def test_max_failed_steps_needs_guard_and_the_keyword_is_checked(tmp_path):
@@ -276,12 +297,12 @@ def test_jsonl_of_a_guard_run_keeps_each_failed_step_and_the_report_marks_it(tmp
     log = load(tmp_path / "run.jsonl")
     assert {name: log.guard[name] for name in ("steps", "failed", "skipped")} == {"steps": 12, "failed": 1, "skipped": 1}
     (row,) = log.guard["failures"]
-    assert (row["step"], row["cause"], row["action"]) == (6, "gradients", "skipped") and ["0.weight", "nan"] in row["parameters"]
+    assert (row["step"], row["cause"], row["action"]) == (6, "input", "skipped") and ["0.weight", "nan"] in row["parameters"]
     report = subprocess.run([sys.executable, "-m", "opwatch", "report", "run.jsonl", "-o", "run.html"], capture_output=True, text=True,
                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "run.html").read_text()
-    assert '<section id="guard">' in page and "<td>6</td><td>gradients</td><td>skipped</td>" in page
+    assert '<section id="guard">' in page and "<td>6</td><td>input</td><td>skipped</td>" in page
     assert page.count('class="failed"') == 1 and "step 6: 1 failed" in page
 
 
@@ -330,3 +351,34 @@ def test_an_inf_weight_before_the_first_step_is_the_programs():
         model(ids, torch.roll(ids, -1, dims=1)).backward()
         optimizer.step()
     assert runner.failures[0].cause == "weights"
+
+
+# -- what the command line says beside the summary -------------------------------------------------
+
+COMPILED_LOOP = """\
+import os
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+step_model = torch.compile(model) if os.environ.get("COMPILE") == "1" else model
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(3):
+    x = torch.randn(32, 8)
+    loss = torch.nn.functional.mse_loss(step_model(x), x.sum(1, keepdim=True))  # COMPILED CALL
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_cli_says_when_compiled_code_ran_uncompiled(tmp_path, compiled):
+    (tmp_path / "train.py").write_text(COMPILED_LOOP)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT, COMPILE="1" if compiled else "0"), timeout=300)
+    assert result.returncode == 0, result.stderr
+    told = f"opwatch ran compiled code uncompiled under this watch: Sequential (compiled module, train.py:{line_of('COMPILED CALL', tmp_path / 'train.py')}): 3 calls"
+    assert (told in result.stderr) == compiled, result.stderr
+    assert "Watch." not in result.stderr  # no sentence points a command-line user at a Python object
