@@ -182,7 +182,7 @@ class LeaveOn:
         if exc is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
             self._agreement.mark(self.steps + 1, "", "left", f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}")
         self.end_audit(exc)
-        if pending is not None and exc is None:
+        if pending is not None and exc is None and pending.cause != "input":  # a bad batch was told as such
             self._recheck_of = None
             text = words.loop_ended(pending.step, pending.parameters, self._rerun, raising=self.on_failure == "raise", loss=pending.loss)
             if self.on_failure == "raise":
@@ -370,6 +370,8 @@ class LeaveOn:
         loss = None if bad else _loss_kind(losses)
         elsewhere = _elsewhere(decision, bad)
         failure = ledger.fail(step, bad, "loss" if loss is not None and not elsewhere else "gradients", loss=loss)
+        if failure.action:  # another trigger (guard_trainer's step) failed this step and told it already
+            return failure.action != "applied"
         self._stop_when_stuck(failure)
         if self.poisoned_since is not None:  # told once; every later step fails: only counted
             return self._skips(failure)

@@ -382,3 +382,13 @@ def test_cli_says_when_compiled_code_ran_uncompiled(tmp_path, compiled):
     told = f"opwatch ran compiled code uncompiled under this watch: Sequential (compiled module, train.py:{line_of('COMPILED CALL', tmp_path / 'train.py')}): 3 calls"
     assert (told in result.stderr) == compiled, result.stderr
     assert "Watch." not in result.stderr  # no sentence points a command-line user at a Python object
+
+
+def test_a_script_that_stops_on_its_own_after_a_bad_batch_is_not_told_twice(tmp_path):
+    script = NUMPY_LOOP.replace("    optimizer.step()\n", "    optimizer.step()\n    if step == NAN_AT:\n        break\n")
+    (tmp_path / "train.py").write_text(script)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT, NAN_AT="5"), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("cause: input: the batch held nan") == 1
+    assert "the program's loop ended before another optimizer step" not in result.stderr  # the batch was named already
