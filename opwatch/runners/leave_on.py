@@ -346,9 +346,7 @@ class LeaveOn:
             except AnomalyError as error:  # strict: the step does not run; counted if it failed
                 self._failed_at_check(optimizer, step, losses, error)
                 raise
-        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            # One fused read: the gradients about to be applied and the loss backward() ran on.
-            finite = self._finite(gradients(optimizer), losses)
+        finite = self._verdict(optimizer, losses)
         decision = None
         with no_python_dispatch():  # the flag's group is made at the first step, maybe in an audit
             agreement = self._job()
@@ -458,12 +456,19 @@ class LeaveOn:
             _warn(text)
         return self._skips(failure)
 
+    def _verdict(self, optimizer, losses: list) -> bool:
+        """Whether the step may run: the one source of the step's verdict (one fused pass over
+        the gradients about to be applied and the losses backward() ran on, one host read), kept
+        in one place so that another source (the step's own clip norm or found_inf) can replace it."""
+        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
+            return self._finite(gradients(optimizer), losses)
+
     def _failed_at_check(self, optimizer, step: int, losses: list, error: AnomalyError) -> None:
         """A strict audit raised at this step's check point: the ledger counts the step as
         failed (with the origin the error names) when its gradients or loss are not finite."""
+        if self._verdict(optimizer, losses):
+            return
         with no_python_dispatch():
-            if self._finite(gradients(optimizer), losses):
-                return
             bad = nonfinite_names(optimizer, self._names())
             failure = self.ledger.fail(step, bad, "gradients" if bad else "loss", loss=None if bad else _loss_kind(losses))
         self.ledger.explain(failure, error.anomaly)
