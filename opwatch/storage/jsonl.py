@@ -61,11 +61,13 @@ _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its 
 # -- writing JSON Lines ---------------------------------------------------------------------
 
 
-def write_jsonl(watch, path, *, whole_script: bool = False) -> None:
+def write_jsonl(watch, path, *, whole_script: bool = False, guard: dict | None = None) -> None:
     """Write ``watch``'s log to ``path``: a header, then its records, anomalies, contained
     nan/inf origins and allowed findings, one JSON object a line (see the module's docstring).
     ``whole_script``: the watch ran from a script's first line (``python -m opwatch``); the
-    header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it."""
+    header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it.
+    ``guard``: the run ledger of a ``--guard`` run (``RunLedger.log()``: its counts, in the
+    header's ``"guard"``, and a ``"guard_step"`` line per failed or skipped step)."""
     records = watch.records
     groups = anomaly_groups(watch)
     sites = _SiteTable()
@@ -86,7 +88,11 @@ def write_jsonl(watch, path, *, whole_script: bool = False) -> None:
             header["fingerprints"] = True
         if whole_script:
             header["whole_script"] = True
+        if guard is not None:
+            header["guard"] = {name: value for name, value in guard.items() if name != "failures"}
         put(header)
+        for row in (guard or {}).get("failures", ()):
+            put({"type": "guard_step", **row})
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
@@ -243,6 +249,7 @@ def load(path, *, partial: bool = False) -> SavedLog:
     by_index: dict[int, SavedRecord] = {}
     groups: dict[str, list[SavedAnomaly]] = {name: [] for name in _GROUPS}
     rank = header.get("rank")
+    guarded: list[dict] = []  # the failed and skipped steps of a --guard run
     for number, text in enumerate(lines[1:], 2):
         if not text.strip():
             continue
@@ -255,6 +262,8 @@ def load(path, *, partial: bool = False) -> SavedLog:
                 record = SavedRecord(upgraded(line), sites[line["site"]], rank)
                 records.append(record)
                 by_index[record.index] = record
+            elif kind == "guard_step":
+                guarded.append({name: value for name, value in line.items() if name != "type"})
             elif kind == "anomaly":
                 record = SavedRecord(upgraded(line["record"]), sites[line["record"]["site"]], rank) if "record" in line else by_index[line["index"]]
                 groups[line["in"]].append(SavedAnomaly(line, record))
@@ -265,7 +274,7 @@ def load(path, *, partial: bool = False) -> SavedLog:
     cut = _shortfall(header, records, groups, cut_line)
     if cut is not None and not partial:
         _check_complete(path, *cut)
-    return SavedLog(header, records, groups, cut=cut)
+    return SavedLog(header, records, groups, cut=cut, guard=guarded)
 
 
 def _as_written(fields: dict) -> dict:
@@ -346,10 +355,11 @@ class SavedLog:
         rank: the watch's rank, as :attr:`Watch.rank`.
     """
 
-    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed", "_cut")
+    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed", "_cut", "_guard")
 
-    def __init__(self, header: dict, records: list, groups: dict, *, cut: tuple | None = None):
+    def __init__(self, header: dict, records: list, groups: dict, *, cut: tuple | None = None, guard=()):
         self.header = header
+        self._guard = tuple(guard)
         self._cut = cut  # (promised, read, cut_line) of a log cut short, read with partial=True
         self._records = tuple(records)
         self._anomalies = tuple(groups["anomalies"])
@@ -376,6 +386,14 @@ class SavedLog:
     def rank(self) -> int | None:
         """The watch's rank in a ``torch.distributed`` job, ``None`` outside one."""
         return self.header.get("rank")
+
+    @property
+    def guard(self) -> dict | None:
+        """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
+        ``skipped``) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
+        ``parameters``, ``loss``, ``origin``); ``None`` for a log of no guarded run."""
+        counts = self.header.get("guard")
+        return None if counts is None else {**counts, "failures": [dict(row) for row in self._guard]}
 
     @property
     def fingerprints(self) -> dict | None:
