@@ -51,12 +51,13 @@ def _patched(replacements, **options):
 
 def _constant_head(self, plan, others):
     """_head without the frame walk, module path, autograd node or sequence numbers."""
-    index = self.next_index
-    self.next_index = index + 1
+    log = self._log
+    index = log.next_index
+    log.next_index = index + 1
     return (index, plan.func_id, 0, None, "forward", -1, ())
 
 
-def _constant_metas(tensors, shapes):
+def _constant_metas(tensors, log, types=()):
     """_metas without reading any tensor attribute (one tuple per tensor all the same)."""
     return [((), None, None, 0) for _ in tensors]
 

@@ -20,8 +20,10 @@ from .modes.functions import FunctionWatch
 from .modes import compiled as _compiled
 from .modes import compiled_graphs as _graphs
 from .modes.interceptor import OpInterceptor, keep_dynamo_out
+from .modes.module_calls import ModuleCalls
 from .modes.modules import ModuleStack
-from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, DistributedWatch, all_anomalies, publish
+from .modes.ranks import DistributedWatch
+from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
 from .core.records import OpLog, OpRecord
 from .core.sites import warn_at_user
 from .render import exception_note, render_failure, render_summary, render_table
@@ -184,12 +186,11 @@ class Watch:
         self._interceptor: OpInterceptor | None = None
         self._modules: ModuleStack | None = None
         self._functions: FunctionWatch | None = None  # the pre-dispatch checks' function mode
-        self._next_index = 0
         self._told_internal_error = False
         self._compiled_calls: dict = {}  # compiled callable -> its calls run eagerly in the block
         self._told_compiled = False
         self._thread = None  # the thread the watch is active on (the optimizer hook asks)
-        # The job's view from this process (opwatch.findings.ranks), where torch.distributed exists.
+        # The job's view from this process (opwatch.modes.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
 
     # -- reading ----------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Watch:
             modules = ModuleStack()
             self._distributed = DistributedWatch.start(self._log, modules)
             active = _checks.ActiveChecks(
-                self._checks, self._log, table_limit=2 * self._max_records + 4096, modules=modules,
+                self._checks, self._log, table_limit=2 * self._max_records + 4096, owners=modules.owners,
                 fingerprints=self._fingerprints, every_op_checked=self._check_every == 1,
             )
             interceptor = (OpInterceptor if self._graphs_backend is None else _graphs.GraphsInterceptor)(
@@ -341,15 +342,14 @@ class Watch:
                 modules=modules,
                 max_records=self._max_records,
                 on_internal_error=self._internal_error,
-                first_index=self._next_index,
                 check_every=self._check_every,
                 distributed=self._distributed,
             )
-            modules.on_call = interceptor.module_called
+            modules.on_call = ModuleCalls(checks=active, modules=modules, interceptor=interceptor)
             # Under compiled=..., no function mode: Dynamo would trace into it.
             functions = self._function_watch(interceptor, modules) if self._graphs_backend is None else None
             if self._graphs_backend is not None:
-                self._graphs = _graphs.hold(self._graphs_backend, interceptor)
+                self._graphs = _graphs.hold(self._graphs_backend, interceptor, prints=active.prints)
             else:  # under compiled=..., no global module hooks either: Dynamo would trace them
                 modules.install()
         except Exception as error:
@@ -388,7 +388,6 @@ class Watch:
             return None
         kinds = self._checks & {_checks.device.KIND, _checks.dtype.KIND} or {_checks.device.KIND, _checks.dtype.KIND}
         return FunctionWatch(
-            log=self._log,
             modules=modules,
             interceptor=interceptor,
             kinds=frozenset(kinds),
@@ -411,7 +410,6 @@ class Watch:
         finally:
             self._modules.uninstall()
             self._modules = None
-            self._next_index = interceptor.next_index
             _compiled.release(self._compiled_calls)
             graphs, self._graphs = self._graphs, None
             if graphs is not None:

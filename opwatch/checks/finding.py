@@ -37,7 +37,7 @@ class Place(NamedTuple):
         return cls(record.op, position.filename, position.lineno, record.phase, getattr(record, "label", None))
 
 
-# Where an odd operand was made (``Finding.made``, see ``CheckContext.where_made``): one of
+# Where an odd operand was made (``Finding.made``, see ``Provenance.where_made``, opwatch.checks.provenance): one of
 # these provenance facts, each led by ``how``; rendered by ``opwatch.render.phrases.where_made``.
 
 
@@ -144,7 +144,7 @@ class Finding:
         operands: the metadata ``(shape, dtype, device, ident)`` of the tensors involved.
         odd: the operands that stand out (the one on another device, the float64 one).
         made: where each odd operand was made, one provenance fact tuple each, added when the
-            finding is reported (see ``CheckContext.where_made``).
+            finding is reported (see ``Provenance.where_made``, opwatch.checks.provenance).
     """
 
     kind: str

@@ -19,7 +19,7 @@ next final check point (the end of the block, ``w.check()``, an optimizer step) 
 there: only a cast back makes a promotion deliberate. At most :data:`LIMIT` findings wait at once; a
 promotion found while that many wait is reported at once, as before.
 
-This is the *defer* stage of the one exit of findings (:mod:`opwatch.checks.pipeline`), which
+This is the *defer* stage of the one exit of findings (:mod:`opwatch.findings.pipeline`), which
 asks :meth:`PendingPromotions.consumed_by` about an op only while a finding waits (a switch the
 interceptor already tests on every op): a healthy program pays nothing.
 """

@@ -2,7 +2,8 @@
 process group, when it completes, and the store the ranks can meet in. The interceptor, the
 checks and the nan/inf tracker ask these per op; which ops are collectives is
 :func:`opwatch.core.ops.collective_of`. The exchange of anomalies between ranks when a watch ends
-sits above the core, in :mod:`opwatch.findings.ranks`; the DDP reducer's site labels in
+sits above the core, in :mod:`opwatch.findings.ranks`; the watch's place in the job, which the
+interceptor reads, in :mod:`opwatch.modes.ranks`; the DDP reducer's site labels in
 :mod:`opwatch.modes.reducer`.
 
 **Ranks.** A watch entered while a process group exists (or under a launcher that sets ``RANK``

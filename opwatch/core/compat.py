@@ -7,8 +7,10 @@ fallback exists in every such torch.
 
 from __future__ import annotations
 
+import gc
 import operator
 import sys
+import types
 
 import torch
 
@@ -17,6 +19,7 @@ __all__ = [
     "current_autograd_node",
     "inference_mode_enabled",
     "no_python_dispatch",
+    "no_torch_function",
     "dispatch_modes_outside",
     "engine_entry_code",
     "restore_caller_state",
@@ -52,6 +55,7 @@ __all__ = [
     "dtensor_class",
     "dtensor_parts",
     "frame_backends",
+    "compiled_code_set_aside",
     "registered_backend",
     "backend_identity",
     "is_inductor",
@@ -73,6 +77,9 @@ inference_mode_enabled = torch._C.is_inference_mode_enabled
 # A context manager that turns Python dispatch off: no dispatch mode, ours or another, sees
 # the ops run inside it (opwatch's own reductions and read-backs). torch >= 1.13.
 no_python_dispatch = torch._C._DisableTorchDispatch
+# Every __torch_function__ off for the block, modes included (torch 1.13+): opwatch's own torch
+# calls at a check point must not enter its function mode (opwatch.modes.functions).
+no_torch_function = torch._C.DisableTorchFunction
 
 # How many dispatch modes are on the thread's stack right now (inside ``__torch_dispatch__``
 # ours is popped, so a non-zero count means modes entered outside opwatch). torch >= 2.0.
@@ -468,17 +475,133 @@ def _innermost_backend(backend):
 def frame_backends() -> list:
     """Called from inside a backend while Dynamo compiles a frame: the backends of that frame's
     code's cache entries, most recently used first (``InstructionTranslator.current_tx()`` and
-    ``_debug_get_cache_entry_list``, torch 2.6-2.13; ``CacheEntry.backend`` since 2.4): one of
-    them is the backend the frame was compiled with by ``torch.compile``. ``[]`` where torch
-    has none of this."""
+    ``_debug_get_cache_entry_list``, torch 2.6-2.14; ``CacheEntry.backend``, which torch 2.6
+    does not show to Python, 2.13 and 2.14 do): one of them is the backend the frame was
+    compiled with by ``torch.compile``. For a copy of a code object made by
+    :func:`compiled_code_set_aside`, those of the program's code object. Where the entries do
+    not name their backend, the backends ``torch.compile`` was given in this process, newest
+    first (Dynamo's ``eval_frame.cached_backends``): the frame's own when the program compiles
+    with one backend. ``[]`` where torch has none of this."""
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         code = InstructionTranslator.current_tx().f_code
-        return [_innermost_backend(entry.backend) for entry in _debug_get_cache_entry_list(code)]
+        code = _PROGRAM_CODE.get(id(code), code)  # a copy run by compiled_code_set_aside: the program's entries
+        entries = _debug_get_cache_entry_list(code)
     except Exception:
         return []
+    if not all(hasattr(entry, "backend") for entry in entries):
+        given = getattr(sys.modules.get("torch._dynamo.eval_frame"), "cached_backends", None)
+        return [_innermost_backend(backend) for backend in reversed(list((given or {}).values())) if callable(backend)]
+    return [_innermost_backend(entry.backend) for entry in entries]
+
+
+# id(copy) -> the program's code object, for each copy compiled_code_set_aside has handed out
+# and not yet taken back (frame_backends reads the program's cache entries through it).
+_PROGRAM_CODE: dict = {}
+
+
+def compiled_code_set_aside():
+    """A reusable context manager under which Dynamo's compiles land beside the program's
+    compiled code, never in it: every function whose code object holds Dynamo's cache entries
+    runs a fresh copy of that code object (``code.replace()``: the same code, no cache entries),
+    so that a frame compiled in the block is compiled for the copy, with its own recompile
+    budget; on leaving, each function gets its own code object back and every cache entry the
+    block made is dropped (``reset_code`` of each copy, and of each code object Dynamo first
+    compiled in the block, such as the resume function of a graph break in a copy). The
+    program's code objects, their cache entries, their order and their frame counters are never
+    touched. Each ``with`` hands out fresh copies (one block at a time).
+
+    Reads Dynamo's list of the code objects it converted (``convert_frame.input_codes``),
+    their cache entries (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``) and drops
+    a code object's entries with ``reset_code`` (all three in torch 2.6, 2.13 and 2.14, the
+    versions tested; 2.5 has them too); a copy also gets its original's
+    ``always_optimize_code_objects`` flag and ``code_context`` (skipped where missing). The
+    functions are found once, when it is made (``gc.get_referrers``, one pass over the
+    process's objects): a function made later from a compiled code object (a closure made anew
+    on each call) runs the program's code object, and what a block compiles for it stays.
+    ``None`` where torch lacks one of the three (a block would then compile into the program's
+    code objects: callers do not run one)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+        from torch._dynamo import convert_frame
+
+        tracker = convert_frame.input_codes
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(getattr(tracker, "seen", None), list):
+        return None
+    return _CodeSetAside(tracker, _debug_get_cache_entry_list, reset_code)
+
+
+def _converted_codes(tracker) -> list:
+    return [code for code in (ref() for ref in list(tracker.seen)) if code is not None]
+
+
+def _copy_code(original):
+    """A code object equal to ``original`` with no cache entries, and the flags Dynamo keeps per
+    code object (compile it even without a torch global; its code context)."""
+    copy = original.replace()
+    always = getattr(sys.modules.get("torch._dynamo.eval_frame"), "always_optimize_code_objects", None)
+    try:
+        if always is not None and original in always:
+            always[copy] = always[original]
+    except Exception:
+        pass
+    contexts = getattr(sys.modules.get("torch._dynamo.code_context"), "code_context", None)
+    try:
+        if contexts is not None and contexts.has_context(original):
+            contexts.get_context(copy).update(contexts.get_context(original))
+    except Exception:
+        pass
+    return copy
+
+
+class _CodeSetAside:
+    """:func:`compiled_code_set_aside`'s context manager."""
+
+    def __init__(self, tracker, entries_of, reset_code):
+        self._tracker, self._entries_of, self._reset_code = tracker, entries_of, reset_code
+        compiled = {id(code): code for code in _converted_codes(tracker) if entries_of(code)}
+        referrers = gc.get_referrers(*compiled.values()) if compiled else ()
+        self._functions = [function for function in referrers
+                           if isinstance(function, types.FunctionType) and compiled.get(id(function.__code__)) is function.__code__]
+        self._before: list = []
+        self._copies: dict = {}  # id(the program's code) -> its copy
+        self._swapped: list = []  # (function, the program's code, its copy)
+
+    def __enter__(self):
+        self._before = _converted_codes(self._tracker)
+        try:
+            for function in self._functions:
+                original = function.__code__
+                if not self._entries_of(original):
+                    continue
+                copy = self._copies.get(id(original))
+                if copy is None:
+                    copy = self._copies[id(original)] = _copy_code(original)
+                    _PROGRAM_CODE[id(copy)] = original
+                function.__code__ = copy
+                self._swapped.append((function, original, copy))
+        except BaseException:
+            self.__exit__(None, None, None)  # no function left on a copy
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        for function, original, copy in self._swapped:
+            if function.__code__ is copy:
+                function.__code__ = original
+        for copy in self._copies.values():
+            _PROGRAM_CODE.pop(id(copy), None)
+            self._reset_code(copy)
+        known = {id(code) for code in self._before}
+        for code in _converted_codes(self._tracker):
+            if id(code) not in known and self._entries_of(code):
+                self._reset_code(code)
+        self._before, self._copies, self._swapped = [], {}, []
+        return False
 
 
 def registered_backend(name: str):

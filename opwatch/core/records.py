@@ -13,18 +13,24 @@ from collections import deque
 from functools import partial
 from typing import Any
 
+import torch
+
 from .bounded import BoundedCache
-from .notation import Sharding, TensorMeta, format_meta
+from .compat import dtensor_class
+from .notation import Sharding, TensorMeta, format_meta, sharding_of
 from .sites import Position, location, position_of
 
 __all__ = [
     "BaseRecord",
     "OpRecord",
     "OpLog",
+    "MODULE_PATH",
+    "MODULE_CLASS",
     "SharedShapes",
     "FORWARD",
     "BACKWARD",
     "op_entry",
+    "tensor_metas",
     "entry_inputs",
     "entry_outputs",
     "short_op_name",
@@ -40,7 +46,7 @@ BACKWARD = "backward"
 E_INDEX = 0  # op index since the watch began
 E_FUNC = 1  # op id in OpLog.funcs
 E_SITE = 2  # source site id in OpLog.sites
-E_MODULE = 3  # module path or None
+E_MODULE = 3  # (path, class name) of the module running the op (MODULE_PATH, MODULE_CLASS), or None
 E_PHASE = 4  # FORWARD or BACKWARD
 E_FORWARD_FUNC = 5  # backward ops run by autograd: op id of the forward op they differentiate; else -1
 E_ARGS = 6  # (position or name, value, position or name, value, ...) of the other arguments
@@ -60,6 +66,17 @@ M_IDENT = 3  # id() of the tensor object when the op saw it: follows data from o
 # the op sees it.
 M_SHARDING = 4
 SH_LOCAL_IDENT = 3  # in the fifth item: the local shard's id()
+
+
+# An entry's module (at E_MODULE): None outside modules, else a plain tuple of two facts, its
+# dotted path (relative to the outermost module called, which is named by its class: "Net",
+# "enc.0", "enc.0.attn") and its class's name ("Linear"), None where no module class stands
+# behind the name (a compiled graph's records: "torch.compile graph 3 (forward)"). A plain
+# tuple of strings, so that the collector untracks it (a NamedTuple it would track, and every
+# entry holding it); one per module, shared by the entries of its ops
+# (opwatch.modes.modules.ModuleStack makes them).
+MODULE_PATH = 0
+MODULE_CLASS = 1
 
 
 def op_entry(head: tuple, start_ns: int, end_ns: int, inputs, outputs=None) -> tuple:
@@ -148,6 +165,22 @@ class OpLog:
         # Whether an op on DTensors was logged (entries with a fifth metadata item): the nan/inf
         # replay then follows values between DTensors and their local shards.
         self.sharded = False
+        # The next op's index. The log numbers every op it holds, whichever mode logs it (the
+        # interceptor, the function mode, module calls, compiled graphs), and keeps counting
+        # across the blocks of one Watch. The interceptor takes its number inline (a method
+        # call on every op costs); the others log through log_call.
+        self.next_index = 0
+
+    def log_call(self, func, site: int, module, phase: str, inputs, *, start_ns: int, end_ns: int = -1, outputs=None) -> tuple:
+        """Number one op, or a call that stands for one (a :class:`ModuleCall`), and log its
+        entry (made by :func:`op_entry`; no forward op, no other arguments). ``site``: a site id
+        of this log; ``inputs``/``outputs``: tensor metadata (:func:`tensor_metas`), ``outputs``
+        ``None`` where nothing ran. Returns the entry (:meth:`view` makes its record)."""
+        index = self.next_index
+        self.next_index = index + 1
+        entry = op_entry((index, self.func_id(func), site, module, phase, -1, ()), start_ns, end_ns, inputs, outputs)
+        self.entries.append(entry)
+        return entry
 
     def func_id(self, func) -> int:
         known = self.func_ids.get(func)
@@ -253,6 +286,67 @@ class OpLog:
         return newer
 
 
+def tensor_metas(tensors, log: OpLog, types=()) -> list:
+    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``log.shapes``
+    (:class:`SharedShapes`). ``types``: the op's tensor subclasses (``__torch_dispatch__``'s);
+    where one is a DTensor, its tensors' tuples get their sharding."""
+    shapes = log.shapes
+    if types and _sharded(types):
+        log.sharded = True
+        return _sharded_metas(tensors, shapes)
+    try:
+        metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
+        for tensor in tensors:
+            size = tensor.shape
+            shape = shapes.get(size)
+            if shape is None:
+                shape = shapes[size]
+            metas.append((shape, tensor.dtype, tensor.device, id(tensor)))
+        return metas
+    except Exception:
+        return [_safe_meta(tensor) for tensor in tensors]
+
+
+# The op's subclass types -> whether one is a DTensor (a few distinct tuples per program).
+_SHARDED_TYPES = BoundedCache(256)
+
+
+def _sharded(types) -> bool:
+    known = _SHARDED_TYPES.get(types)
+    if known is None:
+        dtensor = dtensor_class()
+        known = _SHARDED_TYPES.put(types, dtensor is not None and any(issubclass(kind, dtensor) for kind in types))
+    return known
+
+
+def _sharded_metas(tensors, shapes) -> list:
+    """``tensor_metas`` of an op on DTensors: a DTensor's tuple gets its sharding facts as a fifth item."""
+    dtensor = dtensor_class()
+    metas = []
+    for tensor in tensors:
+        try:
+            meta = (shapes[tensor.shape], tensor.dtype, tensor.device, id(tensor))
+            if isinstance(tensor, dtensor):
+                meta = (*meta, sharding_of(tensor, shapes))
+        except Exception:
+            meta = _safe_meta(tensor)
+        metas.append(meta)
+    return metas
+
+
+def _safe_meta(tensor) -> tuple:
+    """Metadata of tensors that refuse ``.shape`` (nested tensors) or ``.device``."""
+    try:
+        shape = tuple(tensor.shape)
+    except Exception:
+        shape = None
+    try:
+        device = tensor.device
+    except Exception:
+        device = torch.device("meta")
+    return (shape, tensor.dtype, device, id(tensor))
+
+
 class BaseRecord:
     """The one record interface, shared by live records (:class:`OpRecord`), saved ones
     (:class:`opwatch.storage.jsonl.SavedRecord`) and any other view of one op.
@@ -260,7 +354,8 @@ class BaseRecord:
     A subclass provides these primitive attributes (plain attributes or properties):
 
     - ``index`` (int), ``func`` (the ``OpOverload``, or the op's name where none is known),
-      ``module`` (str or ``None``), ``phase`` (``FORWARD`` / ``BACKWARD``), ``forward_func``;
+      ``module`` (the module's dotted path, or ``None``), ``module_class`` (its class's name, or
+      ``None``), ``phase`` (``FORWARD`` / ``BACKWARD``), ``forward_func``;
     - ``inputs`` / ``outputs``: metadata tuples ``(shape, dtype, device, ident)``, one a tensor
       (``outputs`` is ``None`` when the kernel raised or did not run);
     - ``args``: ``(name, value)`` pairs; ``flags``: anomaly kinds; ``rank``; ``label``;
@@ -322,8 +417,11 @@ class OpRecord(BaseRecord):
         filename / lineno: the user's source line (the innermost frame outside torch and
             opwatch). Backward ops carry the line of the forward op that created them.
         position: line and columns of the sub-expression that issued the op.
-        module: dotted path of the ``nn.Module`` running the op, relative to the outermost
-            module called (that one is named by its class); ``None`` outside modules.
+        module: dotted path of the ``nn.Module`` running the op (``"enc.0"``), relative to the
+            outermost module called (that one is named by its class); ``None`` outside modules.
+        module_class: the class name of that module (``"Linear"``); ``None`` outside modules.
+            Messages and tables show the two as one label, ``enc.0 (Linear)``, where the path
+            ends in an index.
         phase: ``"forward"`` or ``"backward"``.
         forward_func: for a backward op run by autograd, the forward ``OpOverload`` whose
             gradient it computes (``None`` otherwise).
@@ -371,7 +469,13 @@ class OpRecord(BaseRecord):
 
     @property
     def module(self) -> str | None:
-        return self._entry[E_MODULE]
+        module = self._entry[E_MODULE]
+        return None if module is None else module[MODULE_PATH]
+
+    @property
+    def module_class(self) -> str | None:
+        module = self._entry[E_MODULE]
+        return None if module is None else module[MODULE_CLASS]
 
     @property
     def phase(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from fnmatch import fnmatchcase
 
-from ..render.phrases import module_path
+from ..render.phrases import module_of
 
 __all__ = ["Allow", "parse_allow", "where_matches"]
 
@@ -69,9 +69,9 @@ class Allow:
             if not (fnmatchcase(op, self.op) or fnmatchcase(op.rsplit(".", 1)[0], self.op)):
                 return False
         if self.module is not None:
-            label = anomaly.module or ""
-            # The path alone (``net.0``) matches the module labelled ``net.0 (Linear)`` too.
-            if not (fnmatchcase(label, self.module) or fnmatchcase(module_path(label), self.module)):
+            # The path (``net.0``) or the label messages show (``net.0 (Linear)``).
+            path = anomaly.module or ""
+            if not (fnmatchcase(path, self.module) or fnmatchcase(module_of(anomaly) or "", self.module)):
                 return False
         if self.where is not None and not where_matches(self.where, anomaly.filename, anomaly.lineno, anomaly.where):
             return False

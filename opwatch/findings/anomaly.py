@@ -38,6 +38,7 @@ class BaseAnomaly:
     filename = property(lambda self: self.record.filename)
     lineno = property(lambda self: self.record.lineno)
     module = property(lambda self: self.record.module)
+    module_class = property(lambda self: self.record.module_class)
     phase = property(lambda self: self.record.phase)
     index = property(lambda self: self.record.index)
     rank = property(lambda self: self.record.rank)

@@ -1,6 +1,9 @@
 """The exchange of anomalies between the ranks of a distributed job, when a watch ends: above
 the core (it reads finished anomalies and renders the combined summary); the session's
-``Watch.all_anomalies`` is a thin call into :func:`all_anomalies`.
+``Watch.all_anomalies`` is a thin call into :func:`all_anomalies`. The watch's place in the
+job (its rank, world size and store: the state the interceptor reads while the watch runs) is
+:class:`opwatch.modes.ranks.DistributedWatch`, which this module reads and fills
+(``exchange``, ``collected``) without importing it.
 
 When a distributed watch ends, the rank publishes its anomalies (each distinct one once, with
 its count and message) under ``opwatch/<run>/<restart>/<block>/<rank>`` in the process group's
@@ -27,11 +30,9 @@ from datetime import timedelta
 from .anomaly import BaseAnomaly, OpwatchWarning
 from ..core.collective_ops import RankState, store_prefix
 from ..core.sites import warn_at_user
-from ..modes.reducer import ReducerSites
 from ..render.ranks import collect_failed, publish_failed, render_combined_summary
 
 __all__ = [
-    "DistributedWatch",
     "all_anomalies",
     "publish",
     "Exchange",
@@ -52,49 +53,24 @@ _MAX_PUBLISHED = 32  # distinct anomalies a rank publishes (the rest are counted
 _blocks = itertools.count()
 
 
-# -- one watch's view of the job -----------------------------------------------------------
-
-
-class DistributedWatch(RankState):
-    """A watch in a distributed job: its :class:`~opwatch.core.collective_ops.RankState`, the DDP
-    reducer's site labels (``sites``, read by the interceptor once the rank is known), once it
-    ended its :class:`Exchange`, and the every-rank anomalies once all ranks reported."""
-
-    def __init__(self, log, modules):
-        self.sites = ReducerSites(log, modules)
-        self.exchange: Exchange | None = None
-        self.collected: AllAnomalies | None = None  # kept once every rank reported
-        super().__init__(log)
-
-    @classmethod
-    def start(cls, log, modules) -> DistributedWatch | None:
-        """The state of a watch entered now; ``None`` where ``torch.distributed`` is not
-        available. Its ``rank`` stays ``None`` until there is a job (a process group, or a
-        launcher's ``RANK``)."""
-        return cls(log, modules) if RankState.available() else None
-
-    def publish(self, anomalies, contained: int) -> None:
-        """Publish this rank's anomalies for the other ranks (one ``set``)."""
-        self.refresh()
-        if self.rank is None or not self.world or self.world < 2:
-            return
-        self.exchange = Exchange.open(self.store or _agent_store(), self.rank, self.world, next(_blocks))
-        self.exchange.publish(encode(anomalies, self.rank, self.world, contained))
-
-
-def publish(state: DistributedWatch | None, anomalies, contained: int) -> None:
+def publish(state, anomalies, contained: int) -> None:
     """In a distributed job, publish this rank's anomalies when its watch ends (one store
-    ``set``); a failure is one warning, never an exception on the program's line."""
+    ``set``); a failure is one warning, never an exception on the program's line. ``state``:
+    the watch's :class:`~opwatch.modes.ranks.DistributedWatch`, or ``None``."""
     if state is None:
         return
     try:
-        state.publish(anomalies, contained)
+        state.refresh()
+        if state.rank is None or not state.world or state.world < 2:
+            return
+        state.exchange = Exchange.open(state.store or _agent_store(), state.rank, state.world, next(_blocks))
+        state.exchange.publish(encode(anomalies, state.rank, state.world, contained))
     except Exception as error:
         state.exchange = None
         warn_at_user(OpwatchWarning(publish_failed(error)))  # the user's ``with``
 
 
-def all_anomalies(state: DistributedWatch | None, local, *, timeout: float, ended: bool) -> AllAnomalies:
+def all_anomalies(state, local, *, timeout: float, ended: bool) -> AllAnomalies:
     """Every rank's anomalies (what :meth:`opwatch.Watch.all_anomalies` returns): this rank's
     ``local`` ones and the other ranks' published ones, waiting at most ``timeout`` seconds;
     ``ended``: whether the watched block has ended (every rank publishes then)."""
@@ -278,11 +254,11 @@ class RankAnomaly(BaseAnomaly):
     records stay on their rank, which rendered the message (both ranks run one opwatch), so the
     attributes :class:`~opwatch.findings.anomaly.BaseAnomaly` derives from them are given here."""
 
-    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "phase", "index", "received", "count", "time_ns", "message")
+    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "module_class", "phase", "index", "received", "count", "time_ns", "message")
     record = None
     finding = None
 
-    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message):
+    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message, module_class=None):
         self.rank = rank
         self.kind = kind
         self.op = op
@@ -290,6 +266,7 @@ class RankAnomaly(BaseAnomaly):
         self.lineno = lineno
         self.where = where
         self.module = module
+        self.module_class = module_class
         self.phase = phase
         self.index = index
         self.received = received
@@ -302,7 +279,7 @@ class RankAnomaly(BaseAnomaly):
         """This rank's own ``anomaly`` in the same form (``offset``: wall clock - perf counter)."""
         return cls(
             rank=rank, kind=anomaly.kind, op=anomaly.op, filename=anomaly.filename, lineno=anomaly.lineno,
-            where=anomaly.record.where, module=anomaly.module, phase=anomaly.phase, index=anomaly.index,
+            where=anomaly.record.where, module=anomaly.module, module_class=anomaly.module_class, phase=anomaly.phase, index=anomaly.index,
             received=anomaly.received, count=1, time_ns=anomaly.record.start_ns + offset, message=anomaly.message,
         )
 

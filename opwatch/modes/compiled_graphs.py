@@ -45,7 +45,7 @@ from ..core.compat import (
 )
 from ..core.bounded import BoundedCache
 from ..core.ops import facts_of
-from ..core.records import BACKWARD, FORWARD, op_entry
+from ..core.records import BACKWARD, FORWARD, tensor_metas
 from .interceptor import OpInterceptor
 
 __all__ = ["GRAPH_MODULE", "BACKENDS", "check_backend", "GraphsInterceptor", "hold", "release", "is_graph_record"]
@@ -92,37 +92,34 @@ class GraphsInterceptor(OpInterceptor):
 
 
 class _Recording:
-    """Where a thread's graphs log: the watch's interceptor (its log, index and fingerprints)."""
+    """Where a thread's graphs log: the watch's log (which numbers their ops), its fingerprints
+    (``prints``, or ``None``) and its interceptor (its ``inert`` switch and ``internal_error``)."""
 
-    __slots__ = ("interceptor", "thread")
+    __slots__ = ("interceptor", "log", "prints", "thread")
 
-    def __init__(self, interceptor):
+    def __init__(self, interceptor, prints):
         self.interceptor = interceptor
+        self.log = interceptor.log
+        self.prints = prints
         self.thread = threading.get_ident()
 
-    def record(self, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
+    def record(self, func, site: int, module: tuple, phase: str, inputs, outputs, start: int, end: int) -> None:
         """Log one op of a graph: ``inputs``/``outputs`` the tensors. An error of opwatch's own
         here makes the watch inert with one warning; the graph runs on."""
         interceptor = self.interceptor
         if interceptor.inert:
             return
         try:
-            self._record(interceptor, func, site, module, phase, inputs, outputs, start, end)
+            self._record(func, site, module, phase, inputs, outputs, start, end)
         except Exception as error:
-            interceptor._internal_error(error)
+            interceptor.internal_error(error)
 
-    @staticmethod
-    def _record(interceptor, func, site: int, module: str, phase: str, inputs, outputs, start: int, end: int) -> None:
-        log = interceptor._log
-        index = interceptor.next_index
-        interceptor.next_index = index + 1
-        shapes = log.shapes
-        in_metas = tuple((shapes[t.shape], t.dtype, t.device, id(t)) for t in inputs)
-        out_metas = tuple((shapes[t.shape], t.dtype, t.device, id(t)) for t in outputs)
-        head = (index, log.func_id(func), site, module, phase, -1, ())
-        entry = op_entry(head, start, end, in_metas, out_metas)
-        log.entries.append(entry)
-        prints = interceptor._checks.prints
+    def _record(self, func, site: int, module: tuple, phase: str, inputs, outputs, start: int, end: int) -> None:
+        log = self.log
+        in_metas = tensor_metas(inputs, log)
+        out_metas = tensor_metas(outputs, log)
+        entry = log.log_call(func, site, module, phase, in_metas, start_ns=start, end_ns=end, outputs=out_metas)
+        prints = self.prints
         if prints is not None and outputs:
             observe = prints.for_op(func)
             if observe is not None:
@@ -150,10 +147,11 @@ class _Held:
         self.recording, self.put_back = recording, put_back
 
 
-def hold(backend, interceptor) -> _Held:
+def hold(backend, interceptor, *, prints=None) -> _Held:
     """Make every compiled function compile with the recording wrapper of ``backend`` and log
-    into ``interceptor``'s log from this thread; ``release`` undoes it."""
-    recording = _Recording(interceptor)
+    into ``interceptor``'s log from this thread, feeding the fingerprints tracker ``prints``
+    (or none); ``release`` undoes it."""
+    recording = _Recording(interceptor, prints)
     put_back = force_backend_stance(_recording_backend(backend))
     with _LOCK:
         _RECORDING.append(recording)
@@ -217,7 +215,7 @@ def _compiler(inner, phase: str):
     def compile_graph(gm, example_inputs):
         compiled = None if inner is None else inner(gm, example_inputs)
         graph = gm if inner is None else graph_module_behind(compiled)
-        module = f"{GRAPH_MODULE} {next(_GRAPHS)} ({phase})"
+        module = (f"{GRAPH_MODULE} {next(_GRAPHS)} ({phase})", None)  # a name, no module class (core.records.MODULE_PATH)
         if graph is not None:
             return _boxed(_NodesRun(graph, module, phase))
         return _boxed(_OutputsRun(gm, compiled, module, phase))
@@ -236,7 +234,7 @@ def _boxed(run):
 class _NodesRun:
     """Runs a graph as it is; under a recording watch node by node, each node's outputs logged."""
 
-    def __init__(self, graph, module: str, phase: str):
+    def __init__(self, graph, module: tuple, phase: str):
         self.graph, self.module, self.phase = graph, module, phase
         self.sites = {}  # node -> (filename, lineno) or None
 
@@ -266,7 +264,7 @@ class _Recorder(torch.fx.Interpreter):
         run = self._run
         inputs = [value for value in _flat((args, kwargs)) if isinstance(value, torch.Tensor)]
         outputs = [value for value in _flat(result) if isinstance(value, torch.Tensor)]
-        site = _site(self._recording.interceptor._log, node, self._caller)
+        site = _site(self._recording.log, node, self._caller)
         self._recording.record(node.target, site, run.module, run.phase, inputs, outputs, start, end)
         return result
 
@@ -291,7 +289,7 @@ class _OutputsRun:
     """Runs a compiled graph (inductor's); under a recording watch each output is logged as the
     op of the graph that made it (through views, to the op that made its values)."""
 
-    def __init__(self, gm, compiled, module: str, phase: str):
+    def __init__(self, gm, compiled, module: tuple, phase: str):
         self.compiled, self.module, self.phase = compiled, module, phase
         self.boxed = bool(getattr(compiled, "_boxed_call", False)) or type(compiled).__name__ == "CompiledFxGraph"
         self.makers = [_maker(node) for node in _flat(gm.graph.output_node().args)]
@@ -304,7 +302,7 @@ class _OutputsRun:
         with no_python_dispatch():
             outputs = self.compiled(args) if self.boxed else self.compiled(*args)
         end = perf_counter_ns()
-        log = recording.interceptor._log
+        log = recording.log
         flat = list(_flat(outputs))
         caller = _caller_line()
         for node, value in zip(self.makers, flat):

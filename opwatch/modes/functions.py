@@ -12,8 +12,9 @@ line that called it, and reported as the module-call checks are: in strict mode 
 error); in ``watch()`` the anomaly is kept and torch's error reaches the program unchanged.
 
 torch runs ``__torch_function__`` with the mode taken off its stack, so the function itself and
-opwatch's own work inside the handler do not come back to it. The mode shares the
-interceptor's index counter and its ``inert`` switch (an internal error, a forked child).
+opwatch's own work inside the handler do not come back to it. The mode logs into the
+interceptor's log, which numbers its calls among the ops, and shares the interceptor's ``inert``
+switch (an internal error, a forked child).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
 from ..core.compat import current_autograd_node, skip_dynamo_for_code
-from ..core.records import BACKWARD, FORWARD, ModuleCall, op_entry
+from ..core.records import BACKWARD, FORWARD, ModuleCall
 from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
@@ -41,14 +42,13 @@ _Tensor = torch.Tensor
 
 class FunctionWatch(TorchFunctionMode):
     """Judges the calls of :func:`opwatch.checks.pre_dispatch.table`'s functions. ``interceptor``
-    is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor` (its log index counter
-    ``next_index``, ``inert`` and the exit of findings, ``findings``); ``kinds``: the anomaly
-    kinds enabled."""
+    is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor` (its log, ``inert`` and the
+    exit of findings, ``findings``); ``kinds``: the anomaly kinds enabled."""
 
-    def __init__(self, *, log, modules, interceptor, kinds: frozenset, on_internal_error):
+    def __init__(self, *, modules, interceptor, kinds: frozenset, on_internal_error):
         super().__init__()
         self._table = pre_dispatch.table()
-        self._log = log
+        self._log = interceptor.log
         self._modules = modules
         self._interceptor = interceptor
         self._kinds = kinds
@@ -92,8 +92,5 @@ class FunctionWatch(TorchFunctionMode):
         if callee is None:
             callee = self._callees[func] = ModuleCall(name)
         phase = FORWARD if current_autograd_node() is None else BACKWARD
-        inputs = finding.operands
-        index = self._interceptor.next_index
-        self._interceptor.next_index = index + 1
-        head = (index, log.func_id(callee), log.site_id(code, lasti), modules.current, phase, -1, ())
-        return log.add(op_entry(head, perf_counter_ns(), -1, inputs))
+        entry = log.log_call(callee, log.site_id(code, lasti), modules.current, phase, finding.operands, start_ns=perf_counter_ns())
+        return log.view(entry)

@@ -2,11 +2,13 @@
 
 The way of one op, in ``__torch_dispatch__``:
 
-1. its arguments are read into tensor metadata and a flat tuple of the other arguments;
-   ``_head`` adds the index, the user's source site, the module path and the phase;
+1. its arguments are read into tensor metadata (:func:`~opwatch.core.records.tensor_metas`)
+   and a flat tuple of the other arguments; ``_head`` adds the index the log gives the op
+   (``OpLog.next_index``: the modes beside this one number their calls in the same log, by
+   ``OpLog.log_call``), the user's source site, the module (its path and class) and the phase;
 2. the pre-kernel checks bound to the op (:class:`~opwatch.checks.ActiveChecks`) run on the
    metadata; a finding is logged (unfinished) and handed to the one exit of findings,
-   :class:`~opwatch.checks.pipeline.FindingPipeline` (``self.findings``), in front of the
+   :class:`~opwatch.findings.pipeline.FindingPipeline` (``self.findings``), in front of the
    :class:`~opwatch.findings.report.Reporter`; in strict mode the error it hands back is raised
    before the kernel runs;
 3. the kernel runs; its own exceptions reach the program untouched;
@@ -58,12 +60,12 @@ from time import perf_counter_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.bounded import BoundedCache
-from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, dtensor_class, get_sequence_nr, op_kernel, skip_dynamo_for_code
+from ..core.compat import SKIPS_DYNAMO_PER_CODE, autograd_sequence_nr, current_autograd_node, get_sequence_nr, op_kernel, skip_dynamo_for_code
 from ..core.collective_ops import collective_outputs, describe_script_object
-from ..core.notation import sharding_of
 from ..core.ops import facts_of
-from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, ModuleCall, OpLog, op_entry
+from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, OpLog, op_entry
+from ..core.records import tensor_metas as _metas  # a module global: bench.ablate stubs it
+from ..findings.pipeline import FindingPipeline
 from ..core.sites import user_frame
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
@@ -135,19 +137,19 @@ class OpInterceptor(TorchDispatchMode):
         # well, free.
         return not SKIPS_DYNAMO_PER_CODE
 
-    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, first_index: int = 0, check_every: int | None = None, distributed=None):
+    def __init__(self, *, log: OpLog, checks, reporter, modules, max_records: int, on_internal_error, check_every: int | None = None, distributed=None):
         super().__init__()
         self._log = log
         self._entries = log.entries
         self._checks = checks
         self._context = checks.context
         # The one exit of findings (defer, provenance, containment), in front of the reporter.
-        self.findings = checks.exit_to(reporter)
+        self.findings = FindingPipeline(checks, reporter)
         self._modules = modules
         # At the latest every this many ops, a check point (at most one forced host read).
         self._check_every = check_every or max_records
         self._on_internal_error = on_internal_error
-        # A RankState with .sites (opwatch.findings.ranks.DistributedWatch) where torch.distributed is
+        # A RankState with .sites (opwatch.modes.ranks.DistributedWatch) where torch.distributed is
         # available, else None; its ReducerSites name the engine's ops without a forward line once the rank is known.
         self._distributed = distributed
         self._reducer_sites = distributed.sites if distributed is not None and distributed.rank is not None else None
@@ -155,14 +157,13 @@ class OpInterceptor(TorchDispatchMode):
         # Forward sites kept, oldest dropped first: part of the fixed memory cost of
         # max_records, so that a long loop stays flat.
         self._table_limit = 2 * max_records + 4096
-        self.next_index = first_index
         # True once opwatch broke (after one warning) or in a forked child: ops pass through.
         self._inert = False
         # The one switch the hot path tests before its usual work: set while inert, or while
         # findings wait for an op that uses their result (FindingPipeline.waiting).
         self._detour = False
-        self._window_start = first_index  # first op index not yet covered by a check point
-        self._check_at = first_index + self._check_every - 1  # the op index that is one at the latest
+        self._window_start = log.next_index  # first op index not yet covered by a check point
+        self._check_at = log.next_index + self._check_every - 1  # the op index that is one at the latest
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
         self._forward_sites: dict = {}
         self._site_tuples: dict = {}
@@ -235,7 +236,7 @@ class OpInterceptor(TorchDispatchMode):
             # A host read where flags wait is a free check point: the program syncs anyway.
             is_check_point = plan.may_read_to_host and inputs and _reads_to_host(plan, inputs, kwargs) and self._checks.flags_wait_on(inputs[-1][M_DEVICE])
         except Exception as error:
-            self._internal_error(error)
+            self.internal_error(error)
             return func(*args, **kwargs)
         if is_check_point:
             # strict: raises for an origin before this read runs
@@ -276,7 +277,7 @@ class OpInterceptor(TorchDispatchMode):
             for observe in plan.input_observers:  # ops that write no input: they are as they were
                 observe(head[E_INDEX], tensors)
         except Exception as error:
-            self._internal_error(error)
+            self.internal_error(error)
             return out
         if head[E_INDEX] >= self._check_at:
             self.check_point()
@@ -292,7 +293,7 @@ class OpInterceptor(TorchDispatchMode):
                 self._collective_seen()
             return plan
         except Exception as error:
-            self._internal_error(error)
+            self.internal_error(error)
             return None
 
     def _found(self, finding, head, inputs):
@@ -303,7 +304,7 @@ class OpInterceptor(TorchDispatchMode):
             record = self._log.add(op_entry(head, perf_counter_ns(), -1, inputs))
             error = self.findings.found(finding, record)
         except Exception as internal:
-            self._internal_error(internal)
+            self.internal_error(internal)
             return record
         if error is not None:
             raise error
@@ -325,7 +326,7 @@ class OpInterceptor(TorchDispatchMode):
             else:
                 self._ran(record, None, None)  # no result to wait on; the kernel's error goes on
         except Exception as internal:
-            self._internal_error(internal)
+            self.internal_error(internal)
         self.failure = (head[E_INDEX], id(error))
 
     def _collective_seen(self) -> None:
@@ -384,41 +385,10 @@ class OpInterceptor(TorchDispatchMode):
         context.site = site
         context.phase = phase
         context.args = others
-        index = self.next_index
-        self.next_index = index + 1
+        log = self._log  # it numbers the op (inline: see OpLog.next_index)
+        index = log.next_index
+        log.next_index = index + 1
         return (index, plan.func_id, site, module, phase, forward_func, tuple(others))
-
-    # -- module calls ------------------------------------------------------------------------
-
-    def module_called(self, module, args) -> None:
-        """``ModuleStack.on_call``: judge a module call before its forward runs; a finding is
-        logged as a ``ModuleCall`` entry at the user's line that called the module."""
-        if self.inert:
-            return
-        try:
-            finding = self._checks.module_call(module, args)
-            if finding is None:
-                return
-            log = self._log
-            modules = self._modules
-            code, lasti, _ = modules.call_answer or (None, 0, False)
-            phase = FORWARD if current_autograd_node() is None else BACKWARD
-            tensors = []
-            for value in args:
-                if isinstance(value, _Tensor):
-                    tensors.append(value)
-                elif type(value) is tuple or type(value) is list:
-                    tensors.extend(item for item in value if isinstance(item, _Tensor))
-            inputs = _metas(tensors, log)
-            index = self.next_index
-            self.next_index = index + 1
-            head = (index, log.func_id(ModuleCall.of(type(module))), log.site_id(code, lasti), modules.current, phase, -1, ())
-            error = self.findings.deliver(finding, log.add(op_entry(head, perf_counter_ns(), -1, inputs)))
-        except Exception as internal:
-            self._internal_error(internal)
-            return
-        if error is not None:
-            raise error  # strict: before the module's forward runs
 
     # -- findings waiting for an op that uses their result ---------------------------------
 
@@ -429,7 +399,7 @@ class OpInterceptor(TorchDispatchMode):
             error = self.findings.before(func, args, kwargs)
             self._detour = self._inert or self.findings.waiting
         except Exception as internal:
-            self._internal_error(internal)
+            self.internal_error(internal)
             return
         if error is not None:
             raise error
@@ -442,18 +412,26 @@ class OpInterceptor(TorchDispatchMode):
         if self.inert:
             return
         window_start = self._window_start
-        self._window_start = self.next_index
-        self._check_at = self.next_index + self._check_every - 1
+        next_index = self._log.next_index
+        self._window_start = next_index
+        self._check_at = next_index + self._check_every - 1
         try:
             error = self.findings.check_point(self._log, window_start, reading=reading, final=final, may_raise=may_raise)
             self._detour = self._inert or self.findings.waiting
         except Exception as internal:
-            self._internal_error(internal)
+            self.internal_error(internal)
             return
         if error is not None:
             raise error
 
-    def _internal_error(self, error: Exception) -> None:
+    @property
+    def log(self) -> OpLog:
+        """The watch's log, which numbers every op (the modes beside this one log into it too)."""
+        return self._log
+
+    def internal_error(self, error: Exception) -> None:
+        """An error of opwatch's own (here or in a mode beside this one, whose ops share the
+        switch): the watch goes inert with one warning."""
         self.inert = True
         try:
             self._on_internal_error(error, traceback.format_exc())
@@ -503,54 +481,6 @@ def _split(key, value, tensors, others, intern) -> None:
     others.append(value)
 
 
-def _metas(tensors, log, types=()) -> list:
-    """``[(shape, dtype, device, ident), ...]``, the shapes interned in ``log.shapes``
-    (a :class:`~opwatch.core.records.SharedShapes`). ``types``: the op's tensor subclasses
-    (``__torch_dispatch__``'s); where one is a DTensor, its tensors' tuples get their sharding."""
-    shapes = log.shapes
-    if types and _sharded(types):
-        log.sharded = True
-        return _sharded_metas(tensors, shapes)
-    try:
-        metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
-        for tensor in tensors:
-            size = tensor.shape
-            shape = shapes.get(size)
-            if shape is None:
-                shape = shapes[size]
-            metas.append((shape, tensor.dtype, tensor.device, id(tensor)))
-        return metas
-    except Exception:
-        return [_safe_meta(tensor) for tensor in tensors]
-
-
-# The op's subclass types -> whether one is a DTensor (a few distinct tuples per program).
-_SHARDED_TYPES = BoundedCache(256)
-
-
-def _sharded(types) -> bool:
-    known = _SHARDED_TYPES.get(types)
-    if known is None:
-        dtensor = dtensor_class()
-        known = _SHARDED_TYPES.put(types, dtensor is not None and any(issubclass(kind, dtensor) for kind in types))
-    return known
-
-
-def _sharded_metas(tensors, shapes) -> list:
-    """``_metas`` of an op on DTensors: a DTensor's tuple gets its sharding facts as a fifth item."""
-    dtensor = dtensor_class()
-    metas = []
-    for tensor in tensors:
-        try:
-            meta = (shapes[tensor.shape], tensor.dtype, tensor.device, id(tensor))
-            if isinstance(tensor, dtensor):
-                meta = (*meta, sharding_of(tensor, shapes))
-        except Exception:
-            meta = _safe_meta(tensor)
-        metas.append(meta)
-    return metas
-
-
 def _mutated_tensors(mutated_args, args, kwargs) -> tuple:
     tensors = []
     for position, name in mutated_args:
@@ -560,19 +490,6 @@ def _mutated_tensors(mutated_args, args, kwargs) -> tuple:
         elif type(value) is list or type(value) is tuple:
             tensors.extend(item for item in value if isinstance(item, _Tensor))
     return tuple(tensors)
-
-
-def _safe_meta(tensor) -> tuple:
-    """Metadata of tensors that refuse ``.shape`` (nested tensors) or ``.device``."""
-    try:
-        shape = tuple(tensor.shape)
-    except Exception:
-        shape = None
-    try:
-        device = tensor.device
-    except Exception:
-        device = torch.device("meta")
-    return (shape, tensor.dtype, device, id(tensor))
 
 
 def _drop_oldest_half(table: dict) -> None:

@@ -27,23 +27,26 @@ __tracebackhide__ = True
 import sys
 import threading
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..checks.owners import RUNNING_NAME, ModuleOwners
 from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
+from ..core.records import MODULE_PATH
 from ..core.sites import user_frame
-from ..render.phrases import module_label, module_path
 
 __all__ = ["ModuleStack"]
 
-_PATH, _HELD = 0, 3  # in a stack entry (path, call frame, user frame answer, held hook handle)
+# A stack entry: ((path, class), call frame, user frame answer, held hook handle); the first two
+# as checks.owners reads them (RUNNING_NAME, RUNNING_FRAME).
+_NAME, _HELD = RUNNING_NAME, 3
 
 
 class ModuleStack:
-    """The module paths currently running in one thread; ``current`` is the innermost.
+    """The modules currently running in one thread; ``current`` is the innermost one's
+    ``(path, class name)`` (:data:`~opwatch.core.records.MODULE_PATH`), ``None`` outside modules.
 
     It also remembers, for the innermost module, the frame that called it and the user frame
     above that call, so that the interceptor's frame walk can stop there (see
@@ -56,26 +59,26 @@ class ModuleStack:
         thread, before the module's own forward pre-hooks and its forward, with the module's
         path already current (``current``, ``call_answer`` name the module and the user's line
         that called it). What it raises reaches the program from the module call."""
-        self.current: str | None = None
+        self.current: tuple | None = None
         self.call_frame = None
         self.call_answer = None
         self.on_call = on_call
-        self._stack: list[tuple] = []  # (path, call frame, user frame answer, one-shot hook handle or None)
+        self._stack: list[tuple] = []  # ((path, class), call frame, user frame answer, one-shot hook handle or None)
         self._stale: list = []  # one-shot hooks that ran while an exception was handled: removed later
         self._exit_hooks: dict = {}  # the global forward hooks (torch's dict), once installed
         self._exit_id = None
         self._exit_hooks_len = 0  # their number when ``_exit_is_last`` was worked out
         self._exit_is_last = True
         self._thread = threading.get_ident()
-        # root module -> {descendant module -> path relative to that root}
+        # root module -> {descendant module -> (its path relative to that root, its class)}
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._root_names: weakref.WeakKeyDictionary | None = None
         self._root = None  # weakref to the outermost module of the current (or last) forward
         self._strangers: weakref.WeakSet = weakref.WeakSet()  # called inside it, but not its descendants
         self._handles: list = []
-        self._forwards = 0  # outermost module calls so far: the owners table is rebuilt once per call at most
-        # root module -> (forwards when built, {id of a parameter or buffer -> (weakref, owner facts)})
-        self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Who holds a tensor (the running modules, the models' parameters and buffers), for
+        # where a finding's odd operand was made: reads this stack, told of each model called.
+        self.owners = ModuleOwners(self._stack)
 
     def install(self) -> None:
         enter = register_module_forward_pre_hook(self._enter)
@@ -108,63 +111,45 @@ class ModuleStack:
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
-            self._forwards += 1
+            self.owners.forwards += 1
             if self._stale and sys.exc_info()[0] is None:
                 self._remove_stale()  # a new forward, outside any exception handling
             if current_autograd_node() is not None and self._root_names is not None and module in self._root_names:
                 # A checkpoint recomputing part of the last forward: keep that forward's paths.
-                path = self._root_names[module]
+                name = self._root_names[module]
             else:
                 self._root = weakref.ref(module)
                 self._root_names = self._names_for_root(module)
-                path = type(compiled_module_inner(module) or module).__name__
+                cls = type(compiled_module_inner(module) or module).__name__
+                name = (cls, cls)
         else:
-            path = self._root_names.get(module) if self._root_names is not None else None
+            name = self._root_names.get(module) if self._root_names is not None else None
             root = self._root() if self._root is not None else None
-            if path is None and root is not None and module not in self._strangers:
+            if name is None and root is not None and module not in self._strangers:
                 # A module added since the names were listed: list them again, once.
                 self._names.pop(root, None)
                 self._root_names = self._names_for_root(root)
-                path = self._root_names.get(module)
-                if path is None:
+                name = self._root_names.get(module)
+                if name is None:
                     self._strangers.add(module)  # not a descendant: do not list again for it
-            if path is None:
-                path = f"{module_path(self._stack[-1][_PATH])}.{type(module).__name__}"
+            if name is None:
+                cls = type(module).__name__
+                name = (f"{self._stack[-1][_NAME][MODULE_PATH]}.{cls}", cls)
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
         held = None
         if module._forward_hooks or len(self._exit_hooks) != self._exit_hooks_len or not self._exit_is_last:
             if module._forward_hooks or not self._exit_last():
                 held = self._hold_through_hooks(module)
-        self._stack.append((path, call_frame, answer, held))
-        self.current, self.call_frame, self.call_answer = path, call_frame, answer
+        self._stack.append((name, call_frame, answer, held))
+        self.current, self.call_frame, self.call_answer = name, call_frame, answer
         if self.on_call is not None:
             self.on_call(module, args)
 
-    def running(self) -> list[tuple[str, nn.Module]]:
-        """The modules running now, innermost first, as ``(path, module)``. For reports only
-        (it reads the frames of the module calls)."""
-        found = []
-        for path, call_frame, _, _ in reversed(self._stack):
-            module = call_frame.f_locals.get("self")
-            if isinstance(module, nn.Module):
-                found.append((path, module))
-        return found
-
-    def owner_of(self, ident: int) -> tuple | None:
-        """``("parameter" | "buffer", class name of the module that holds it, its name there,
-        module path)`` of the live tensor ``ident`` when a module this stack has seen called
-        holds it as a parameter or buffer; ``None`` otherwise. For reports only: the table of a
-        model's parameters and buffers is built on first use and rebuilt at most once per call
-        of the model (a buffer replaced since is found then)."""
-        for root in list(self._names.keys()):
-            built = self._owners.get(root)
-            if built is None or (built.forwards != self._forwards and ident not in built.table):
-                built = self._owners[root] = _Owners(self._forwards, _owners_table(root))
-            found = built.table.get(ident)
-            if found is not None and id(found.tensor()) == ident:
-                return found.owner
-        return None
+    @property
+    def path(self) -> str | None:
+        """The innermost running module's dotted path, ``None`` outside modules."""
+        return None if self.current is None else self.current[MODULE_PATH]
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if threading.get_ident() != self._thread or not self._stack:
@@ -248,38 +233,10 @@ class ModuleStack:
             names = weakref.WeakKeyDictionary()
             inner = compiled_module_inner(root)
             if inner is not None:  # torch.compile(model): paths as the model's own ("Net", "fc1")
-                names[inner] = type(inner).__name__
-            for name, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
-                if name and child not in names:
-                    names[child] = module_label(name, type(child).__name__)
+                names[inner] = (type(inner).__name__, type(inner).__name__)
+            for path, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
+                if path and child not in names:
+                    names[child] = (path, type(child).__name__)
             self._names[root] = names
+            self.owners.seen(root)
         return names
-
-
-class _Owners(NamedTuple):
-    """A model's table of owners (see :meth:`ModuleStack.owner_of`), built during its call
-    number ``forwards``."""
-
-    forwards: int
-    table: dict  # id of a parameter or buffer -> _Owned
-
-
-class _Owned(NamedTuple):
-    """A parameter or buffer (weakly) and its owner facts (see :meth:`ModuleStack.owner_of`)."""
-
-    tensor: weakref.ref
-    owner: tuple
-
-
-def _owners_table(root: nn.Module) -> dict:
-    """``{id of a parameter or buffer of root's modules -> _Owned}`` (see
-    :meth:`ModuleStack.owner_of`); paths as :class:`ModuleStack` names modules."""
-    table = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        path = name or type(root).__name__
-        for kind, held in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
-            for attribute, tensor in held:
-                if id(tensor) not in table:
-                    table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
-    return table
-

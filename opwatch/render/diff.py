@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..core.notation import format_meta
 from ..core.sites import location
+from .phrases import module_of
 
 __all__ = ["render_diff", "render_diff_table", "DIFF_TABLE_HEADERS"]
 
@@ -101,7 +102,7 @@ def _render_unpaired(result, compiled: str) -> list[str]:
 def _render_first(first, tolerance, compiled: bool = False) -> list[str]:
     a, b = first.a, first.b
     phase = first.a.phase
-    module = f" in module {a.module}" if a.module else ""
+    module = f" in module {module_of(a)}" if a.module else ""
     lines = [f"The runs first differ at {_op(a)} ({phase}{module}): {location(a)} in a, {location(b)} in b."]
     if phase == "backward":
         lines.append("  A backward op: its line is that of the forward op it computes the gradient of.")

@@ -258,6 +258,9 @@ def _stages(verdict) -> str:
         first = "the step's own backend (inductor, or the one given to torch.compile) is the first stage that makes it"
     elif outcome == "not run":
         first = "torch.compiler.set_stance(force_backend=...) is missing in this torch, so the stages were not run"
+    elif outcome == "not apart":
+        first = ("this torch gives opwatch no way to compile the stages beside the program's compiled code, so they were not run: "
+                 "their compiles would have spent the recompile budget of the program's own frames")
     else:
         first = f"{backend} is the first stage that makes it ({_STAGE_MEANS.get(backend, backend)})"
     return f" Run again from the same start with each compiler stage as the backend ({ran}): {first}."

@@ -23,10 +23,11 @@ from html import escape
 from ..core.records import BACKWARD, FORWARD, M_IDENT, short_op_name
 from ..core.sites import location
 from .messages import message_parts
+from .phrases import module_of
 from .summary import count_places
 from .table import TABLE_HEADERS, table_row
 
-__all__ = ["render_report", "report_written", "page", "module_tree_svg", "steps_svg", "training_steps"]
+__all__ = ["render_report", "report_written", "page", "module_tree_svg", "steps_svg", "training_steps", "guard_section", "guard_steps_svg"]
 
 _SECTIONS = (
     ("anomalies", "Findings"),
@@ -53,6 +54,9 @@ def render_report(source, *, title: str = "opwatch report") -> str:
             continue
         section, number = _findings_section(name, heading, groups[name], number, (records, positions))
         body.append(section)
+    guarded = getattr(source, "guard", None)
+    if isinstance(guarded, dict):  # a --guard run's ledger, as its log saved it
+        body.append(guard_section(guarded))
     body.append('<section id="pictures"><h2>Where the ops ran</h2>')
     body.append(module_tree_svg(records, groups["anomalies"]))
     steps = training_steps(records)
@@ -146,7 +150,7 @@ def _finding(anomaly, indices: list, number: int, log: tuple) -> str:
     head = (
         f'<div class="head"><span class="kind k-{escape(anomaly.kind)}">{escape(anomaly.kind)}</span> '
         f'<code class="op">{escape(record.op)}</code> at <code class="where">{escape(location(record))}</code>'
-        f'{_field("module", record.module)}{_field("phase", record.phase)}{count}</div>'
+        f'{_field("module", module_of(record))}{_field("phase", record.phase)}{count}</div>'
     )
     lines = [head]
     if parts.code:
@@ -253,13 +257,13 @@ def module_tree_svg(records: list, anomalies: list) -> str:
     flagged: dict[str, int] = {}
     order: list[str] = []
     for record in records:
-        for path in _ancestry(record.module):
+        for path in _ancestry(module_of(record)):
             if path not in ops:
                 ops[path] = 0
                 order.append(path)
             ops[path] += 1
     for anomaly in anomalies:
-        for path in _ancestry(anomaly.module):
+        for path in _ancestry(module_of(anomaly)):
             flagged[path] = flagged.get(path, 0) + 1
     if not order:
         return '<p class="none">No ops were recorded.</p>'
@@ -356,6 +360,54 @@ def steps_svg(starts: list[int], records: list, anomalies: list) -> str:
     return "".join(parts)
 
 
+def guard_section(guarded: dict) -> str:
+    """A ``--guard`` run's story: its counts, a row per failed or skipped optimizer step (its
+    cause, what was done, its origin) and the optimizer steps chart, failed steps marked."""
+    steps, failures = guarded.get("steps", 0), guarded.get("failures", [])
+    parts = [
+        '<section id="guard"><h2>The guarded run</h2>',
+        f'<p>{steps} optimizer steps ran, {guarded.get("audited", 0)} audited under a full watch, {guarded.get("failed", 0)} failed, '
+        f'{guarded.get("skipped", 0)} of them skipped.</p>',
+    ]
+    if failures:
+        parts.append('<table class="guard"><thead><tr><th>step</th><th>cause</th><th>done</th><th>origin</th><th>what held nan/inf</th></tr></thead><tbody>')
+        for row in failures:
+            origin = row.get("origin")
+            made = "not named" if not origin else f'{origin["kind"]} first made by {origin["op"]} at {origin["where"]} ({origin["phase"]})'
+            held = ", ".join(f"{name} ({kind})" for name, kind in row.get("parameters") or []) or (f'the loss ({row["loss"]})' if row.get("loss") else "")
+            parts.append(f'<tr class="bad"><td>{row["step"]}</td><td>{escape(row["cause"])}</td><td>{escape(row["action"])}</td>'
+                         f"<td>{escape(made)}</td><td>{escape(held)}</td></tr>")
+        parts.append("</tbody></table>")
+    if steps:
+        parts.append(guard_steps_svg(steps, [row["step"] for row in failures]))
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def guard_steps_svg(steps: int, failed: list[int]) -> str:
+    """The optimizer steps of a guarded run (binned when there are many): a mark on each bar
+    that holds a failed step."""
+    per_bar = -(-steps // _STEP_BARS)
+    bars = [0] * -(-steps // per_bar)
+    for step in failed:
+        if 1 <= step <= steps:
+            bars[(step - 1) // per_bar] += 1
+    height, left, bottom = 40, 40, 24
+    step_width = min((720 - left) / len(bars), 28)
+    width = max(round(left + step_width * len(bars)), 240)
+    parts = [f'<svg class="guard-steps" width="{width}" height="{height + bottom}" role="img" aria-label="failed optimizer steps">']
+    parts.append(f'<line x1="{left}" y1="{height}" x2="{width}" y2="{height}"></line>')
+    for i, count in enumerate(bars):
+        first, last = i * per_bar + 1, min((i + 1) * per_bar, steps)
+        named = f"step {first}" if first == last else f"steps {first}-{last}"
+        shown = "failed" if count else "passed"
+        parts.append(f'<rect class="{shown}" x="{left + i * step_width:.1f}" y="{4 if count else height - 6}" width="{max(step_width - 1, 1):.1f}" '
+                     f'height="{height - 4 if count else 6}"><title>{named}: {count} failed</title></rect>')
+    parts.append(f'<text x="{left}" y="{height + 16}">step 1</text><text x="{left + len(bars) * step_width:.1f}" y="{height + 16}" text-anchor="end">step {steps}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 # -- the page's style and script --------------------------------------------------------------
 
 _CSS = """
@@ -392,7 +444,7 @@ table.ops{border-collapse:collapse;width:100%} .ops th,.ops td{border-bottom:1px
 .tools{margin:8px 0;display:flex;gap:10px;align-items:center;flex-wrap:wrap} #filter{width:320px;font:inherit;padding:2px 6px}
 #ops{overflow-x:auto}
 svg text{font:12px system-ui,sans-serif;fill:var(--fg)} svg .n{fill:var(--mute)} svg .bad,svg tspan.bad{fill:var(--bad);font-weight:600}
-svg.tree rect{fill:#7c9cd6} svg.tree .row.bad rect{fill:#e57373} svg.steps rect{fill:var(--bad)} svg line{stroke:#999}
+svg.tree rect{fill:#7c9cd6} svg.tree .row.bad rect{fill:#e57373} svg.steps rect{fill:var(--bad)} svg.guard-steps rect.failed{fill:var(--bad)} svg.guard-steps rect.passed{fill:#9c9} svg line{stroke:#999}
 """
 
 _JS = r"""

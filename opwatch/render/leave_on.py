@@ -7,11 +7,13 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 from __future__ import annotations
 
 __all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere"]
+           "made_elsewhere", "stuck", "no_op_named", "bad_input"]
 
 
 def parameters(bad: list) -> str:
     """``net.fc1.weight (nan), net.fc1.bias (inf)``: the first eight, then how many more."""
+    if not bad:
+        return "(not named: the step's own check failed it)"
     shown = ", ".join(f"{name} ({kind})" for name, kind in bad[:8])
     return shown + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
 
@@ -47,15 +49,30 @@ def _made(origin) -> str:
     return f"{kind} first made by {op} at {where} ({phase})" + "".join(f" on rank {rank}" for rank in elsewhere)
 
 
+def _loss_line(kind: str) -> str:
+    return (f"the loss backward() ran on is {kind} while the gradients about to be applied are finite (a loss of 0/0, as a "
+            "batch whose every label is ignored makes, gives zero gradients)")
+
+
+def _held_then(bad: list, loss: str | None) -> str:
+    """``the gradients held nan/inf: fc.weight (nan)``, or the loss's line for a step whose
+    gradients were finite."""
+    return _loss_line(loss) if loss is not None and not bad else f"the gradients held nan/inf: {parameters(bad)}"
+
+
 def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False,
-            elsewhere=(), rank=None) -> str:
+            elsewhere=(), rank=None, loss: str | None = None) -> str:
     """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
     ``audited``: the step ran under the full watch (``origin``: ``(kind, op, where, phase)`` of
     the first nan/inf it made, ``(..., rank)`` when another rank made it, or ``None``);
     ``replayed``: its batch ran again from its start under the full watch; ``last``: the last
     failure told one by one; ``elsewhere``: in a job, the ranks whose gradients held them when
-    this rank's were finite; ``rank``: this rank, in a job."""
-    head = f"{_who(rank)}: optimizer step {step}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}." + _ACTIONS[on_failure]
+    this rank's were finite; ``rank``: this rank, in a job; ``loss``: ``"nan"`` or ``"inf"``
+    when the gradients were finite and the loss was not."""
+    if loss is not None and not bad and not elsewhere:
+        head = f"{_who(rank)}: optimizer step {step}: {_loss_line(loss)}." + _ACTIONS[on_failure]
+    else:
+        head = f"{_who(rank)}: optimizer step {step}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}." + _ACTIONS[on_failure]
     if rank is not None:
         head += " Every rank does the same."
     watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch"
@@ -76,11 +93,20 @@ def _kinds(bad: list) -> str:
     return "/".join(kind for kind in ("nan", "inf") if kind in kinds)
 
 
-def poisoned(step: int, bad: list, *, from_finite: bool, rank=None) -> str:
+def poisoned(step: int, bad: list, *, from_finite: bool, rank=None, by_program: bool = False) -> str:
     """The weights hold nan/inf: written by the optimizer step ``step`` that applied non-finite
     gradients, or (``from_finite``) found at step ``step + 1``, written from finite ones
-    (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty)."""
-    if from_finite and not bad:
+    (``rank``: this rank in a job, whose own shards may be finite: ``bad`` empty); ``by_program``:
+    written in place after optimizer step ``step`` left them (or before the first), not by it."""
+    if from_finite and bad and by_program:
+        when = f"between optimizer steps {step} and {step + 1}" if step else "before the first optimizer step"
+        head = (
+            f"{_who(rank)}: the weights hold {_kinds(bad)} before optimizer step {step + 1}: {parameters(bad)}. They were written by the "
+            f"program {when}, not by the optimizer: an in-place write changed them "
+            + (f"after optimizer step {step} left them" if step else "before any optimizer step ran")
+            + " (an assignment such as w[i] = ..., a state-dict load, an init)."
+        )
+    elif from_finite and not bad:
         head = (
             f"{_who(rank)}: the weights hold nan/inf on another rank before optimizer step {step + 1} (this rank's are finite). "
             "An earlier optimizer step wrote them from finite gradients (a learning rate too large, an optimizer's own arithmetic, or "
@@ -115,21 +141,24 @@ def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=Non
     return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
 
 
-def did_not_recur(failed_step: int, step: int, bad: list) -> str:
+def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None) -> str:
     """``on_failure="raise"``: the fully watched step after a failure had finite gradients."""
     return (
-        f"opwatch: optimizer step {failed_step}: the gradients held nan/inf: {parameters(bad)}. That step did not run, and the failure "
+        f"opwatch: optimizer step {failed_step}: {_held_then(bad, loss)}. That step did not run, and the failure "
         f"did not recur: step {step} ran under a full watch (every op's outputs checked for nan/inf, forward and backward) and its "
         "gradients were finite, so no op can be named: the values of that one batch made them. The optimizer did not run on them: "
         "the weights are as they were."
     )
 
 
-def no_origin(step: int, bad: list, recheck: int | None, *, elsewhere=()) -> str:
+def no_origin(step: int, bad: list, recheck: int | None, *, elsewhere=(), loss: str | None = None) -> str:
     """``on_failure="raise"``: a fully watched step failed and no op of it made the nan/inf
     (in a job: on no rank)."""
     of = f" (the re-check of step {recheck})" if recheck is not None else ""
     nowhere = " on any rank" if elsewhere else ""
+    if loss is not None and not bad and not elsewhere:
+        return (f"opwatch: optimizer step {step}{of}: {_loss_line(loss)}, and no op of this fully watched step made it: "
+                "it came in with the batch or the weights. The optimizer did not run.")
     return (
         f"opwatch: optimizer step {step}{of}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}, and no op of this fully "
         f"watched step made them{nowhere}: they came in with the weights, the batch or the optimizer's state. The optimizer did not run on them."
@@ -150,24 +179,60 @@ def made_elsewhere(rank: int, step: int, origin, own_failed: bool, missing, time
     )
 
 
-def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool) -> str:
+def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool, loss: str | None = None) -> str:
     """The program ended before the step after the failure of ``step`` could be watched."""
     how = rerun or "run the program under a full watch (python -m opwatch SCRIPT, without --guard)"
     then = " The optimizer did not run on them." if raising else ""
     return (
-        f"opwatch: optimizer step {step}: the gradients held nan/inf: {parameters(bad)}, and the program's loop ended before another "
+        f"opwatch: optimizer step {step}: {_held_then(bad, loss)}, and the program's loop ended before another "
         f"optimizer step could run under a full watch, so no op is named.{then} To find the op that made them: {how}."
     )
 
 
-def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0) -> str:
-    """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off)."""
+def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, losses: int = 0) -> str:
+    """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off);
+    ``losses``: of the failed, those whose loss alone was not finite."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
     tail = f", {skipped} of them skipped" if skipped else ""
+    why = "nan/inf in the gradients" if not losses else f"nan/inf in the gradients, or in the loss for {losses} of them"
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
-        f"{failed} failed (nan/inf in the gradients){tail}."
+        f"{failed} failed ({why}){tail}."
+    )
+
+
+def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) -> str:
+    """The audits' summary of a run whose watch named nothing while a step failed or the run
+    ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
+    ``origin``: ``(kind, op, where, phase)`` a replay named, or ``None``."""
+    if failed and origin is not None:
+        said = (f"opwatch: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
+                f"{_made(origin)}.")
+    elif failed:
+        said = (f"opwatch: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
+                "failed (see the guard's line below).")
+    else:
+        said = "opwatch: no anomalies in the fully watched steps; the run's last ops were not judged (see below)."
+    first, newline, rest = watch_summary.partition("\n")
+    return said + newline + rest if "no anomalies" in first else watch_summary
+
+
+def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poisoned_since: int | None, loss: str | None,
+          limit: int, applied: bool = False) -> str:
+    """``in_a_row`` optimizer steps in a row failed, ``first_step`` to ``step``: the run is stuck.
+    ``origin``: ``(kind, op, where, phase)`` of the first failure's origin, or ``None``."""
+    if origin is not None:
+        why = f"the first, step {first_step}: {_made(origin)}"
+    elif poisoned_since is not None:
+        why = (f"the weights hold nan/inf since optimizer step {poisoned_since}, so every later step fails; "
+               f"the first failure, step {first_step}: {_held_then(bad, loss)}")
+    else:
+        why = f"the first, step {first_step}: {_held_then(bad, loss)}; no full watch named an op for it"
+    return (
+        f"opwatch: the run is stuck: {in_a_row} optimizer steps in a row failed (steps {first_step} to {step}), "
+        f"{'the optimizer applied all but the last' if applied else 'none of them applied'}; {why}. opwatch stops the run here (at most {limit} failed steps in a row: max_failed_in_a_row=, "
+        "--max-failed-steps N)."
     )
 
 
@@ -182,3 +247,28 @@ def unjudged_end(step: int, rerun: str | None) -> str:
         f"followed (a script that stops on a nan loss before backward() ends so), so no check saw them; "
         f"a full watch checks every op{command}"
     )
+
+
+def bad_input(step: int, bad: list, on_failure: str, module: str, argument: tuple, kind: str, where: str | None, *,
+              rerun: str | None = None) -> str:
+    """The gradients (or loss) of ``step`` failed and what the step fed the model (``module``'s
+    ``argument``: ``(name, dtype, shape, device)``) held ``kind`` when it entered it, at
+    ``where`` (``file:line``): cause *input*. ``rerun``: with ``on_failure="raise"``, the
+    command that watches every op."""
+    from ..core.notation import format_dtype, format_shape
+
+    name, dtype, shape, device = argument
+    argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
+    held = f"the gradients about to be applied hold nan/inf: {parameters(bad)}" if bad else "the loss is not finite"
+    entered = f" at {where}" if where else ""
+    head = (
+        f"opwatch: optimizer step {step}: {held}. cause: input: the batch held {kind} before the model ran: {module}'s {argument} "
+        f"held {kind} when it entered the model{entered}, so no op of the model made them: the data did (the line that made the "
+        "batch, or what it read: a file, a numpy array, a sample)."
+    )
+    if on_failure == "raise":
+        then = " The optimizer did not run on them."
+        if rerun:
+            then += f" To see the ops that made the batch, if torch made it: {rerun}."
+        return head + then
+    return head + _ACTIONS[on_failure]

@@ -6,7 +6,7 @@ The three sentences come from the finding's facts: each rule's ``explain`` funct
 with :func:`opwatch.render.rules.explains`, is called as ``explain(finding) -> (problem,
 expected, fix)``.
 Where each odd operand was made (``Finding.made``, provenance fact tuples, see
-``opwatch.checks.CheckContext.where_made``) is appended to the problem by :func:`explain`.
+``opwatch.checks.provenance.Provenance.where_made``) is appended to the problem by :func:`explain`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ..core.notation import format_meta
 from ..core.records import BACKWARD, OpRecord, short_op_name
 from ..core.sites import location
 from .explanations import cause_line, explainer
-from .phrases import where_made
+from .phrases import module_of, where_made
 
 __all__ = ["render_message", "explain", "message_parts", "MessageParts"]
 
@@ -52,7 +52,7 @@ def message_parts(finding, record: OpRecord) -> MessageParts:
     where = location(record) if position.filename or getattr(record, "label", None) else "an unknown line"
     header = f"{finding.kind} in {record.op} at {where}"
     if record.module:
-        header += f", module {record.module}"
+        header += f", module {module_of(record)}"
     rank = getattr(record, "rank", None)
     header += f" ({record.phase})" if rank is None else f" ({record.phase}, rank {rank})"
     note = None

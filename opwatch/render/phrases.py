@@ -12,32 +12,34 @@ from ..core.notation import format_meta
 from ..core.records import BACKWARD, short_op_name
 from ..core.sites import display_path
 
-__all__ = ["module_label", "module_path", "named", "place", "where_made"]
+__all__ = ["module_label", "module_of", "named", "place", "where_made"]
 
 
-def module_label(path: str, cls: str) -> str:
+def module_label(path: str, cls: str | None) -> str:
     """A module as users know it: its path, with its class where the path ends in an index
     (the children of ``nn.Sequential`` and ``nn.ModuleList``): ``0 (Linear)``,
-    ``blocks.3 (Block)``; a named one by its path alone (``encoder.attn``)."""
+    ``blocks.3 (Block)``; a named one by its path alone (``encoder.attn``), and a name with no
+    class behind it as it is (``torch.compile graph 3 (forward)``)."""
     _, _, last = path.rpartition(".")
-    return f"{path} ({cls})" if last.isdigit() else path
+    return f"{path} ({cls})" if cls is not None and last.isdigit() else path
 
 
-def module_path(label: str) -> str:
-    """The path of a :func:`module_label` (``blocks.3 (Block)`` -> ``blocks.3``)."""
-    path, _, _ = label.partition(" (")
-    return path
+def module_of(record) -> str | None:
+    """The module of a record (or an anomaly) as messages and tables show it: its
+    :func:`module_label`, ``None`` outside modules."""
+    path = record.module
+    return None if path is None else module_label(path, record.module_class)
 
 
 def where_made(made) -> str:
-    """One provenance fact (see ``CheckContext.where_made``: an
+    """One provenance fact (see ``opwatch.checks.provenance.Provenance.where_made``: an
     :class:`~opwatch.checks.finding.Attribute`, ``Owned``, ``MadeBy`` (with its ``detail``) or
     ``BeforeWatch``) as a clause."""
     how = made.how
     if how == "attribute":
         _, cls, name, path = made
         return (
-            f"{cls}.{name} is a plain tensor attribute of module {path}: .to() and .cuda() do not move it; "
+            f"{cls}.{name} is a plain tensor attribute of module {module_label(path, cls)}: .to() and .cuda() do not move it; "
             f"make it a buffer (self.register_buffer({name!r}, ...))"
         )
     if how in ("parameter", "buffer"):

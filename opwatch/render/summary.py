@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from ..core.records import BaseRecord
 from ..core.sites import location
+from .phrases import module_of
 from .table import DUMP_WIDTH, render_table
 
-__all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages"]
+__all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages", "for_the_command_line"]
 
 
 def tagged(rank) -> str:
@@ -124,7 +125,7 @@ def exception_note(failed: BaseRecord) -> str:
         note += f": {code}"
     note += "\n  inputs: " + ", ".join(str(meta) for meta in failed.inputs)
     if failed.module:
-        note += f"\n  module: {failed.module}"
+        note += f"\n  module: {module_of(failed)}"
     return note
 
 
@@ -153,3 +154,12 @@ def group_messages(groups, *, shown=None) -> list[str]:
 def shown_of(shown: int, total: int) -> str:
     """The note under a summary that holds only the newest ``shown`` of ``total`` anomalies."""
     return f"\n(the summary shows the last {shown} of {total} anomalies)"
+
+
+def for_the_command_line(summary: str) -> str:
+    """A watch's summary as ``python -m opwatch`` prints it: its pointers to Python objects
+    (``see Watch.contained``), which a command-line user does not have, said as what they mean."""
+    return summary.replace(
+        "were absorbed before they mattered; see Watch.contained)",
+        "were absorbed before they mattered)",
+    ).replace("matched an allow entry; see Watch.allowed)", "matched an --allow entry)")

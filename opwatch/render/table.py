@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..core.notation import format_meta
 from ..core.records import BaseRecord, short_op_name
 from ..core.sites import location
+from .phrases import module_of
 
 __all__ = ["TABLE_HEADERS", "DUMP_WIDTH", "render_table", "table_row"]
 
@@ -60,7 +61,7 @@ def table_row(record: BaseRecord) -> tuple:
         _outputs(record.outputs),
         location(record),
         _code(record),
-        record.module or "",
+        module_of(record) or "",
         record.phase,
         ",".join(record.flags),
     )

@@ -1,6 +1,6 @@
 """``python -m opwatch``: run a script under a watch, the way ``python -m cProfile`` does.
 
-    python -m opwatch [--strict] [--guard [--on-failure skip|raise|apply]] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
+    python -m opwatch [--strict] [--guard [--on-failure skip|raise|apply] [--max-failed-steps N]] [--checks NAME,...] [--last N] [--allow FIELD=PATTERN,...] [--pdb] [--jsonl PATH] [--trace PATH] [--tensorboard DIR] script.py [args...]
     python -m opwatch [options] -m package.module [args...]
     python -m opwatch show run.jsonl [--last N] [--partial]
     python -m opwatch diff a.jsonl b.jsonl [--rtol X] [--atol Y] [--context N]   (opwatch/runners/cli_diff.py)
@@ -44,10 +44,11 @@ from importlib.machinery import SourceFileLoader
 from ..core.collective_ops import current_rank, current_world_size
 from ..findings.allow import parse_allow
 from ..findings.anomaly import AnomalyError
-from ..render.notices import DEMO_STORIES, command_error, module_problem, post_mortem, rank_files
-from ..render.summary import every_check, raised_above
+from ..render.notices import DEMO_STORIES, command_error, compiled_ran_eagerly, module_problem, post_mortem, rank_files
+from ..render.summary import every_check, for_the_command_line, raised_above
 from ..session import _disabled_by_environment, checks_off, strict, watch
 from ..storage.per_rank import rank_folder, rank_path
+from .ledger import MAX_FAILED_IN_A_ROW
 
 # Frames of these files are opwatch's launcher and watch, not the user's program: tracebacks
 # leave them out. The demo's example scripts are user programs.
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--last must be 0 or more")
     if options.on_failure is not None and not options.guard:
         parser.error("--on-failure says what --guard does with a step whose gradients hold nan/inf: give --guard too")
+    if options.max_failed_steps is not None and not options.guard:
+        parser.error("--max-failed-steps says when --guard stops a run whose steps keep failing: give --guard too")
+    if options.max_failed_steps is not None and options.max_failed_steps < 0:
+        parser.error("--max-failed-steps must be 0 (never stop) or more")
     if options.guard and options.fingerprints:
         parser.error("--fingerprints records every op, --guard only the audited steps: use one of them")
     if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             post_mortem=options.pdb,
             guard=options.guard,
             on_failure=options.on_failure,
+            max_failed_steps=options.max_failed_steps,
             fingerprints=options.fingerprints,
             tensorboard=options.tensorboard,
             checks=checks,
@@ -168,6 +174,13 @@ Every option: {prog} --help""".format(prog="opwatch" if console else "python -m 
         default=None,
         help="with --guard, an optimizer step whose gradients hold nan/inf: skip it (default; as GradScaler skips an overflow step), "
         "raise with the op that made them (default with --strict), or apply them",
+    )
+    parser.add_argument(
+        "--max-failed-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --guard, stop the run (exit status 1) once N optimizer steps in a row failed (default {MAX_FAILED_IN_A_ROW}; 0: never)",
     )
     parser.add_argument(
         "--checks",
@@ -223,6 +236,7 @@ def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[s
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
     fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None, prog: str | None = None, module: bool = False,
+    max_failed_steps: int | None = None,
 ) -> int:
     """Run ``path`` as ``python path args...`` would (``module``: ``path`` is a module's name,
     run as ``python -m path args...`` would), under a watch (``guard``: under
@@ -247,7 +261,9 @@ def run_script(
         from .leave_on import LeaveOn
 
         # its file is its watch's (the dump); the runner's counts are printed below, to out
-        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks, rerun=command(strict_mode))
+        stop = {} if max_failed_steps is None else {"max_failed_in_a_row": max_failed_steps or None}
+        runner = LeaveOn(strict_mode=strict_mode, on_failure=on_failure, warn=False, last=last, file=dump, allow=allow, checks=checks,
+                         rerun=command(strict_mode), **stop)
     w = runner.watch if guard else (strict if strict_mode else watch)(warn=False, last=last, file=dump, allow=allow, fingerprints=fingerprints, checks=checks)
     status, interrupt, failure = 0, None, None
     # Under torchrun, every rank writes a file of its own (opwatch.storage.per_rank): rank 0 the
@@ -272,12 +288,15 @@ def run_script(
         if jsonl:  # before printing: a closed stderr must not lose the log
             from ..storage.jsonl import write_jsonl
 
-            write_jsonl(w, rank_path(jsonl, w.rank), whole_script=True)  # the watch ran from the script's first line
+            # the watch ran from the script's first line; a --guard run's ledger goes with it
+            write_jsonl(w, rank_path(jsonl, w.rank), whole_script=True, guard=runner.ledger.log() if guard else None)
         if trace:
             w.export_chrome_trace(rank_path(trace, w.rank))
         if counts is not None:
             counts.close()
-        print(w.summary(), file=out)
+        print(for_the_command_line(runner.watch_summary() if guard else w.summary()), file=out)
+        if w.compiled_eagerly:  # the Python API warns it; the command line says it beside the summary
+            print(compiled_ran_eagerly(w.compiled_eagerly), file=out)
         if checks is not None and checks_off(checks):
             print(every_check(command(strict_mode)), file=out)
         if guard:  # a run that ended unjudged: strict finds the first anomaly at once

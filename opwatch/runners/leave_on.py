@@ -37,26 +37,26 @@ __tracebackhide__ = True
 
 import sys
 import weakref
-from typing import NamedTuple
-
 import torch
 
 from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..findings.ranks import RankAnomaly
-from ..core.compat import no_python_dispatch
+from ..core.compat import no_python_dispatch, version_counters
 from ..core.finite import FusedFiniteCheck, nonfinite_kind
-from ..core.sites import warn_at_user
+from ..core.sites import display_path, position_of, user_frame, warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from ..render import guard as guard_words
 from ..render import leave_on as words
 from .guarded.ranks import NONFINITE, WATCHED, Agreement
+from .ledger import MAX_FAILED_IN_A_ROW, Failure, RunLedger
 from ..session import Watch, strict, watch
 
-__all__ = ["LeaveOn", "GradientsNotFinite", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
+__all__ = ["LeaveOn", "GradientsNotFinite", "RunStuck", "Failure", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
 
 _NONFINITE_KINDS = ("nan", "inf")
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
+_MAX_LOSSES = 64  # losses kept between two optimizer steps (gradient accumulation)
 
 
 class GradientsNotFinite(RuntimeError):
@@ -74,11 +74,14 @@ class GradientsNotFinite(RuntimeError):
         self.parameters = parameters
 
 
-class Failure(NamedTuple):
-    """An optimizer step whose gradients held nan/inf (``LeaveOn.failures``)."""
+class RunStuck(GradientsNotFinite):
+    """Raised when ``max_failed_in_a_row`` optimizer steps in a row failed (the run would go on
+    skipping every step): ``step`` and ``parameters`` are the first failure's, ``failed_in_a_row``
+    how many steps failed since (it included)."""
 
-    step: int
-    parameters: list  # [(parameter name, kind), ...]
+    def __init__(self, message: str, *, step: int, parameters: list, failed_in_a_row: int):
+        super().__init__(message, step=step, parameters=parameters)
+        self.failed_in_a_row = failed_in_a_row
 
 
 class LeaveOn:
@@ -100,11 +103,14 @@ class LeaveOn:
     """
 
     def __init__(self, *, strict_mode: bool = False, on_failure: str | None = None, audit: str = "first", pre_hook: bool = True,
-                 max_audits: int = 8, file=None, rerun: str | None = None, **watch_options):
+                 max_audits: int = 8, file=None, rerun: str | None = None, max_failed_in_a_row: int | None = MAX_FAILED_IN_A_ROW,
+                 **watch_options):
         if audit not in ("first", "manual"):
             raise ValueError(f"audit must be 'first' or 'manual', got {audit!r}")
         if isinstance(max_audits, bool) or not isinstance(max_audits, int) or max_audits < 1:
             raise ValueError(f"max_audits must be an int of at least 1, got {max_audits!r}")
+        if max_failed_in_a_row is not None and (isinstance(max_failed_in_a_row, bool) or not isinstance(max_failed_in_a_row, int) or max_failed_in_a_row < 1):
+            raise ValueError(f"max_failed_in_a_row must be an int of at least 1 or None, got {max_failed_in_a_row!r}")
         self.on_failure = on_failure_option(on_failure, "raise" if strict_mode else "skip")
         self.pre_hook = pre_hook  # read when the run starts
         self._max_audits = max_audits
@@ -114,13 +120,8 @@ class LeaveOn:
         self._audit_first = audit == "first"
         self._file = file
         self._rerun = rerun
-        self.steps = 0  # optimizer steps called (GradScaler's skipped ones never call it)
-        self.audited = 0  # of them, run under the full watch
-        self.failed = 0  # of them, with nan/inf in the gradients about to be applied
-        self.skipped = 0  # of the failed ones, not run (on_failure "skip" or "raise")
-        self.failures: list[Failure] = []
-        self.origins: list = []  # the nan/inf origins found (audits, re-checks, replays), as Anomaly objects
-        self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
+        self.ledger = RunLedger()  # the run's facts: every count and summary reads them
+        self.max_failed_in_a_row = max_failed_in_a_row
         self._auditing = False
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
@@ -135,13 +136,18 @@ class LeaveOn:
         self._replayed_at: int | None = None
         # audit="first" (the CLI): whether a module ran forward after the last optimizer step
         # outside a full watch, seen by a one-shot hook armed after each step (one call a step).
-        self._after_last_step = None  # the hook's handle while armed
+        self._inputs_hook = None  # the model's forward pre-hook, after the first audit
+        self._inputs = None  # (model, args, kwargs, user frame) of the model's latest call outside a watch: references
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first step)
         self._job_read = False
         self._watched_all_at: int | None = None  # in a job: the step every rank watched (audit or replay)
         self._decided_origin = None  # the origin told at the latest failure (in a job, maybe another rank's)
+        # optimizer -> (its last step, the version counters of its parameters after it): a weight
+        # whose counter moved since was written by the program, not by that optimizer step
+        self._left_by_step = weakref.WeakKeyDictionary()
+        self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
+        self._backward = None  # torch.Tensor.backward as it was before the run
         self._forward_after_step = False
-        self.unjudged_end = False  # set on exit: the run ended with ops that nothing checked
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -154,6 +160,7 @@ class LeaveOn:
         if not self.watch.enabled:  # OPWATCH_DISABLE: the run goes on untouched
             return self
         self._handles = [register_optimizer_step_post_hook(self._after_step)]
+        self._see_losses()
         if self.pre_hook:
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         if self._audit_first:
@@ -165,28 +172,103 @@ class LeaveOn:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._unsee_losses()
         pending = self._pending_recheck()
-        self._disarm()
+        self._unwatch_inputs()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
-        self.unjudged_end = self._forward_after_step and not self._auditing
+        self.ledger.unjudged_end = self._forward_after_step and not self._auditing
         if exc is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
             self._agreement.mark(self.steps + 1, "", "left", f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}")
         self.end_audit(exc)
-        if pending is not None and exc is None:
+        if pending is not None and exc is None and pending.cause != "input":  # a bad batch was told as such
             self._recheck_of = None
-            text = words.loop_ended(pending.step, pending.parameters, self._rerun, raising=self.on_failure == "raise")
+            text = words.loop_ended(pending.step, pending.parameters, self._rerun, raising=self.on_failure == "raise", loss=pending.loss)
             if self.on_failure == "raise":
                 raise GradientsNotFinite(text, step=pending.step, parameters=pending.parameters)
             _warn(text)
         return False
 
+    def _see_losses(self) -> None:
+        """Keep what ``Tensor.backward()`` runs on (a detached view, no copy): its finiteness is
+        read in the same fused read as the gradients', so a nan loss with finite gradients (a
+        batch whose every label is ignored: 0/0) fails its step too."""
+        if self._backward is not None:
+            return
+        original = self._backward = torch.Tensor.backward
+        runner = weakref.ref(self)
+
+        def backward(tensor, *args, **kwargs):
+            seen = runner()
+            if seen is not None and len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
+                with no_python_dispatch():
+                    seen._losses.append(tensor.detach())
+            return original(tensor, *args, **kwargs)
+
+        backward.__wrapped__ = original
+        torch.Tensor.backward = backward
+
+    def _unsee_losses(self) -> None:
+        if self._backward is not None and getattr(torch.Tensor.backward, "__wrapped__", None) is self._backward:
+            torch.Tensor.backward = self._backward
+        self._backward = None
+        self._losses = []
+
     def _pending_recheck(self):
         """The failure whose re-check never saw another optimizer step, or ``None``."""
-        if self._recheck_of is None or not self.failures or self.failures[-1].step != self._recheck_of:
+        if self._recheck_of is None or not self.failures or self.ledger.latest.step != self._recheck_of:
             return None
-        return self.failures[-1] if self.steps == self._recheck_of else None
+        return self.ledger.latest if self.steps == self._recheck_of else None
+
+    # -- the counts, read from the ledger -----------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps called (GradScaler's skipped ones never call it)."""
+        return self.ledger.steps
+
+    @property
+    def audited(self) -> int:
+        """Of them, run under the full watch."""
+        return self.ledger.audited
+
+    @property
+    def failed(self) -> int:
+        """Of them, failed: nan/inf in the gradients about to be applied, or a loss not finite."""
+        return self.ledger.failed
+
+    @property
+    def skipped(self) -> int:
+        """Of the failed ones, not run (``on_failure`` ``"skip"`` or ``"raise"``)."""
+        return self.ledger.skipped
+
+    @property
+    def failures(self) -> list:
+        """The failed steps (:class:`~opwatch.runners.ledger.Failure`: step, parameters, cause, origin, action)."""
+        return self.ledger.failures
+
+    @property
+    def origins(self) -> list:
+        """The nan/inf origins full watches named (audits, re-checks, replays), as Anomaly objects."""
+        return self.ledger.origins
+
+    @property
+    def anomalies(self) -> list:
+        """What the audits found, then the origins replays named that no audit holds (the
+        trainers' ``callback.anomalies``)."""
+        found = list(self.watch.anomalies)
+        return found + [origin for origin in self.ledger.origins if all(origin is not kept for kept in found)]
+
+    @property
+    def poisoned_since(self) -> int | None:
+        """The optimizer step after which the weights held nan/inf, or ``None``."""
+        return self.ledger.poisoned_since
+
+    @property
+    def unjudged_end(self) -> bool:
+        """The run ended with ops that nothing checked."""
+        return self.ledger.unjudged_end
 
     @property
     def auditing(self) -> bool:
@@ -253,49 +335,62 @@ class LeaveOn:
         trainer's hook after the backward); returns whether the step must not run."""
         if not self.watch.enabled:
             return False
-        self.steps += 1
+        ledger = self.ledger
+        step = ledger.step(audited=self._auditing)
         self._step_ended()  # what ran since the last step is judged here
         recheck = self._recheck_of
+        losses, self._losses = self._losses, []
         if self._auditing:
-            self.audited += 1
-            self.watch.check()  # the watch's own check point: names the origin, raises in strict
-        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            finite = self._finite(gradients(optimizer))
+            try:
+                self.watch.check()  # the watch's own check point: names the origin, raises in strict
+            except AnomalyError as error:  # strict: the step does not run; counted if it failed
+                self._failed_at_check(optimizer, step, losses, error)
+                raise
+        finite = self._verdict(optimizer, losses)
         decision = None
         with no_python_dispatch():  # the flag's group is made at the first step, maybe in an audit
             agreement = self._job()
         if agreement is not None:  # every rank decides this step together (bounded: NoAnswer)
             with no_python_dispatch():
-                decision = agreement.decide((0 if finite else NONFINITE) | (WATCHED if self._auditing else 0), self.steps, "", "gradients")
+                decision = agreement.decide((0 if finite else NONFINITE) | (WATCHED if self._auditing else 0), step, "", "gradients")
             finite = not decision.failed
         if finite and recheck is not None and self.on_failure == "raise":
-            failed = self.failures[-1]
+            failed = self.ledger.latest
             self.end_audit()
             self._recheck_of = None
-            raise GradientsNotFinite(words.did_not_recur(failed.step, self.steps, failed.parameters), step=failed.step, parameters=failed.parameters)
+            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss),
+                                     step=failed.step, parameters=failed.parameters)
         if finite:
+            ledger.passed(step)
             return False
         names = self._names()
         bad = nonfinite_names(optimizer, names)
+        loss = None if bad else _loss_kind(losses)
         elsewhere = _elsewhere(decision, bad)
-        self.failed += 1
-        self.failures.append(Failure(self.steps, bad))
+        failure = ledger.fail(step, bad, "loss" if loss is not None and not elsewhere else "gradients", loss=loss)
+        if failure.action:  # another trigger (guard_trainer's step) failed this step and told it already
+            return failure.action != "applied"
+        self._stop_when_stuck(failure)
         if self.poisoned_since is not None:  # told once; every later step fails: only counted
-            return self._skips()
+            return self._skips(failure)
         weights = nonfinite_parameters(optimizer, names)
         poisoned = bool(weights)
         if agreement is not None:  # a shard may hold them on one rank only
             with no_python_dispatch():
-                poisoned = agreement.failed(poisoned, self.steps, "", "poisoned")
-        if poisoned:  # an earlier optimizer step wrote them, from finite gradients
-            self.poisoned_since = self.steps - 1
+                poisoned = agreement.failed(poisoned, step, "", "poisoned")
+        if poisoned:  # written between two optimizer steps: by the last one (from finite gradients) or by the program
+            failure.cause = "weights"
+            ledger.poisoned_since = step - 1
             self._stop_rechecking()
-            text = words.poisoned(self.steps - 1, weights, from_finite=True, rank=_rank(agreement))
+            text = words.poisoned(step - 1, weights, from_finite=True, rank=_rank(agreement), by_program=self._written_by_program(optimizer))
             if self.on_failure == "raise":
-                self.skipped += 1
-                raise GradientsNotFinite(text, step=self.steps, parameters=bad)
+                ledger.decide(failure, "raised")
+                raise GradientsNotFinite(text, step=step, parameters=bad)
             _warn(text)
-            return self._skips()
+            return self._skips(failure)
+        bad_input = None if self._auditing or agreement is not None else self._bad_input()
+        if bad_input is not None:  # the batch held them before the model ran: no op of the step made them
+            return self._input_failure(failure, bad, bad_input, recheck)
         origin = self._origin() if self._auditing else None
         watched = self._auditing
         audited = watched
@@ -309,40 +404,97 @@ class LeaveOn:
                 audited = False
             self.compiled_verdict = None
             ran, replayed = self.replay()  # the batch again, from its start, under a full watch
+            self._losses = []  # the replay's own backward() is not the next step's
             watched = ran or watched
             origin = replayed if replayed is not None else origin
             found = [replayed] if replayed is not None else found
             if ran or decision is not None:
-                self._replayed_at = self.steps
+                self._replayed_at = step
         verdict, self.compiled_verdict = self.compiled_verdict, None
+        if verdict is not None:
+            ledger.verdicts.append(verdict)
         if decision is not None:  # watched means: on every rank (what the ranks do next must be the same)
             watched = decision.all_watched or replay
         if decision is not None and watched and self._told():
-            self._watched_all_at = self.steps
-            ranks, first = self._exchange(str(self.steps), found)  # every rank's findings: the first origin anywhere
+            self._watched_all_at = step
+            ranks, first = self._exchange(str(step), found)  # every rank's findings: the first origin anywhere
             if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
-                origin = _elsewhere_anomaly(first, ranks, self.steps, bad)
-        if origin is not None:
-            self.origins.append(origin)
+                origin = _elsewhere_anomaly(first, ranks, step, bad)
+        ledger.explain(failure, origin, replayed=replay and watched)
         self._decided_origin = origin
         if self.on_failure == "raise" and watched:
             # The step ran under the full watch: its origin is known now, or no op made them.
             self._stop_rechecking()
-            self.skipped += 1
+            ledger.decide(failure, "raised")
             if origin is not None:
                 error = AnomalyError(origin)
                 if verdict is not None:
                     error.add_note(guard_words.replayed_verdict(verdict))
                 raise error
             if verdict is not None:
-                raise GradientsNotFinite(guard_words.leave_on_only_compiled(self.steps, words.parameters(bad), verdict), step=self.steps, parameters=bad)
-            raise GradientsNotFinite(words.no_origin(self.steps, bad, recheck, elsewhere=elsewhere), step=self.steps, parameters=bad)
+                raise GradientsNotFinite(guard_words.leave_on_only_compiled(step, words.parameters(bad), verdict), step=step, parameters=bad)
+            raise GradientsNotFinite(words.no_origin(step, bad, recheck, elsewhere=elsewhere, loss=loss), step=step, parameters=bad)
         if recheck is None and self._told():
             last = len(self.failures) == _TOLD_FAILURES
-            text = words.failure(self.steps, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
-                                 origin=_facts(origin), last=last, elsewhere=elsewhere, rank=_rank(agreement))
+            text = words.failure(step, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
+                                 origin=_facts(origin), last=last, elsewhere=elsewhere, rank=_rank(agreement), loss=loss)
             _warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
-        return self._skips()
+        return self._skips(failure)
+
+    def _input_failure(self, failure, bad, bad_input, recheck) -> bool:
+        """A failed step whose batch held nan/inf when it entered the model: told (or raised)
+        with the line that fed it, cause ``input``; the next step is re-checked as after any
+        failure (a batch torch made recurs there with the op and line that made it)."""
+        if self.on_failure == "raise":
+            self._stop_rechecking()
+        failure.cause = "input"
+        text = words.bad_input(failure.step, bad, self.on_failure, *bad_input, rerun=self._rerun if self.on_failure == "raise" else None)
+        if self.on_failure == "raise":
+            self.ledger.decide(failure, "raised")
+            raise GradientsNotFinite(text, step=failure.step, parameters=bad)
+        if self._told():
+            _warn(text)
+        return self._skips(failure)
+
+    def _verdict(self, optimizer, losses: list) -> bool:
+        """Whether the step may run: the one source of the step's verdict (one fused pass over
+        the gradients about to be applied and the losses backward() ran on, one host read), kept
+        in one place so that another source (the step's own clip norm or found_inf) can replace it."""
+        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
+            return self._finite(gradients(optimizer), losses)
+
+    def _failed_at_check(self, optimizer, step: int, losses: list, error: AnomalyError) -> None:
+        """A strict audit raised at this step's check point: the ledger counts the step as
+        failed (with the origin the error names) when its gradients or loss are not finite."""
+        if self._verdict(optimizer, losses):
+            return
+        with no_python_dispatch():
+            bad = nonfinite_names(optimizer, self._names())
+            failure = self.ledger.fail(step, bad, "gradients" if bad else "loss", loss=None if bad else _loss_kind(losses))
+        self.ledger.explain(failure, error.anomaly)
+        self.ledger.decide(failure, "raised")
+
+    def failed_in_batch(self, fact) -> None:
+        """A trigger that runs inside the batch (``guard_trainer``'s guarded training step)
+        failed it: the optimizer step that follows counts as failed, with ``fact``'s origin and
+        action (a :class:`~opwatch.runners.ledger.Failure` of that trigger's own ledger)."""
+        failure = self.ledger.fail(self.ledger.steps + 1, fact.parameters, fact.cause, loss=fact.loss)
+        self.ledger.explain(failure, fact.origin, replayed=fact.origin is not None)
+        self.ledger.decide(failure, fact.action or "applied")
+        self._stop_when_stuck(failure)
+
+    def _stop_when_stuck(self, failure) -> None:
+        """Raise :class:`RunStuck` once ``max_failed_in_a_row`` steps in a row failed."""
+        ledger = self.ledger
+        if not ledger.stuck(self.max_failed_in_a_row):
+            return
+        first = ledger.first_in_a_row
+        self._stop_rechecking()
+        ledger.decide(failure, "raised")
+        text = words.stuck(first.step, failure.step, ledger.failed_in_a_row, first.parameters, _facts(ledger.first_origin()),
+                           poisoned_since=ledger.poisoned_since, loss=first.loss, limit=self.max_failed_in_a_row,
+                           applied=self.on_failure == "apply")
+        raise RunStuck(text, step=first.step, parameters=first.parameters, failed_in_a_row=ledger.failed_in_a_row)
 
     def _job(self) -> Agreement | None:
         """The agreement of this run in a job of 2 or more ranks (read at the first step)."""
@@ -364,11 +516,12 @@ class LeaveOn:
             others = tuple(rank for rank in range(agreement.world) if rank != agreement.rank)
             return RankOrigin(agreement.rank, None, others, agreement.wait_s), None
 
-    def _skips(self) -> bool:
+    def _skips(self, failure) -> bool:
         """Whether the failed step does not run (counted)."""
         if self.on_failure == "apply":
+            self.ledger.decide(failure, "applied")
             return False
-        self.skipped += 1
+        self.ledger.decide(failure, "skipped")
         return True
 
     def _origin(self):
@@ -384,15 +537,42 @@ class LeaveOn:
         """Whether the newest failure is one of those warned and re-checked one by one."""
         return len(self.failures) <= _TOLD_FAILURES
 
+    def _written_by_program(self, optimizer) -> bool:
+        """Whether a parameter holding nan/inf was written in place after ``optimizer``'s last
+        step left it (its version counter moved), or before its first step: the program wrote it."""
+        left = self._left_by_step.get(optimizer)
+        if left is None:
+            return True  # no optimizer step ran yet: an init or a load wrote them
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if len(parameters) != len(left):
+            return False  # groups changed: no fact to tell
+        with torch.no_grad(), no_python_dispatch():
+            return any(now != then and nonfinite_kind(parameter) is not None
+                       for parameter, now, then in zip(parameters, version_counters(parameters), left))
+
     def _after_step(self, optimizer, args, kwargs) -> None:
+        # The parameters' version counters as this step left them (a Python read each, no kernel).
+        self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])
         self._judge_step(optimizer)
-        if self._audit_first and not self._auditing:
-            # Armed after every step: a forward after the run's last step is seen (one call).
-            self._after_last_step = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_seen)
+        self._watch_inputs()
+
+    def _watch_inputs(self) -> None:
+        """After the first audit: a forward pre-hook on the model alone (the outermost module
+        the audit saw, or the trainer's), never a global one: it keeps a reference to what the
+        step fed the model (no copy) and where, and sees a forward after the run's last step."""
+        if self._inputs_hook is not None or not self._modules:
+            return
+        model = next(iter(self._modules))  # outermost first
+        self._inputs_hook = model.register_forward_pre_hook(self._fed, with_kwargs=True)
+
+    def _fed(self, module, args, kwargs) -> None:
+        self._forward_after_step = True
+        if not self._auditing:
+            self._inputs = (module, args, kwargs, user_frame(sys._getframe(1)))
 
     def _judge_step(self, optimizer) -> None:
         """After the optimizer step: end an audit or re-check, and start the re-check of a failure."""
-        failed_now = bool(self.failures) and self.failures[-1].step == self.steps
+        failed_now = bool(self.failures) and self.ledger.latest.step == self.steps
         auditing = self._auditing
         # A failure of a fully watched (or replayed) step was told with its origin; in a job,
         # only when every rank watched it (the ranks re-check the next step together).
@@ -410,9 +590,12 @@ class LeaveOn:
                     if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
                         origin = _elsewhere_anomaly(first, ranks, self.steps, [])
             if origin is not None and not failed_now:  # a failing re-check kept it already
-                self.origins.append(origin)
+                self.ledger.explain(next((failure for failure in self.failures if failure.step == recheck), None), origin)
             self.end_audit()
-            if recheck is not None:
+            rechecked = next((failure for failure in self.failures if failure.step == recheck), None)
+            # A bad batch told as such needs no "did not recur": only an origin the re-check found is news.
+            quiet = rechecked is not None and rechecked.cause == "input" and origin is None
+            if recheck is not None and not quiet:
                 _warn(words.recheck(recheck, self.steps, _facts(origin), failed_again=failed_now, rank=_rank(self._agreement)))
         if not failed_now or self.poisoned_since is not None:
             return
@@ -423,25 +606,38 @@ class LeaveOn:
                 with no_python_dispatch():
                     poisoned = self._agreement.failed(poisoned, self.steps, "", "poisoned")
             if poisoned:  # from now on every step carries them: no op of a later step is the origin
-                self.poisoned_since = self.steps
+                self.ledger.poisoned_since = self.steps
                 _warn(words.poisoned(self.steps, weights, from_finite=False, rank=_rank(self._agreement)))
                 return
-        if self._told() and not audited_now:
+        newest = self.ledger.latest
+        if self._told() and not audited_now and newest.origin is None:  # guard_trainer's replay may have named it
             self._recheck_of = self.steps
             self.start_audit()
 
     def _step_ended(self) -> None:
-        self._disarm()
         self._forward_after_step = False
 
-    def _forward_seen(self, module, args) -> None:
-        self._forward_after_step = True
-        self._disarm()
+    def _unwatch_inputs(self) -> None:
+        if self._inputs_hook is not None:
+            self._inputs_hook.remove()
+        self._inputs_hook = self._inputs = None
 
-    def _disarm(self) -> None:
-        if self._after_last_step is not None:
-            self._after_last_step.remove()
-            self._after_last_step = None
+    def _bad_input(self):
+        """``(module name, argument, kind, where)`` when what the step fed the model holds
+        nan/inf (read after a failed check only), else ``None``."""
+        if self._inputs is None:
+            return None
+        module, args, kwargs, (code, lasti, _) = self._inputs
+        named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
+        with torch.no_grad(), no_python_dispatch():
+            for name, value in named:
+                for tensor in _tensors(value):
+                    kind = nonfinite_kind(tensor) if tensor.is_floating_point() or tensor.is_complex() else None
+                    if kind is not None:
+                        position = position_of(code, lasti)
+                        where = None if code is None else f"{display_path(position.filename)}:{position.lineno}"
+                        return type(module).__name__, (name, tensor.dtype, tuple(tensor.shape), str(tensor.device)), kind, where
+        return None
 
     # -- names --------------------------------------------------------------------------------
 
@@ -455,16 +651,26 @@ class LeaveOn:
     def summary(self, *, rerun: str | None = None) -> str:
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a
         line saying so, with ``rerun``, the command that checks every op."""
-        text = words.summary(self.steps, self.audited, self.failed, self.watch.enabled, self.skipped)
+        ledger = self.ledger
+        losses = sum(failure.cause == "loss" for failure in ledger.failures)
+        text = words.summary(ledger.steps, ledger.audited, ledger.failed, self.watch.enabled, ledger.skipped, losses=losses)
         if self.unjudged_end:
             text += "\n" + words.unjudged_end(self.steps, rerun)
         return text
+
+    def watch_summary(self) -> str:
+        """The audits' summary; where it would say "no anomalies" alone while a step failed or
+        the run ended unjudged, a line that says what the ledger holds instead."""
+        text = self.watch.summary()
+        if self.ledger.clean or self.watch.anomalies:
+            return text
+        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, _facts(self.ledger.first_origin()))
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""
         text = prefix + self.summary(rerun=rerun)
         if watch_summary:
-            text = prefix + self.watch.summary() + "\n" + text
+            text = prefix + self.watch_summary() + "\n" + text
         print(text, file=self._file if self._file is not None else sys.stderr)
 
 
@@ -515,6 +721,24 @@ def _facts(origin):
         return None
     facts = (origin.kind, origin.op, origin.where, origin.phase)
     return facts + (origin.rank,) if isinstance(origin, RankAnomaly) else facts
+
+
+def _tensors(value):
+    """The tensors in a model's argument (nested lists, tuples and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _loss_kind(losses) -> str | None:
+    """``"nan"`` or ``"inf"``: the first loss that is not finite (read after a failed check)."""
+    with torch.no_grad(), no_python_dispatch():
+        return next((kind for kind in map(nonfinite_kind, losses) if kind is not None), None)
 
 
 def _rank(agreement) -> int | None:

@@ -126,7 +126,9 @@ class WatchedSteps:
 
     @property
     def anomalies(self) -> list:
-        return self._steps.watch.anomalies
+        """What the watch found; in guard mode also the origins replays named (the run's ledger)."""
+        steps = self._steps
+        return steps.anomalies if hasattr(steps, "ledger") else steps.watch.anomalies
 
     @property
     def contained(self) -> list:
@@ -163,6 +165,9 @@ def metrics(source) -> dict[str, int]:
     else:
         raise TypeError(f"metrics() takes an opwatch.Watch, a LeaveOn or an OpwatchCallback, got {type(source).__name__}")
     contained = counts.pop("contained")
+    if isinstance(source, LeaveOn):  # the origins replays named count as the audits' do (the ledger)
+        for origin in source.anomalies[len(source.watch.anomalies):]:
+            counts[origin.kind] = counts.get(origin.kind, 0) + 1
     values = {"opwatch/anomalies": sum(counts.values())}
     values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
     values["opwatch/contained"] = contained

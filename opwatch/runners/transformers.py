@@ -164,7 +164,12 @@ def guard_trainer(trainer, *, on_failure=None, **guard_options):
 
     def guarded_training_step(model, inputs, *args, **kwargs):
         failures = len(guarded.failures)
-        loss = guarded(model, inputs, *args, **kwargs)
+        failed = guarded.ledger.failed
+        try:
+            loss = guarded(model, inputs, *args, **kwargs)
+        finally:
+            if runner is not None and guarded.ledger.failed > failed:  # one ledger: the callback's counts it
+                runner.failed_in_batch(guarded.ledger.latest)
         if on_failure == "apply" and len(guarded.failures) > failures:
             explained.append(next(reversed(guarded.failures)))  # the newest
         if loss is None:  # skipped: counted as nan, as the Trainer counts a nan loss

@@ -11,7 +11,8 @@ import torch
 
 from ..core.notation import format_meta
 from ..core.records import short_op_name
-from ..render.phrases import module_path
+from ..modes.compiled_graphs import is_graph_record
+from ..render.phrases import module_of
 from .jsonl import SavedLog, anomaly_groups, rank_of_process
 
 __all__ = ["write_chrome_trace", "chrome_trace", "merge_chrome_traces", "merged_chrome_trace"]
@@ -65,7 +66,7 @@ def chrome_trace(watch) -> dict:
             "outputs": "not run" if outputs is None else [format_meta(meta) for meta in outputs],
             "line": location(record),
             "code": record.position.expression() or record.position.line_text(),
-            "module": record.module,
+            "module": module_of(record),
             "phase": record.phase,
         }
         if record.forward_func is not None:
@@ -231,7 +232,9 @@ def _module_spans(records, times, pid: int, tid: int) -> list[dict]:
 
     for record, (ts, dur) in zip(records, times):
         module = record.module
-        parts = module_path(module).split(".") if module else []  # blocks.0 (Block) is span blocks.0
+        # A module path is a span and its parents' (blocks.0 in blocks); a compiled graph's
+        # name is one span.
+        parts = [] if not module else [module] if is_graph_record(record) else module.split(".")
         paths = [".".join(parts[: depth + 1]) for depth in range(len(parts))]
         kept = 0
         while kept < len(open_spans) and kept < len(paths) and open_spans[kept][path_at] == paths[kept] and open_spans[kept][phase_at] == record.phase:

@@ -3,13 +3,13 @@
 - :func:`write_jsonl` / :func:`load`: JSON Lines, one object a line; :func:`load` gives a
   read-only :class:`SavedLog` that prints the same table and summary as the watch that wrote it.
 
-The JSON Lines file (format version 3)::
+The JSON Lines file (format version 4)::
 
-    {"format": "opwatch.jsonl", "version": 3, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
+    {"format": "opwatch.jsonl", "version": 4, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
     {"type": "site", "site": 1, "filename": "/abs/train.py", "lineno": 26, "end_lineno": 26, "col": 20, "end_col": 28,
      "text": "squared_diff = (y - pred) ** 2", "expression": "y - pred", "carets": ["squared_diff = (y - pred) ** 2", "    ^^^^^^^^"]}
     {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "label": null, "filename": "/abs/train.py", "lineno": 26,
-     "module": null, "phase": "forward", "forward_op": null, "inputs": [{"shape": [4], "dtype": "float32", "device": "cpu", "ident": 1403}, ...],
+     "module": null, "module_class": null, "phase": "forward", "forward_op": null, "inputs": [{"shape": [4], "dtype": "float32", "device": "cpu", "ident": 1403}, ...],
      "outputs": [...], "args": [["alpha", 1]], "flags": ["broadcast"], "start_ns": ..., "end_ns": ...}
     {"type": "anomaly", "in": "anomalies", "kind": "broadcast", "index": 7, "op": "aten.sub.Tensor", "received": false,
      "finding": {"kind": "broadcast", "rule": "broadcast.implicit", "facts": {"dict": {...}}, "operands": [...], "odd": [...], "made": [...]}}
@@ -27,8 +27,11 @@ again from them with the same code as the live watch, so a saved anomaly reads a
 did (paths shown relative to the working directory, as the watch shows them). Values go through
 the one codec, :mod:`opwatch.storage.codec`.
 
-Version 1 files (which stored the messages' text) are not read: :func:`load` names the versions
-it reads.
+A record's module is two facts: ``"module"``, its dotted path (``"enc.0"``), and
+``"module_class"``, its class's name (``"Linear"``). Version 3 files stored one label
+(``"enc.0 (Linear)"``): :func:`load` upgrades their records as it reads them (:func:`_upgraded_v3`),
+so that they render as they did. Version 1 files (which stored the messages' text) are not
+read: :func:`load` names the versions it reads.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from .codec import decode, encode, finding_fields, finding_from_fields, meta_fie
 __all__ = ["FORMAT", "VERSION", "READS", "write_jsonl", "load", "SavedLog", "SavedRecord", "SavedAnomaly", "SavedPosition"]
 
 FORMAT = "opwatch.jsonl"
-VERSION = 3  # 3: provenance and other fact tuples are written tagged ({"made_by": [...]})
-READS = (3,)  # the format versions load() reads
+# 3: provenance and other fact tuples are written tagged ({"made_by": [...]}); 4: a record's
+# module as two facts, its path and its class
+VERSION = 4
+READS = (3, 4)  # the format versions load() reads (3: upgraded as read)
 
 _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
 
@@ -56,11 +61,13 @@ _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its 
 # -- writing JSON Lines ---------------------------------------------------------------------
 
 
-def write_jsonl(watch, path, *, whole_script: bool = False) -> None:
+def write_jsonl(watch, path, *, whole_script: bool = False, guard: dict | None = None) -> None:
     """Write ``watch``'s log to ``path``: a header, then its records, anomalies, contained
     nan/inf origins and allowed findings, one JSON object a line (see the module's docstring).
     ``whole_script``: the watch ran from a script's first line (``python -m opwatch``); the
-    header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it."""
+    header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it.
+    ``guard``: the run ledger of a ``--guard`` run (``RunLedger.log()``: its counts, in the
+    header's ``"guard"``, and a ``"guard_step"`` line per failed or skipped step)."""
     records = watch.records
     groups = anomaly_groups(watch)
     sites = _SiteTable()
@@ -81,7 +88,11 @@ def write_jsonl(watch, path, *, whole_script: bool = False) -> None:
             header["fingerprints"] = True
         if whole_script:
             header["whole_script"] = True
+        if guard is not None:
+            header["guard"] = {name: value for name, value in guard.items() if name != "failures"}
         put(header)
+        for row in (guard or {}).get("failures", ()):
+            put({"type": "guard_step", **row})
         for record in records:
             for line in sites.new_lines(record):
                 put(line)
@@ -175,6 +186,7 @@ def _record_fields(record, sites: _SiteTable) -> dict:
         "filename": record.filename,
         "lineno": record.lineno,
         "module": record.module,
+        "module_class": record.module_class,
         "phase": record.phase,
         "forward_op": None if forward is None else str(forward),
         "inputs": [meta_fields(meta) for meta in record.inputs],
@@ -231,11 +243,13 @@ def load(path, *, partial: bool = False) -> SavedLog:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path}: not an opwatch log (its first line has no \"format\": \"{FORMAT}\"); write one with Watch.export_jsonl")
     _check_version(path, header.get("version"))
+    upgraded = _upgraded_v3 if header.get("version") == 3 else _as_written
     sites: dict[int, SavedPosition] = {}
     records: list[SavedRecord] = []
     by_index: dict[int, SavedRecord] = {}
     groups: dict[str, list[SavedAnomaly]] = {name: [] for name in _GROUPS}
     rank = header.get("rank")
+    guarded: list[dict] = []  # the failed and skipped steps of a --guard run
     for number, text in enumerate(lines[1:], 2):
         if not text.strip():
             continue
@@ -245,11 +259,13 @@ def load(path, *, partial: bool = False) -> SavedLog:
             if kind == "site":
                 sites[line["site"]] = SavedPosition.of(line)
             elif kind == "record":
-                record = SavedRecord(line, sites[line["site"]], rank)
+                record = SavedRecord(upgraded(line), sites[line["site"]], rank)
                 records.append(record)
                 by_index[record.index] = record
+            elif kind == "guard_step":
+                guarded.append({name: value for name, value in line.items() if name != "type"})
             elif kind == "anomaly":
-                record = SavedRecord(line["record"], sites[line["record"]["site"]], rank) if "record" in line else by_index[line["index"]]
+                record = SavedRecord(upgraded(line["record"]), sites[line["record"]["site"]], rank) if "record" in line else by_index[line["index"]]
                 groups[line["in"]].append(SavedAnomaly(line, record))
             else:
                 raise ValueError(f"unknown line type {kind!r}")
@@ -258,7 +274,26 @@ def load(path, *, partial: bool = False) -> SavedLog:
     cut = _shortfall(header, records, groups, cut_line)
     if cut is not None and not partial:
         _check_complete(path, *cut)
-    return SavedLog(header, records, groups, cut=cut)
+    return SavedLog(header, records, groups, cut=cut, guard=guarded)
+
+
+def _as_written(fields: dict) -> dict:
+    return fields
+
+
+def _upgraded_v3(fields: dict) -> dict:
+    """A version 3 record's fields as version 4 writes them: its module label
+    (``"enc.0 (Linear)"``, the class shown where the path ends in an index) split into the
+    path and the class. A label without a class (``"encoder.attn"``, ``"Net"``,
+    ``"torch.compile graph 3 (forward)"``) is the path, its class unknown."""
+    label = fields.get("module")
+    path, cls = label, None
+    if isinstance(label, str) and label.endswith(")"):
+        head, _, tail = label.partition(" (")
+        _, _, last = head.rpartition(".")
+        if last.isdigit():
+            path, cls = head, tail[:-1]
+    return {**fields, "module": path, "module_class": cls}
 
 
 def _is_json(text: str) -> bool:
@@ -292,11 +327,11 @@ def _check_complete(path, promised: dict, read: dict, cut_line: int | None) -> N
 def _check_version(path, version) -> None:
     if isinstance(version, int) and not isinstance(version, bool) and version in READS:
         return
-    accepted = " and ".join(map(str, READS))
+    accepted = ("versions " if len(READS) > 1 else "version ") + " and ".join(map(str, READS))
     if isinstance(version, int) and version > VERSION:
-        raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: upgrade opwatch to read it")
+        raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads {accepted}: upgrade opwatch to read it")
     raise ValueError(
-        f"{path}: written in opwatch log version {version!r}; this opwatch reads version {accepted}: "
+        f"{path}: written in opwatch log version {version!r}; this opwatch reads {accepted}: "
         "export the run again with this opwatch (older versions stored the messages' text, not their facts)"
     )
 
@@ -320,10 +355,11 @@ class SavedLog:
         rank: the watch's rank, as :attr:`Watch.rank`.
     """
 
-    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed", "_cut")
+    __slots__ = ("header", "_records", "_anomalies", "_contained", "_allowed", "_cut", "_guard")
 
-    def __init__(self, header: dict, records: list, groups: dict, *, cut: tuple | None = None):
+    def __init__(self, header: dict, records: list, groups: dict, *, cut: tuple | None = None, guard=()):
         self.header = header
+        self._guard = tuple(guard)
         self._cut = cut  # (promised, read, cut_line) of a log cut short, read with partial=True
         self._records = tuple(records)
         self._anomalies = tuple(groups["anomalies"])
@@ -350,6 +386,14 @@ class SavedLog:
     def rank(self) -> int | None:
         """The watch's rank in a ``torch.distributed`` job, ``None`` outside one."""
         return self.header.get("rank")
+
+    @property
+    def guard(self) -> dict | None:
+        """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
+        ``skipped``) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
+        ``parameters``, ``loss``, ``origin``); ``None`` for a log of no guarded run."""
+        counts = self.header.get("guard")
+        return None if counts is None else {**counts, "failures": [dict(row) for row in self._guard]}
 
     @property
     def fingerprints(self) -> dict | None:
@@ -454,6 +498,7 @@ class SavedRecord(BaseRecord):
     index = property(lambda self: self._fields["index"])
     op = property(lambda self: self._fields["op"])
     module = property(lambda self: self._fields["module"])
+    module_class = property(lambda self: self._fields.get("module_class"))
     phase = property(lambda self: self._fields["phase"])
     label = property(lambda self: self._fields.get("label"))
     start_ns = property(lambda self: self._fields.get("start_ns"))

@@ -188,9 +188,9 @@ def test_on_call_sees_the_module_path_before_its_own_pre_hooks():
     from opwatch.modes.modules import ModuleStack
 
     seen = []
-    stack = ModuleStack(on_call=lambda module, args: seen.append((stack.current, type(module).__name__)))
+    stack = ModuleStack(on_call=lambda module, args: seen.append((stack.path, type(module).__name__)))
     model = hw.Net()
-    model.block.register_forward_pre_hook(lambda module, args: seen.append(("pre-hook", stack.current)))
+    model.block.register_forward_pre_hook(lambda module, args: seen.append(("pre-hook", stack.path)))
     stack.install()
     try:
         model(torch.randn(1, 3, 6, 6))

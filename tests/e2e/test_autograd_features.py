@@ -155,11 +155,11 @@ def test_checkpoint_of_a_submodule_keeps_module_paths():
 
     got, w = assert_transparent(fn)
     line = line_of("# @ckpt-module", HERE)
-    addmm = [(r.module, r.lineno, r.phase) for r in w.records if r.op == "aten.addmm.default"]
+    addmm = [(r.module, r.module_class, r.lineno, r.phase) for r in w.records if r.op == "aten.addmm.default"]
     # forward: block.0 and head; recomputation in backward: block.0 again, same line and path.
-    assert addmm == [("block.0 (Linear)", line, "forward"), ("head", line + 1, "forward"), ("block.0 (Linear)", line, "backward")]
-    tanh = [(r.module, r.phase) for r in w.records if r.op == "aten.tanh.default"]
-    assert tanh == [("block.1 (Tanh)", "forward"), ("block.1 (Tanh)", "backward")]
+    assert addmm == [("block.0", "Linear", line, "forward"), ("head", "Linear", line + 1, "forward"), ("block.0", "Linear", line, "backward")]
+    tanh = [(r.module, r.module_class, r.phase) for r in w.records if r.op == "aten.tanh.default"]
+    assert tanh == [("block.1", "Tanh", "forward"), ("block.1", "Tanh", "backward")]
 
 
 # --------------------------------------------------------------------------------------------

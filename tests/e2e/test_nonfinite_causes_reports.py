@@ -308,7 +308,7 @@ def test_a_checkpoint_holding_nan_is_found_at_the_forward_with_cause_weights_loa
     assert first.record.module.startswith("body.2")
     cause = first.finding.facts["cause"]
     assert cause.kind == WEIGHTS and cause.held == "nan"
-    assert (cause.made.how, cause.made.path, cause.made.name, cause.made.cls) == ("parameter", "body.2 (Linear)", "weight", "Linear")
+    assert (cause.made.how, cause.made.path, cause.made.name, cause.made.cls) == ("parameter", "body.2", "weight", "Linear")
     assert cause.loaded is not None and cause.loaded.lineno == line_of("# RESUME", __file__)
     line = cause_line(first)
     assert line.startswith("  cause:    weights: parameter f32[16, 32] cpu already held nan when addmm ran")

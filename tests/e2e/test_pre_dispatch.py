@@ -419,3 +419,27 @@ def test_saved_findings_render_again_as_the_live_ones(tmp_path):
     saved = opwatch.load(path)
     assert [str(s) for s in saved.anomalies] == [str(a) for a in w.anomalies]
     assert "made by aten.randint" in str(saved.anomalies[1])
+
+
+# -- one numbering for every op the watch logs ----------------------------------------------------
+
+
+def test_the_log_numbers_ops_function_calls_and_module_calls_in_one_sequence_across_blocks():
+    """The dispatch mode's ops, the function mode's calls and the module calls are numbered by
+    the one log (OpLog.log_call): no index twice, none skipped, and a Watch's second block goes
+    on counting where its first stopped."""
+    model = SmallConvNet()
+    w = opwatch.watch(warn=False, dump_on_error=False, checks=WITH_PRE_DISPATCH)
+    with w:
+        model(torch.randn(2, 3, 8, 8))
+        with pytest.raises(RuntimeError):
+            model(torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8))  # a function-mode finding (F.conv2d)
+    first_block = [record.index for record in w.records]
+    with w:
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, 3, 8, 8, dtype=torch.float64))  # a module-call finding (Conv2d.forward)
+        model(torch.randn(2, 3, 8, 8))
+    indices = [record.index for record in w.records]
+    assert indices == list(range(len(indices))) and indices[: len(first_block)] == first_block
+    calls = {str(record.func) for record in w.records if record.flags}
+    assert calls == {"F.conv2d", "Conv2d.forward"}, calls

@@ -8,14 +8,19 @@ inf/inf = nan once a logit passes ~88, where eager's softmax stays finite."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import logging
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import opwatch
 from support import known_on_torch_2_6
@@ -319,12 +324,19 @@ def test_real_inductor_drawing_other_random_numbers_than_eager_is_told_by_fallba
     else:
         pytest.fail("inductor drew eager's random numbers for 20 seeds")
     guarded = opwatch.guard(step, model, audit="never", repro_dir=tmp_path)
+    before = dynamo_cache()
     torch.manual_seed(seed)
     with pytest.raises(RuntimeError) as raised:
         guarded(x)
     text = str(raised.value)
     verdict = guarded.last_verdict
     assert verdict.backend == "inductor" and verdict.own == "nan/inf", verdict
+    # six runs compiled for the verdict (three stages, inductor, its two settings), none kept
+    assert dynamo_cache() == before and len(before[Gated.forward.__code__]) == 1
+    graphs = counters["stats"]["unique_graphs"]
+    model.floor.zero_()
+    assert type(compiled(x).grad_fn).__name__ == "CompiledFunctionBackward"
+    assert counters["stats"]["unique_graphs"] == graphs
     assert verdict.settings == (("emulate_precision_casts", "nan/inf"), ("fallback_random", "finite")), verdict.settings
     assert "fallback_random makes the step finite: random numbers that differ from eager's." in text, text
     assert "the step's own backend (inductor) is the first stage that makes it" in text
@@ -562,3 +574,248 @@ def test_the_backward_verdict_names_the_parameter_and_healthy_steps_say_nothing(
     assert (node.phase, node.op, node.name, node.why) == ("backward", "torch.sigmoid", "sigmoid", "nan/inf")
     assert node.gradient in ("gate.weight", "gate.bias"), node.gradient
     assert node.eager.kind == "finite" and node.compiled.kind == "nan"
+
+
+# -- a verdict leaves the program's compiled code as it was (issue 36) ---------------------------
+
+
+def cache_entries(function) -> list:
+    """Dynamo's cache entries of a function's code object, most recently used first."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list(function.__code__)
+
+
+class DynamoLog(logging.Handler):
+    """Keeps the warnings Dynamo logs (``torch._dynamo hit config.recompile_limit``)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def limits_hit(self) -> list:
+        """``torch._dynamo hit config.recompile_limit (8)`` (``cache_size_limit`` before torch 2.7)."""
+        return [message for message in self.messages if re.search(r"hit config\.(recompile|cache_size)_limit", message)]
+
+
+def without_set_aside(monkeypatch, replacement):
+    """The verdict's runs with ``replacement`` for compat.compiled_code_set_aside."""
+    from opwatch.runners.guarded import compiled as verdicts
+    from opwatch.runners.guarded import narrow as narrowing
+
+    for module in (verdicts, narrowing):
+        monkeypatch.setattr(module, "compiled_code_set_aside", replacement)
+
+
+@pytest.fixture
+def dynamo_log():
+    handler = DynamoLog()
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+def _gated_models_failing(count, *, warned):
+    """``count`` GatedMLPs (one forward code object, one recompile budget), each compiled with
+    its own LogitSigmoidBackward, each trained under a guard that skips a failing step: an
+    outlier batch at step 2 of 5 fails only compiled, the verdict narrows it. Returns, per
+    model: the steps skipped, the grad_fn of each healthy step's forward output after the
+    outlier's, the graphs Dynamo compiled during those steps (``unique_graphs``) and the verdict."""
+    models = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        model = GatedMLP()
+        compiled = torch.compile(model, backend=LogitSigmoidBackward())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        grad_fns: list = []
+
+        def step(x, y, compiled=compiled, grad_fns=grad_fns):
+            out = compiled(x)
+            grad_fns.append(type(out.grad_fn).__name__)
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        guarded = opwatch.guard(step, model, audit="never", on_failure="skip", repro=False)
+        after = []
+        for index, (x, y) in enumerate(_regression_batches(5, outlier_at=1)):
+            grad_fns.clear()
+            optimizer.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                guarded(x, y)
+            warned.extend(str(warning.message) for warning in caught)
+            optimizer.step()
+            if index == 1:
+                graphs = counters["stats"]["unique_graphs"]
+            if index > 1:
+                after.extend(grad_fns)
+        models.append((guarded.skipped, after, counters["stats"]["unique_graphs"] - graphs, guarded.last_verdict))
+    return models
+
+
+def test_three_compiled_only_failures_leave_the_programs_compiled_code_running_compiled(dynamo_log):
+    """Three compile-only failures narrowed in one process: each verdict names the node, the
+    failing models' later healthy steps run their compiled code (CompiledFunctionBackward) with
+    no compile, the shared forward holds the program's entries only, and a new
+    inductor-compiled model of the same class runs compiled. Before, each verdict left 4 cache
+    entries on the forward's code object: the second hit Dynamo's recompile_limit (8)."""
+    warned: list = []
+    models = _gated_models_failing(3, warned=warned)
+    for skipped, after, compiled_after, verdict in models:
+        assert skipped == 1
+        assert verdict is not None and verdict.own == "nan/inf" and verdict.node is not None, verdict
+        assert (verdict.node.phase, verdict.node.op) == ("backward", "torch.sigmoid"), verdict.node
+        assert after == ["CompiledFunctionBackward"] * 3, after  # the healthy steps after it: compiled
+        assert compiled_after == 0  # and not compiled again
+    told = [text for text in warned if "only the compiled step makes nan/inf" in text]
+    assert len(told) == 3 and all("torch.sigmoid (node sigmoid, graph 1 of 1)" in text for text in told), warned
+    assert len(cache_entries(GatedMLP.forward)) == 3  # one per program's backend, none of the verdicts'
+
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(5)
+    model = GatedMLP()
+    compiled = torch.compile(model)  # inductor
+    outputs = [compiled(torch.randn(16, 8)) for _ in range(2)]
+    assert [type(out.grad_fn).__name__ for out in outputs] == ["CompiledFunctionBackward"] * 2
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, by the program
+    assert len(cache_entries(GatedMLP.forward)) == 4
+    assert not dynamo_log.limits_hit(), dynamo_log.messages
+
+
+def test_without_setting_the_programs_code_aside_the_verdicts_spend_its_recompile_budget(dynamo_log, monkeypatch):
+    """The twin of the test above, with the verdict's runs compiling into the program's code
+    objects (as before issue 36): its checks see the loss of compiled code."""
+    without_set_aside(monkeypatch, contextlib.nullcontext)
+    warned: list = []
+    models = _gated_models_failing(3, warned=warned)
+    *_, second = models[1]
+    assert second.own == "finite"  # its own backend's run hit the limit and ran eagerly: "did not reproduce"
+    skipped, after, _, _ = models[-1]
+    assert skipped == 0 and after == ["AddmmBackward0"] * 3  # the third model ran uncompiled: its outlier did not fail
+    assert dynamo_log.limits_hit(), dynamo_log.messages
+    assert len(cache_entries(GatedMLP.forward)) == 8
+    compiled = torch.compile(GatedMLP())  # inductor: Dynamo no longer compiles this code object
+    assert type(compiled(torch.randn(16, 8)).grad_fn).__name__ == "AddmmBackward0"
+
+
+def test_a_torch_without_a_way_to_set_the_code_aside_runs_no_stage_and_says_so(monkeypatch):
+    without_set_aside(monkeypatch, lambda: None)
+    kept: list = []
+    with pytest.raises(RuntimeError) as raised:
+        _gated_training(_regression_batches(2, outlier_at=1), kept, repro=False)
+    verdict = kept[0].last_verdict
+    assert verdict.stages == (("eager", "not apart"),) and verdict.backend is None and verdict.node is None, verdict
+    text = str(raised.value)
+    assert ("(eager: not apart): this torch gives opwatch no way to compile the stages beside the program's compiled code, "
+            "so they were not run: their compiles would have spent the recompile budget of the program's own frames.") in text, text
+    assert len(cache_entries(GatedMLP.forward)) == 1
+
+
+def test_code_set_aside_compiles_into_copies_and_drops_them_leaving_the_programs_entries_as_they_were():
+    """compat.compiled_code_set_aside at work: a compiled module and a compiled function, each
+    compiled by the program; in the block each compiles again for a forced backend, and a
+    function compiled there first; after it, the program's entries are the same objects in the
+    same order, the block's backend is freed, and the functions run their own code again."""
+    import gc
+    import weakref
+
+    from opwatch.core.compat import compiled_code_set_aside
+
+    class Doubler:
+        def __call__(self, gm, example_inputs):
+            return gm.forward
+
+    def scaled(x):
+        return torch.tanh(x) * 3
+
+    def first_in_block(x):
+        return torch.cos(x) - 1
+
+    program = Doubler()
+    model = GatedMLP()
+    compiled_model = torch.compile(model, backend=program)
+    compiled_scaled = torch.compile(scaled, backend=program)
+    compiled_first = torch.compile(first_in_block, backend=program)
+    x = torch.randn(4, 8)
+    compiled_model(x), compiled_scaled(x)
+    entries = {fn: [entry.guard_manager for entry in cache_entries(fn)] for fn in (GatedMLP.forward, scaled)}
+    codes = {fn: fn.__code__ for fn in (GatedMLP.forward, scaled, first_in_block)}
+
+    forced = Doubler()
+    gone = weakref.ref(forced)
+    with compiled_code_set_aside():
+        assert GatedMLP.forward.__code__ is not codes[GatedMLP.forward] and scaled.__code__ is not codes[scaled]
+        assert first_in_block.__code__ is codes[first_in_block]  # never compiled: left alone
+        with torch.compiler.set_stance("default", force_backend=forced):
+            compiled_model(x), compiled_scaled(x), compiled_first(x)
+        assert len(cache_entries(GatedMLP.forward)) == 1 and len(cache_entries(scaled)) == 1  # the copies'
+        assert len(cache_entries(first_in_block)) == 1
+    assert all(fn.__code__ is code for fn, code in codes.items())
+    for fn, kept in entries.items():
+        assert [entry.guard_manager for entry in cache_entries(fn)] == kept  # the same entries, in order
+    assert cache_entries(first_in_block) == []
+    del forced
+    gc.collect()
+    assert gone() is None  # nothing of the block's compiles is held
+    # the program's compiled code still runs, with no compile
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.allclose(compiled_scaled(x), scaled(x)) and torch.allclose(compiled_model(x), model(x))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def dynamo_cache() -> dict:
+    """Every code object Dynamo holds compiled code for, with its cache entries' guard managers
+    in order: ``{code: [guard manager, ...]}``."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo import convert_frame
+
+    codes = [ref() for ref in convert_frame.input_codes.seen]
+    return {code: [entry.guard_manager for entry in _debug_get_cache_entry_list(code)] for code in codes
+            if code is not None and _debug_get_cache_entry_list(code)}
+
+
+class BrokenBlock(Block):
+    """Block with a graph break before its attention: the softmax lies in the graph of Dynamo's
+    resume function, a code object Dynamo makes for the rest of the forward."""
+
+    def forward(self, x):
+        x = x + self.mlp(self.norm(x))
+        torch._dynamo.graph_break()
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(dim=-1)  # ATTENTION AFTER THE BREAK
+        return self.head(x + self.proj(attn @ v)).mean(1)
+
+
+def test_a_verdict_across_a_graph_break_narrows_the_resume_graph_and_leaves_every_code_objects_entries():
+    torch.manual_seed(0)
+    model = BrokenBlock()
+    compiled = torch.compile(model, backend=Softmaxless())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = ((compiled(x) - x.mean((1, 2)).unsqueeze(-1)) ** 2).mean()
+        loss.backward()
+        return loss
+
+    guarded = opwatch.guard(step, model, audit="never", repro=False)
+    healthy, outlier = attention_batches(2, outlier_at=1)
+    guarded(healthy)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = dynamo_cache()
+    assert len(before) == 2 and all(len(entries) == 1 for entries in before.values())  # forward, its resume function
+    with pytest.raises(RuntimeError):
+        guarded(outlier)
+    verdict = guarded.last_verdict
+    assert verdict.own == "nan/inf" and verdict.backend == "test_compiled_narrowing:Softmaxless", verdict
+    assert (verdict.node.op, verdict.node.graph, verdict.node.graphs) == ("Tensor.softmax", 2, 2), verdict.node
+    assert verdict.node.where.endswith(f"test_compiled_narrowing.py:{line_of('# ATTENTION AFTER THE BREAK', __file__)}")
+    assert dynamo_cache() == before  # the same code objects, the same entries
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.isfinite(compiled(healthy)).all() and not torch.isfinite(compiled(outlier)).all()  # its own compiled code
+    assert counters["stats"]["unique_graphs"] == graphs

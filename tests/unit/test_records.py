@@ -57,9 +57,9 @@ def test_indices_are_consecutive_from_zero():
 def test_module_paths_are_relative_to_the_outermost_module():
     w = watched_step()
     modules = {r.module for r in w.records if r.phase == "forward"}
-    # The outermost module is named by its class; modules are dotted state_dict paths, with
-    # the class of a module named by an index (the children of nn.Sequential, nn.ModuleList).
-    assert {"Net", "blocks.0.proj", "blocks.0.norm", "blocks.0 (Block)", "blocks.1.norm", "head"} <= modules
+    # The outermost module is named by its class; modules are dotted state_dict paths (the
+    # class beside them, module_class; messages show it where the path ends in an index).
+    assert {"Net", "blocks.0.proj", "blocks.0.norm", "blocks.0", "blocks.1.norm", "head"} <= modules
     squeeze = next(r for r in w.records if r.op == "aten.squeeze.dim")
     assert squeeze.module == "Net"
     loss_sub = next(r for r in w.records if r.op == "aten.sub.Tensor" and r.phase == "forward")
@@ -339,25 +339,47 @@ class _Centered(torch.nn.Module):
 
 
 def test_sequential_children_are_named_by_path_and_class():
-    """The children of nn.Sequential are named as users know them (``3 (_Centered)``, not
-    ``3``), in records and messages; an allow entry may still name the path alone."""
+    """A record holds the module's path and class as two facts (``3`` and ``_Centered``);
+    messages name the children of nn.Sequential as users know them (``3 (_Centered)``); an allow
+    entry may name the path or the label."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1), _Centered())
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     x = torch.randn(5, 4)
-    for allow in ((), [opwatch.Allow(module="3")]):
+    for allow in ((), [opwatch.Allow(module="3")], [opwatch.Allow(module="3 (_Centered)")], [opwatch.Allow(module="3 (*)")]):
         with opwatch.watch(warn=False, allow=allow) as w:
             optimizer.zero_grad()
             net(x).pow(2).mean().backward()
             optimizer.step()
-        modules = {r.module for r in w.records if r.phase == "forward"}
-        assert {"0 (Linear)", "1 (ReLU)", "2 (Linear)", "3 (_Centered)"} <= modules
+        modules = {(r.module, r.module_class) for r in w.records if r.phase == "forward"}
+        assert {("0", "Linear"), ("1", "ReLU"), ("2", "Linear"), ("3", "_Centered")} <= modules
         (anomaly,) = w.anomalies + w.allowed
-        assert anomaly.module == "3 (_Centered)" and ", module 3 (_Centered) (forward)" in anomaly.message.partition("\n")[0]
+        assert (anomaly.module, anomaly.module_class) == ("3", "_Centered")
+        assert ", module 3 (_Centered) (forward)" in anomaly.message.partition("\n")[0]
+        assert "3 (_Centered)" in w.table()
         assert len(w.allowed) == len(allow)
 
 
 def test_named_modules_keep_their_paths():
-    named = {r.module for r in watched_step().records}
-    assert {"Net", "blocks.0.proj", "blocks.1.norm", "head"} <= named
-    assert {m for m in named if m and "(" in m} == {"blocks.0 (Block)", "blocks.1 (Block)"}  # indexed: the class too
+    records = watched_step().records
+    named = {r.module for r in records}
+    assert {"Net", "blocks.0", "blocks.0.proj", "blocks.1.norm", "head"} <= named
+    assert not {m for m in named if m and "(" in m}  # a path, never a label
+    classes = {(r.module, r.module_class) for r in records if r.module}
+    assert {("Net", "Net"), ("blocks.0", "Block"), ("blocks.0.proj", "Linear")} <= classes
+
+
+def test_the_log_numbers_every_call_it_logs():
+    """OpLog.log_call numbers a call and logs its entry; the interceptor takes its numbers from
+    the same counter (OpLog.next_index), so a Watch's ops and calls share one sequence."""
+    from opwatch.core.records import ModuleCall, OpLog
+
+    log = OpLog(8)
+    log.next_index = 5  # a Watch's second block goes on where the first stopped
+    meta = (log.shapes[torch.Size([2, 3])], torch.float32, torch.device("cpu"), 1)
+    first = log.view(log.log_call(ModuleCall("LSTM.forward"), 0, ("rnn", "LSTM"), "forward", [meta], start_ns=10))
+    second = log.view(log.log_call(torch.ops.aten.add.Tensor, 0, None, "backward", [meta, meta], start_ns=11, end_ns=12, outputs=[meta]))
+    assert (first.index, second.index, log.next_index) == (5, 6, 7)
+    assert (str(first.func), first.module, first.module_class, first.outputs, first.end_ns) == ("LSTM.forward", "rnn", "LSTM", None, None)
+    assert (second.op, second.module, second.phase, len(second.inputs), second.end_ns) == ("aten.add.Tensor", None, "backward", 2, 12)
+    assert [record.index for record in log.records()] == [5, 6]

@@ -50,6 +50,7 @@ from .check import FailedElsewhere, FiniteCheck, Raised, not_finite, on_failure_
 from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, RankOrigin, local, raised_where
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
+from ..ledger import RunLedger
 
 __all__ = ["guard", "Guarded"]
 
@@ -248,7 +249,7 @@ class Guarded:
         self._finite_here = True  # this rank's own check passed (the step failed on another rank)
         self._raised_elsewhere = None  # the error naming another rank whose step raised (set by the flag)
         self.calls = 0
-        self.skipped = 0
+        self.ledger = RunLedger()  # the facts of the guarded calls: .skipped and the failures read them
         self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.last_replay: Watch | None = None
@@ -259,6 +260,11 @@ class Guarded:
     @property
     def audits(self) -> int:
         return self._audits.count
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped with ``on_failure="skip"`` (read from :attr:`ledger`)."""
+        return self.ledger.skipped
 
     # -- a call ----------------------------------------------------------------------------
 
@@ -271,6 +277,7 @@ class Guarded:
             self._finite.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
             self._agreement = Agreement.start() if self._check_results else None
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
+        self.ledger.step(audited=audit is not None)
         start = self._snapshots.take(args, kwargs)
         try:
             if audit is None:
@@ -311,6 +318,7 @@ class Guarded:
             return self._failed(start, args, kwargs, failure, audit=audit, result=result)
         if audit is not None:
             self._audited(audit, start)
+        self.ledger.passed(self.calls)
         return result
 
     def _collect(self) -> Snapshots:
@@ -385,8 +393,19 @@ class Guarded:
 
     def _failed(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
-        (or skip, or apply). ``failure``: what went wrong (facts); ``error``: the step's
-        exception; ``result``: what the step returned (kept for ``on_failure="apply"``)."""
+        (or skip, or apply), and keep the facts in :attr:`ledger`. ``failure``: what went wrong
+        (facts); ``error``: the step's exception; ``result``: what the step returned (kept for
+        ``on_failure="apply"``)."""
+        fact = self.ledger.fail(self.calls, [], "raised" if error is not None else "gradients")
+        try:
+            result = self._judged(start, args, kwargs, failure, error=error, audit=audit, result=result)
+        except BaseException:
+            self.ledger.decide(fact, "raised")
+            raise
+        self.ledger.decide(fact, "skipped" if self._on_failure == "skip" else "applied")
+        return result
+
+    def _judged(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         snapshots = self._snapshots
         name = self._name()
         if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
@@ -434,7 +453,6 @@ class Guarded:
             else:
                 problem = self._not_found(replay, error, failure, len(start.buffers), repro)
             if go_on is not None and replay.error is None:
-                self.skipped += go_on == "skip"
                 warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
                 return result
             raise problem
@@ -487,13 +505,12 @@ class Guarded:
         if self._on_failure == "skip":
             self._snapshots.put_grads(start)
             self._snapshots.put_start_buffers(start)
-            self.skipped += 1
         return result
 
     def _report(self, replayed, go_on, error, records, result=None):
         self.failures.append(replayed)
+        self.ledger.explain(self.ledger.latest, replayed, replayed=records is None)
         if go_on is not None:
-            self.skipped += go_on == "skip"
             key = (replayed.kind, replayed.filename, replayed.lineno)
             if key not in self._warned:
                 self._warned.add(key)

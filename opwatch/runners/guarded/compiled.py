@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ...core.compat import is_inductor, registered_backend
+from ...core.compat import compiled_code_set_aside, is_inductor, registered_backend
 from .graph_repro import backend_spec, write_graph_repro
 from .narrow import Capture, Narrowed, NodeFact, first_wrong_node, run_with, settings_runs
 
@@ -33,7 +33,9 @@ class CompiledVerdict(NamedTuple):
     """The facts of a failing step that runs compiled code: ``compiled`` (the
     ``EagerCompiled`` facts of what its replay ran eagerly), ``eager_fails``, ``origin`` (the
     replay's origin: ``(op, where)``, or ``None``) and ``stages`` (``(backend, outcome)`` per
-    stage run: ``"finite"``, ``"nan/inf"``, ``"raised <Type>"`` or ``"not run"``).
+    stage run: ``"finite"``, ``"nan/inf"``, ``"raised <Type>"``, ``"not run"`` (no
+    ``set_stance`` in this torch) or ``"not apart"`` (no way in this torch to keep the runs'
+    compiles out of the program's compiled code)).
 
     For a step only the compiled run fails: ``backend`` (the failing backend: a stage's name,
     a registered backend's name such as ``"inductor"``, or a custom backend's
@@ -66,25 +68,27 @@ def verdict(watch, anomaly, stages=()) -> CompiledVerdict | None:
     return CompiledVerdict(compiled, anomaly is not None, origin, tuple(stages))
 
 
-def narrow(step, args, kwargs, *, restore, finite, max_bytes=128 * 2**20) -> tuple:
+def narrow(step, args, kwargs, *, restore, finite, max_bytes=128 * 2**20, apart=None) -> tuple:
     """Run ``step`` with each of :data:`STAGES` as every compiled function's backend, each from
     the step's start (``restore()``), until one is not finite (``finite(result)``); when all
     are, once more with each frame's own backend. Every run keeps the graphs Dynamo hands the
     backend (:class:`~.narrow.Capture`). Returns ``(stages, own, failing, graphs)``:
     ``((backend, outcome), ...)`` for the stages run, the own backends' outcome (or ``None``),
     the failing backend's name (or ``None``) and the graphs of the failing run. The caller puts
-    the start back after."""
+    the start back after. Every run compiles beside the program's compiled code and leaves it as
+    it was (:func:`~.narrow.run_with`; ``apart``, where the caller made it)."""
+    apart = compiled_code_set_aside() if apart is None else apart
     outcomes = []
     for backend in STAGES:
         capture = Capture(registered_backend(backend), max_bytes=max_bytes)
-        outcome = run_with(capture, step, args, kwargs, restore=restore, finite=finite)
+        outcome = run_with(capture, step, args, kwargs, restore=restore, finite=finite, apart=apart)
         outcomes.append((backend, outcome))
-        if outcome == "not run":
+        if outcome in ("not run", "not apart"):
             return tuple(outcomes), None, None, ()
         if outcome != "finite":
             return tuple(outcomes), None, backend, tuple(capture.graphs)
     capture = Capture(max_bytes=max_bytes)
-    own = run_with(capture, step, args, kwargs, restore=restore, finite=finite)
+    own = run_with(capture, step, args, kwargs, restore=restore, finite=finite, apart=apart)
     graphs = tuple(capture.graphs)
     first = next(iter(graphs), None)
     failing = backend_spec(first.backend) if first is not None and own != "finite" else None
@@ -103,7 +107,8 @@ def explain(found: CompiledVerdict, step, args, kwargs, *, restore, finite, max_
 
 
 def _explain(found, step, args, kwargs, *, restore, finite, max_bytes, repro_dir, repro):
-    stages, own, failing, graphs = narrow(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes)
+    apart = compiled_code_set_aside()  # the functions found once for every run of the verdict
+    stages, own, failing, graphs = narrow(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes, apart=apart)
     found = found._replace(stages=stages, own=own, backend=failing)
     if failing is None:
         return found
@@ -114,7 +119,7 @@ def _explain(found, step, args, kwargs, *, restore, finite, max_bytes, repro_dir
     found = found._replace(node=narrowed.node, narrowed=narrowed.reason)
     if own not in (None, "finite") and graphs and any(is_inductor(captured.backend) for captured in graphs):
         try:
-            found = found._replace(settings=settings_runs(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes))
+            found = found._replace(settings=settings_runs(step, args, kwargs, restore=restore, finite=finite, max_bytes=max_bytes, apart=apart))
         except Exception as error:
             found = found._replace(settings=(("settings", f"raised {type(error).__name__}"),))
     captured = narrowed.captured

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
-from ...core.compat import NODE_STACK_TRACE, force_backend_stance, frame_backends, inductor_settings
+from ...core.compat import NODE_STACK_TRACE, compiled_code_set_aside, force_backend_stance, frame_backends, inductor_settings
 from ...core.sites import display_path
 from ..divergence import DEFAULT_TOLERANCES
 
@@ -69,19 +69,23 @@ class Capture:
     """A torch.compile backend that keeps a copy of each graph and of its example inputs (at
     most ``max_bytes`` of tensor data in all), then compiles it with ``inner``; with ``inner``
     ``None``, with the backend the frame was compiled with by the program (the first of its
-    Dynamo cache entries that is no ``Capture``)."""
+    Dynamo cache entries that is no ``Capture``; for a frame the program's cache does not know,
+    such as the resume function of a graph break in a copy of its code, the backend of the
+    frame compiled before it in this run)."""
 
     def __init__(self, inner=None, *, max_bytes: int):
         self.inner = inner
         self.graphs: list[Captured] = []
         self._budget = max_bytes
+        self._own = None  # the own backend found last
 
     def __call__(self, gm, example_inputs):
         inner = self.inner
         if inner is None:
-            inner = next((backend for backend in frame_backends() if not isinstance(backend, Capture)), None)
+            inner = next((backend for backend in frame_backends() if not isinstance(backend, Capture)), self._own)
             if inner is None:
                 raise RuntimeError("opwatch.guard: the compiled frame's own backend was not found in Dynamo's cache")
+            self._own = inner
         size = sum(value.numel() * value.element_size() for value in example_inputs if isinstance(value, torch.Tensor))
         inputs = None
         if size <= self._budget:
@@ -117,28 +121,41 @@ def readable_source(text: str) -> str:
     return readable.lstrip(".") or text
 
 
-def run_with(backend, step, args, kwargs, *, restore, finite) -> str:
+def run_with(backend, step, args, kwargs, *, restore, finite, apart=None) -> str:
     """Run ``step`` from its start with ``backend`` as every compiled function's backend:
-    ``"finite"``, ``"nan/inf"``, ``"raised <Type>"`` or ``"not run"`` (no stance in this torch)."""
+    ``"finite"``, ``"nan/inf"``, ``"raised <Type>"``, ``"not run"`` (no stance in this torch) or
+    ``"not apart"`` (this torch gives no way to keep the run's compiles out of the
+    program's compiled code: :func:`~opwatch.core.compat.compiled_code_set_aside`).
+
+    The run compiles each frame afresh for ``backend``, on copies of the program's code objects:
+    its compiles never count towards the recompile budget of the program's frames, and they are
+    dropped when it ends (the program's cache entries are left as they were). ``apart``: a
+    :func:`~opwatch.core.compat.compiled_code_set_aside` made for several runs (it looks for the
+    functions once), else one is made for this run."""
+    apart = compiled_code_set_aside() if apart is None else apart
+    if apart is None:
+        return "not apart"
     restore()
-    put_back = force_backend_stance(backend)
-    if put_back is None:
-        return "not run"
-    try:
-        result = step(*args, **kwargs)
-        outcome = "finite" if finite(result) else "nan/inf"
-        del result
-    except Exception as error:
-        outcome = f"raised {type(error).__name__}"
-    finally:
-        put_back()
+    with apart:
+        put_back = force_backend_stance(backend)
+        if put_back is None:
+            return "not run"
+        try:
+            result = step(*args, **kwargs)
+            outcome = "finite" if finite(result) else "nan/inf"
+            del result
+        except Exception as error:
+            outcome = f"raised {type(error).__name__}"
+        finally:
+            put_back()
     return outcome
 
 
-def settings_runs(step, args, kwargs, *, restore, finite, max_bytes) -> tuple:
+def settings_runs(step, args, kwargs, *, restore, finite, max_bytes, apart=None) -> tuple:
     """Run ``step`` from its start once per inductor setting of :data:`SETTINGS`, set to
-    ``True`` for that run only, each compiling afresh with the frames' own backends:
-    ``((setting, outcome), ...)``."""
+    ``True`` for that run only, each compiling afresh with the frames' own backends (beside the
+    program's compiled code, as :func:`run_with` says): ``((setting, outcome), ...)``."""
+    apart = compiled_code_set_aside() if apart is None else apart
     outcomes = []
     for name in SETTINGS:
         patch = inductor_settings(**{name: True})
@@ -146,7 +163,7 @@ def settings_runs(step, args, kwargs, *, restore, finite, max_bytes) -> tuple:
             outcomes.append((name, "not run"))
             continue
         with patch:
-            outcomes.append((name, run_with(Capture(max_bytes=max_bytes), step, args, kwargs, restore=restore, finite=finite)))
+            outcomes.append((name, run_with(Capture(max_bytes=max_bytes), step, args, kwargs, restore=restore, finite=finite, apart=apart)))
     return tuple(outcomes)
 
 

@@ -4,13 +4,18 @@ a module call's, a pre-dispatch call's, a nan/inf check point's) leaves through 
 
 1. **defer**: a promotion waits for its result's first use and is dropped when cast straight
    back (:class:`~opwatch.checks.promotions.PendingPromotions`);
-2. **provenance**: where each odd operand was made (:meth:`~opwatch.checks.CheckContext.with_provenance`);
+2. **provenance**: where each odd operand was made (:meth:`~opwatch.checks.provenance.Provenance.with_provenance`);
 3. **containment**: a nan/inf origin whose values reached no sink is contained, not an anomaly
    (:func:`opwatch.checks.nonfinite.verdict`);
 
 then the reporter (``report(finding, record, *, contained, may_raise)``: in strict mode it
 returns the error to raise, which the pipeline hands back to its caller to raise outside
 opwatch's internal-error guard).
+
+It sits on the findings floor, above the checks whose stages it runs and below the modes that
+feed it, so that a finding travels down from the interceptor: modes -> findings (here, then the
+reporter) -> checks and render. opwatch's own torch calls at a check point run with its modes
+off, the function mode (:mod:`opwatch.modes.functions`) included.
 
 The interceptor calls it at the moments of an op that can carry a finding: before an op while
 findings wait (:meth:`before`), when a check found one (:meth:`found`), once the op's kernel
@@ -21,8 +26,8 @@ wrong in here raises to the caller, whose guard turns it into one warning.
 
 from __future__ import annotations
 
-from ..core.compat import no_python_dispatch
-from .nonfinite import verdict
+from ..checks.nonfinite import verdict
+from ..core.compat import no_python_dispatch, no_torch_function
 
 __all__ = ["FindingPipeline"]
 
@@ -31,11 +36,11 @@ class FindingPipeline:
     """The findings of one watch on their way to ``reporter``; ``checks`` is the watch's
     :class:`~opwatch.checks.ActiveChecks`."""
 
-    __slots__ = ("waiting", "_checks", "_context", "_reporter", "_promotions", "_held")
+    __slots__ = ("waiting", "_checks", "_provenance", "_reporter", "_promotions", "_held")
 
     def __init__(self, checks, reporter):
         self._checks = checks
-        self._context = checks.context
+        self._provenance = checks.provenance
         self._reporter = reporter
         self._promotions = checks.promotions  # None when the dtype check is off
         # True while findings wait for an op that uses their result: then every op is shown
@@ -66,7 +71,7 @@ class FindingPipeline:
         finding, self._held = self._held, None
         if finding is None:
             return
-        finding = self._context.with_provenance(finding)
+        finding = self._provenance.with_provenance(finding)
         if outputs is not None and self._promotions.wait(finding, record, outputs):
             self.waiting = True
             return
@@ -98,7 +103,7 @@ class FindingPipeline:
             for finding, record in promotions.unused():
                 first_error = first_error or report(finding, record, may_raise=may_raise)
             self.waiting = False
-        with no_python_dispatch():
+        with no_python_dispatch(), no_torch_function():  # neither mode sees opwatch's own reads
             origins = self._checks.resolve(log, since, reading=reading, final=final)
         for finding, record, contained in map(verdict, origins):
             error = report(finding, record, contained=contained, may_raise=may_raise)
@@ -106,4 +111,4 @@ class FindingPipeline:
         return first_error
 
     def _report(self, finding, record):
-        return self._reporter.report(self._context.with_provenance(finding), record)
+        return self._reporter.report(self._provenance.with_provenance(finding), record)

@@ -1,0 +1,147 @@
+"""The run ledger: what happened to a guarded run, kept as facts, one place for every runner.
+
+``python -m opwatch --guard`` and the trainers' guard mode (:class:`~opwatch.runners.leave_on.LeaveOn`),
+:func:`opwatch.guard` (:class:`~opwatch.runners.guarded.Guarded`) and the Hugging Face
+``guard_trainer`` write the same facts here: each optimizer step, each audit, each failed step
+with its cause (``"gradients"``: nan/inf in the gradients about to be applied; ``"loss"``: the
+loss ``backward()`` ran on is not finite while the gradients are; ``"weights"``: the weights
+held nan/inf before the step; ``"raised"``: the step raised), its origin once a full watch named
+one, and what was done with it (skipped, applied, raised). Every count a user reads (the
+summary line, the trainers' metrics, ``.anomalies``, the JSON Lines rows of a ``--jsonl`` run
+and the HTML report) is read from here, so no two of them can disagree.
+
+A run is *stuck* when ``max_failed_in_a_row`` optimizer steps in a row failed: the runner then
+raises :class:`RunStuck` (the command line exits non-zero), naming the first of them and its
+origin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES"]
+
+MAX_FAILED_IN_A_ROW = 10  # the default of LeaveOn(max_failed_in_a_row=) and --max-failed-steps
+CAUSES = ("gradients", "loss", "weights", "input", "raised")
+_KEPT = 1000  # failures kept one by one (the counts go on)
+
+
+@dataclass
+class Failure:
+    """An optimizer step that failed (``LeaveOn.failures``, ``RunLedger.failures``).
+
+    ``step``: its 1-based count; ``parameters``: ``(name, kind)`` pairs of what held nan/inf
+    (kind ``"nan"`` or ``"inf"``); ``cause``: one of :data:`CAUSES`; ``origin``: the
+    :class:`~opwatch.Anomaly` a full watch (audit, re-check or replay) named for it, or ``None``;
+    ``action``: ``"skipped"``, ``"applied"`` or ``"raised"`` once decided, ``""`` before."""
+
+    step: int
+    parameters: list
+    cause: str = "gradients"
+    origin: object = None
+    action: str = ""
+    loss: str | None = field(default=None)  # "nan" or "inf": the loss, when it was not finite
+
+
+class RunLedger:
+    """The facts of one run; the runners write, every reader reads."""
+
+    def __init__(self):
+        self.steps = 0  # optimizer steps called (GradScaler's skipped ones never call it)
+        self.audited = 0  # of them, run under the full watch
+        self.failed = 0  # of them, failed (any cause)
+        self.skipped = 0  # of the failed ones, not run
+        self.failures: list[Failure] = []  # the first _KEPT, one by one
+        self.origins: list = []  # the nan/inf origins full watches named (Anomaly objects)
+        self.verdicts: list = []  # compiled verdicts of replayed failing steps
+        self.replays = 0  # failing steps run again from their start under a full watch
+        self.latest: Failure | None = None  # the newest failure (kept one by one or not)
+        self.failed_in_a_row = 0
+        self.first_in_a_row: Failure | None = None  # the first failure of the running streak
+        self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
+        self.unjudged_end = False  # the run ended with ops that nothing checked
+
+    # -- written by the runners ----------------------------------------------------------------
+
+    def step(self, *, audited: bool) -> int:
+        """An optimizer step begins its check; returns its 1-based count."""
+        self.steps += 1
+        self.audited += bool(audited)
+        return self.steps
+
+    def passed(self, step: int) -> None:
+        """``step`` passed its check: the streak of failed steps ends (unless another trigger,
+        ``guard_trainer``'s, failed it already)."""
+        if self.latest is not None and self.latest.step == step:
+            return
+        self.failed_in_a_row = 0
+        self.first_in_a_row = None
+
+    def fail(self, step: int, parameters: list, cause: str = "gradients", *, loss: str | None = None) -> Failure:
+        """``step`` failed; the same step failing twice (two triggers) is one failure."""
+        if cause not in CAUSES:
+            raise ValueError(f"cause must be one of {CAUSES}, got {cause!r}")
+        if self.latest is not None and self.latest.step == step:
+            return self.latest
+        failure = Failure(step, parameters, cause, loss=loss)
+        self.failed += 1
+        self.latest = failure
+        if self.failed <= _KEPT:
+            self.failures.append(failure)
+        self.failed_in_a_row += 1
+        if self.first_in_a_row is None:
+            self.first_in_a_row = failure
+        return failure
+
+    def decide(self, failure: Failure, action: str) -> None:
+        """What was done with ``failure``: ``"skipped"``, ``"applied"`` or ``"raised"``."""
+        if failure.action == action:
+            return
+        if failure.action != "skipped" and action in ("skipped", "raised"):
+            self.skipped += 1  # a step that raises before it runs does not run either
+        failure.action = action
+
+    def explain(self, failure: Failure | None, origin, *, replayed: bool = False) -> None:
+        """A full watch named ``origin`` (an Anomaly) for ``failure`` (or for the run)."""
+        self.replays += bool(replayed)
+        if origin is None:
+            return
+        if all(origin is not kept for kept in self.origins):
+            self.origins.append(origin)
+        if failure is not None and failure.origin is None:
+            failure.origin = origin
+
+    # -- read ----------------------------------------------------------------------------------
+
+    @property
+    def clean(self) -> bool:
+        """Whether nothing failed and every op was judged: only then may a summary say
+        "no anomalies" alone."""
+        return not self.failed and not self.unjudged_end
+
+    def stuck(self, limit: int | None) -> bool:
+        return limit is not None and self.failed_in_a_row >= limit
+
+    def first_origin(self):
+        """The origin of the first failure of the streak, else of any failure, else ``None``."""
+        if self.first_in_a_row is not None and self.first_in_a_row.origin is not None:
+            return self.first_in_a_row.origin
+        return next((failure.origin for failure in self.failures if failure.origin is not None), None)
+
+    def log(self) -> dict:
+        """The counts and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
+        return {"steps": self.steps, "audited": self.audited, "failed": self.failed, "skipped": self.skipped,
+                "failures": self.rows()}
+
+    def rows(self) -> list[dict]:
+        """The failures as plain rows (the JSON Lines log and the HTML report)."""
+        rows = []
+        for failure in self.failures:
+            origin = failure.origin
+            rows.append({
+                "step": failure.step, "cause": failure.cause, "action": failure.action or "applied",
+                "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss,
+                "origin": None if origin is None else {
+                    "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "message": next(iter(origin.message.splitlines()), "")},
+            })
+        return rows
