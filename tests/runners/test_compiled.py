@@ -21,7 +21,6 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import opwatch
-from support import known_on_torch_2_6
 from support.helpers import line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -440,7 +439,6 @@ def test_a_compiled_step_whose_eager_code_fails_too_gets_the_eager_origin(tmp_pa
     assert backend.runs == 2  # calls 2 and 3 ran compiled (call 1 was the audit); 3 made the nan
 
 
-@known_on_torch_2_6("the verdict compiles one graph fewer than counted")
 def test_a_miscompiled_step_whose_eager_replay_is_finite_is_blamed_on_the_compiler_and_its_stage(tmp_path):
     model = Smooth()
     backend = Miscompiling()

@@ -23,7 +23,6 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import opwatch
-from support import known_on_torch_2_6
 from opwatch.render import guard as words
 from opwatch.runners.guarded.compiled import CompiledVerdict, narrow
 from opwatch.runners.guarded.narrow import Capture, NodeFact, Value, first_wrong_node
@@ -123,7 +122,6 @@ def train(model, compiled, batches, **options):
     return guarded
 
 
-@known_on_torch_2_6("the step's own backend is not named as the first stage that makes the nan")
 def test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_that_reproduces(tmp_path):
     torch.manual_seed(0)
     model = Block()
