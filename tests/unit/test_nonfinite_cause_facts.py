@@ -138,3 +138,17 @@ def test_an_input_whose_range_is_unknown_is_told_where_it_was_made_and_whether_i
     problem, _, _ = explain(finding)
     assert f"input f32[3, 4] cpu: {health}" in problem, problem
     assert f"made nan {inputs} (" in problem, problem
+
+
+def test_a_tensor_whose_storage_was_freed_is_not_read_again():
+    """FSDP frees an unsharded parameter's storage after its forward (resize_(0)), the tensor
+    object keeping its shape: the cause's re-runs must not read it (they crashed FSDP2 ranks)."""
+    from opwatch.checks.nonfinite.cause import holds_its_data
+
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    assert holds_its_data(weight) and holds_its_data(weight.t()) and holds_its_data(weight[1:, 2])
+    freed = torch.randn(4, 3)
+    freed.untyped_storage().resize_(0)
+    assert freed.shape == (4, 3) and not holds_its_data(freed)
+    assert not holds_its_data(torch.empty(2, device="meta"))
+    assert holds_its_data(torch.empty(0, 3))

@@ -567,7 +567,7 @@ def _rerun(record, found):
     tensors = []
     for meta in record.inputs:
         tensor = found.get(meta[M_IDENT])
-        if tensor is None:
+        if tensor is None or not holds_its_data(tensor):
             return None
         tensors.append(tensor)
     if not tensors or sum(tensor.numel() for tensor in tensors) > _MAX_RERUN_NUMEL:
@@ -600,6 +600,23 @@ def _rerun(record, found):
         if math.isfinite(low) and math.isfinite(high):
             return candidate, max(abs(low), abs(high))
     return (None, None)
+
+
+def holds_its_data(tensor) -> bool:
+    """Whether ``tensor`` may be read again to run an op on it: a plain strided tensor (no
+    subclass such as a DTensor, whose ops would talk to other ranks) whose storage still holds
+    every element it views. FSDP frees an unsharded parameter's storage after its forward
+    (``resize_(0)``) while the tensor object lives on with its shape: reading it then reads
+    freed memory."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided or tensor.is_meta:
+        return False
+    if tensor.numel() == 0:
+        return True
+    try:
+        extent = tensor.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        return tensor.untyped_storage().nbytes() >= extent * tensor.element_size()
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 # -- the chain that made it -------------------------------------------------------------------
@@ -658,7 +675,7 @@ class _Chain:
 
     def _leaf(self, meta, before):
         tensor = self._live.get(meta[M_IDENT])
-        if tensor is None or self._writes.after(meta[M_IDENT], before - 1) or not self._afford(tensor):
+        if tensor is None or not holds_its_data(tensor) or self._writes.after(meta[M_IDENT], before - 1) or not self._afford(tensor):
             return None
         narrow = tensor.detach().clone()
         return narrow, _widened(narrow)
