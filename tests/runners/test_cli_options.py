@@ -52,7 +52,7 @@ def test_allow_accepts_the_known_anomaly_even_in_strict_mode(tmp_path):
     allowed = run(tmp_path, "--strict", "--allow", "kind=broadcast,where=train.py:13")
     assert allowed.returncode == 0, allowed.stderr
     assert allowed.stdout.count("loss ") == 3
-    assert "opwatch: no anomalies." in allowed.stderr and "3 finding(s) matched an allow entry" in allowed.stderr
+    assert "opwatch: no anomalies." in allowed.stderr and "3 finding(s) matched an --allow entry" in allowed.stderr
 
 
 def test_allow_entries_that_do_not_match_leave_the_anomaly(tmp_path):
