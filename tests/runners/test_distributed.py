@@ -29,7 +29,7 @@ from opwatch.render.messages import explain
 
 from support.helpers import line_of
 
-from support import SCENARIOS, known_on_torch_2_6
+from support import SCENARIOS
 from support.distributed import spawn
 import dist_cases  # noqa: E402
 
@@ -60,15 +60,15 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def functional_ranks(tmp_path_factory):
-    """The functional collectives' case on 2 ranks, apart: on torch 2.6 it crashes its ranks."""
+    """The functional collectives' case on 2 ranks, in a group of its own."""
     return _spawn(2, ["functional"], tmp_path_factory.mktemp("functional_ranks"))
 
 
 @pytest.fixture(scope="module")
 def two_sharded_ranks(tmp_path_factory):
-    """The sharded 2-rank cases (FSDP2, DTensor), in a group of their own: PyPI's CUDA builds of
-    torch 2.6 and 2.14 crash in them on a machine without a GPU (SIGSEGV), and that must not take
-    the plain cases' tests with it."""
+    """The sharded 2-rank cases (FSDP2, DTensor), in a group of their own: a rank that crashes
+    in them (the nan/inf cause once read FSDP's freed storage: SIGSEGV) must not take the plain
+    cases' tests with it."""
     return _spawn(2, ["ddp", "functional", "fsdp2", "dtensor"], tmp_path_factory.mktemp("two_sharded_ranks"))
 
 
@@ -157,14 +157,12 @@ def test_a_rank_that_does_not_report_is_named(four_ranks):
 # -- functional collectives, c10d lists, FSDP2, DTensor ---------------------------------------
 
 
-@known_on_torch_2_6("the functional collectives' case crashes its ranks on gloo (SIGSEGV)")
 def test_functional_collectives_raise_no_false_alarm(functional_ranks):
     for rank in (0, 1):
         assert functional_ranks[rank]["functional"]["false_alarms"] == []
         assert functional_ranks[rank]["functional"]["total_finite"]
 
 
-@known_on_torch_2_6("the functional collectives' case crashes its ranks on gloo (SIGSEGV)")
 def test_functional_collective_received_and_its_consumer_not_blamed(functional_ranks):
     zero, one = functional_ranks[0]["functional"], functional_ranks[1]["functional"]
     line = line_of("# functional: received on rank 0", CASES_FILE)
@@ -172,7 +170,6 @@ def test_functional_collective_received_and_its_consumer_not_blamed(functional_r
     assert one["anomalies"] == [["nan", "aten.sqrt.default", f"dist_cases.py:{line_of('# nan on rank 1', CASES_FILE)}", "forward", False, 1]]
 
 
-@known_on_torch_2_6("the functional collectives' case crashes its ranks on gloo (SIGSEGV)")
 def test_c10d_nested_list_outputs_are_recorded(functional_ranks):
     c10d = functional_ranks[0]["functional"]["c10d"]
     (row,) = [row for row in c10d["rows"] if row[0] == "c10d.allgather_.default"]
