@@ -27,7 +27,7 @@ import torch
 
 from .compat import amp_non_finite_check, dtensor_class, dtensor_parts, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "local_shards", "nonfinite_kind", "value_extremes", "readable", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "local_shards", "nonfinite_kind", "value_extremes", "readable", "tensors_in", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
 
 # float8 dtype -> the dtype it is read through (reductions do not take float8): one that holds
 # each of its values exactly, its nan and inf included. The names torch has (e8m0fnu: 2.7+).
@@ -44,6 +44,22 @@ FLOAT8_DTYPES = frozenset(_FLOAT8_READ)
 # The dtypes whose values can be nan or inf, for every reader (the nan/inf check's tracker and
 # replay, guard, leave-on): the floating ones, float8 included, and the complex ones.
 CHECKED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}) | FLOAT8_DTYPES
+
+
+def tensors_in(value) -> list:
+    """The tensors of a nested argument (lists, tuples and dicts' values), in order: what a
+    step fed a model, or what an op wrote, for the finite readers."""
+    found: list = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return found
 
 
 def readable(tensor):

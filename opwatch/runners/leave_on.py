@@ -42,7 +42,7 @@ import torch
 from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..findings.ranks import RankAnomaly
 from ..core.compat import no_python_dispatch, version_counters
-from ..core.finite import FusedFiniteCheck, nonfinite_kind
+from ..core.finite import FusedFiniteCheck, nonfinite_kind, tensors_in
 from ..core.sites import display_path, position_of, user_frame, warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
@@ -631,7 +631,7 @@ class LeaveOn:
         named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
         with torch.no_grad(), no_python_dispatch():
             for name, value in named:
-                for tensor in _tensors(value):
+                for tensor in tensors_in(value):
                     kind = nonfinite_kind(tensor) if tensor.is_floating_point() or tensor.is_complex() else None
                     if kind is not None:
                         position = position_of(code, lasti)
@@ -721,18 +721,6 @@ def _facts(origin):
         return None
     facts = (origin.kind, origin.op, origin.where, origin.phase)
     return facts + (origin.rank,) if isinstance(origin, RankAnomaly) else facts
-
-
-def _tensors(value):
-    """The tensors in a model's argument (nested lists, tuples and dicts), in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def _loss_kind(losses) -> str | None:

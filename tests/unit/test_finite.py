@@ -99,3 +99,13 @@ def test_value_extremes_is_the_one_reading_of_values_nan_carrying_through():
     assert low != low and high != high  # nan wins over inf, on both sides
     assert value_extremes(torch.tensor([1.0, float("inf")])) == (1.0, float("inf"))
     assert value_extremes(torch.arange(4)) is None and value_extremes(torch.empty(0)) is None
+
+
+def test_tensors_in_walks_nested_arguments_in_order():
+    from opwatch.core.finite import tensors_in
+
+    a, b, c, d = (torch.full((n,), float(n)) for n in (1, 2, 3, 4))
+    batch = {"input_ids": a, "extra": [b, (c, "text", 7)], "mask": None}
+    assert [t.numel() for t in tensors_in(batch)] == [1, 2, 3]
+    assert [t.numel() for t in tensors_in((d, batch))] == [4, 1, 2, 3]
+    assert tensors_in("no tensor") == [] and tensors_in(a)[0] is a

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...core.compat import SKIPS_DYNAMO_PER_CODE, no_python_dispatch, skip_dynamo_for_code
-from ...core.finite import nonfinite_kind
+from ...core.finite import nonfinite_kind, tensors_in
 from ...core.notation import format_meta
 
 __all__ = ["InputCapture", "SavedCall", "write_repro"]
@@ -167,11 +167,11 @@ class InputCapture(TorchDispatchMode):
         if len(self.calls) < self._max_calls and not self.broken:
             try:
                 with no_python_dispatch():
-                    made = _nonfinite_kind(_tensors_in(out) if out is not None else [])
+                    made = _nonfinite_kind(tensors_in(out) if out is not None else [])
                     if made is None and writes:
-                        made = _nonfinite_kind(_tensors_in([_argument(args, kwargs, position, name) for position, name in writes]))
+                        made = _nonfinite_kind(tensors_in([_argument(args, kwargs, position, name) for position, name in writes]))
                     if made is not None:
-                        had = _nonfinite_kind(_tensors_in(_with_before(args, kwargs, before)))
+                        had = _nonfinite_kind(tensors_in(_with_before(args, kwargs, before)))
                         if (made == "nan" and had != "nan") or (made == "inf" and had is None):
                             self._keep(func, index, args, kwargs, before)
             except Exception as error:
@@ -236,20 +236,6 @@ def _with_before(args, kwargs, before) -> tuple:
         else:
             kwargs[name] = value
     return tuple(args), kwargs
-
-
-def _tensors_in(value) -> list:
-    found = []
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, _Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return found
 
 
 def _nonfinite_kind(tensors) -> str | None:
