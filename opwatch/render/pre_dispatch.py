@@ -41,8 +41,8 @@ _SAME_FIX = {
 @explains("pre_dispatch.device", "pre_dispatch.dtype")
 def explain_pre_dispatch(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    name, argument, other, requires = facts["function"], facts["argument"], facts["other"], facts["requires"]
-    odd, *others = facts["metas"]  # the odd argument's metadata, then its counterpart's if any
+    name, argument, other, requires = facts.function, facts.argument, facts.other, facts.requires
+    odd, *others = facts.metas  # the odd argument's metadata, then its counterpart's if any
     base = next(iter(others), None)
     if requires == "cpu":
         problem = f"{name} gets {argument} {format_meta(odd)}: the lengths of a packed sequence must be a CPU tensor, whatever the device of the data"

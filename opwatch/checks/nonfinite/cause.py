@@ -62,7 +62,7 @@ from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
-from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range, read_ranges, written_inputs
 
 __all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA"]
 
@@ -109,23 +109,6 @@ NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
 DATA = "data"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
-
-
-def written_inputs(inputs, outputs) -> frozenset:
-    """The idents of the inputs an op wrote its result into: those that are also its outputs
-    (``x.sqrt_()``, ``buf.copy_(src)``, ``out=``); an op that makes new tensors has none (a new
-    tensor cannot take the id of an input alive while it runs). Metas, as records hold them."""
-    if not outputs:
-        return frozenset()
-    made = {meta[M_IDENT] for meta in outputs}
-    return frozenset(meta[M_IDENT] for meta in inputs if meta[M_IDENT] in made)
-
-
-def read_ranges(name, ranges) -> list:
-    """Of the floating inputs' ``ranges`` (in order) of op ``name`` (short, ``copy``), those the
-    op reads: ``copy_`` overwrites its destination, the first, without reading it."""
-    ranges = list(ranges)
-    return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges
 
 
 def decide_causes(origins, log) -> None:
