@@ -56,7 +56,7 @@ def explain_silent_upcast(finding) -> tuple[str, str, str]:
     expected = f"one floating dtype for all non-scalar operands (got {facts.count} operands in {', '.join(names[:-1])} and {names[-1]})"
     # The dtype the rest of the program uses, whichever side the odd operand is on (logs
     # exported before the fact existed: the narrowest dtype mixed).
-    common = facts.common or min(dtypes, key=lambda d: d.itemsize)
+    common = facts.common
     return problem, expected, _upcast_fix(finding, _name(common))
 
 

@@ -95,6 +95,8 @@ def rule_facts_from_saved(rule: str, kind: str, facts: dict):
     elif rule == "dtype.one_dtype" and "common" not in facts:  # a log older than the fact
         first, *_ = facts["dtypes"]
         facts = dict(facts, common=first)
+    elif rule == "dtype.silent_upcast" and facts.get("common") is None:  # a log older than the fact
+        facts = dict(facts, common=min(facts["dtypes"], key=lambda dtype: dtype.itemsize))
     return facts_of_rule(rule, facts)
 
 
