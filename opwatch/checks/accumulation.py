@@ -46,6 +46,7 @@ from math import prod
 
 import torch
 
+from ..core.notation import as_meta
 from ..core.ops import SOURCE_NAMES, facts_of
 from ..core.records import M_DEVICE, M_DTYPE, M_SHAPE
 from .dtype import KIND
@@ -156,8 +157,8 @@ def _write_source(func, tensors, target, source) -> Finding:
     names = tensor_names(func, len(tensors))
     facts = WriteSource(
         op=func._schema.name.split("::")[-1],
-        target=target,
-        source=source,
+        target=as_meta(target),
+        source=as_meta(source),
         source_name=_source_name(func),
         source_wider=narrows(source[M_DTYPE], target[M_DTYPE]),
         names=names,
@@ -189,8 +190,8 @@ def _check_accumulation(func, written, tensors, context=None) -> Finding | None:
     facts = NarrowingWrite(
         op=func._schema.name.split("::")[-1],
         written=names[written],
-        target=target,
-        source=odd[0],
+        target=as_meta(target),
+        source=as_meta(odd[0]),
         computed=torch.promote_types(dtype, odd[0][M_DTYPE]),
         names=names,
     )

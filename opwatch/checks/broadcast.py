@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.notation import as_meta
 from ..core.ops import facts_of
 from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE, OpRecord
 from ..core.fact_tuples import RuleFacts, rule_facts
@@ -234,8 +235,8 @@ def _paired(func, tensors, result, result_numel, implicit, context) -> Finding |
         return None  # one set against itself (t[:, None] - t, labels[:, None] == labels): a table
     facts = Paired(
         op=_op_name(func),
-        vector=vector,
-        column=column,
+        vector=as_meta(vector),
+        column=as_meta(column),
         dims=[d for d in range(-len(shape), 0) if shape[d] == 1 and result[d] > 1],
         size=lead,  # the size the result holds twice
         result=result,
@@ -290,8 +291,8 @@ def _finding(func, tensors, result, result_numel, implicit, accidental, context,
     column, dims = accidental[0]
     facts = Stretched(
         op=_op_name(func),
-        vector=implicit[0],  # gets new leading dims
-        column=column,  # stretched along its own size-1 dims
+        vector=as_meta(implicit[0]),  # gets new leading dims
+        column=as_meta(column),  # stretched along its own size-1 dims
         made_by=context.producer(column),  # a Place, or None
         dims=list(dims),  # the column's stretched dims, negative (from the right)
         result=result,

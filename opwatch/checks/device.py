@@ -25,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..core.records import M_DEVICE, M_SHAPE
+from ..core.notation import as_meta
 from ..core.ops import facts_of
 from ..core.fact_tuples import RuleFacts, rule_facts
 from .finding import Finding, tensor_names
@@ -159,7 +160,7 @@ def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
     indices = tensors[1:-1] if writes else tensors[1:]
     for position, meta in enumerate(indices, 1):
         if meta[M_DEVICE] != device and meta[M_DEVICE].type != "cpu":
-            facts = DeviceIndex(op=func._schema.name.split("::")[-1], position=position, indexed=tensors[0], index=meta)
+            facts = DeviceIndex(op=func._schema.name.split("::")[-1], position=position, indexed=as_meta(tensors[0]), index=as_meta(meta))
             return Finding(KIND, "device.index", facts, operands=tuple(tensors))
     return _check(func, (tensors[0], tensors[-1]) if writes else tensors[:1])
 

@@ -51,6 +51,7 @@ from functools import partial
 import torch
 
 from ..core.compat import restore_caller_state
+from ..core.notation import as_meta
 from ..core.ops import facts_of
 from ..core.records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..core.fact_tuples import RuleFacts, rule_facts
@@ -365,7 +366,7 @@ def _check_indices(func, writes, tensors, context=None) -> Finding | None:
     indices = tensors[1:-1] if writes else tensors[1:]
     for position, meta in enumerate(indices, 1):
         if meta[M_DTYPE] not in _INDEXING_DTYPES:
-            facts = IndexDtype(op=_short(func), position=position, index=meta, indexed=tensors[0])
+            facts = IndexDtype(op=_short(func), position=position, index=as_meta(meta), indexed=as_meta(tensors[0]))
             return Finding(KIND, "dtype.index_dtype", facts, operands=tuple(tensors))
     return None
 

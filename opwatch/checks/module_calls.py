@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import PackedSequence
 from . import device as device_check
 from . import dtype as dtype_check
 from ..core.fact_tuples import RuleFacts, rule_facts
+from ..core.notation import TensorMeta
 from .finding import Finding
 
 __all__ = ["check_call", "ConvCall", "RnnCall"]
@@ -84,8 +85,8 @@ def _rule_for(cls):
     return None
 
 
-def _meta(tensor) -> tuple:
-    return (tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
+def _meta(tensor) -> TensorMeta:
+    return TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
 
 
 def _floating_mix(a, b) -> bool:

@@ -46,6 +46,7 @@ from ..core.records import M_DTYPE
 from . import device as device_check
 from . import dtype as dtype_check
 from ..core.fact_tuples import RuleFacts, rule_facts
+from ..core.notation import as_meta
 from .finding import Finding
 
 # The check's name in ``watch(checks=...)``. Opt-in: it enters a TorchFunctionMode, and torch
@@ -129,6 +130,7 @@ def _get(args, kwargs, position: int, name: str):
 
 
 def _meta(tensor) -> tuple:
+    """The plain metadata tuple a log entry holds (the function mode logs the call with it)."""
     return (tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
 
 
@@ -136,7 +138,7 @@ def _finding(rule, name, argument, odd, other_name, other, requires) -> Finding:
     kind = device_check.KIND if rule == DEVICE_RULE else dtype_check.KIND
     odd_meta = _meta(odd)
     metas = (odd_meta,) if other is None else (odd_meta, _meta(other))
-    facts = PreDispatch(function=name, argument=argument, other=other_name, requires=requires, metas=metas)
+    facts = PreDispatch(function=name, argument=argument, other=other_name, requires=requires, metas=tuple(map(as_meta, metas)))
     return Finding(kind, rule, facts, operands=metas, odd=(odd_meta,))
 
 

@@ -21,7 +21,6 @@ When the finding waited for its result's use (the stretched operand's size-1 dim
 from __future__ import annotations
 
 from ..core.notation import format_meta, format_shape
-from ..core.records import M_SHAPE
 from .phrases import place
 from .rules import explains
 
@@ -47,11 +46,11 @@ def explain_broadcast(finding) -> tuple[str, str, str]:
         f"{format_meta(column)}{made} is stretched along dim {dims_text}; "
         f"{returns}, {facts.growth}x more elements than its largest input{reduced}"
     )
-    shape = format_shape(vector[M_SHAPE])
+    shape = format_shape(vector.shape)
     expected = f"operands whose shapes already agree (e.g. {shape} with {shape}), or size-1 dims made on purpose with unsqueeze / None indexing"
     fix = (
         f"drop the size-1 dim where it is made (.squeeze({dims[0]}) or .view(-1) on the "
-        f"{format_shape(column[M_SHAPE])} operand), or give the other side the same dim with .unsqueeze({dims[0]}); "
+        f"{format_shape(column.shape)} operand), or give the other side the same dim with .unsqueeze({dims[0]}); "
         f"if the {format_shape(result)} result is intended, write it with unsqueeze/None on both sides"
     )
     return problem, expected, fix
@@ -61,7 +60,7 @@ def explain_broadcast(finding) -> tuple[str, str, str]:
 def explain_paired(finding) -> tuple[str, str, str]:
     facts = finding.facts
     vector, column, result, size = facts.vector, facts.column, facts.result, facts.size
-    own = vector[M_SHAPE]
+    own = vector.shape
     wanted = (size,) + (1,) * (len(own) - 1)
     problem = (
         f"{format_meta(column)} (size-1 dims made with unsqueeze) meets {format_meta(vector)}, which gets new "
@@ -69,7 +68,7 @@ def explain_paired(finding) -> tuple[str, str, str]:
         f"of one is paired with every row of the other ({facts.growth}x more elements than its largest input), "
         f"and {facts.reduced_by} reduces it straight away"
     )
-    expected = f"the {format_shape(column[M_SHAPE])} operand as {format_shape(wanted)}, so that row i meets row i of the {format_shape(own)} operand"
+    expected = f"the {format_shape(column.shape)} operand as {format_shape(wanted)}, so that row i meets row i of the {format_shape(own)} operand"
     how = (
         f"leave out the unsqueeze: {format_shape(wanted)} values meet the other operand row by row"
         if len(own) == 1

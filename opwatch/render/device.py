@@ -15,7 +15,6 @@ Facts of each rule:
 from __future__ import annotations
 
 from ..core.notation import format_meta
-from ..core.records import M_DEVICE
 from .phrases import named
 from .rules import explains
 
@@ -47,7 +46,7 @@ def explain_mix(finding) -> tuple[str, str, str]:
 def explain_index(finding) -> tuple[str, str, str]:
     facts = finding.facts
     indexed, index = facts.indexed, facts.index
-    devices = [str(indexed[M_DEVICE]), str(index[M_DEVICE])]
+    devices = [str(indexed.device), str(index.device)]
     indexed_on, index_on = devices
     problem = (
         f"index tensor {format_meta(index)} (index #{facts.position}) of {facts.op} is on "

@@ -17,7 +17,6 @@ import torch
 
 from ..core.notation import format_dtype as _name
 from ..core.notation import format_meta
-from ..core.records import M_DEVICE, M_DTYPE
 from .device import meta_note
 from .rules import explains
 
@@ -26,7 +25,7 @@ _CONV_TORCH_NAMES = {torch.float64: "double", torch.float32: "float", torch.floa
 
 
 def _device_sentences(name, what, tensor, whose, device, torch_says) -> tuple[str, str, str]:
-    devices = [device, str(tensor[M_DEVICE])]
+    devices = [device, str(tensor.device)]
     return (
         f"{name}'s {what} {format_meta(tensor)} is not on {whose} device ({device}); "
         f"torch raises '{torch_says}' from inside nn.{name}.{meta_note(devices)}",
@@ -46,7 +45,7 @@ def explain_rnn_input_device(finding) -> tuple[str, str, str]:
 def explain_rnn_state_device(finding) -> tuple[str, str, str]:
     facts = finding.facts
     what = f"initial state {facts.label}"
-    device = str(facts.input[M_DEVICE])
+    device = str(facts.input.device)
     torch_says = "Input and hidden tensors are not at the same device"
     return _device_sentences(facts.module, what, facts.state, "the input's", device, torch_says)
 
@@ -57,7 +56,7 @@ def explain_rnn_input_dtype(finding) -> tuple[str, str, str]:
     data, weight = facts.input, facts.weight_dtype
     problem = (
         f"{facts.module} gets an input {format_meta(data)} for {_name(weight)} parameters; "
-        f"torch raises 'RNN input dtype ({data[M_DTYPE]}) does not match weight dtype ({weight})'"
+        f"torch raises 'RNN input dtype ({data.dtype}) does not match weight dtype ({weight})'"
     )
     return (
         problem,
@@ -77,13 +76,13 @@ def explain_rnn_state_dtype(finding) -> tuple[str, str, str]:
     )
     return (
         problem,
-        f"{label} in the input's dtype ({_name(data[M_DTYPE])})",
+        f"{label} in the input's dtype ({_name(data.dtype)})",
         f"make the state like the input: torch.zeros(..., dtype=x.dtype, device=x.device) or {label}.to(x.dtype)",
     )
 
 
 def _conv_torch_says(facts) -> str:
-    data, bias = facts.input[M_DTYPE], facts.bias_dtype
+    data, bias = facts.input.dtype, facts.bias_dtype
     names = _CONV_TORCH_NAMES
     return f"'Input type ({names.get(data, str(data))}) and bias type ({names.get(bias, str(bias))}) should be the same' before any op runs"
 

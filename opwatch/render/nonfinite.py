@@ -15,7 +15,7 @@ from ..checks.nonfinite.rules import HEADROOM_FACTOR
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
 from ..core.ops import named_new_data
-from ..core.records import BACKWARD, M_DTYPE, M_IDENT
+from ..core.records import BACKWARD
 from ..core.sites import display_path
 from .phrases import where_made
 from .rules import causes, explains
@@ -222,7 +222,7 @@ def _not_known_finite(facts) -> bool:
     alive = facts.input_alive or (False,) * len(input_ranges)
     unread = _unread(facts, input_ranges)
     return any(
-        value_range is None and meta[M_IDENT] != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
+        value_range is None and meta.ident != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
         for (meta, value_range), where, living in zip(input_ranges, made, alive)
     )
 
@@ -232,7 +232,7 @@ def _unread(facts, input_ranges):
     if facts.op_name != "copy" or len(input_ranges) < 2:
         return None
     (meta, _), *_ = input_ranges
-    return meta[M_IDENT] if meta[M_IDENT] in facts.written else None
+    return meta.ident if meta.ident in facts.written else None
 
 
 def _input_health(finding) -> str:
@@ -253,12 +253,12 @@ def _input_health(finding) -> str:
     unread = _unread(facts, input_ranges)
     name = facts.op_name
     for (meta, value_range), where, living in zip(input_ranges, made, alive):
-        if meta[M_IDENT] == unread:
+        if meta.ident == unread:
             parts.append(f"input {format_meta(meta)}: the destination, overwritten: {name} does not read it")
-        elif meta[M_IDENT] in written:
+        elif meta.ident in written:
             before = "range before the write unknown" if value_range is None else _range_text(value_range)
             parts.append(f"input {format_meta(meta)}, which {name} wrote its result into: {before} ({_written_why(where)})" if value_range is None else f"input {format_meta(meta)}, before {name} wrote its result into it: {before}")
-        elif value_range is None and meta[M_IDENT] == held:
+        elif value_range is None and meta.ident == held:
             parts.append(f"input {format_meta(meta)}: already held {cause.held}")
         elif value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
@@ -295,7 +295,7 @@ def _held_input(cause):
     if cause is None or cause.kind not in (INPUT, WEIGHTS):
         return None
     carried = cause.through if cause.through is not None else cause.tensor
-    return carried[M_IDENT]
+    return carried.ident
 
 
 def _unknown_why(made, alive: bool | str | None = False) -> str:
@@ -379,7 +379,7 @@ _COUNTS = frozenset(("all_ignored", "zero_weight"))
 
 
 def _overflow_reason(detail, name, facts) -> str | None:
-    dtype = next((meta[M_DTYPE] for meta in facts.outputs), None)
+    dtype = next((meta.dtype for meta in facts.outputs), None)
     if dtype is None or not dtype.is_floating_point:
         return None
     limit = torch.finfo(dtype).max
@@ -474,7 +474,7 @@ def explain_cause(finding) -> str | None:
     if kind in (INPUT, WEIGHTS):
         which = "parameter" if kind == WEIGHTS else "input"
         text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
-        if cause.through is not None and cause.through[M_IDENT] != cause.tensor[M_IDENT]:
+        if cause.through is not None and cause.through.ident != cause.tensor.ident:
             text += f" (its input {format_meta(cause.through)} was taken from it)"
         if cause.made is not None:
             text += f"; {where_made(cause.made)}"
@@ -630,7 +630,7 @@ def _divides_by_a_count(facts) -> bool:
     if len(inputs) < 2:
         return False
     _, divisor, *_ = inputs
-    dtype = divisor[M_DTYPE]
+    dtype = divisor.dtype
     return isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
 
 

@@ -87,7 +87,9 @@ def finding_from_fields(fields: dict):
 
 def rule_facts_from_saved(rule: str, kind: str, facts: dict):
     """A saved finding's facts (by name, as every format wrote them) as its rule's class, with
-    what a log of an older version lacks worked out from what it holds (never in render)."""
+    what a log of an older version lacks worked out from what it holds (never in render):
+    tensor metadata saved as plain items (format 4 and older) read as :class:`TensorMeta`."""
+    facts = {name: _named_metas(value) for name, value in facts.items()}
     if rule in ("nonfinite.origin", "nonfinite.received"):
         facts = _upgraded_origin(kind, facts)
     elif rule.startswith("collective.") and "calls" in facts:  # format 4 and older: each call a dict
@@ -98,6 +100,30 @@ def rule_facts_from_saved(rule: str, kind: str, facts: dict):
     elif rule == "dtype.silent_upcast" and facts.get("common") is None:  # a log older than the fact
         facts = dict(facts, common=min(facts["dtypes"], key=lambda dtype: dtype.itemsize))
     return facts_of_rule(rule, facts)
+
+
+def _named_metas(value):
+    """``value`` with every tensor's metadata in it (a plain ``(shape, dtype, device, ident)``
+    tuple) as a :class:`TensorMeta`, inside tuples, lists and named tuples of facts too."""
+    if type(value) is tuple:
+        if _is_plain_meta(value):
+            return TensorMeta(*value)
+        return tuple(_named_metas(item) for item in value)
+    if type(value) is list:
+        return [_named_metas(item) for item in value]
+    if isinstance(value, tuple) and type(value) is not TensorMeta and hasattr(value, "_fields"):
+        return type(value)._make(_named_metas(item) for item in value)
+    return value
+
+
+def _is_plain_meta(value: tuple) -> bool:
+    if len(value) not in (4, 5):
+        return False
+    shape, dtype, device, ident, *_ = value
+    return (
+        (shape is None or type(shape) is tuple) and isinstance(dtype, (torch.dtype, str)) and isinstance(device, (torch.device, str))
+        and type(ident) is int
+    )
 
 
 def _upgraded_origin(kind: str, facts: dict) -> dict:

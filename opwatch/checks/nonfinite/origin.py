@@ -36,6 +36,7 @@ import math
 from typing import NamedTuple
 
 from ...core.fact_tuples import RuleFacts, rule_facts
+from ...core.notation import as_meta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DTYPE, M_SHAPE
 from ..finding import Finding, Place
@@ -122,7 +123,7 @@ def _place(record):
 
 def _signature(record) -> dict:
     """The record's signature parts, as facts."""
-    return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
+    return {"op": record.op, "inputs": tuple(map(as_meta, record.inputs)), "outputs": tuple(map(as_meta, record.outputs or ()))}
 
 
 class Verdict(NamedTuple):
@@ -215,7 +216,7 @@ class Origin:
         loss = _place(self.loss) if self.reduces_deliberate else None
         signature = _signature(record)
         op_name = facts_of(record.func).name
-        input_ranges = tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges)
+        input_ranges = tuple((as_meta(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges)
         facts = OriginFacts(
             **signature,
             op_name=op_name,
