@@ -19,11 +19,27 @@ from opwatch.checks.device import DeviceMix
 from opwatch.checks.nonfinite.cause import MATH, Cause
 from opwatch.checks.nonfinite.origin import OriginFacts
 from opwatch.core.fact_tuples import RULE_FACTS, RuleFacts, facts_of_rule
+from opwatch.core.notation import TensorMeta
 from opwatch.render import explanations  # noqa: F401  (every render module: each rule's explain registered)
 from opwatch.render.rules import EXPLAIN
 from opwatch.storage.codec import finding_fields, finding_from_fields, rule_facts_from_saved
 
 RENDER = pathlib.Path(opwatch.__file__).parent / "render"
+V4_LOG = pathlib.Path(__file__).resolve().parent / "data" / "log_v4_rules.jsonl"
+
+
+def plain_metas(value) -> list:
+    """The tensor metadata in ``value`` (facts, nested) held as plain tuples, not TensorMeta."""
+    if isinstance(value, RuleFacts):
+        return plain_metas(tuple(value.fields().values()))
+    if type(value) is TensorMeta:
+        return []
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        if type(value) is tuple and len(items) == 4 and isinstance(items[1], torch.dtype) and isinstance(items[2], torch.device):
+            return [value]
+        return [found for item in items for found in plain_metas(item)]
+    return []
 
 
 def test_every_explained_rule_has_one_frozen_class_of_facts():
@@ -60,6 +76,7 @@ def test_a_training_run_hands_render_typed_facts_that_survive_the_export(tmp_pat
     assert {"broadcast.implicit", "dtype.silent_upcast", "nonfinite.origin"} <= {finding.rule for finding in findings}
     for finding in findings:
         assert type(finding.facts) is RULE_FACTS[finding.rule], finding.rule
+        assert not plain_metas(finding.facts), finding.rule
         saved = finding_from_fields(json.loads(json.dumps(finding_fields(finding))))
         assert type(saved.facts) is type(finding.facts) and saved.facts.fields().keys() == finding.facts.fields().keys()
     origin = next(finding for finding in findings if finding.rule == "nonfinite.origin")
@@ -67,6 +84,15 @@ def test_a_training_run_hands_render_typed_facts_that_survive_the_export(tmp_pat
     path = tmp_path / "run.jsonl"
     w.export_jsonl(path)
     assert [str(anomaly) for anomaly in opwatch.load(path).anomalies] == [str(anomaly) for anomaly in w.anomalies]
+
+
+def test_a_format_4_log_reads_each_rules_facts_as_its_class_with_tensors_read_by_field():
+    saved = opwatch.load(V4_LOG)
+    assert saved.anomalies
+    for anomaly in [*saved.anomalies, *saved.contained]:
+        facts = anomaly.finding.facts
+        assert type(facts) is RULE_FACTS[anomaly.finding.rule] and not plain_metas(facts), anomaly.finding.rule
+    assert plain_metas(((4,), torch.float32, torch.device("cpu"), 1)) and not plain_metas(TensorMeta((4,), torch.float32, torch.device("cpu"), 1))
 
 
 def test_a_format_4_origin_without_the_derived_facts_gets_them_when_read():
