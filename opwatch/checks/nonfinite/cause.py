@@ -58,7 +58,7 @@ from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
-from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, ModuleCall, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
@@ -226,7 +226,10 @@ class _Writes:
                 outputs = entry_outputs(entry) or ()
                 for meta in outputs:
                     last[meta[M_IDENT]] = at
-                facts = facts_of(self._log.funcs[entry[E_FUNC]])
+                func = self._log.funcs[entry[E_FUNC]]
+                if isinstance(func, ModuleCall):
+                    continue  # a module or function call judged before it ran: no op wrote anything
+                facts = facts_of(func)
                 if aliases and not facts.is_view and not facts.mutated_args:
                     for meta in outputs:  # a new tensor: its id's old views are not its
                         aliases.forget(meta[M_IDENT])
