@@ -139,7 +139,7 @@ class Finding:
         rule: which rule fired (``"device.mix"``, ``"dtype.silent_upcast"``, ...): the render
             package's ``explain`` function for it turns the facts into sentences.
         facts: the rule's plain data (numbers, names, dtypes, devices, tensor metadata tuples,
-            :class:`Place`), one :class:`~opwatch.core.fact_tuples.RuleFacts` class per rule,
+            :class:`Place`), one ``RuleFacts`` class per rule (``opwatch.core.fact_tuples``),
             defined beside the check that makes it (``opwatch.checks.device.DeviceMix``) and
             read by field (``facts.devices``; ``facts["devices"]`` reads the same).
         operands: the metadata ``(shape, dtype, device, ident)`` of the tensors involved.
