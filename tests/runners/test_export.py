@@ -284,7 +284,7 @@ def test_load_refuses_other_files(tmp_path):
         load(other)
     newer = tmp_path / "newer.jsonl"
     newer.write_text(json.dumps({"format": FORMAT, "version": VERSION + 1}) + "\n")
-    reads = "versions 3 and 4" if READS == (3, 4) else f"version {VERSION}"
+    reads = "versions 3, 4 and 5" if READS == (3, 4, 5) else f"version {VERSION}"
     assert reads.endswith(str(VERSION))
     with pytest.raises(ValueError, match=f"version {VERSION + 1}; this opwatch reads {reads}: upgrade opwatch"):
         load(newer)

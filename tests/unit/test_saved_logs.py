@@ -70,7 +70,7 @@ def test_a_log_written_now_keeps_the_path_and_the_class_and_prints_what_the_watc
     path = tmp_path / "run.jsonl"
     w.export_jsonl(path)
     saved = opwatch.load(path)
-    assert saved.header["version"] == 4
+    assert saved.header["version"] == 5
     assert [(r.module, r.module_class) for r in saved.records] == [(r.module, r.module_class) for r in w.records]
     assert ("0.proj", "Linear") in {(r.module, r.module_class) for r in saved.records}
     assert saved.table(last=None) == w.table(last=None) and "0 (_Block)" in saved.table(last=None)
