@@ -46,15 +46,37 @@ from math import prod
 
 import torch
 
+from ..core.notation import as_meta
 from ..core.ops import SOURCE_NAMES, facts_of
 from ..core.records import M_DEVICE, M_DTYPE, M_SHAPE
 from .dtype import KIND
+from ..core.fact_tuples import RuleFacts, rule_facts
 from .finding import Finding, tensor_names
 
-__all__ = ["KIND", "for_op", "narrows", "WRITE_SOURCE", "NARROWING_WRITE"]
+__all__ = ["KIND", "for_op", "narrows", "WRITE_SOURCE", "NARROWING_WRITE", "NarrowingWrite", "WriteSource"]
 
 WRITE_SOURCE = "dtype.write_source"
 NARROWING_WRITE = "dtype.narrowing_write"
+
+
+@rule_facts(WRITE_SOURCE)
+class WriteSource(RuleFacts):
+    op: str  # the op's short name (``index_add_``)
+    target: tuple  # the written tensor's metadata
+    source: tuple  # the source's
+    source_name: str  # the source argument's name
+    source_wider: bool  # the source's dtype is wider than the target's
+    names: list  # the op's tensor arguments' names
+
+
+@rule_facts(NARROWING_WRITE)
+class NarrowingWrite(RuleFacts):
+    op: str
+    written: str  # the written argument's name
+    target: tuple
+    source: tuple  # the first operand wider than the target
+    computed: object  # the dtype the op computes in before rounding into the target
+    names: list
 
 # Floating dtypes by precision; f16 and bf16 share a rank (each loses what the other holds).
 _RANK = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -133,14 +155,14 @@ def _runs_as_masked_fill(target, indices, source) -> bool:
 
 def _write_source(func, tensors, target, source) -> Finding:
     names = tensor_names(func, len(tensors))
-    facts = {
-        "op": func._schema.name.split("::")[-1],
-        "target": target,
-        "source": source,
-        "source_name": _source_name(func),
-        "source_wider": narrows(source[M_DTYPE], target[M_DTYPE]),
-        "names": names,
-    }
+    facts = WriteSource(
+        op=func._schema.name.split("::")[-1],
+        target=as_meta(target),
+        source=as_meta(source),
+        source_name=_source_name(func),
+        source_wider=narrows(source[M_DTYPE], target[M_DTYPE]),
+        names=names,
+    )
     return Finding(KIND, WRITE_SOURCE, facts, operands=tuple(tensors), odd=(source,))
 
 
@@ -165,12 +187,12 @@ def _check_accumulation(func, written, tensors, context=None) -> Finding | None:
         return None
     odd = tuple(meta for meta in tensors if meta[M_SHAPE] and narrows(meta[M_DTYPE], dtype))
     names = tensor_names(func, len(tensors))
-    facts = {
-        "op": func._schema.name.split("::")[-1],
-        "written": names[written],
-        "target": target,
-        "source": odd[0],
-        "computed": torch.promote_types(dtype, odd[0][M_DTYPE]),
-        "names": names,
-    }
+    facts = NarrowingWrite(
+        op=func._schema.name.split("::")[-1],
+        written=names[written],
+        target=as_meta(target),
+        source=as_meta(odd[0]),
+        computed=torch.promote_types(dtype, odd[0][M_DTYPE]),
+        names=names,
+    )
     return Finding(KIND, NARROWING_WRITE, facts, operands=tuple(tensors), odd=odd)

@@ -52,11 +52,39 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.notation import as_meta
 from ..core.ops import facts_of
 from ..core.records import E_ARGS, E_INDEX, E_SITE, M_IDENT, M_SHAPE, OpRecord
+from ..core.fact_tuples import RuleFacts, rule_facts
 from .finding import Finding, Place
 
-__all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance", "Expand"]
+__all__ = ["KIND", "for_op", "check", "broadcast_shape", "ShapeProvenance", "Expand", "Paired", "Stretched"]
+
+
+@rule_facts("broadcast.implicit", "broadcast.tensors")
+class Stretched(RuleFacts):
+    op: str  # the op's short name
+    vector: tuple  # the operand that gets new leading dims (its metadata)
+    column: tuple  # the operand stretched along its own size-1 dims
+    made_by: Place | None  # the op that made the column, when known
+    dims: list  # the column's stretched dims, negative (from the right)
+    result: tuple  # the result's shape
+    growth: int  # times more elements than the largest operand
+    at: object = None  # for a result reduced straight away: where it was made
+    reduced_by: str | None = None  # and the reduction's op
+
+
+@rule_facts("broadcast.paired")
+class Paired(RuleFacts):
+    op: str
+    vector: tuple
+    column: tuple
+    dims: list
+    size: int  # the size the result holds twice
+    result: tuple
+    growth: int
+    at: object = None
+    reduced_by: str | None = None
 
 KIND = "broadcast"
 
@@ -205,15 +233,15 @@ def _paired(func, tensors, result, result_numel, implicit, context) -> Finding |
         return None
     if len(own) == 1 and context.shapes.same_source(column, vector):
         return None  # one set against itself (t[:, None] - t, labels[:, None] == labels): a table
-    facts = {
-        "op": _op_name(func),
-        "vector": vector,
-        "column": column,
-        "dims": [d for d in range(-len(shape), 0) if shape[d] == 1 and result[d] > 1],
-        "size": lead,  # the size the result holds twice
-        "result": result,
-        "growth": result_numel // max(math.prod(meta[M_SHAPE]) for meta in tensors),
-    }
+    facts = Paired(
+        op=_op_name(func),
+        vector=as_meta(vector),
+        column=as_meta(column),
+        dims=[d for d in range(-len(shape), 0) if shape[d] == 1 and result[d] > 1],
+        size=lead,  # the size the result holds twice
+        result=result,
+        growth=result_numel // max(math.prod(meta[M_SHAPE]) for meta in tensors),
+    )
     return Finding(KIND, "broadcast.paired", facts, operands=tuple(tensors))
 
 
@@ -261,15 +289,15 @@ def _expand_size(args):
 def _finding(func, tensors, result, result_numel, implicit, accidental, context, made_by_broadcast_tensors=False) -> Finding:
     largest = max(math.prod(meta[M_SHAPE]) for meta in tensors)
     column, dims = accidental[0]
-    facts = {
-        "op": _op_name(func),
-        "vector": implicit[0],  # gets new leading dims
-        "column": column,  # stretched along its own size-1 dims
-        "made_by": context.producer(column),  # a Place, or None
-        "dims": list(dims),  # the column's stretched dims, negative (from the right)
-        "result": result,
-        "growth": result_numel // largest,  # times more elements than the largest operand
-    }
+    facts = Stretched(
+        op=_op_name(func),
+        vector=as_meta(implicit[0]),  # gets new leading dims
+        column=as_meta(column),  # stretched along its own size-1 dims
+        made_by=context.producer(column),  # a Place, or None
+        dims=list(dims),  # the column's stretched dims, negative (from the right)
+        result=result,
+        growth=result_numel // largest,  # times more elements than the largest operand
+    )
     rule = "broadcast.tensors" if made_by_broadcast_tensors else "broadcast.implicit"
     return Finding(KIND, rule, facts, operands=tuple(tensors))
 
@@ -356,7 +384,7 @@ class ShapeProvenance:
             if last is not None and last[E_INDEX] + 1 - waiting.index > _STRAIGHT_AWAY:
                 continue
             finding = waiting.finding
-            facts = dict(finding.facts, at=waiting.at, reduced_by=op)
+            facts = finding.facts.replace(at=waiting.at, reduced_by=op)
             return Finding(finding.kind, finding.rule, facts, operands=finding.operands)
         return None
 

@@ -40,9 +40,32 @@ from ..core.notation import format_meta
 from ..core.ops import collective_of
 from ..core.records import M_DEVICE, M_DTYPE, M_SHAPE
 from ..core.sites import position_of
+from typing import NamedTuple
+
+from ..core.fact_tuples import RuleFacts, fact_tuple, rule_facts
 from .finding import Finding
 
-__all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "Handshakes", "compared", "compare", "counter_key"]
+__all__ = ["KIND", "for_op", "TIMEOUT_VARIABLE", "Handshakes", "compared", "compare", "counter_key", "CollectiveCall", "CollectiveCalls"]
+
+
+@fact_tuple("collective_call")
+class CollectiveCall(NamedTuple):
+    """One distinct call of a collective among the ranks' calls."""
+
+    ranks: list  # the ranks that made it
+    op: str
+    tensors: list  # its tensors, as text (``f32[4] cuda:0``, or dtypes only)
+    where: list  # its ranks' places, each ``[filename, lineno, label]``
+
+
+@rule_facts("collective.mismatch", "collective.different_ops", "collective.late")
+class CollectiveCalls(RuleFacts):
+    op: str  # the collective's name
+    number: int  # its number on its group, from 1
+    group: str
+    timeout: float  # how long the ranks were waited for, in seconds
+    missing: list  # the ranks that wrote nothing in time, sorted
+    calls: list  # one CollectiveCall per distinct call
 
 KIND = "collective_mismatch"
 TIMEOUT_VARIABLE = "OPWATCH_COLLECTIVE_TIMEOUT"
@@ -126,7 +149,7 @@ def compare(op: str, number: int, group: str, calls: dict, missing, timeout: flo
     ``[filename, lineno, label]`` list) of the ``number``-th collective (from 1) on ``group``;
     ``missing``: ranks that wrote nothing within ``timeout`` seconds. Its facts: ``op``,
     ``number``, ``group``, ``timeout``, ``missing`` (sorted ranks) and ``calls``, one
-    ``{"ranks", "op", "tensors", "where"}`` per distinct call (``where``: its ranks' places)."""
+    :class:`CollectiveCall` per distinct call (``where``: its ranks' places)."""
     kinds: dict = {}
     for rank in sorted(calls):
         call = calls[rank]
@@ -140,14 +163,14 @@ def compare(op: str, number: int, group: str, calls: dict, missing, timeout: flo
             where = list(calls[rank]["where"])
             if where not in places:
                 places.append(where)
-        grouped.append({"ranks": ranks, "op": called, "tensors": list(tensors), "where": places})
+        grouped.append(CollectiveCall(ranks, called, list(tensors), places))
     if missing and len(kinds) <= 1:
         rule = "collective.late"
     elif len({called for called, _ in kinds}) > 1:
         rule = "collective.different_ops"
     else:
         rule = "collective.mismatch"
-    facts = {"op": op, "number": number, "group": group, "timeout": timeout, "missing": sorted(missing), "calls": grouped}
+    facts = CollectiveCalls(op=op, number=number, group=group, timeout=timeout, missing=sorted(missing), calls=grouped)
     return Finding(KIND, rule, facts)
 
 

@@ -25,10 +25,34 @@ from __future__ import annotations
 from functools import partial
 
 from ..core.records import M_DEVICE, M_SHAPE
+from ..core.notation import as_meta
 from ..core.ops import facts_of
+from ..core.fact_tuples import RuleFacts, rule_facts
 from .finding import Finding, tensor_names
 
-__all__ = ["KIND", "for_op"]
+__all__ = ["KIND", "DeviceIndex", "DeviceMix", "ScalarWritten", "for_op"]
+
+
+@rule_facts("device.mix", "device.joined")
+class DeviceMix(RuleFacts):
+    devices: list  # the devices met, in order (``"cuda:0"``, ``"cpu"``)
+    names: list  # the op's tensor arguments' names
+    target: str  # the device the odd one out should move to
+
+
+@rule_facts("device.index")
+class DeviceIndex(RuleFacts):
+    op: str  # the op's short name
+    position: int  # which index (from 1)
+    indexed: tuple  # the indexed tensor's metadata
+    index: tuple  # the index tensor's
+
+
+@rule_facts("device.scalar_written")
+class ScalarWritten(RuleFacts):
+    written: str  # the written 0-dim CPU tensor's argument name
+    device: str  # the other operand's device
+    names: list
 
 KIND = "device_mismatch"
 
@@ -104,7 +128,7 @@ def _check_written(func, written, tensors, context=None) -> Finding | None:
         for meta in tensors:
             if meta[M_DEVICE].type != "cpu":
                 names = tensor_names(func, len(tensors))
-                facts = {"written": names[written], "device": str(meta[M_DEVICE]), "names": names}
+                facts = ScalarWritten(written=names[written], device=str(meta[M_DEVICE]), names=names)
                 return Finding(KIND, "device.scalar_written", facts, operands=tuple(tensors), odd=(target,))
     return _check(func, tensors)
 
@@ -136,7 +160,7 @@ def _check_indexing(func, writes, tensors, context=None) -> Finding | None:
     indices = tensors[1:-1] if writes else tensors[1:]
     for position, meta in enumerate(indices, 1):
         if meta[M_DEVICE] != device and meta[M_DEVICE].type != "cpu":
-            facts = {"op": func._schema.name.split("::")[-1], "position": position, "indexed": tensors[0], "index": meta}
+            facts = DeviceIndex(op=func._schema.name.split("::")[-1], position=position, indexed=as_meta(tensors[0]), index=as_meta(meta))
             return Finding(KIND, "device.index", facts, operands=tuple(tensors))
     return _check(func, (tensors[0], tensors[-1]) if writes else tensors[:1])
 
@@ -173,7 +197,7 @@ def _finding(func, tensors, rule: str = "device.mix", scalars_count: bool = Fals
         for meta in tensors
         if (scalars_count or meta[M_SHAPE] or meta[M_DEVICE].type != "cpu") and (len(majority) > 1 or meta[M_DEVICE] != majority[0])
     )
-    facts = {"devices": devices, "names": tensor_names(func, len(tensors)), "target": _target(devices, majority)}
+    facts = DeviceMix(devices=devices, names=tensor_names(func, len(tensors)), target=_target(devices, majority))
     return Finding(KIND, rule, facts, operands=tuple(tensors), odd=odd)
 
 

@@ -51,11 +51,78 @@ from functools import partial
 import torch
 
 from ..core.compat import restore_caller_state
+from ..core.notation import as_meta
 from ..core.ops import facts_of
 from ..core.records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ..core.fact_tuples import RuleFacts, rule_facts
 from .finding import Finding, tensor_names
 
-__all__ = ["KIND", "for_op", "autocast_allows"]
+__all__ = [
+    "KIND", "for_op", "autocast_allows",
+    "ArgDtype", "ClassTarget", "IndexDtype", "LossFloatingTarget", "LossTarget", "OneDtype", "SilentUpcast",
+]
+
+
+@rule_facts("dtype.silent_upcast")
+class SilentUpcast(RuleFacts):
+    first: object  # the floating dtype met first
+    second: object  # the other one
+    dtypes: list  # every floating dtype of the non-scalar operands, sorted by name
+    result: object  # the dtype the op computes in
+    count: int  # how many operands take part
+    names: list  # the op's tensor arguments' names
+    common: object  # the dtype most operands have
+
+
+@rule_facts("dtype.one_dtype")
+class OneDtype(RuleFacts):
+    op: str
+    dtypes: list
+    names: list
+    common: object
+
+
+@rule_facts("dtype.arg_dtype")
+class ArgDtype(RuleFacts):
+    op: str
+    arg: str  # the argument of the wrong dtype
+    got: object
+    accepted: list  # the dtypes it takes
+    names: list
+
+
+@rule_facts("dtype.index_dtype")
+class IndexDtype(RuleFacts):
+    op: str
+    position: int  # which index (from 1)
+    index: tuple  # the index tensor's metadata
+    indexed: tuple  # the indexed tensor's
+
+
+@rule_facts("dtype.loss_floating_target")
+class LossFloatingTarget(RuleFacts):
+    op: str
+    got: object  # the target's dtype
+    wanted: object  # the input's
+    names: list
+
+
+@rule_facts("dtype.loss_target")
+class LossTarget(RuleFacts):
+    op: str
+    got: object
+    wanted: object
+    names: list
+    promoted: object  # the dtype the loss then runs in
+
+
+@rule_facts("dtype.class_target")
+class ClassTarget(RuleFacts):
+    got: object  # the class target's dtype
+    floating: bool
+    target_shape: tuple
+    input_shape: tuple
+    names: list
 
 KIND = "dtype_mismatch"
 
@@ -228,10 +295,10 @@ def _check_promotion(func, tensors, context=None) -> Finding | None:
         for other in dtypes:
             result = torch.promote_types(result, other)
         odd = _minority(involved)
-        facts = {
-            "first": floating, "second": dtype, "dtypes": sorted(dtypes, key=str), "result": result,
-            "count": len(involved), "names": tensor_names(func, len(tensors)), "common": _common(involved, odd),
-        }
+        facts = SilentUpcast(
+            first=floating, second=dtype, dtypes=sorted(dtypes, key=str), result=result,
+            count=len(involved), names=tensor_names(func, len(tensors)), common=_common(involved, odd),
+        )
         return Finding(KIND, "dtype.silent_upcast", facts, operands=tuple(tensors), odd=odd)
     return None
 
@@ -271,14 +338,15 @@ def _check_loss_target(func, name, tensors, context=None) -> Finding | None:
     got, wanted = target[M_DTYPE], source[M_DTYPE]
     if got == wanted or not wanted.is_floating_point:
         return None
-    facts = {"op": _short(func), "got": got, "wanted": wanted, "names": tensor_names(func, len(tensors))}
+    names = tensor_names(func, len(tensors))
     if not got.is_floating_point and name in _FLOATING_TARGET_LOSSES:
+        facts = LossFloatingTarget(op=_short(func), got=got, wanted=wanted, names=names)
         return Finding(KIND, "dtype.loss_floating_target", facts, operands=tuple(tensors))
     if not got.is_floating_point and name not in _INPUT_DTYPE_TARGET_LOSSES:
         return None  # an integer target of mse_loss is converted exactly; not an anomaly
     if _in_backward(context) or autocast_allows((got, wanted), source[M_DEVICE]):
         return None
-    facts["promoted"] = torch.promote_types(wanted, got)
+    facts = LossTarget(op=_short(func), got=got, wanted=wanted, names=names, promoted=torch.promote_types(wanted, got))
     return Finding(KIND, "dtype.loss_target", facts, operands=tuple(tensors))
 
 
@@ -287,10 +355,10 @@ def _check_class_target(func, tensors, context=None) -> Finding | None:
         return None
     source, target = tensors[0], tensors[1]
     got = target[M_DTYPE]
-    facts = {
-        "got": got, "floating": got.is_floating_point, "target_shape": target[M_SHAPE],
-        "input_shape": source[M_SHAPE], "names": tensor_names(func, len(tensors)),
-    }
+    facts = ClassTarget(
+        got=got, floating=got.is_floating_point, target_shape=target[M_SHAPE],
+        input_shape=source[M_SHAPE], names=tensor_names(func, len(tensors)),
+    )
     return Finding(KIND, "dtype.class_target", facts, operands=tuple(tensors))
 
 
@@ -298,7 +366,7 @@ def _check_indices(func, writes, tensors, context=None) -> Finding | None:
     indices = tensors[1:-1] if writes else tensors[1:]
     for position, meta in enumerate(indices, 1):
         if meta[M_DTYPE] not in _INDEXING_DTYPES:
-            facts = {"op": _short(func), "position": position, "index": meta, "indexed": tensors[0]}
+            facts = IndexDtype(op=_short(func), position=position, index=as_meta(meta), indexed=as_meta(tensors[0]))
             return Finding(KIND, "dtype.index_dtype", facts, operands=tuple(tensors))
     return None
 
@@ -322,7 +390,7 @@ def _check_same(func, tensors, context=None) -> Finding | None:
     if len(dtypes) <= 1:
         return None
     odd = _minority(tensors)
-    facts = {"op": _short(func), "dtypes": dtypes, "names": tensor_names(func, len(tensors)), "common": _common(tensors, odd)}
+    facts = OneDtype(op=_short(func), dtypes=dtypes, names=tensor_names(func, len(tensors)), common=_common(tensors, odd))
     return Finding(KIND, "dtype.one_dtype", facts, operands=tuple(tensors), odd=odd)
 
 
@@ -359,8 +427,8 @@ def _check_matching_arg(func, position, arg_name, other_position, tensors, conte
 def _check_arg(func, position, arg_name, dtypes, accepted, tensors, context=None) -> Finding | None:
     if position >= len(tensors) or tensors[position][M_DTYPE] in accepted:
         return None
-    facts = {
-        "op": _short(func), "arg": arg_name, "got": tensors[position][M_DTYPE], "accepted": list(dtypes),
-        "names": tensor_names(func, len(tensors)),
-    }
+    facts = ArgDtype(
+        op=_short(func), arg=arg_name, got=tensors[position][M_DTYPE], accepted=list(dtypes),
+        names=tensor_names(func, len(tensors)),
+    )
     return Finding(KIND, "dtype.arg_dtype", facts, operands=tuple(tensors))

@@ -73,7 +73,7 @@ class DefaultDevice(NamedTuple):
 class DefaultDtype(NamedTuple):
     """A factory op called without (or with) ``dtype=``: what it was given, and the default."""
 
-    how: str  # "dtype"
+    how: str  # "default_dtype", as its tag (a log of format 4 or older says "dtype": upgraded when read)
     given: Any  # the dtype given, or None
     default: Any  # torch's default dtype then
 
@@ -139,8 +139,9 @@ class Finding:
         rule: which rule fired (``"device.mix"``, ``"dtype.silent_upcast"``, ...): the render
             package's ``explain`` function for it turns the facts into sentences.
         facts: the rule's plain data (numbers, names, dtypes, devices, tensor metadata tuples,
-            :class:`Place`), keyed by name; what each rule puts here is documented where the
-            rule is rendered.
+            :class:`Place`), one ``RuleFacts`` class per rule (``opwatch.core.fact_tuples``),
+            defined beside the check that makes it (``opwatch.checks.device.DeviceMix``) and
+            read by field (``facts.devices``; ``facts["devices"]`` reads the same).
         operands: the metadata ``(shape, dtype, device, ident)`` of the tensors involved.
         odd: the operands that stand out (the one on another device, the float64 one).
         made: where each odd operand was made, one provenance fact tuple each, added when the
@@ -149,7 +150,7 @@ class Finding:
 
     kind: str
     rule: str
-    facts: dict[str, Any] = field(default_factory=dict, compare=False)
+    facts: Any = field(default=None, compare=False)
     operands: tuple = ()
     odd: tuple = ()
     made: tuple = ()

@@ -32,9 +32,29 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import device as device_check
 from . import dtype as dtype_check
+from ..core.fact_tuples import RuleFacts, rule_facts
+from ..core.notation import TensorMeta
 from .finding import Finding
 
-__all__ = ["check_call"]
+__all__ = ["check_call", "ConvCall", "RnnCall"]
+
+
+@rule_facts("module.rnn_input_device", "module.rnn_state_device", "module.rnn_input_dtype", "module.rnn_state_dtype")
+class RnnCall(RuleFacts):
+    module: str  # the module's class name
+    input: tuple  # the input's metadata
+    device: str | None = None  # the weights' device, when the input is elsewhere
+    label: str | None = None  # the odd state (``h_0``, ``c_0``)
+    state: tuple | None = None  # its metadata
+    weight_dtype: object = None  # the weights' dtype, when the input has another
+
+
+@rule_facts("module.conv_input_dtype", "module.conv_bias_dtype")
+class ConvCall(RuleFacts):
+    module: str
+    input: tuple
+    bias_dtype: object
+    weight_dtype: object  # None when the module has no weight tensor
 
 _RNN_FORWARDS = {nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward}
 _CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward}
@@ -65,8 +85,8 @@ def _rule_for(cls):
     return None
 
 
-def _meta(tensor) -> tuple:
-    return (tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
+def _meta(tensor) -> TensorMeta:
+    return TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
 
 
 def _floating_mix(a, b) -> bool:
@@ -88,21 +108,17 @@ def _check_rnn(module, args) -> Finding | None:
     weights = getattr(module, "_flat_weights", None) or list(module.parameters())
     weight = next((w for w in weights if isinstance(w, torch.Tensor)), None)
     states = _states(args[1] if len(args) > 1 else None)
-    facts = {"module": type(module).__name__, "input": _meta(data)}
+    facts = RnnCall(module=type(module).__name__, input=_meta(data))
     if weight is not None and data.device != weight.device:
-        facts["device"] = str(weight.device)
-        return Finding(device_check.KIND, "module.rnn_input_device", facts)
+        return Finding(device_check.KIND, "module.rnn_input_device", facts.replace(device=str(weight.device)))
     for label, state in states:
         if state.device != data.device:
-            facts.update(label=label, state=_meta(state))
-            return Finding(device_check.KIND, "module.rnn_state_device", facts)
+            return Finding(device_check.KIND, "module.rnn_state_device", facts.replace(label=label, state=_meta(state)))
     if weight is not None and _floating_mix(data, weight):
-        facts["weight_dtype"] = weight.dtype
-        return Finding(dtype_check.KIND, "module.rnn_input_dtype", facts)
+        return Finding(dtype_check.KIND, "module.rnn_input_dtype", facts.replace(weight_dtype=weight.dtype))
     for label, state in states:
         if _floating_mix(state, data):
-            facts.update(label=label, state=_meta(state))
-            return Finding(dtype_check.KIND, "module.rnn_state_dtype", facts)
+            return Finding(dtype_check.KIND, "module.rnn_state_dtype", facts.replace(label=label, state=_meta(state)))
     return None
 
 
@@ -126,7 +142,7 @@ def _check_conv(module, args) -> Finding | None:
         return None
     weight = getattr(module, "weight", None)
     weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
-    facts = {"module": type(module).__name__, "input": _meta(data), "bias_dtype": bias.dtype, "weight_dtype": weight_dtype}
+    facts = ConvCall(module=type(module).__name__, input=_meta(data), bias_dtype=bias.dtype, weight_dtype=weight_dtype)
     if weight_dtype == data.dtype:
         # The module's own parameters disagree: its bias was cast on its own.
         return Finding(dtype_check.KIND, "module.conv_bias_dtype", facts)

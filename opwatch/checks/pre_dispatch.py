@@ -45,6 +45,8 @@ from ..core.compat import pack_padded_sequence_function
 from ..core.records import M_DTYPE
 from . import device as device_check
 from . import dtype as dtype_check
+from ..core.fact_tuples import RuleFacts, rule_facts
+from ..core.notation import as_meta
 from .finding import Finding
 
 # The check's name in ``watch(checks=...)``. Opt-in: it enters a TorchFunctionMode, and torch
@@ -52,10 +54,19 @@ from .finding import Finding
 # reading ``.grad``) through Python, +7% on a small transformer step (about 240 calls a step).
 NAME = "pre_dispatch"
 
-__all__ = ["table", "judge", "DEVICE_RULE", "DTYPE_RULE"]
+__all__ = ["table", "judge", "DEVICE_RULE", "DTYPE_RULE", "PreDispatch"]
 
 DEVICE_RULE = "pre_dispatch.device"
 DTYPE_RULE = "pre_dispatch.dtype"
+
+
+@rule_facts(DEVICE_RULE, DTYPE_RULE)
+class PreDispatch(RuleFacts):
+    function: str  # the public function's name
+    argument: str  # the odd argument's name
+    other: str | None  # the argument it disagrees with
+    requires: object  # what the odd argument must be (a device or dtype)
+    metas: tuple  # the odd argument's metadata, then the other's
 
 # Names of torch's own module methods that call a function of the table and whose module call
 # module_calls judges already (floating input against a conv's bias).
@@ -119,6 +130,7 @@ def _get(args, kwargs, position: int, name: str):
 
 
 def _meta(tensor) -> tuple:
+    """The plain metadata tuple a log entry holds (the function mode logs the call with it)."""
     return (tuple(tensor.shape), tensor.dtype, tensor.device, id(tensor))
 
 
@@ -126,7 +138,7 @@ def _finding(rule, name, argument, odd, other_name, other, requires) -> Finding:
     kind = device_check.KIND if rule == DEVICE_RULE else dtype_check.KIND
     odd_meta = _meta(odd)
     metas = (odd_meta,) if other is None else (odd_meta, _meta(other))
-    facts = {"function": name, "argument": argument, "other": other_name, "requires": requires, "metas": metas}
+    facts = PreDispatch(function=name, argument=argument, other=other_name, requires=requires, metas=tuple(map(as_meta, metas)))
     return Finding(kind, rule, facts, operands=metas, odd=(odd_meta,))
 
 

@@ -74,8 +74,8 @@ class PendingPromotions:
             ref = weakref.ref(out)
         except TypeError:
             return False  # a tensor kind that refuses weak references: not kept, not waited on
-        result = finding.facts["result"]
-        narrower = frozenset(dtype for dtype in finding.facts["dtypes"] if dtype != result)
+        result = finding.facts.result
+        narrower = frozenset(dtype for dtype in finding.facts.dtypes if dtype != result)
         self._waiting.append(_Waiting(ref, _storage(out), narrower, finding, record))
         return True
 

@@ -56,7 +56,7 @@ class Provenance:
 
           - for a factory op called without the ``missing`` argument (``"device"``,
             ``"dtype"``), what torch filled in: ``DefaultDevice("default_device", device)`` or
-            ``DefaultDtype("dtype", the dtype given or None, the default dtype)``;
+            ``DefaultDtype("default_dtype", the dtype given or None, the default dtype)``;
           - ``PythonData("python_data", expression or None, Place or None)``: Python or NumPy
             data entering torch (``torch.from_numpy(a)``, ``torch.tensor(a)``): the call's
             source text when known, and, when the odd tensor was then only indexed, viewed or
@@ -94,7 +94,7 @@ class Provenance:
             # torch fills the default in: whether the program named it cannot be told.
             return made._replace(detail=DefaultDevice("default_device", args["device"]))
         if missing == "dtype":
-            return made._replace(detail=DefaultDtype("dtype", args.get("dtype"), torch.get_default_dtype()))
+            return made._replace(detail=DefaultDtype("default_dtype", args.get("dtype"), torch.get_default_dtype()))
         return made
 
     # A lift, then ops that only move values (or a copy of the lift: torch.tensor(ndarray)):

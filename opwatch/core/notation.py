@@ -21,7 +21,7 @@ from .bounded import BoundedCache
 from .compat import dtensor_parts
 from .fact_tuples import fact_tuple
 
-__all__ = ["TensorMeta", "Sharding", "format_dtype", "format_meta", "format_shape", "format_sharding", "sharding_of"]
+__all__ = ["TensorMeta", "Sharding", "as_meta", "format_dtype", "format_meta", "format_shape", "format_sharding", "sharding_of"]
 
 
 @fact_tuple("meta")
@@ -73,6 +73,12 @@ def format_shape(shape: Any) -> str:
     if shape is None:
         return "[?]"
     return "[" + ", ".join(str(size) for size in shape) + "]"
+
+
+def as_meta(meta) -> TensorMeta:
+    """A tensor's metadata tuple (the hot path's plain ``(shape, dtype, device, ident)``) as
+    the :class:`TensorMeta` a finding's facts hold, read by field."""
+    return meta if type(meta) is TensorMeta else TensorMeta(*meta)
 
 
 def format_meta(meta: tuple) -> str:

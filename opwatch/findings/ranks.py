@@ -9,8 +9,8 @@ When a distributed watch ends, the rank publishes its anomalies (each distinct o
 its count and message) under ``opwatch/<run>/<restart>/<block>/<rank>`` in the process group's
 store (its innermost ``TCPStore``, or the ``torchrun`` agent's store when the script has already
 destroyed its group), or as files under ``$OPWATCH_EXCHANGE_DIR`` when that is set: one ``set``
-per rank. :meth:`Exchange.collect` waits for the other ranks' entries with a timeout and names
-those that did not report. No collective ever runs on the program's process groups: a rank that
+per rank. :meth:`Exchange.collect` (:mod:`.exchange`, how the entries travel) waits for the other
+ranks' entries with a timeout and names those that did not report. No collective ever runs on the program's process groups: a rank that
 crashed or hangs cannot make another one hang here. ``<block>`` counts the distributed watches
 this process has ended, so every rank must run the same watched blocks.
 
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
-from datetime import timedelta
 
 from .anomaly import BaseAnomaly, OpwatchWarning
-from ..core.collective_ops import RankState, store_prefix
+from .exchange import DEFAULT_TIMEOUT, EXCHANGE_DIR_VARIABLE, Exchange, agent_store
 from ..core.sites import warn_at_user
 from ..render.ranks import collect_failed, publish_failed, render_combined_summary
 
@@ -44,8 +42,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
 ]
 
-EXCHANGE_DIR_VARIABLE = "OPWATCH_EXCHANGE_DIR"
-DEFAULT_TIMEOUT = 30.0  # seconds to wait for the other ranks' anomalies
 _MAX_PUBLISHED = 32  # distinct anomalies a rank publishes (the rest are counted in "total")
 
 # Distributed watches this process has ended: the exchange's key. Process-wide on purpose: the
@@ -63,7 +59,7 @@ def publish(state, anomalies, contained: int) -> None:
         state.refresh()
         if state.rank is None or not state.world or state.world < 2:
             return
-        state.exchange = Exchange.open(state.store or _agent_store(), state.rank, state.world, next(_blocks))
+        state.exchange = Exchange.open(state.store or agent_store(), state.rank, state.world, next(_blocks))
         state.exchange.publish(encode(anomalies, state.rank, state.world, contained))
     except Exception as error:
         state.exchange = None
@@ -103,123 +99,6 @@ def all_anomalies(state, local, *, timeout: float, ended: bool) -> AllAnomalies:
     if not missing:
         state.collected = result
     return result
-
-
-def _agent_store():
-    """A client of the ``torchrun`` agent's store (``MASTER_ADDR:MASTER_PORT`` when
-    ``TORCHELASTIC_USE_AGENT_STORE`` is set): it outlives the script's process group."""
-    if not RankState.available() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
-        return None
-    import torch.distributed as dist
-
-    try:
-        return dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=DEFAULT_TIMEOUT)
-        )
-    except Exception:
-        return None
-
-
-# -- the exchange ---------------------------------------------------------------------------
-
-
-class Exchange:
-    """One watched block's entries, one per rank, in a store or a folder."""
-
-    def __init__(self, rank: int, world: int, block: int):
-        self.rank = rank
-        self.world = world
-        self.block = block
-        self.published_bytes = 0
-
-    @staticmethod
-    def open(store, rank: int, world: int, block: int) -> Exchange:
-        folder = os.environ.get(EXCHANGE_DIR_VARIABLE)
-        if folder:
-            return _FileExchange(folder, rank, world, block)
-        if store is None:
-            raise RuntimeError(
-                f"no store to exchange anomalies through: the process group was never seen; set {EXCHANGE_DIR_VARIABLE} to a shared folder"
-            )
-        return _StoreExchange(store, rank, world, block)
-
-    def publish(self, payload: bytes) -> None:
-        self.published_bytes = len(payload)
-        self._put(payload)
-
-    def collect(self, timeout: float) -> tuple[dict[int, bytes], list[int]]:
-        """The other ranks' entries, waiting at most ``timeout`` seconds in all, and the ranks
-        that did not report by then."""
-        others = [rank for rank in range(self.world) if rank != self.rank]
-        return self._get(others, timeout)
-
-
-class _StoreExchange(Exchange):
-    def __init__(self, store, rank, world, block):
-        super().__init__(rank, world, block)
-        self._store = store
-        self.round_trips = 0
-
-    def _key(self, rank: int) -> str:
-        return f"{store_prefix()}/{self.block}/{rank}"
-
-    def _put(self, payload: bytes) -> None:
-        self._store.set(self._key(self.rank), payload)
-        self.round_trips += 1
-
-    def _get(self, ranks, timeout):
-        if not ranks:
-            return {}, []
-        keys = [self._key(rank) for rank in ranks]
-        store = self._store
-        missing = []
-        try:
-            self.round_trips += 1
-            store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
-            present = list(ranks)
-        except Exception:  # some rank did not report in time (DistStoreError), or the store failed
-            present = []
-            for rank, key in zip(ranks, keys):
-                self.round_trips += 1
-                (present if store.check([key]) else missing).append(rank)
-        if not present:
-            return {}, missing
-        self.round_trips += 1
-        values = store.multi_get([self._key(rank) for rank in present]) if hasattr(store, "multi_get") else [store.get(self._key(rank)) for rank in present]
-        return dict(zip(present, values)), missing
-
-
-class _FileExchange(Exchange):
-    def __init__(self, folder, rank, world, block):
-        super().__init__(rank, world, block)
-        self._folder = os.path.join(folder, store_prefix().replace("/", "-"), str(block))
-
-    def _path(self, rank: int) -> str:
-        return os.path.join(self._folder, f"rank{rank}.json")
-
-    def _put(self, payload: bytes) -> None:
-        os.makedirs(self._folder, exist_ok=True)
-        path = self._path(self.rank)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as stream:
-            stream.write(payload)
-        os.replace(temporary, path)  # readers never see half a file
-
-    def _get(self, ranks, timeout):
-        deadline = time.monotonic() + timeout
-        found: dict[int, bytes] = {}
-        waiting = list(ranks)
-        while True:
-            for rank in list(waiting):
-                try:
-                    with open(self._path(rank), "rb") as stream:
-                        found[rank] = stream.read()
-                    waiting.remove(rank)
-                except FileNotFoundError:
-                    pass
-            if not waiting or time.monotonic() >= deadline:
-                return found, waiting
-            time.sleep(0.05)
 
 
 # -- what is exchanged ------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ..core.notation import format_dtype, format_meta
-from ..core.records import M_DTYPE
 from .phrases import named
 from .rules import explains
 
@@ -24,13 +23,13 @@ from .rules import explains
 @explains("dtype.write_source")
 def explain_write_source(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    target, source, name = facts["target"], facts["source"], facts["source_name"]
-    wanted, got = target[M_DTYPE], source[M_DTYPE]
+    target, source, name = facts.target, facts.source, facts.source_name
+    wanted, got = target.dtype, source.dtype
     problem = (
-        f"{facts['op']} writes {name} {format_meta(source)} into self {format_meta(target)}; its kernel takes the "
-        f"{name} in self's dtype only and raises on any other: {named(facts['names'], finding.operands)}"
+        f"{facts.op} writes {name} {format_meta(source)} into self {format_meta(target)}; its kernel takes the "
+        f"{name} in self's dtype only and raises on any other: {named(facts.names, finding.operands)}"
     )
-    return problem, f"{name} in {format_dtype(wanted)}, like self", _write_fix(name, wanted, got, facts["source_wider"])
+    return problem, f"{name} in {format_dtype(wanted)}, like self", _write_fix(name, wanted, got, facts.source_wider)
 
 
 def _write_fix(name: str, wanted: torch.dtype, got: torch.dtype, wider: bool) -> str:
@@ -49,16 +48,16 @@ def _write_fix(name: str, wanted: torch.dtype, got: torch.dtype, wider: bool) ->
 @explains("dtype.narrowing_write")
 def explain_narrowing_write(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    target, source, computed, written = facts["target"], facts["source"], facts["computed"], facts["written"]
-    low, high = format_dtype(target[M_DTYPE]), format_dtype(computed)
+    target, source, computed, written = facts.target, facts.source, facts.computed, facts.written
+    low, high = format_dtype(target.dtype), format_dtype(computed)
     problem = (
-        f"{facts['op']} computes in {high} ({format_meta(source)}) and rounds the result into {written} "
-        f"{format_meta(target)} silently: {named(facts['names'], finding.operands)}. Accumulated in {low}, every step "
+        f"{facts.op} computes in {high} ({format_meta(source)}) and rounds the result into {written} "
+        f"{format_meta(target)} silently: {named(facts.names, finding.operands)}. Accumulated in {low}, every step "
         f"loses what {low} cannot hold (small updates to a running sum or average vanish)"
     )
     made = "the out= tensor" if written == "out" else "the accumulator"
     fix = (
         f"accumulate in {high} (make {made} with dtype={computed} and cast it once at the end), or add out of place "
-        f"(x = x + y keeps {high}); where rounding to {low} is meant, cast the operand: y.to({target[M_DTYPE]})"
+        f"(x = x + y keeps {high}); where rounding to {low} is meant, cast the operand: y.to({target.dtype})"
     )
     return problem, f"the tensor written in the dtype of what is added to it ({high})", fix

@@ -15,7 +15,6 @@ Facts of each rule:
 from __future__ import annotations
 
 from ..core.notation import format_meta
-from ..core.records import M_DEVICE
 from .phrases import named
 from .rules import explains
 
@@ -35,22 +34,22 @@ def meta_note(devices) -> str:
 @explains("device.mix")
 def explain_mix(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    devices = facts["devices"]
+    devices = facts.devices
     return (
-        f"tensor arguments on different devices ({', '.join(devices)}): {named(facts['names'], finding.operands)}.{meta_note(devices)}",
+        f"tensor arguments on different devices ({', '.join(devices)}): {named(facts.names, finding.operands)}.{meta_note(devices)}",
         "every non-scalar tensor argument on one device",
-        f"create or move the odd one out with device=... / .to({facts['target']!r}) where it is made",
+        f"create or move the odd one out with device=... / .to({facts.target!r}) where it is made",
     )
 
 
 @explains("device.index")
 def explain_index(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    indexed, index = facts["indexed"], facts["index"]
-    devices = [str(indexed[M_DEVICE]), str(index[M_DEVICE])]
+    indexed, index = facts.indexed, facts.index
+    devices = [str(indexed.device), str(index.device)]
     indexed_on, index_on = devices
     problem = (
-        f"index tensor {format_meta(index)} (index #{facts['position']}) of {facts['op']} is on "
+        f"index tensor {format_meta(index)} (index #{facts.position}) of {facts.op} is on "
         f"{index_on}, the indexed tensor {format_meta(indexed)} on {indexed_on}.{meta_note(devices)}"
     )
     if indexed_on == "cpu":
@@ -67,25 +66,25 @@ def explain_index(finding) -> tuple[str, str, str]:
 @explains("device.joined")
 def explain_joined(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    devices = facts["devices"]
+    devices = facts.devices
     return (
-        f"tensors joined from different devices ({', '.join(devices)}): {named(facts['names'], finding.operands)}; "
+        f"tensors joined from different devices ({', '.join(devices)}): {named(facts.names, finding.operands)}; "
         f"cat and stack take no CPU scalars, every tensor (0-dim ones too) must be on one device.{meta_note(devices)}",
         "every tensor joined on one device",
-        f"move the odd one out with .to({facts['target']!r}) (a 0-dim CPU tensor from torch.tensor(x): give it device=)",
+        f"move the odd one out with .to({facts.target!r}) (a 0-dim CPU tensor from torch.tensor(x): give it device=)",
     )
 
 
 @explains("device.scalar_written")
 def explain_scalar_written(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    device = facts["device"]
+    device = facts.device
     return (
-        f"a 0-dim CPU tensor ({facts['written']}) is written in place from an operand on {device}: "
-        f"{named(facts['names'], finding.operands)}. A CPU scalar may be read by an op on {device}, not written by one "
+        f"a 0-dim CPU tensor ({facts.written}) is written in place from an operand on {device}: "
+        f"{named(facts.names, finding.operands)}. A CPU scalar may be read by an op on {device}, not written by one "
         f"(on CUDA torch raises; on meta it passes silently).{meta_note([device])}",
         f"the tensor written on {device}, like the operands",
-        _written_fix(facts["written"], device),
+        _written_fix(facts.written, device),
     )
 
 

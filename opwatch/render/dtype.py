@@ -46,17 +46,17 @@ _TORCH_NAMES = {
 @explains("dtype.silent_upcast")
 def explain_silent_upcast(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    dtypes, first, result = facts["dtypes"], facts["first"], facts["result"]
-    names = sorted(_name(d) for d in dtypes) if len(dtypes) > 2 else [_name(first), _name(facts["second"])]
+    dtypes, first, result = facts.dtypes, facts.first, facts.result
+    names = sorted(_name(d) for d in dtypes) if len(dtypes) > 2 else [_name(first), _name(facts.second)]
     problem = (
         f"silent promotion {' with '.join(names)} -> {_name(result)}: "
-        f"{named(facts['names'], finding.operands)}. The op runs in {_name(result)}, and so does every op "
+        f"{named(facts.names, finding.operands)}. The op runs in {_name(result)}, and so does every op "
         f"that uses its result until it is cast back."
     )
-    expected = f"one floating dtype for all non-scalar operands (got {facts['count']} operands in {', '.join(names[:-1])} and {names[-1]})"
+    expected = f"one floating dtype for all non-scalar operands (got {facts.count} operands in {', '.join(names[:-1])} and {names[-1]})"
     # The dtype the rest of the program uses, whichever side the odd operand is on (logs
     # exported before the fact existed: the narrowest dtype mixed).
-    common = facts.get("common") or min(dtypes, key=lambda d: d.itemsize)
+    common = facts.common
     return problem, expected, _upcast_fix(finding, _name(common))
 
 
@@ -92,12 +92,12 @@ def _upcast_fix(finding, common: str) -> str:
 @explains("dtype.one_dtype")
 def explain_one_dtype(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    dtypes = facts["dtypes"]
+    dtypes = facts.dtypes
     # The dtype of the operands that are not odd first (logs exported before: in order met).
-    common = facts.get("common", dtypes[0])
+    common = facts.common
     other = next(d for d in dtypes if d != common)
     return (
-        f"{facts['op']} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {named(facts['names'], finding.operands)}",
+        f"{facts.op} needs one dtype for all operands, got {', '.join(_name(d) for d in dtypes)}: {named(facts.names, finding.operands)}",
         f"every operand in {_name(common)} (or all in {_name(other)})",
         "cast one side where it is made (.to(x.dtype)); a stray .double() or a float64 numpy array is the usual cause",
     )
@@ -106,10 +106,10 @@ def explain_one_dtype(finding) -> tuple[str, str, str]:
 @explains("dtype.arg_dtype")
 def explain_arg_dtype(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    arg, accepted = facts["arg"], facts["accepted"]
+    arg, accepted = facts.arg, facts.accepted
     wanted = " or ".join(_name(d) for d in accepted)
     return (
-        f"argument {arg!r} is {_name(facts['got'])} but {facts['op']} needs {wanted}: {named(facts['names'], finding.operands)}",
+        f"argument {arg!r} is {_name(facts.got)} but {facts.op} needs {wanted}: {named(facts.names, finding.operands)}",
         f"{arg} as {wanted}",
         f"build it as {wanted} (e.g. {arg}.to({accepted[0]}) or dtype={accepted[0]} where it is made)",
     )
@@ -119,8 +119,8 @@ def explain_arg_dtype(finding) -> tuple[str, str, str]:
 def explain_index_dtype(finding) -> tuple[str, str, str]:
     facts = finding.facts
     problem = (
-        f"index tensor {format_meta(facts['index'])} (index #{facts['position']}) of {facts['op']} "
-        f"is neither integer nor bool: indexed tensor {format_meta(facts['indexed'])}. torch raises "
+        f"index tensor {format_meta(facts.index)} (index #{facts.position}) of {facts.op} "
+        f"is neither integer nor bool: indexed tensor {format_meta(facts.indexed)}. torch raises "
         f"'tensors used as indices must be long, int, byte or bool tensors'"
     )
     fix = (
@@ -133,14 +133,14 @@ def explain_index_dtype(finding) -> tuple[str, str, str]:
 @explains("dtype.loss_target")
 def explain_loss_target(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    got, wanted = facts["got"], facts["wanted"]
-    consequence = _LOSS_CONSEQUENCES[facts["op"]].format(
-        promoted=_name(facts["promoted"]), target=_name(got), input=_name(wanted),
+    got, wanted = facts.got, facts.wanted
+    consequence = _LOSS_CONSEQUENCES[facts.op].format(
+        promoted=_name(facts.promoted), target=_name(got), input=_name(wanted),
         target_torch=_TORCH_NAMES.get(got, _name(got)), input_torch=_TORCH_NAMES.get(wanted, _name(wanted)),
     )
     target = f"a {_name(got)} target" if got.is_floating_point else f"an integer target ({_name(got)})"
     return (
-        f"{facts['op']} gets {target} for a {_name(wanted)} input: {named(facts['names'], finding.operands)}. It {consequence}.",
+        f"{facts.op} gets {target} for a {_name(wanted)} input: {named(facts.names, finding.operands)}. It {consequence}.",
         f"target in the input's dtype ({_name(wanted)})",
         f"cast the target where it is made, e.g. torch.from_numpy(y).to({wanted}) or target.to(pred.dtype)",
     )
@@ -149,9 +149,9 @@ def explain_loss_target(finding) -> tuple[str, str, str]:
 @explains("dtype.loss_floating_target")
 def explain_loss_floating_target(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    got, wanted = facts["got"], facts["wanted"]
+    got, wanted = facts.got, facts.wanted
     problem = (
-        f"{facts['op']} needs a floating target, got {_name(got)}: {named(facts['names'], finding.operands)}. "
+        f"{facts.op} needs a floating target, got {_name(got)}: {named(facts.names, finding.operands)}. "
         f"torch raises a cast error ('result type Float can't be cast to the desired output type ...')"
     )
     return (
@@ -164,16 +164,16 @@ def explain_loss_floating_target(finding) -> tuple[str, str, str]:
 @explains("dtype.class_target")
 def explain_class_target(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    got = facts["got"]
-    problem = f"class-index target of nll_loss/cross_entropy is {_name(got)}, but the kernel needs i64: {named(facts['names'], finding.operands)}"
-    if facts["floating"]:
+    got = facts.got
+    problem = f"class-index target of nll_loss/cross_entropy is {_name(got)}, but the kernel needs i64: {named(facts.names, finding.operands)}"
+    if facts.floating:
         problem += (
-            f". A floating target of shape {list(facts['target_shape'])} holds class indices stored as floats;"
+            f". A floating target of shape {list(facts.target_shape)} holds class indices stored as floats;"
             f" cross_entropy takes floating targets only as class probabilities, shaped like the input"
         )
         fix = (
             "target.long() where the labels are made; for class probabilities (soft labels) give"
-            f" cross_entropy a floating target of the input's shape {list(facts['input_shape'])}"
+            f" cross_entropy a floating target of the input's shape {list(facts.input_shape)}"
         )
     else:
         fix = "target.long() where the labels are made (numpy int32 arrays and torch.int32 data loaders are the usual source)"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from html import escape
 
+from ..checks.nonfinite.origin import OriginFacts
 from ..core.records import BACKWARD, FORWARD, M_IDENT, short_op_name
 from ..core.sites import location
 from .messages import message_parts
@@ -181,7 +182,9 @@ def _way(anomaly, records: list, positions: dict) -> str:
     (the finding's ``spread`` and ``last`` facts), followed through the log: each op that read a
     tensor the way had made. Empty for other findings, or when the origin left the log."""
     facts = anomaly.finding.facts
-    spread, last = facts.get("spread"), facts.get("last")
+    if not isinstance(facts, OriginFacts):
+        return ""
+    spread, last = facts.spread, facts.last
     start = positions.get(anomaly.index)
     if not spread or last is None or start is None:
         return ""

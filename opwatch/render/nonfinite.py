@@ -10,12 +10,12 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DATA, DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, range_cause, read_ranges, written_inputs
-from ..checks.nonfinite.rules import HEADROOM_FACTOR, ValueRange
+from ..checks.nonfinite.cause import DATA, DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
+from ..checks.nonfinite.rules import HEADROOM_FACTOR
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
 from ..core.ops import named_new_data
-from ..core.records import BACKWARD, M_DTYPE, M_IDENT
+from ..core.records import BACKWARD
 from ..core.sites import display_path
 from .phrases import where_made
 from .rules import causes, explains
@@ -129,10 +129,10 @@ _RISK_FIX = (
 
 def _signature(facts) -> str:
     """``aten.mm(f64[5, 3] cpu, f32[3, 2] cpu) -> f64[5, 2] cpu``."""
-    inputs = ", ".join(format_meta(meta) for meta in facts["inputs"])
-    text = f"{facts['op'].removesuffix('.default')}({inputs})"
-    if facts["outputs"]:
-        text += " -> " + ", ".join(format_meta(meta) for meta in facts["outputs"])
+    inputs = ", ".join(format_meta(meta) for meta in facts.inputs)
+    text = f"{facts.op.removesuffix('.default')}({inputs})"
+    if facts.outputs:
+        text += " -> " + ", ".join(format_meta(meta) for meta in facts.outputs)
     return text
 
 
@@ -156,36 +156,36 @@ def _story(finding) -> str:
     facts = finding.facts
     what = finding.kind
     story = ""
-    if facts["spread"]:
-        last = _place(facts["last"])
-        story = f"; by the check point it had spread to {facts['spread']} later op(s), the last {_at(last)} ({last.phase})"
-    turned = _place(facts["became_nan"])
+    if facts.spread:
+        last = _place(facts.last)
+        story = f"; by the check point it had spread to {facts.spread} later op(s), the last {_at(last)} ({last.phase})"
+    turned = _place(facts.became_nan)
     if turned is not None:
         story += f"; it turned into nan at {_at(turned)} ({turned.phase})"
-    masked, back = _place(facts["masked_by"]), _place(facts["back_in_backward"])
+    masked, back = _place(facts.masked_by), _place(facts.back_in_backward)
     if masked is not None and back is not None:
-        name = facts["masked_by_name"]
+        name = facts.masked_by_name
         story += (
             f"; it was masked in forward by {_at(masked)}, yet came back in backward at "
             f"{back.op}: the gradient of the entries {name} did not select is 0 * {what} = nan, "
             f"and {name} passes it on (the torch.where gradient trap)"
         )
-    if facts["reached_parameter"]:
+    if facts.reached_parameter:
         story += "; it reached a parameter"
-    elif facts["reached_gradient"]:
+    elif facts.reached_gradient:
         story += "; it reached a .grad"
-    picked = _place(facts.get("picked_by"))
+    picked = _place(facts.picked_by)
     if picked is not None:
         story += (
             f"; {_at(picked)} ({picked.phase}) picked indices by comparing its nan values: "
             "the indices it chose are wrong, though no nan is left to see"
         )
-    if facts["contained"] and facts["skipped_by_grad_scaler"]:
+    if facts.contained and facts.skipped_by_grad_scaler:
         story += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
-    elif facts["contained"]:
+    elif facts.contained:
         story += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
-    elif facts.get("absorbed"):
-        by = _place(facts.get("absorbed_by"))
+    elif facts.absorbed:
+        by = _place(facts.absorbed_by)
         which = f"a later op ({_at(by)})" if by is not None else "a later op"
         story += (
             f"; {which} absorbed the {what} (rsqrt(inf) = 0, 1 / inf = 0, exp(-inf) = 0): "
@@ -197,7 +197,7 @@ def _story(finding) -> str:
 def _inputs(finding) -> str:
     """``finite inputs (input f32[6] cpu: min 0, max 0.67 -> log(0) = -inf)``."""
     facts = finding.facts
-    if facts["from_deliberate"]:
+    if facts.from_deliberate:
         inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
     else:
         cause = _cause(finding)
@@ -206,7 +206,7 @@ def _inputs(finding) -> str:
         elif _not_known_finite(facts):
             inputs = "inputs not all known to be finite"
         else:
-            inputs = "finite inputs" if facts["inputs"] else "no tensor inputs"
+            inputs = "finite inputs" if facts.inputs else "no tensor inputs"
     health = _input_health(finding)
     return f"{inputs} ({health})" if health else inputs
 
@@ -218,21 +218,21 @@ def _not_known_finite(facts) -> bool:
     where a log of an older opwatch does not say, or alive and unreadable at the check point,
     is not known to be."""
     input_ranges = _input_ranges(facts)
-    made = facts.get("input_made") or (None,) * len(input_ranges)
-    alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    made = facts.input_made or (None,) * len(input_ranges)
+    alive = facts.input_alive or (False,) * len(input_ranges)
     unread = _unread(facts, input_ranges)
     return any(
-        value_range is None and meta[M_IDENT] != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
+        value_range is None and meta.ident != unread and (where is None or isinstance(where, str) or living not in (False, WRITTEN) or named_new_data(_place(where).op))
         for (meta, value_range), where, living in zip(input_ranges, made, alive)
     )
 
 
 def _unread(facts, input_ranges):
     """The ident of ``copy_``'s destination, overwritten without being read, else ``None``."""
-    if facts["op_name"] != "copy" or len(input_ranges) < 2:
+    if facts.op_name != "copy" or len(input_ranges) < 2:
         return None
     (meta, _), *_ = input_ranges
-    return meta[M_IDENT] if meta[M_IDENT] in written_inputs(facts["inputs"], facts["outputs"]) else None
+    return meta.ident if meta.ident in facts.written else None
 
 
 def _input_health(finding) -> str:
@@ -245,20 +245,20 @@ def _input_health(finding) -> str:
     cause = _cause(finding)
     held = _held_input(cause)
     facts = finding.facts
-    made = facts.get("input_made") or (None,) * len(input_ranges)  # a log of an older opwatch has none
-    alive = facts.get("input_alive") or (False,) * len(input_ranges)
+    made = facts.input_made or (None,) * len(input_ranges)  # a log of an older opwatch has none
+    alive = facts.input_alive or (False,) * len(input_ranges)
     # An op that writes in place: the input it wrote holds the result now; its range is the
     # one it had before the write, when known.
-    written = written_inputs(facts["inputs"], facts["outputs"])
+    written = facts.written
     unread = _unread(facts, input_ranges)
-    name = facts["op_name"]
+    name = facts.op_name
     for (meta, value_range), where, living in zip(input_ranges, made, alive):
-        if meta[M_IDENT] == unread:
+        if meta.ident == unread:
             parts.append(f"input {format_meta(meta)}: the destination, overwritten: {name} does not read it")
-        elif meta[M_IDENT] in written:
+        elif meta.ident in written:
             before = "range before the write unknown" if value_range is None else _range_text(value_range)
             parts.append(f"input {format_meta(meta)}, which {name} wrote its result into: {before} ({_written_why(where)})" if value_range is None else f"input {format_meta(meta)}, before {name} wrote its result into it: {before}")
-        elif value_range is None and meta[M_IDENT] == held:
+        elif value_range is None and meta.ident == held:
             parts.append(f"input {format_meta(meta)}: already held {cause.held}")
         elif value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
@@ -295,7 +295,7 @@ def _held_input(cause):
     if cause is None or cause.kind not in (INPUT, WEIGHTS):
         return None
     carried = cause.through if cause.through is not None else cause.tensor
-    return carried[M_IDENT]
+    return carried.ident
 
 
 def _unknown_why(made, alive: bool | str | None = False) -> str:
@@ -336,12 +336,8 @@ def _unknown_why(made, alive: bool | str | None = False) -> str:
 
 
 def _input_ranges(facts) -> list:
-    """``(meta, ValueRange or None)`` per floating input. A log exported before ranges were
-    tagged holds plain ``(min, max)`` / ``(min, max, "within")`` tuples: read as ranges too."""
-    return [
-        (meta, value_range if value_range is None or type(value_range) is ValueRange else ValueRange(*value_range))
-        for meta, value_range in facts["input_ranges"]
-    ]
+    """``(meta, ValueRange or None)`` per floating input."""
+    return list(facts.input_ranges)
 
 
 def _reason(finding) -> str | None:
@@ -350,7 +346,7 @@ def _reason(finding) -> str | None:
     if detail is None:
         return None
     facts = finding.facts
-    name = facts["op_name"]
+    name = facts.op_name
     if detail in ("exp_overflow", "overflow"):
         return _overflow_reason(detail, name, facts)
     return _REASONS.get(detail, "").format(name=name, ignore_index=_cause(finding).constant) or None
@@ -383,30 +379,23 @@ _COUNTS = frozenset(("all_ignored", "zero_weight"))
 
 
 def _overflow_reason(detail, name, facts) -> str | None:
-    dtype = next((meta[M_DTYPE] for meta in facts["outputs"]), None)
+    dtype = next((meta.dtype for meta in facts.outputs), None)
     if dtype is None or not dtype.is_floating_point:
         return None
     limit = torch.finfo(dtype).max
     if detail == "exp_overflow":
         bound = math.log2(limit) if name == "exp2" else math.log(limit)
         return f"{name} overflows {format_dtype(dtype)} above {bound:.4g}"
-    ranges = [value_range for value_range in read_ranges(name, [value_range for _, value_range in _input_ranges(facts)]) if value_range is not None]
-    if not ranges:
+    largest = facts.largest_read
+    if largest is None:
         return None
-    largest = max(max(abs(known.low), abs(known.high)) for known in ranges)
     return f"inputs reach {largest:.4g}, beyond the largest {format_dtype(dtype)} ({limit:.4g})"
 
 
 def _cause(finding):
-    """The finding's :class:`~opwatch.checks.nonfinite.cause.Cause`: its fact; a log saved
-    before causes were facts has none, and then what the inputs' ranges show is read by the
-    check's :func:`~opwatch.checks.nonfinite.cause.range_cause`."""
-    facts = finding.facts
-    if "cause" in facts:
-        cause = facts["cause"]
-        return cause if cause is None or isinstance(cause, Cause) else Cause(*cause)
-    detail = range_cause(facts["op_name"], finding.kind, facts["outputs"], [value_range for _, value_range in _input_ranges(facts)])
-    return None if detail is None else Cause(MATH, detail)
+    """The finding's :class:`~opwatch.checks.nonfinite.cause.Cause`, or ``None`` (a log saved
+    before causes were facts gets the one its inputs' ranges show when it is read)."""
+    return finding.facts.cause
 
 
 def _detail(finding) -> str | None:
@@ -437,7 +426,7 @@ def explain_cause(finding) -> str | None:
     """The ``cause:`` line of a nan/inf origin: what kind of cause, and the facts that show it."""
     cause = _cause(finding)
     what = finding.kind
-    name = finding.facts["op_name"]
+    name = finding.facts.op_name
     if cause is None:
         return _undecided(finding, name, what)
     kind = cause.kind
@@ -485,7 +474,7 @@ def explain_cause(finding) -> str | None:
     if kind in (INPUT, WEIGHTS):
         which = "parameter" if kind == WEIGHTS else "input"
         text = f"{kind}: {which} {format_meta(cause.tensor)} already held {cause.held} when {name} ran"
-        if cause.through is not None and cause.through[M_IDENT] != cause.tensor[M_IDENT]:
+        if cause.through is not None and cause.through.ident != cause.tensor.ident:
             text += f" (its input {format_meta(cause.through)} was taken from it)"
         if cause.made is not None:
             text += f"; {where_made(cause.made)}"
@@ -507,7 +496,7 @@ def explain_cause(finding) -> str | None:
             f"so whether it already held {what} cannot be told"
         )
     if kind == DELIBERATE and cause.detail == "nan_constant":
-        reached = "the loss" if finding.facts.get("loss") is not None else "the gradients"
+        reached = "the loss" if finding.facts.loss is not None else "the gradients"
         return f"deliberate: the program wrote this nan itself ({name} of a nan constant): no op made it; it reached {reached}"
     if kind == DELIBERATE and name in _NLL:
         return (
@@ -525,7 +514,7 @@ def explain_cause(finding) -> str | None:
 def _undecided(finding, name, what) -> str:
     """Why no cause could be decided, in one clause."""
     facts = finding.facts
-    if facts["skipped_by_grad_scaler"]:
+    if facts.skipped_by_grad_scaler:
         return (
             f"transient: {name} overflowed in the gradients GradScaler scaled up, by design now and then: it skipped "
             "this step and lowers its scale (how it finds one); only a run of skipped steps is a fault"
@@ -584,14 +573,14 @@ def _cause_fix(finding, cause) -> str | None:
 
 def _fix(finding) -> str:
     facts = finding.facts
-    name = facts["op_name"]
-    if facts["masked_by"] is not None and facts["back_in_backward"] is not None and not facts["contained"]:
+    name = facts.op_name
+    if facts.masked_by is not None and facts.back_in_backward is not None and not facts.contained:
         return (
             f"make the unselected entries safe before {name}, not only after it: "
             f"torch.where(cond, torch.{name}(torch.where(cond, x, 1.0)), 0.0) (the double-where trick), "
             f"so that neither branch, nor its gradient, is ever {finding.kind}"
         )
-    if facts["contained"] and facts["skipped_by_grad_scaler"]:
+    if facts.contained and facts.skipped_by_grad_scaler:
         return _GRAD_SCALER_FIX
     cause = _cause(finding)
     told = _cause_fix(finding, cause) if cause is not None else None
@@ -599,9 +588,9 @@ def _fix(finding) -> str:
         return told
     if cause is not None and cause.detail in _COUNTS:  # forward or backward: the batch is the matter
         return _CAUSE_FIXES[cause.detail]
-    if facts["from_deliberate"]:
+    if facts.from_deliberate:
         return _FROM_DELIBERATE_FIXES.get(name, _FROM_DELIBERATE_FIX).format(name=name)
-    forward = facts["forward_op_name"]
+    forward = facts.forward_op_name
     if forward is not None:
         fix = _BACKWARD_FIXES.get(forward)
         if fix is not None:
@@ -637,25 +626,25 @@ def _chain_fix(cause) -> str:
 
 def _divides_by_a_count(facts) -> bool:
     """A division whose divisor is an integer or bool tensor: a count (``mask.sum()``)."""
-    inputs = facts["inputs"]
+    inputs = facts.inputs
     if len(inputs) < 2:
         return False
     _, divisor, *_ = inputs
-    dtype = divisor[M_DTYPE]
+    dtype = divisor.dtype
     return isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
 
 
 def _explain_reached_loss(finding) -> tuple[str, str, str]:
     """A forward reduction that took masking constants into a loss (see the ``loss`` fact)."""
     facts = finding.facts
-    loss = _place(facts["loss"])
-    held = facts.get("loss_kind") or finding.kind
+    loss = _place(facts.loss)
+    held = facts.loss_kind or finding.kind
     health = _input_health(finding)
     problem = (
         f"a masking constant reached the loss: {_signature(facts)} took the masked entries of its input into its result, "
         f"{finding.kind}{f' ({health})' if health else ''}, and the loss, {_at(loss)}, is {held}{_story(finding)}"
     )
-    name = facts["op_name"]
+    name = facts.op_name
     fix = _MASKED_TARGET_FIX if name in _NLL else _REDUCED_DELIBERATE_FIX.format(name=name)
     return problem, "masked entries left out of the loss: a finite loss", fix
 
@@ -664,7 +653,7 @@ def _explain_nan_written(finding) -> tuple[str, str, str]:
     """A nan the program wrote itself (a placeholder) that became the loss or reached the
     gradients."""
     facts = finding.facts
-    loss = _place(facts["loss"])
+    loss = _place(facts.loss)
     reached = f"the loss, {_at(loss)}, which is nan" if loss is not None else "the gradients (the loss itself is finite: the nan was left out of it, not out of its backward)"
     problem = f"the program wrote nan here ({_signature(facts)}: a nan constant, not a value any op computed), and it reached {reached}{_story(finding)}"
     fix = (
@@ -676,15 +665,15 @@ def _explain_nan_written(finding) -> tuple[str, str, str]:
 
 
 def _nan_written(finding) -> bool:
-    cause = finding.facts.get("cause")
-    return cause is not None and tuple(cause)[:2] == (DELIBERATE, "nan_constant")
+    cause = finding.facts.cause
+    return cause is not None and (cause.kind, cause.detail) == (DELIBERATE, "nan_constant")
 
 
 @explains("nonfinite.origin")
 def explain_origin(finding) -> tuple[str, str, str]:
     if _nan_written(finding):
         return _explain_nan_written(finding)
-    if finding.facts.get("loss") is not None:
+    if finding.facts.loss is not None:
         return _explain_reached_loss(finding)
     what = finding.kind
     cause = _cause(finding)
@@ -707,7 +696,7 @@ def explain_received(finding) -> tuple[str, str, str]:
 @explains("nonfinite.overflow_risk")
 def explain_overflow_risk(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    largest = facts["largest"]
+    largest = facts.largest
     limit = torch.finfo(torch.float16).max
     problem = (
         f"{_signature(facts)} holds values up to {largest:.6g} in magnitude, "

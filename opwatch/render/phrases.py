@@ -105,5 +105,5 @@ def _location(where) -> str:
 
 def named(names, metas) -> str:
     """``self=f32[6] cpu, mask=b8[6] meta``: tensor argument names (a finding's
-    ``facts["names"]``) with their metadata."""
+    ``facts.names``) with their metadata."""
     return ", ".join(f"{name}={format_meta(meta)}" for name, meta in zip(names, metas))

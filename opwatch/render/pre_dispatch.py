@@ -9,7 +9,6 @@ Facts: ``function`` (``torch.stft``), ``argument`` and ``other`` (argument names
 from __future__ import annotations
 
 from ..core.notation import format_dtype, format_meta
-from ..core.records import M_DEVICE, M_DTYPE
 from .rules import explains
 
 __all__ = ["explain_pre_dispatch"]
@@ -41,8 +40,8 @@ _SAME_FIX = {
 @explains("pre_dispatch.device", "pre_dispatch.dtype")
 def explain_pre_dispatch(finding) -> tuple[str, str, str]:
     facts = finding.facts
-    name, argument, other, requires = facts["function"], facts["argument"], facts["other"], facts["requires"]
-    odd, *others = facts["metas"]  # the odd argument's metadata, then its counterpart's if any
+    name, argument, other, requires = facts.function, facts.argument, facts.other, facts.requires
+    odd, *others = facts.metas  # the odd argument's metadata, then its counterpart's if any
     base = next(iter(others), None)
     if requires == "cpu":
         problem = f"{name} gets {argument} {format_meta(odd)}: the lengths of a packed sequence must be a CPU tensor, whatever the device of the data"
@@ -52,10 +51,10 @@ def explain_pre_dispatch(finding) -> tuple[str, str, str]:
         expected = f"{argument} as int64 (i64)"
     elif requires == "same_device":
         problem = f"{name}'s {argument} {format_meta(odd)} is not on the device of its {other} {format_meta(base)}"
-        expected = f"{argument} and {other} on one device ({base[M_DEVICE]})"
+        expected = f"{argument} and {other} on one device ({base.device})"
     else:
         problem = f"{name}'s {argument} {format_meta(odd)} is not in the dtype of its {other} {format_meta(base)}"
-        expected = f"{argument} and {other} in one dtype ({format_dtype(base[M_DTYPE])})"
+        expected = f"{argument} and {other} in one dtype ({format_dtype(base.dtype)})"
     problem = f"{problem}; {_INSIDE if requires == 'cpu' else _BEFORE}."
     return problem, expected, _fix(name, requires, argument, odd, base)
 
@@ -64,10 +63,10 @@ def _fix(name, requires, argument, odd, base) -> str:
     key = (_SAME_FIX.get(name, name), requires)
     if key == ("F.conv1d", "same_dtype"):
         if argument == "bias":
-            return f"cast the module or the parameters as a whole (module.to({format_dtype(base[M_DTYPE])})) rather than the bias alone"
-        if not _is_floating(odd[M_DTYPE]):
-            return f"make the images floating point where they are made (images.to({format_dtype(base[M_DTYPE])}) / 255, or torchvision's ToImage + ToDtype(torch.float32, scale=True))"
-        return f"cast the input where it is made (x.to({format_dtype(base[M_DTYPE])}), torch.from_numpy(a).float()) or the model (model.to(x.dtype))"
+            return f"cast the module or the parameters as a whole (module.to({format_dtype(base.dtype)})) rather than the bias alone"
+        if not _is_floating(odd.dtype):
+            return f"make the images floating point where they are made (images.to({format_dtype(base.dtype)}) / 255, or torchvision's ToImage + ToDtype(torch.float32, scale=True))"
+        return f"cast the input where it is made (x.to({format_dtype(base.dtype)}), torch.from_numpy(a).float()) or the model (model.to(x.dtype))"
     fix = _FIXES.get(key)
     return fix if fix is not None else f"make {argument} as torch requires where it is made"
 

@@ -103,14 +103,14 @@ def format_ranks(ranks) -> str:
 def explain_collective(finding) -> tuple[str, str, str]:
     """The ranks' calls of one collective, from the facts of
     :func:`opwatch.checks.collectives.compare`: ``op``, ``number`` (from 1), ``group``,
-    ``timeout`` (seconds), ``calls`` (one ``{"ranks", "op", "tensors", "where"}`` per distinct
-    call, ``where`` a list of ``[filename, lineno, label]``), ``missing`` (ranks)."""
+    ``timeout`` (seconds), ``calls`` (one :class:`~opwatch.checks.collectives.CollectiveCall`
+    per distinct call, ``where`` a list of ``[filename, lineno, label]``), ``missing`` (ranks)."""
     facts = finding.facts
-    op, group, number, timeout, missing = facts["op"], facts["group"], facts["number"], facts["timeout"], facts["missing"]
+    op, group, number, timeout, missing = facts.op, facts.group, facts.number, facts.timeout, facts.missing
     parts = []
-    for call in facts["calls"]:
-        lines = sorted({_where(where) for where in call["where"]})
-        parts.append(f"{format_ranks(call['ranks'])}: {call['op']}({', '.join(call['tensors'])}) at {', '.join(lines)}")
+    for call in facts.calls:
+        lines = sorted({_where(where) for where in call.where})
+        parts.append(f"{format_ranks(call.ranks)}: {call.op}({', '.join(call.tensors)}) at {', '.join(lines)}")
     if missing:
         parts.append(f"{format_ranks(missing)}: no call within {timeout:g} s")
     calls = "; ".join(parts)

@@ -24,13 +24,18 @@ import math
 
 import torch
 
+from .. import checks  # noqa: F401  (every check module: each rule's facts class registered)
+from ..checks.collectives import CollectiveCall
 from ..checks.finding import Finding
+from ..checks.nonfinite.cause import MATH, Cause, range_cause
+from ..checks.nonfinite.origin import read_facts
+from ..checks.nonfinite.rules import ValueRange
 from ..core.bounded import BoundedCache
-from ..core.fact_tuples import CLASSES, TAGS
+from ..core.fact_tuples import CLASSES, TAGS, RuleFacts, facts_of_rule
 from ..core.notation import Sharding, TensorMeta
 from ..core.records import M_SHARDING as _SHARDING
 
-__all__ = ["encode", "decode", "meta_fields", "meta_from_fields", "finding_fields", "finding_from_fields", "op_named"]
+__all__ = ["encode", "decode", "meta_fields", "meta_from_fields", "finding_fields", "finding_from_fields", "op_named", "rule_facts_from_saved"]
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -62,7 +67,7 @@ def finding_fields(finding) -> dict:
     return {
         "kind": finding.kind,
         "rule": finding.rule,
-        "facts": encode(finding.facts),
+        "facts": encode(finding.facts.fields() if isinstance(finding.facts, RuleFacts) else finding.facts),
         "operands": encode(finding.operands),
         "odd": encode(finding.odd),
         "made": encode(finding.made),
@@ -73,11 +78,74 @@ def finding_from_fields(fields: dict):
     return Finding(
         fields["kind"],
         fields["rule"],
-        decode(fields["facts"]),
+        rule_facts_from_saved(fields["rule"], fields["kind"], decode(fields["facts"])),
         decode(fields["operands"]),
         decode(fields["odd"]),
         decode(fields["made"]),
     )
+
+
+def rule_facts_from_saved(rule: str, kind: str, facts: dict):
+    """A saved finding's facts (by name, as every format wrote them) as its rule's class, with
+    what a log of an older version lacks worked out from what it holds (never in render):
+    tensor metadata saved as plain items (format 4 and older) read as :class:`TensorMeta`."""
+    facts = {name: _named_metas(value) for name, value in facts.items()}
+    if rule in ("nonfinite.origin", "nonfinite.received"):
+        facts = _upgraded_origin(kind, facts)
+    elif rule.startswith("collective.") and "calls" in facts:  # format 4 and older: each call a dict
+        facts = dict(facts, calls=[call if isinstance(call, CollectiveCall) else CollectiveCall(**call) for call in facts["calls"]])
+    elif rule == "dtype.one_dtype" and "common" not in facts:  # a log older than the fact
+        first, *_ = facts["dtypes"]
+        facts = dict(facts, common=first)
+    elif rule == "dtype.silent_upcast" and facts.get("common") is None:  # a log older than the fact
+        facts = dict(facts, common=min(facts["dtypes"], key=lambda dtype: dtype.itemsize))
+    return facts_of_rule(rule, facts)
+
+
+def _named_metas(value):
+    """``value`` with every tensor's metadata in it (a plain ``(shape, dtype, device, ident)``
+    tuple) as a :class:`TensorMeta`, inside tuples, lists and named tuples of facts too."""
+    if type(value) is tuple:
+        if _is_plain_meta(value):
+            return TensorMeta(*value)
+        return tuple(_named_metas(item) for item in value)
+    if type(value) is list:
+        return [_named_metas(item) for item in value]
+    if isinstance(value, tuple) and type(value) is not TensorMeta and hasattr(value, "_fields"):
+        return type(value)._make(_named_metas(item) for item in value)
+    return value
+
+
+def _is_plain_meta(value: tuple) -> bool:
+    if len(value) not in (4, 5):
+        return False
+    shape, dtype, device, ident, *_ = value
+    return (
+        (shape is None or type(shape) is tuple) and isinstance(dtype, (torch.dtype, str)) and isinstance(device, (torch.device, str))
+        and type(ident) is int
+    )
+
+
+def _upgraded_origin(kind: str, facts: dict) -> dict:
+    """An origin's facts as this version makes them: input ranges of a log exported before
+    ranges were tagged (plain ``(min, max)`` / ``(min, max, "within")`` tuples) as
+    :class:`ValueRange`; a cause saved untagged as a :class:`Cause`; and a log saved before
+    causes were facts: the cause the inputs' ranges show (the check's ``range_cause``)."""
+    upgraded = dict(facts)
+    upgraded["input_ranges"] = tuple(
+        (meta, value_range if value_range is None or type(value_range) is ValueRange else ValueRange(*value_range))
+        for meta, value_range in facts.get("input_ranges", ())
+    )
+    if "cause" in facts:
+        cause = facts["cause"]
+        upgraded["cause"] = cause if cause is None or isinstance(cause, Cause) else Cause(*cause)
+    else:
+        ranges = [value_range for _, value_range in upgraded["input_ranges"]]
+        detail = range_cause(facts.get("op_name"), kind, facts.get("outputs", ()), ranges)
+        upgraded["cause"] = None if detail is None else Cause(MATH, detail)
+    if "written" not in facts:  # format 4 and older: what the inputs show, worked out now
+        upgraded.update(read_facts(facts.get("op_name"), facts.get("inputs", ()), facts.get("outputs", ()), upgraded["input_ranges"]))
+    return upgraded
 
 
 # -- the codec of values --------------------------------------------------------------------
@@ -148,7 +216,10 @@ def decode(value):
         named = CLASSES.get(tag)
         if named is None:
             raise ValueError(f"unknown value tag {tag!r}; the tags are {', '.join(map(repr, [*_DECODERS, *CLASSES]))}")
-        return named(*_decode_items(inner))
+        value = named(*_decode_items(inner))
+        if tag == "default_dtype" and value.how == "dtype":  # format 4 and older said "dtype"
+            value = value._replace(how=tag)
+        return value
     return value
 
 

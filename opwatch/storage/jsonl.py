@@ -3,9 +3,9 @@
 - :func:`write_jsonl` / :func:`load`: JSON Lines, one object a line; :func:`load` gives a
   read-only :class:`SavedLog` that prints the same table and summary as the watch that wrote it.
 
-The JSON Lines file (format version 4)::
+The JSON Lines file (format version 5)::
 
-    {"format": "opwatch.jsonl", "version": 4, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
+    {"format": "opwatch.jsonl", "version": 5, "opwatch": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "rank": null, ...}
     {"type": "site", "site": 1, "filename": "/abs/train.py", "lineno": 26, "end_lineno": 26, "col": 20, "end_col": 28,
      "text": "squared_diff = (y - pred) ** 2", "expression": "y - pred", "carets": ["squared_diff = (y - pred) ** 2", "    ^^^^^^^^"]}
     {"type": "record", "index": 7, "op": "aten.sub.Tensor", "site": 1, "label": null, "filename": "/abs/train.py", "lineno": 26,
@@ -30,7 +30,11 @@ the one codec, :mod:`opwatch.storage.codec`.
 A record's module is two facts: ``"module"``, its dotted path (``"enc.0"``), and
 ``"module_class"``, its class's name (``"Linear"``). Version 3 files stored one label
 (``"enc.0 (Linear)"``): :func:`load` upgrades their records as it reads them (:func:`_upgraded_v3`),
-so that they render as they did. Version 1 files (which stored the messages' text) are not
+so that they render as they did. Version 4 files hold the same records; a finding's facts
+of any version are read back as its rule's class of facts, what an older version did not save
+worked out when read (:func:`opwatch.storage.codec.rule_facts_from_saved`). Version 5 saves
+each rule's facts with every field, tensors tagged ``{"meta": [...]}``, a collective's calls
+tagged ``{"collective_call": [...]}``. Version 1 files (which stored the messages' text) are not
 read: :func:`load` names the versions it reads.
 """
 
@@ -52,8 +56,8 @@ __all__ = ["FORMAT", "VERSION", "READS", "write_jsonl", "load", "SavedLog", "Sav
 FORMAT = "opwatch.jsonl"
 # 3: provenance and other fact tuples are written tagged ({"made_by": [...]}); 4: a record's
 # module as two facts, its path and its class
-VERSION = 4
-READS = (3, 4)  # the format versions load() reads (3: upgraded as read)
+VERSION = 5
+READS = (3, 4, 5)  # the format versions load() reads (3 and 4: upgraded as read)
 
 _GROUPS = ("anomalies", "contained", "allowed")  # where a watch keeps what its checks found
 
@@ -282,7 +286,7 @@ def _as_written(fields: dict) -> dict:
 
 
 def _upgraded_v3(fields: dict) -> dict:
-    """A version 3 record's fields as version 4 writes them: its module label
+    """A version 3 record's fields as versions 4 and 5 write them: its module label
     (``"enc.0 (Linear)"``, the class shown where the path ends in an index) split into the
     path and the class. A label without a class (``"encoder.attn"``, ``"Net"``,
     ``"torch.compile graph 3 (forward)"``) is the path, its class unknown."""
@@ -327,7 +331,8 @@ def _check_complete(path, promised: dict, read: dict, cut_line: int | None) -> N
 def _check_version(path, version) -> None:
     if isinstance(version, int) and not isinstance(version, bool) and version in READS:
         return
-    accepted = ("versions " if len(READS) > 1 else "version ") + " and ".join(map(str, READS))
+    *earlier, last = map(str, READS)
+    accepted = f"versions {', '.join(earlier)} and {last}" if earlier else f"version {last}"
     if isinstance(version, int) and version > VERSION:
         raise ValueError(f"{path}: written in opwatch log version {version!r}; this opwatch reads {accepted}: upgrade opwatch to read it")
     raise ValueError(

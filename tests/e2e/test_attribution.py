@@ -230,7 +230,7 @@ def test_a_factory_without_dtype_is_named_with_the_dtype_it_was_given():
     finding = only_anomaly(body)
     line = _line_of("# made with dtype=float64 on purpose", __file__)
     assert finding.rule == "dtype.silent_upcast"
-    assert finding.made == (("made_by", Place("aten.zeros.default", __file__, line, "forward"), ("dtype", torch.float64, torch.float32)),)
+    assert finding.made == (("made_by", Place("aten.zeros.default", __file__, line, "forward"), ("default_dtype", torch.float64, torch.float32)),)
     problem = explain(finding)[0]
     assert problem.endswith(f"Where the odd one came from: f64[4, 3] cpu: made by aten.zeros at {display_path(__file__)}:{line} with dtype=torch.float64.")
     # A saved log holds the facts after a JSON round trip, each named tuple of its class again.

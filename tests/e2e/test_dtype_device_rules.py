@@ -490,6 +490,25 @@ def test_strict_raises_before_the_modules_forward_runs():
     assert raised.value.anomaly.record.outputs is None  # LSTM.forward never ran
 
 
+def test_a_module_call_in_the_log_is_passed_over_by_the_nan_inf_replay():
+    """A module call judged before its forward (torch then raises) is logged with no outputs;
+    the nan/inf replay at the next check point passes it over, and finds the log(0) after it."""
+    torch.manual_seed(0)
+    rnn, head = nn.GRU(4, 3), nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opwatch.watch(warn=False, dump_on_error=False) as w:
+            with pytest.raises(ValueError):  # torch's own error after the report
+                rnn(torch.randn(5, 2, 4, dtype=torch.float64))
+            out, _ = rnn(torch.randn(5, 2, 4))
+            probability = torch.sigmoid(head(out)).squeeze(-1) * 0  # every probability 0
+            loss = -probability.log().mean()
+            loss.backward()
+    assert not [warning for warning in caught if "internal error" in str(warning.message)]
+    assert [a.finding.rule for a in w.anomalies][:1] == ["module.rnn_input_dtype"]
+    assert "nonfinite.origin" in [a.finding.rule for a in w.anomalies]
+
+
 def test_module_call_checks_follow_the_enabled_kinds():
     with opwatch.watch(warn=False, dump_on_error=False, checks=["broadcast"]) as w:
         with pytest.raises(RuntimeError):

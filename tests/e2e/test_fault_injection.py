@@ -98,7 +98,7 @@ def test_a_fault_while_rendering_never_raises_on_the_users_line(monkeypatch):
 
 
 def test_a_fault_at_the_end_of_a_failing_block_keeps_the_users_exception(monkeypatch):
-    monkeypatch.setattr(sys.modules["opwatch.session"], "render_failure", _fail)  # as session.py calls it
+    monkeypatch.setattr(sys.modules["opwatch.session.failure"], "render_failure", _fail)  # as the failure dump calls it
     error = ValueError("the user's own error")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

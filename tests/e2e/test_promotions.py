@@ -120,7 +120,8 @@ def test_a_float32_parameter_left_in_a_float16_model_stays_flagged():
 
 def test_pending_promotions_are_bounded():
     pending = PendingPromotions()
-    finding = dtype_check.Finding(dtype_check.KIND, "dtype.silent_upcast", {"dtypes": [F16, F32], "result": F32})
+    facts = dtype_check.SilentUpcast(first=F16, second=F32, dtypes=[F16, F32], result=F32, count=2, names=["self", "other"], common=F16)
+    finding = dtype_check.Finding(dtype_check.KIND, "dtype.silent_upcast", facts)
     kept = [torch.zeros(1) for _ in range(LIMIT)]
     for tensor in kept:
         assert pending.takes(finding)

@@ -329,6 +329,7 @@ def test_collective_handshakes_are_per_watch(monkeypatch):
 
 def test_collective_mismatch_compares_plain_data():
     from opwatch.checks import collectives
+    from opwatch.storage.codec import finding_fields, finding_from_fields
 
     def call(shape, line=3, op="c10d.allreduce_"):
         return {"op": op, "tensors": [f"f32[{shape}] cpu"], "where": [str(SCENARIOS / "train.py"), line, None]}
@@ -339,8 +340,10 @@ def test_collective_mismatch_compares_plain_data():
         assert collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(4)}, [], 60.0) is None
         finding = collectives.compare("c10d.allreduce_", 1, "0", {0: call(4), 1: call(6), 2: call(4)}, [], 60.0)
         assert (finding.kind, finding.rule) == ("collective_mismatch", "collective.mismatch")
-        assert finding.facts["calls"][1] == {"ranks": [1], "op": "c10d.allreduce_", "tensors": ["f32[6] cpu"], "where": [call(6)["where"]]}
-        assert json.loads(json.dumps(finding.facts)) == finding.facts  # facts survive the export
+        _, second = finding.facts.calls
+        assert second == collectives.CollectiveCall([1], "c10d.allreduce_", ["f32[6] cpu"], [call(6)["where"]])
+        saved_finding = finding_from_fields(json.loads(json.dumps(finding_fields(finding))))
+        assert saved_finding.facts == finding.facts and explain(saved_finding) == explain(finding)  # facts survive the export
         assert explain(finding)[0] == (
             "c10d.allreduce_ gets different tensors on the ranks of process group 0: "
             "ranks 0 and 2: c10d.allreduce_(f32[4] cpu) at train.py:3; rank 1: c10d.allreduce_(f32[6] cpu) at train.py:3"

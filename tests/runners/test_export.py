@@ -167,7 +167,7 @@ def test_a_rank_s_log_reads_back_with_its_rank(tmp_path):
         {"odd": (Place("aten.mm.default", None, None, "backward"),), "counts": [3, math.inf], "names": ("self", "other")},
         torch.ops.aten.add.Tensor,
         # where an odd operand was made (Finding.made), each kind of provenance fact
-        (MadeBy("made_by", Place("aten.zeros.default", "/abs/train.py", 4, "forward"), DefaultDtype("dtype", None, torch.float32)),),
+        (MadeBy("made_by", Place("aten.zeros.default", "/abs/train.py", 4, "forward"), DefaultDtype("default_dtype", None, torch.float32)),),
         MadeBy("made_by", Place("aten.ones.default", None, None, "forward"), DefaultDevice("default_device", torch.device("meta"))),
         MadeBy("made_by", Place("aten.mul.Tensor", "/abs/train.py", 5, "forward")),
         Owned("buffer", "encoder.norm", "running_mean"), Attribute("attribute", "Scaled", "scale", "model.scaled"), BeforeWatch(),
@@ -284,7 +284,7 @@ def test_load_refuses_other_files(tmp_path):
         load(other)
     newer = tmp_path / "newer.jsonl"
     newer.write_text(json.dumps({"format": FORMAT, "version": VERSION + 1}) + "\n")
-    reads = "versions 3 and 4" if READS == (3, 4) else f"version {VERSION}"
+    reads = "versions 3, 4 and 5" if READS == (3, 4, 5) else f"version {VERSION}"
     assert reads.endswith(str(VERSION))
     with pytest.raises(ValueError, match=f"version {VERSION + 1}; this opwatch reads {reads}: upgrade opwatch"):
         load(newer)
@@ -542,3 +542,10 @@ def test_received_is_a_nan_or_inf_on_a_collective_op():
     by_name = OneAnomaly(finding, OneRecord("c10d.allreduce_.default"))
     assert not by_name.received
     assert by_name.message.startswith(f"{finding.kind} in c10d.allreduce_.default at stories.py:3")
+
+
+def test_a_default_dtype_saved_by_format_4_reads_back_with_its_tag_as_how():
+    """Format 4 and older wrote a ``DefaultDtype`` whose ``how`` ("dtype") disagreed with its tag."""
+    saved = {"default_dtype": ["dtype", {"dtype": "float64"}, {"dtype": "float32"}]}
+    assert decode(saved) == DefaultDtype("default_dtype", torch.float64, torch.float32)
+    assert decode(encode(decode(saved))) == decode(saved)

@@ -13,7 +13,7 @@ PRODUCER = Place("aten.addmm.default", "model.py", 3, "forward")
 
 def opwatch_frames(text: str) -> list[str]:
     """The places in ``text`` that lie in opwatch's own code (``opwatch/modes/interceptor.py``,
-    ``opwatch/session.py``, ...), the demo's scripts under ``opwatch/examples`` excepted: what a
+    ``opwatch/session/failure.py``, ...), the demo's scripts under ``opwatch/examples`` excepted: what a
     traceback or debugger shown to a user must not name. Found by the package's own folder and
     file names, so a clone's folder (``.../opwatch/.venv/...``) does not count."""
     import re

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from opwatch.storage.codec import rule_facts_from_saved
 from opwatch.checks.finding import BeforeWatch, Finding, Owned, Place
 from opwatch.checks.nonfinite.cause import INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, Cause, _bound, _call_of, _Slot
 from opwatch.checks.nonfinite.rules import ValueRange
@@ -80,12 +81,12 @@ def origin(cause, kind="nan", op="aten.addmm.default", inputs=(meta((8,)), meta(
         "input_ranges": tuple((m, r) for m, r in zip(inputs, ranges or [ValueRange(-1.0, 1.0), None, ValueRange(-1.0, 1.0)])),
         "cause": cause, "absorbed": False,
     }
-    return Finding(kind, "nonfinite.origin", facts)
+    return Finding(kind, "nonfinite.origin", rule_facts_from_saved("nonfinite.origin", kind, facts))  # as a log without the derived facts reads
 
 
 def round_trip(finding):
     facts = decode(json.loads(json.dumps(encode(finding.facts["cause"]))))
-    return Finding(finding.kind, finding.rule, {**finding.facts, "cause": facts})
+    return Finding(finding.kind, finding.rule, finding.facts.replace(cause=facts))
 
 
 CASES = [
@@ -132,9 +133,11 @@ def test_an_origin_without_a_cause_says_why_none_was_decided_and_keeps_its_fix()
 ])
 def test_an_input_whose_range_is_unknown_is_told_where_it_was_made_and_whether_it_was_alive(made, alive, health, inputs):
     finding = origin(None)
-    finding.facts.update(input_made=(None, made, None), input_alive=(False, alive, False))
-    if made is None:  # a log of an opwatch before these facts has neither
-        del finding.facts["input_made"], finding.facts["input_alive"]
+    if made is None:  # a log of an opwatch before these facts has neither: read as their defaults
+        facts = finding.facts.replace(input_made=(), input_alive=())
+    else:
+        facts = finding.facts.replace(input_made=(None, made, None), input_alive=(False, alive, False))
+    finding = Finding(finding.kind, finding.rule, facts)
     problem, _, _ = explain(finding)
     assert f"input f32[3, 4] cpu: {health}" in problem, problem
     assert f"made nan {inputs} (" in problem, problem

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opwatch.storage.codec import rule_facts_from_saved
 from opwatch.checks.finding import Finding
 from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
@@ -29,7 +30,7 @@ def origin(op, kind, ranges, *, forward_op_name=None, dtype=F32):
         "contained": False, "skipped_by_grad_scaler": False, "from_deliberate": False,
         "input_ranges": tuple((m, None if r is None else ValueRange(*r)) for m, r in zip(inputs, ranges)),
     }
-    return Finding(kind, "nonfinite.origin", facts)
+    return Finding(kind, "nonfinite.origin", rule_facts_from_saved("nonfinite.origin", kind, facts))  # as a log without the derived facts reads
 
 
 # (op, kind, input ranges, words the reason must hold (None: no reason), words the fix must
@@ -102,14 +103,12 @@ def test_an_origin_without_a_cause_says_in_one_clause_why_none_was_decided():
     from opwatch.render.nonfinite import explain_cause
 
     finding = origin("aten.erfinv.default", "inf", [(-0.5, 0.5)])
-    finding.facts["cause"] = None
+    finding = Finding(finding.kind, finding.rule, finding.facts.replace(cause=None))
     line = explain_cause(finding)
     assert line.startswith("not decided: erfinv could not be run again in a wider dtype") and line.count(":") == 1
     unknown = origin("aten.erfinv.default", "inf", [None])
-    unknown.facts["cause"] = None
-    unknown.facts["input_made"] = ("before_watch",)
-    unknown.facts["input_alive"] = (False,)
+    unknown = Finding(unknown.kind, unknown.rule, unknown.facts.replace(cause=None, input_made=("before_watch",), input_alive=(False,)))
     assert explain_cause(unknown).startswith("not decided: an input's values were not known")
     skipped = origin("aten.mul.Tensor", "inf", [(1.0, 2.0)])
-    skipped.facts.update(cause=None, skipped_by_grad_scaler=True, contained=True)
+    skipped = Finding(skipped.kind, skipped.rule, skipped.facts.replace(cause=None, skipped_by_grad_scaler=True, contained=True))
     assert explain_cause(skipped).startswith("transient: mul overflowed in the gradients GradScaler scaled up")

@@ -70,8 +70,25 @@ def test_a_log_written_now_keeps_the_path_and_the_class_and_prints_what_the_watc
     path = tmp_path / "run.jsonl"
     w.export_jsonl(path)
     saved = opwatch.load(path)
-    assert saved.header["version"] == 4
+    assert saved.header["version"] == 5
     assert [(r.module, r.module_class) for r in saved.records] == [(r.module, r.module_class) for r in w.records]
     assert ("0.proj", "Linear") in {(r.module, r.module_class) for r in saved.records}
     assert saved.table(last=None) == w.table(last=None) and "0 (_Block)" in saved.table(last=None)
     assert saved.summary() == w.summary()
+
+
+# ``data/log_v4_rules.jsonl`` was written by opwatch at format version 4 (commit 2c970a1, before each
+# rule's facts had a type of their own; ``data/make_log_v4_rules.py`` wrote it, its file renamed
+# ``train.py``): its findings span broadcast, device, dtype, accumulation and nan/inf rules, with
+# causes and where the odd operands were made; ``goldens/load_v4_rules.txt`` is what that version
+# printed on loading it.
+V4_LOG = pathlib.Path(__file__).resolve().parent / "data" / "log_v4_rules.jsonl"
+
+
+def test_a_version_4_log_of_the_dict_facts_prints_what_its_version_printed():
+    saved = opwatch.load(V4_LOG)
+    assert saved.header["version"] == 4
+    rules = {anomaly.finding.rule for anomaly in saved.anomalies}
+    assert {"broadcast.implicit", "device.mix", "dtype.silent_upcast", "dtype.loss_target", "dtype.narrowing_write",
+            "dtype.write_source", "nonfinite.origin", "nonfinite.overflow_risk"} <= rules
+    assert_golden("load_v4_rules.txt", _read_out(saved))

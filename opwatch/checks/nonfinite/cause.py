@@ -58,11 +58,11 @@ from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
-from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, entry_inputs, entry_outputs
+from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE, ModuleCall, entry_inputs, entry_outputs
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
-from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range, read_ranges, written_inputs
 
 __all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA"]
 
@@ -109,23 +109,6 @@ NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
 DATA = "data"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
-
-
-def written_inputs(inputs, outputs) -> frozenset:
-    """The idents of the inputs an op wrote its result into: those that are also its outputs
-    (``x.sqrt_()``, ``buf.copy_(src)``, ``out=``); an op that makes new tensors has none (a new
-    tensor cannot take the id of an input alive while it runs). Metas, as records hold them."""
-    if not outputs:
-        return frozenset()
-    made = {meta[M_IDENT] for meta in outputs}
-    return frozenset(meta[M_IDENT] for meta in inputs if meta[M_IDENT] in made)
-
-
-def read_ranges(name, ranges) -> list:
-    """Of the floating inputs' ``ranges`` (in order) of op ``name`` (short, ``copy``), those the
-    op reads: ``copy_`` overwrites its destination, the first, without reading it."""
-    ranges = list(ranges)
-    return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges
 
 
 def decide_causes(origins, log) -> None:
@@ -243,7 +226,10 @@ class _Writes:
                 outputs = entry_outputs(entry) or ()
                 for meta in outputs:
                     last[meta[M_IDENT]] = at
-                facts = facts_of(self._log.funcs[entry[E_FUNC]])
+                func = self._log.funcs[entry[E_FUNC]]
+                if isinstance(func, ModuleCall):
+                    continue  # a module or function call judged before it ran: no op wrote anything
+                facts = facts_of(func)
                 if aliases and not facts.is_view and not facts.mutated_args:
                     for meta in outputs:  # a new tensor: its id's old views are not its
                         aliases.forget(meta[M_IDENT])

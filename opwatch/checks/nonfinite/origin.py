@@ -35,12 +35,65 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ...core.fact_tuples import RuleFacts, rule_facts
+from ...core.notation import as_meta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_INDEX, E_PHASE, M_DTYPE, M_SHAPE
 from ..finding import Finding, Place
-from .rules import HEADROOM_LIMIT, RISK_KIND, SENTINELS
+from .rules import HEADROOM_LIMIT, RISK_KIND, SENTINELS, read_ranges, written_inputs
 
-__all__ = ["Origin", "OverflowRisk", "Verdict", "verdict", "headroom_risks", "LeafRecipe", "MovedRecipe"]
+__all__ = ["Origin", "OriginFacts", "read_facts", "OverflowRisk", "RiskFacts", "Verdict", "verdict", "headroom_risks", "LeafRecipe", "MovedRecipe"]
+
+
+@rule_facts("nonfinite.origin", "nonfinite.received")
+class OriginFacts(RuleFacts):
+    """The facts of an origin (each described in the module's docstring); those after
+    ``outputs`` have defaults, for logs written before a fact was added."""
+
+    op: str
+    inputs: tuple
+    outputs: tuple
+    op_name: str | None = None
+    forward_op_name: str | None = None
+    spread: int = 0
+    last: Place | None = None
+    became_nan: Place | None = None
+    masked_by: Place | None = None
+    masked_by_name: str | None = None
+    back_in_backward: Place | None = None
+    reached_parameter: bool = False
+    reached_gradient: bool = False
+    contained: bool = False
+    skipped_by_grad_scaler: bool = False
+    from_deliberate: bool = False
+    input_ranges: tuple = ()
+    input_made: tuple = ()
+    input_alive: tuple = ()
+    cause: object = None  # a cause.Cause, or None
+    absorbed: bool = False
+    absorbed_by: Place | None = None
+    picked_by: Place | None = None
+    loss: Place | None = None
+    loss_kind: str | None = None
+    # What the inputs show, worked out with the other facts (for an older log, when it is read):
+    written: tuple = ()  # the idents of the inputs the op wrote its result into (``x.sqrt_()``)
+    largest_read: float | None = None  # the largest magnitude of the known ranges the op reads
+
+
+def read_facts(op_name, inputs, outputs, input_ranges) -> dict:
+    """The facts ``written`` and ``largest_read`` of an origin of op ``op_name`` (short) from
+    its signature and its inputs' ranges (``(meta, ValueRange or None)`` each)."""
+    ranges = [value_range for value_range in read_ranges(op_name, [value_range for _, value_range in input_ranges]) if value_range is not None]
+    largest = max((max(abs(known.low), abs(known.high)) for known in ranges), default=None)
+    return {"written": tuple(sorted(written_inputs(inputs, outputs or ()))), "largest_read": largest}
+
+
+@rule_facts("nonfinite.overflow_risk")
+class RiskFacts(RuleFacts):
+    op: str
+    inputs: tuple
+    outputs: tuple
+    largest: float  # the largest magnitude its outputs held
 
 
 # How to work out at report time a range the replay did not know (see ``replay._carry_range``;
@@ -70,7 +123,7 @@ def _place(record):
 
 def _signature(record) -> dict:
     """The record's signature parts, as facts."""
-    return {"op": record.op, "inputs": tuple(record.inputs), "outputs": tuple(record.outputs or ())}
+    return {"op": record.op, "inputs": tuple(map(as_meta, record.inputs)), "outputs": tuple(map(as_meta, record.outputs or ()))}
 
 
 class Verdict(NamedTuple):
@@ -160,9 +213,13 @@ class Origin:
     def finding(self, *, contained: bool) -> Finding:
         record = self.record
         forward = record.forward_func
-        facts = _signature(record)
-        facts.update(
-            op_name=facts_of(record.func).name,
+        loss = _place(self.loss) if self.reduces_deliberate else None
+        signature = _signature(record)
+        op_name = facts_of(record.func).name
+        input_ranges = tuple((as_meta(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges)
+        facts = OriginFacts(
+            **signature,
+            op_name=op_name,
             forward_op_name=facts_of(forward).name if forward is not None else None,
             spread=self.spread,
             last=_place(self.last) if self.spread else None,
@@ -175,16 +232,17 @@ class Origin:
             contained=contained,
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
             from_deliberate=self.from_deliberate,
-            input_ranges=tuple((tuple(meta), None if _is_recipe(value_range) else value_range) for meta, value_range in self.input_ranges),
+            input_ranges=input_ranges,
             input_made=self.input_made,
             input_alive=self.input_alive,
             cause=self.cause,
             absorbed=self.absorbed,
             absorbed_by=_place(self.absorbed_by) if self.absorbed else None,
             picked_by=_place(self.picked_by),
+            loss=loss,
+            loss_kind=self.loss_kind if self.reduces_deliberate else None,
+            **read_facts(op_name, signature["inputs"], signature["outputs"], input_ranges),
         )
-        if self.reduces_deliberate:
-            facts.update(loss=_place(self.loss), loss_kind=self.loss_kind)
         # A collective's outputs hold what other ranks sent: this rank's own inputs were finite.
         rule = "nonfinite.received" if facts_of(record.func).is_collective else "nonfinite.origin"
         return Finding(self.kind, rule, facts)
@@ -202,8 +260,7 @@ class OverflowRisk:
         self.matters = True
 
     def finding(self, *, contained: bool) -> Finding:
-        facts = _signature(self.record)
-        facts["largest"] = self.largest
+        facts = RiskFacts(**_signature(self.record), largest=self.largest)
         return Finding(RISK_KIND, "nonfinite.overflow_risk", facts)
 
 

@@ -23,7 +23,7 @@ from torch.nn import Parameter
 
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
-from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, entry_inputs, entry_outputs
+from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, ModuleCall, entry_inputs, entry_outputs
 from .aliases import Aliases
 from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, Cause, written_inputs
 from .collectives import delivered
@@ -160,8 +160,10 @@ class Origins:
                 self._step(state, entry, outputs)
                 if sharded:
                     _shards_hold_their_dtensors(state, outputs)
-            elif facts_of(state.log.funcs[entry[E_FUNC]]).mutated_args:
-                _forget_written(state, entry)
+            else:  # no outputs: a kernel that raised, or a module or function call judged before it ran (no op)
+                func = state.log.funcs[entry[E_FUNC]]
+                if not isinstance(func, ModuleCall) and facts_of(func).mutated_args:
+                    _forget_written(state, entry)
         for ident in reading:  # a host read
             found = state.status.get(ident)
             if found is not None and found[ST_ORIGIN] is not None:

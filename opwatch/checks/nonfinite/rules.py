@@ -17,12 +17,12 @@ import torch
 from ...core.compat import is_zerotensor
 from ...core.finite import CHECKED_DTYPES, FLOAT8_DTYPES
 from ...core.fact_tuples import fact_tuple
-from ...core.records import E_ARGS
+from ...core.records import E_ARGS, M_IDENT
 
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "FLOAT8_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
-    "ValueRange", "moved_range",
+    "ValueRange", "moved_range", "read_ranges", "written_inputs",
 ]
 
 NAME = "nonfinite"
@@ -107,3 +107,19 @@ def moved_range(facts, ranges) -> ValueRange:
         low, high = min(low, 0.0), max(high, 0.0)
     return ValueRange(low, high, within or how not in _EXACT)
 
+
+def written_inputs(inputs, outputs) -> frozenset:
+    """The idents of the inputs an op wrote its result into: those that are also its outputs
+    (``x.sqrt_()``, ``buf.copy_(src)``, ``out=``); an op that makes new tensors has none (a new
+    tensor cannot take the id of an input alive while it runs). Metas, as records hold them."""
+    if not outputs:
+        return frozenset()
+    made = {meta[M_IDENT] for meta in outputs}
+    return frozenset(meta[M_IDENT] for meta in inputs if meta[M_IDENT] in made)
+
+
+def read_ranges(name, ranges) -> list:
+    """Of the floating inputs' ``ranges`` (in order) of op ``name`` (short, ``copy``), those the
+    op reads: ``copy_`` overwrites its destination, the first, without reading it."""
+    ranges = list(ranges)
+    return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges

@@ -1,4 +1,7 @@
-"""The public entry points: ``watch()``, ``strict()`` and the ``Watch`` they return."""
+"""The public entry points: ``watch()``, ``strict()`` and the ``Watch`` they return, which
+enters and leaves the private modes. Beside it: :mod:`.options` (the options checked, the
+``OPWATCH_DISABLE`` switch), :mod:`.optimizer_steps` (optimizer steps as check points) and
+:mod:`.failure` (the note and the dump after a failing block)."""
 
 from __future__ import annotations
 
@@ -7,35 +10,32 @@ from __future__ import annotations
 __tracebackhide__ = True
 
 import os
-import shutil
-import sys
-import threading
 import traceback
 from collections.abc import Iterable
 
-from . import checks as _checks
-from .findings.allow import Allow
-from .findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
-from .modes.functions import FunctionWatch
-from .modes import compiled as _compiled
-from .modes import compiled_graphs as _graphs
-from .modes.interceptor import OpInterceptor, keep_dynamo_out
-from .modes.module_calls import ModuleCalls
-from .modes.modules import ModuleStack
-from .modes.ranks import DistributedWatch
-from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
-from .core.records import OpLog, OpRecord
-from .core.sites import warn_at_user
-from .render import exception_note, render_failure, render_summary, render_table
-from .render.summary import render_disabled
-from .render.table import DUMP_WIDTH
-from .render.notices import compiled_ran_eagerly, internal_error
-from .findings.report import Reporter
+from .. import checks as _checks
+from ..findings.allow import Allow
+from ..findings.anomaly import Anomaly, AnomalyError, OpwatchWarning
+from ..modes.functions import FunctionWatch
+from ..modes import compiled as _compiled
+from ..modes import compiled_graphs as _graphs
+from ..modes.interceptor import OpInterceptor, keep_dynamo_out
+from ..modes.module_calls import ModuleCalls
+from ..modes.modules import ModuleStack
+from ..modes.ranks import DistributedWatch
+from ..findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
+from ..core.records import OpLog, OpRecord
+from ..core.sites import warn_at_user
+from ..render import render_summary, render_table
+from ..render.summary import render_disabled
+from ..render.notices import compiled_ran_eagerly, internal_error
+from ..findings.report import Reporter
+from .failure import tell_failure
+from .optimizer_steps import steps_checked as _steps_checked
+from .options import DISABLE_VARIABLE, allow_entries, check_names, checks_off, flag, non_negative_int, positive_int, text_stream
+from .options import disabled_by_environment as _disabled_by_environment  # the runners' name for it
 
-__all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE"]
-
-DISABLE_VARIABLE = "OPWATCH_DISABLE"
-_DISABLE_VALUES = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
+__all__ = ["watch", "strict", "Watch", "DISABLE_VARIABLE", "checks_off"]
 
 
 def watch(
@@ -163,20 +163,18 @@ class Watch:
 
     def __init__(self, *, strict, max_records, checks, dump_on_error, last, file, warn, allow=(), check_every=None, fingerprints=False, compiled=None):
         self.strict = strict
-        self._max_records = _positive_int("max_records", max_records)
-        self._allow = _allow_entries(allow)
+        self._max_records = positive_int("max_records", max_records)
+        self._allow = allow_entries(allow)
         # Ops between two forced nan/inf check points; 1 checks each op as it goes (a replay,
         # where a host read per op is fine). Default: max_records.
-        self._check_every = None if check_every is None else _positive_int("check_every", check_every)
-        self._checks = _check_names(checks)
-        self._dump_on_error = _flag("dump_on_error", dump_on_error)
-        self._last = _non_negative_int("last", last)
-        if file is not None and not callable(getattr(file, "write", None)):
-            raise TypeError(f"file must be a text stream with a write() method, got {type(file).__name__}")
-        self._file = file
-        self._warn = _flag("warn", warn)
+        self._check_every = None if check_every is None else positive_int("check_every", check_every)
+        self._checks = check_names(checks)
+        self._dump_on_error = flag("dump_on_error", dump_on_error)
+        self._last = non_negative_int("last", last)
+        self._file = text_stream("file", file)
+        self._warn = flag("warn", warn)
         # op index -> output fingerprints (opwatch.checks.fingerprints), or None when off
-        self._fingerprints = {} if _flag("fingerprints", fingerprints) else None
+        self._fingerprints = {} if flag("fingerprints", fingerprints) else None
         # watch(compiled=BACKEND): compiled code runs compiled, its graphs logged (modes.compiled_graphs)
         self._graphs_backend = None if compiled is None else _graphs.check_backend(compiled)
         self._graphs = None
@@ -189,7 +187,6 @@ class Watch:
         self._told_internal_error = False
         self._compiled_calls: dict = {}  # compiled callable -> its calls run eagerly in the block
         self._told_compiled = False
-        self._thread = None  # the thread the watch is active on (the optimizer hook asks)
         # The job's view from this process (opwatch.modes.ranks), where torch.distributed exists.
         self._distributed: DistributedWatch | None = None
 
@@ -239,7 +236,7 @@ class Watch:
         where (``file:line``), the code that issued the op, module, phase and flags."""
         records = self._log.records()
         if last is not None:
-            records = records[-_non_negative_int("last", last) :] if last else []
+            records = records[-non_negative_int("last", last) :] if last else []
         return render_table(records, tablefmt=tablefmt)
 
     def summary(self, *, raised: AnomalyError | None = None) -> str:
@@ -291,13 +288,13 @@ class Watch:
         """Write the log to ``path`` as JSON Lines: a header line (format, version, torch
         version, rank), then one object per record and per anomaly. Read it back with
         :func:`opwatch.load`. ``w.export_jsonl("run.jsonl")``."""
-        from .storage.jsonl import write_jsonl
+        from ..storage.jsonl import write_jsonl
 
         write_jsonl(self, path)
 
     def _repr_html_(self) -> str:
         """What a notebook shows: the counts, each place's first anomaly, the last 10 ops."""
-        from .render.html_repr import watch_html
+        from ..render.html_repr import watch_html
 
         return watch_html(self)
 
@@ -305,7 +302,7 @@ class Watch:
         """Write the report to ``path``: one self-contained HTML page (nothing fetched, it
         opens offline) with the findings first, the ops around each, the module tree and every
         op. ``w.report_html("report.html")``; for a saved log, ``python -m opwatch report run.jsonl``."""
-        from .render.html import render_report
+        from ..render.html import render_report
 
         with open(path, "w", encoding="utf-8") as stream:
             stream.write(render_report(self))
@@ -314,7 +311,7 @@ class Watch:
         """Write the log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
         ``chrome://tracing``): one event per op, module spans, arrows from backward ops to
         their forward op, anomalies as instant events. ``w.export_chrome_trace("run.json")``."""
-        from .storage.chrome_trace import write_chrome_trace
+        from ..storage.chrome_trace import write_chrome_trace
 
         write_chrome_trace(self, path)
 
@@ -422,7 +419,7 @@ class Watch:
         self._tell_compiled()
         if exc is not None and isinstance(exc, Exception):
             try:
-                self._tell_failure(interceptor, exc)
+                tell_failure(self._log, interceptor.failure, exc, dump=self._dump_on_error, last=self._last, file=self._file)
             except Exception as error:
                 self._internal_error(error, traceback.format_exc())
         return False
@@ -468,152 +465,3 @@ class Watch:
         import torch
 
         warn_at_user(OpwatchWarning(internal_error(error, formatted_traceback, torch.__version__)))
-
-    def _tell_failure(self, interceptor: OpInterceptor, error: BaseException) -> None:
-        failed = self._failed_record(interceptor, error)
-        if failed is not None and not isinstance(error, AnomalyError):
-            add_note(error, exception_note(failed))
-        if self._dump_on_error and self._last:
-            records = self._log.records()[-self._last :]
-            stream = self._file if self._file is not None else sys.stderr
-            print(render_failure(records, failed, error, rank=self._log.rank, width=_width_of(stream)), file=stream)
-
-    def _failed_record(self, interceptor: OpInterceptor, error: BaseException) -> OpRecord | None:
-        if isinstance(error, AnomalyError):
-            return error.anomaly.record
-        if interceptor.failure is None:
-            return None
-        index, error_id = interceptor.failure
-        chain = error
-        for _ in range(16):  # the kernel's error, possibly wrapped by the program
-            if chain is None:
-                return None
-            if id(chain) == error_id:
-                break
-            chain = chain.__cause__ or chain.__context__
-        else:
-            return None
-        return self._log.find(index)
-
-
-class _OptimizerCheckPoints:
-    """One global optimizer step pre-hook while any watch is active (registered by the first,
-    removed by the last, however they nest): each step of any ``torch.optim`` optimizer is a
-    check point of the watches active on the thread that runs it, innermost first.
-
-    GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite, so the
-    steps it skips never reach this hook."""
-
-    def __init__(self):
-        self._watches: list[Watch] = []
-        self._handle = None
-        self._lock = threading.Lock()
-
-    def hold(self, w: Watch) -> None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        with self._lock:
-            w._thread = threading.get_ident()
-            self._watches.append(w)
-            if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(self._before_step)
-
-    def release(self, w: Watch) -> None:
-        with self._lock:
-            self._watches = [other for other in self._watches if other is not w]
-            if not self._watches and self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-
-    @property
-    def registered(self) -> bool:
-        return self._handle is not None
-
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        thread = threading.get_ident()
-        for w in reversed(self._watches):
-            if w._thread == thread:
-                w._before_optimizer_step()
-
-
-_steps_checked = _OptimizerCheckPoints()
-
-
-def _width_of(stream) -> int:
-    """The dump's width: the terminal's when ``stream`` is one, else a fixed width (a file, a
-    pipe, a captured stream: output that must not depend on the terminal that wrote it)."""
-    try:
-        if not stream.isatty():
-            return DUMP_WIDTH
-        columns = os.environ.get("COLUMNS", "")  # honoured as shutil.get_terminal_size does
-        return int(columns) if columns.isdigit() and int(columns) > 0 else os.get_terminal_size(stream.fileno()).columns
-    except (AttributeError, ValueError, OSError):
-        return shutil.get_terminal_size((DUMP_WIDTH, 24)).columns
-
-
-def _disabled_by_environment() -> bool:
-    value = os.environ.get(DISABLE_VARIABLE, "")
-    key = value.strip().lower()
-    if key not in _DISABLE_VALUES:
-        off = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if disabled)
-        on = ", ".join(repr(v) for v, disabled in _DISABLE_VALUES.items() if v and not disabled)
-        raise ValueError(f"{DISABLE_VARIABLE}={value!r} is not understood; use {off} to turn opwatch off, {on} (or leave it unset) to watch")
-    return _DISABLE_VALUES[key]
-
-
-def checks_off(checks) -> tuple[str, ...]:
-    """The default checks that ``checks`` (names) leaves out: a summary names them, as
-    anomalies of their kinds were not looked for."""
-    return tuple(name for name in _checks.DEFAULT_CHECK_NAMES if name not in checks)
-
-
-def _check_names(checks) -> frozenset[str]:
-    if checks is None:
-        return frozenset(_checks.DEFAULT_CHECK_NAMES)
-    if isinstance(checks, str):
-        raise TypeError(f"checks must be a collection of check names, e.g. checks=[{checks!r}], not a string")
-    try:
-        names = list(checks)
-    except TypeError:
-        raise TypeError(f"checks must be a collection of check names, got {type(checks).__name__}") from None
-    unknown = [name for name in names if name not in _checks.CHECK_NAMES]
-    if unknown:
-        raise ValueError(f"unknown check name(s) {', '.join(map(repr, unknown))}; valid names are {', '.join(map(repr, _checks.CHECK_NAMES))}")
-    return frozenset(names)
-
-
-def _allow_entries(allow) -> tuple[Allow, ...]:
-    if isinstance(allow, Allow):
-        return (allow,)
-    if isinstance(allow, (str, bytes)):
-        raise TypeError(f"allow must be a list of opwatch.Allow entries, e.g. allow=[opwatch.Allow(kind='broadcast')], not a string")
-    try:
-        entries = tuple(allow)
-    except TypeError:
-        raise TypeError(f"allow must be a list of opwatch.Allow entries, got {type(allow).__name__}") from None
-    for entry in entries:
-        if not isinstance(entry, Allow):
-            raise TypeError(f"allow must hold opwatch.Allow entries, got {type(entry).__name__}: {entry!r}")
-    return entries
-
-
-def _int_at_least(name, value, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < least:
-        raise ValueError(f"{name} must be {'at least 1' if least == 1 else '0 or more'}, got {value}")
-    return value
-
-
-def _positive_int(name, value) -> int:
-    return _int_at_least(name, value, 1)
-
-
-def _non_negative_int(name, value) -> int:
-    return _int_at_least(name, value, 0)
-
-
-def _flag(name, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
