@@ -15,6 +15,12 @@ torch runs ``__torch_function__`` with the mode taken off its stack, so the func
 opwatch's own work inside the handler do not come back to it. The mode logs into the
 interceptor's log, which numbers its calls among the ops, and shares the interceptor's ``inert``
 switch (an internal error, a forked child).
+
+The mode stands aside (off the thread's stack) while one of torch's own optimizers runs its
+step (:meth:`FunctionWatch.stand_aside`): the step reads and writes tensor attributes (``.grad``)
+that would each cost a call here, and calls no function of the table. It steps back in at the
+step's post-hook, or, where the step raised, at the end of its profiler region, which the
+dispatch mode sees (or when the watch ends).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
-from ..core.compat import current_autograd_node, skip_dynamo_for_code
+from ..core.compat import current_autograd_node, function_mode_alone, put_function_mode_back, skip_dynamo_for_code, take_function_mode_off
 from ..core.records import BACKWARD, FORWARD, ModuleCall
 from ..core.sites import user_frame
 
@@ -55,10 +61,34 @@ class FunctionWatch(TorchFunctionMode):
         self._on_internal_error = on_internal_error
         self._callees: dict = {}  # function -> its ModuleCall stand-in in the log
         self.inert = False
+        self._aside_for = None  # the optimizer whose step runs with this mode off the stack
 
     def __enter__(self):
         skip_dynamo_for_code(FunctionWatch.__torch_function__.__code__)
         return super().__enter__()
+
+    def __exit__(self, exc_type, exc, traceback_):
+        if self._aside_for is not None:  # off the stack already (a step raised, unseen)
+            self._aside_for = self._interceptor.aside = None
+            return None
+        return super().__exit__(exc_type, exc, traceback_)
+
+    def stand_aside(self, optimizer) -> None:
+        """Leave the thread's stack for the step of ``optimizer`` about to run: torch's own
+        optimizer with no closure and no step hooks but the watch's (the caller checked), so
+        nothing but torch's optimizer code runs until the step's post-hook. Only where this is
+        the one function mode on the stack: putting it back is then putting it on top."""
+        if self._aside_for is None and function_mode_alone(self):
+            take_function_mode_off()
+            self._aside_for = optimizer
+            self._interceptor.aside = self
+
+    def step_back_in(self, optimizer=None) -> None:
+        """Back on the stack after the step of ``optimizer`` (``None``: whichever step it
+        stood aside for, which raised: the interceptor saw the end of its profiler region)."""
+        if self._aside_for is not None and (optimizer is None or optimizer is self._aside_for):
+            self._aside_for = self._interceptor.aside = None
+            put_function_mode_back(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call and tensor attribute read of the thread comes here: one dict lookup.
