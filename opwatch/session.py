@@ -505,34 +505,32 @@ class _OptimizerCheckPoints:
     GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite, so the
     steps it skips never reach this hook.
 
-    A global post-hook beside it: while the step of one of torch's own optimizers runs (no
-    closure, no other step hook), the watch's function mode stands aside
-    (:meth:`~opwatch.modes.functions.FunctionWatch.stand_aside`), where one watch is active on
-    the thread."""
+    While the step of one of torch's own optimizers runs (no closure, no other step hook), the
+    function mode of the one watch active on the thread stands aside
+    (:meth:`~opwatch.modes.functions.FunctionWatch.stand_aside`) until the step's profiler
+    region ends. (No post-hook: a watch that ends in another post-hook, a guard's audit, would
+    remove it while torch iterates over them.)"""
 
     def __init__(self):
         self._watches: list[Watch] = []
         self._handle = None
-        self._post_handle = None
         self._lock = threading.Lock()
 
     def hold(self, w: Watch) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         with self._lock:
             w._thread = threading.get_ident()
             self._watches.append(w)
             if self._handle is None:
                 self._handle = register_optimizer_step_pre_hook(self._before_step)
-                self._post_handle = register_optimizer_step_post_hook(self._after_step)
 
     def release(self, w: Watch) -> None:
         with self._lock:
             self._watches = [other for other in self._watches if other is not w]
             if not self._watches and self._handle is not None:
                 self._handle.remove()
-                self._post_handle.remove()
-                self._handle = self._post_handle = None
+                self._handle = None
 
     @property
     def registered(self) -> bool:
@@ -548,30 +546,20 @@ class _OptimizerCheckPoints:
         (only,) = watches
         try:
             if only._functions is not None and self._runs_only_torch_code(optimizer, args, kwargs):
-                only._functions.stand_aside(optimizer)
+                only._functions.stand_aside()
         except Exception as error:
             only._internal_error(error, traceback.format_exc())
-
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        thread = threading.get_ident()
-        for w in self._watches:
-            if w._thread == thread and w._functions is not None:
-                try:
-                    w._functions.step_back_in(optimizer)
-                except Exception as error:
-                    w._internal_error(error, traceback.format_exc())
 
     def _runs_only_torch_code(self, optimizer, args, kwargs) -> bool:
         """Whether the step about to run is torch's own optimizer code alone: a ``torch.optim``
         class (not a subclass of the program's), no closure (the program's forward and backward
-        would run inside the step), no step hook but these two."""
-        before, after = self._handle, self._post_handle
-        if before is None or after is None or not type(optimizer).__module__.startswith("torch.optim."):
+        would run inside the step), no other step hook."""
+        if self._handle is None or not type(optimizer).__module__.startswith("torch.optim."):
             return False
         _, *step_args = args
         if any(value is not None for value in (*step_args, *kwargs.values())):
             return False
-        return optimizer_step_runs_only(optimizer, before.id, after.id)
+        return optimizer_step_runs_only(optimizer, self._handle.id)
 
 
 _steps_checked = _OptimizerCheckPoints()

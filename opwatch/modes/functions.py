@@ -18,9 +18,9 @@ switch (an internal error, a forked child).
 
 The mode stands aside (off the thread's stack) while one of torch's own optimizers runs its
 step (:meth:`FunctionWatch.stand_aside`): the step reads and writes tensor attributes (``.grad``)
-that would each cost a call here, and calls no function of the table. It steps back in at the
-step's post-hook, or, where the step raised, at the end of its profiler region, which the
-dispatch mode sees (or when the watch ends).
+that would each cost a call here, and calls no function of the table. It steps back in where
+the step's profiler region ends (the dispatch mode sees that op, also where the step raised),
+or when the watch ends.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from ..core.sites import user_frame
 __all__ = ["FunctionWatch"]
 
 _Tensor = torch.Tensor
+# The name torch gives an optimizer step's profiler region: "Optimizer.step#SGD.step".
+_STEP_REGION = "Optimizer.step#"
 
 
 class FunctionWatch(TorchFunctionMode):
@@ -61,34 +63,49 @@ class FunctionWatch(TorchFunctionMode):
         self._on_internal_error = on_internal_error
         self._callees: dict = {}  # function -> its ModuleCall stand-in in the log
         self.inert = False
-        self._aside_for = None  # the optimizer whose step runs with this mode off the stack
+        # Names of the profiler regions open on the thread (record_function: an optimizer step
+        # is one), as the interceptor sees them start and end.
+        self._regions: list[str] = []
+        self._aside_below = 0  # standing aside: back on the stack when fewer regions are open
 
     def __enter__(self):
         skip_dynamo_for_code(FunctionWatch.__torch_function__.__code__)
+        self._interceptor.on_region = self._region
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, traceback_):
-        if self._aside_for is not None:  # off the stack already (a step raised, unseen)
-            self._aside_for = self._interceptor.aside = None
+        self._interceptor.on_region = None
+        if self._aside_below:  # off the stack already (the interceptor went inert in the step)
+            self._aside_below = 0
             return None
         return super().__exit__(exc_type, exc, traceback_)
 
-    def stand_aside(self, optimizer) -> None:
-        """Leave the thread's stack for the step of ``optimizer`` about to run: torch's own
-        optimizer with no closure and no step hooks but the watch's (the caller checked), so
-        nothing but torch's optimizer code runs until the step's post-hook. Only where this is
-        the one function mode on the stack: putting it back is then putting it on top."""
-        if self._aside_for is None and function_mode_alone(self):
+    def stand_aside(self) -> None:
+        """Leave the thread's stack for the optimizer step about to run, until its profiler
+        region ends: torch's own optimizer with no closure and no step hook but the watch's (the
+        caller checked), so nothing but torch's optimizer code runs until then. Only inside the
+        step's region, and where this is the one function mode on the stack: putting it back is
+        then putting it on top."""
+        regions = self._regions
+        if self._aside_below or not regions or not function_mode_alone(self):
+            return
+        *_, innermost = regions
+        if innermost.startswith(_STEP_REGION):
             take_function_mode_off()
-            self._aside_for = optimizer
-            self._interceptor.aside = self
+            self._aside_below = len(regions)
 
-    def step_back_in(self, optimizer=None) -> None:
-        """Back on the stack after the step of ``optimizer`` (``None``: whichever step it
-        stood aside for, which raised: the interceptor saw the end of its profiler region)."""
-        if self._aside_for is not None and (optimizer is None or optimizer is self._aside_for):
-            self._aside_for = self._interceptor.aside = None
-            put_function_mode_back(self)
+    def _region(self, opened: bool, args) -> None:
+        """A profiler region opened (``args``: its op's arguments, the name first) or ended
+        (the interceptor's call)."""
+        regions = self._regions
+        if opened:
+            name = next(iter(args), None)
+            regions.append(name if type(name) is str else "")
+        elif regions:
+            regions.pop()
+            if len(regions) < self._aside_below:
+                self._aside_below = 0
+                put_function_mode_back(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call and tensor attribute read of the thread comes here: one dict lookup.

@@ -75,12 +75,14 @@ _ScriptObject = torch.ScriptObject
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _NO_SITE = (0, None, -1)
+# Profiler ops that start (True) and end (False) a record_function region.
+_REGION_OPS = {"profiler::_record_function_enter": True, "profiler::_record_function_enter_new": True, "profiler::_record_function_exit": False}
 
 
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("kernel", "func_id", "is_ignored", "ends_region", "mutated_args", "pre_checks", "input_observers", "observers", "may_read_to_host", "is_copy", "collective")
+    __slots__ = ("kernel", "func_id", "is_ignored", "region", "mutated_args", "pre_checks", "input_observers", "observers", "may_read_to_host", "is_copy", "collective")
 
     def __init__(self, func, func_id: int, checks):
         # The C++ op itself: OpOverload.__call__ is a Python frame around it.
@@ -89,8 +91,8 @@ class _OpPlan:
         self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.is_ignored = func.namespace == "profiler"
-        # The end of a record_function region (an optimizer step's, also where it raised).
-        self.ends_region = self.is_ignored and func._schema.name == "profiler::_record_function_exit"
+        # The start (True) or end (False) of a record_function region (an optimizer step's), else None.
+        self.region = _REGION_OPS.get(func._schema.name) if self.is_ignored else None
         facts = facts_of(func)
         # Arguments written in place, as (position, name): the op's real outputs when it returns
         # nothing (``_foreach_add_`` updating parameters returns None).
@@ -172,8 +174,8 @@ class OpInterceptor(TorchDispatchMode):
         self._last_seq = get_sequence_nr()
         # (op index, id of the exception) when a kernel raised
         self.failure: tuple[int, int] | None = None
-        # The watch's function mode while it stands aside for an optimizer step, else None.
-        self.aside = None
+        # Told where profiler regions start and end (opwatch.modes.functions), or None.
+        self.on_region = None
 
     @property
     def inert(self) -> bool:
@@ -302,10 +304,9 @@ class OpInterceptor(TorchDispatchMode):
 
     def _unwatched(self, plan, func, args, kwargs):
         """Run an op the watch does not record (a profiler marker, or any op once making its
-        plan failed). The end of a profiler region while the function mode stands aside for an
-        optimizer step is the end of that step, which raised: its post-hook did not run."""
-        if plan is not None and plan.ends_region and self.aside is not None:
-            self.aside.step_back_in()
+        plan failed); the function mode learns where profiler regions start and end."""
+        if plan is not None and plan.region is not None and self.on_region is not None:
+            self.on_region(plan.region, args)
         return func(*args, **kwargs)
 
     def _found(self, finding, head, inputs):
