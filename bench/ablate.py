@@ -28,6 +28,7 @@ import torch
 from tabulate import tabulate
 
 import opwatch
+from opwatch.checks import DEFAULT_CHECK_NAMES
 from opwatch.checks.nonfinite import tracker as nonfinite
 from opwatch.modes import interceptor
 from bench.contenders import Contender, Passthrough
@@ -67,6 +68,9 @@ def _no_reduction(self, index, outputs, metas):
 
 
 NO_CHECKS = ()
+# Every default check but pre_dispatch: its function mode sees every torch function call and
+# tensor attribute read, not only ATen ops, so its cost is apart from the per-op parts.
+WITHOUT_PRE_DISPATCH = tuple(name for name in DEFAULT_CHECK_NAMES if name != "pre_dispatch")
 VARIANTS = {
     "passthrough": Passthrough,
     "watch()": lambda: opwatch.watch(),
@@ -77,6 +81,7 @@ VARIANTS = {
     "broadcast only": lambda: opwatch.watch(checks=["broadcast"]),
     "nonfinite only": lambda: opwatch.watch(checks=["nonfinite"]),
     "watch(), no reductions": lambda: _patched([(nonfinite.NonFiniteTracker, "_reduce", _no_reduction)]),
+    "watch() without pre_dispatch": lambda: opwatch.watch(checks=WITHOUT_PRE_DISPATCH),
 }
 
 # part -> (variant with it, variant without it)
@@ -88,6 +93,7 @@ PARTS = {
     "broadcast check + size-1 provenance": ("broadcast only", "no checks"),
     "nan/inf check (all of it)": ("nonfinite only", "no checks"),
     "  .. of which its reductions (kernels, stacking, bookkeeping)": ("watch()", "watch(), no reductions"),
+    "pre-dispatch function mode (every torch function call)": ("watch()", "watch() without pre_dispatch"),
     "everything": ("watch()", "passthrough"),
 }
 

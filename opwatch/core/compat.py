@@ -21,6 +21,10 @@ __all__ = [
     "no_python_dispatch",
     "no_torch_function",
     "dispatch_modes_outside",
+    "function_mode_alone",
+    "take_function_mode_off",
+    "put_function_mode_back",
+    "optimizer_step_runs_only",
     "engine_entry_code",
     "restore_caller_state",
     "amp_non_finite_check",
@@ -84,6 +88,38 @@ no_torch_function = torch._C.DisableTorchFunction
 # How many dispatch modes are on the thread's stack right now (inside ``__torch_dispatch__``
 # ours is popped, so a non-zero count means modes entered outside opwatch). torch >= 2.0.
 dispatch_modes_outside = torch._C._len_torch_dispatch_stack
+
+
+def function_mode_alone(mode) -> bool:
+    """Whether ``mode`` is the one function mode on the thread's stack (torch >= 2.0:
+    ``_len_torch_function_stack``, ``_get_function_stack_at``)."""
+    return torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is mode
+
+
+# Take the innermost function mode off the thread's stack, and put one back on top (what
+# ``TorchFunctionMode.__exit__`` and ``__enter__`` do; torch >= 2.0).
+take_function_mode_off = torch._C._pop_torch_function_stack
+put_function_mode_back = torch._C._push_on_torch_function_stack
+
+
+def optimizer_step_runs_only(optimizer, pre_hook_id: int) -> bool:
+    """Whether a step of ``optimizer`` runs no optimizer step hook besides the global pre-hook
+    ``pre_hook_id``, the last global pre-hook: then nothing but the optimizer's own code runs
+    from that hook to the end of the step. The global hooks are the ordered dicts
+    ``torch.optim.optimizer._global_optimizer_pre_hooks`` and ``_global_optimizer_post_hooks``,
+    the optimizer's own ``_optimizer_step_pre_hooks`` and ``_optimizer_step_post_hooks`` (torch
+    >= 2.0). Fallback: ``False`` (other hooks may run)."""
+    try:
+        from torch.optim import optimizer as optim
+
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or optim._global_optimizer_post_hooks:
+            return False
+        return next(reversed(optim._global_optimizer_pre_hooks), None) == pre_hook_id
+    except Exception:
+        return False
+        return next(reversed(pre), None) == pre_hook_id and next(iter(post), None) == post_hook_id
+    except Exception:
+        return False
 
 
 # Inside ``__torch_dispatch__`` torch's dispatch machinery excludes some keys (autocast among

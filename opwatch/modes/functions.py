@@ -15,6 +15,12 @@ torch runs ``__torch_function__`` with the mode taken off its stack, so the func
 opwatch's own work inside the handler do not come back to it. The mode logs into the
 interceptor's log, which numbers its calls among the ops, and shares the interceptor's ``inert``
 switch (an internal error, a forked child).
+
+The mode stands aside (off the thread's stack) while one of torch's own optimizers runs its
+step (:meth:`FunctionWatch.stand_aside`): the step reads and writes tensor attributes (``.grad``)
+that would each cost a call here, and calls no function of the table. It steps back in where
+the step's profiler region ends (the dispatch mode sees that op, also where the step raised),
+or when the watch ends.
 """
 
 from __future__ import annotations
@@ -31,13 +37,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
-from ..core.compat import current_autograd_node, skip_dynamo_for_code
+from ..core.compat import current_autograd_node, function_mode_alone, put_function_mode_back, skip_dynamo_for_code, take_function_mode_off
 from ..core.records import BACKWARD, FORWARD, ModuleCall
 from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
 
 _Tensor = torch.Tensor
+# The name torch gives an optimizer step's profiler region: "Optimizer.step#SGD.step".
+_STEP_REGION = "Optimizer.step#"
 
 
 class FunctionWatch(TorchFunctionMode):
@@ -55,10 +63,49 @@ class FunctionWatch(TorchFunctionMode):
         self._on_internal_error = on_internal_error
         self._callees: dict = {}  # function -> its ModuleCall stand-in in the log
         self.inert = False
+        # Names of the profiler regions open on the thread (record_function: an optimizer step
+        # is one), as the interceptor sees them start and end.
+        self._regions: list[str] = []
+        self._aside_below = 0  # standing aside: back on the stack when fewer regions are open
 
     def __enter__(self):
         skip_dynamo_for_code(FunctionWatch.__torch_function__.__code__)
+        self._interceptor.on_region = self._region
         return super().__enter__()
+
+    def __exit__(self, exc_type, exc, traceback_):
+        self._interceptor.on_region = None
+        if self._aside_below:  # off the stack already (the interceptor went inert in the step)
+            self._aside_below = 0
+            return None
+        return super().__exit__(exc_type, exc, traceback_)
+
+    def stand_aside(self) -> None:
+        """Leave the thread's stack for the optimizer step about to run, until its profiler
+        region ends: torch's own optimizer with no closure and no step hook but the watch's (the
+        caller checked), so nothing but torch's optimizer code runs until then. Only inside the
+        step's region, and where this is the one function mode on the stack: putting it back is
+        then putting it on top."""
+        regions = self._regions
+        if self._aside_below or not regions or not function_mode_alone(self):
+            return
+        *_, innermost = regions
+        if innermost.startswith(_STEP_REGION):
+            take_function_mode_off()
+            self._aside_below = len(regions)
+
+    def _region(self, opened: bool, args) -> None:
+        """A profiler region opened (``args``: its op's arguments, the name first) or ended
+        (the interceptor's call)."""
+        regions = self._regions
+        if opened:
+            name = next(iter(args), None)
+            regions.append(name if type(name) is str else "")
+        elif regions:
+            regions.pop()
+            if len(regions) < self._aside_below:
+                self._aside_below = 0
+                put_function_mode_back(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call and tensor attribute read of the thread comes here: one dict lookup.

@@ -75,12 +75,14 @@ _ScriptObject = torch.ScriptObject
 # Non-tensor argument values stored as they are; others are summarised by their type's name.
 _PLAIN_VALUES = {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _NO_SITE = (0, None, -1)
+# Profiler ops that start (True) and end (False) a record_function region.
+_REGION_OPS = {"profiler::_record_function_enter": True, "profiler::_record_function_enter_new": True, "profiler::_record_function_exit": False}
 
 
 class _OpPlan:
     """What one ``OpOverload`` needs on the hot path, worked out on its first call."""
 
-    __slots__ = ("kernel", "func_id", "is_ignored", "mutated_args", "pre_checks", "input_observers", "observers", "may_read_to_host", "is_copy", "collective")
+    __slots__ = ("kernel", "func_id", "is_ignored", "region", "mutated_args", "pre_checks", "input_observers", "observers", "may_read_to_host", "is_copy", "collective")
 
     def __init__(self, func, func_id: int, checks):
         # The C++ op itself: OpOverload.__call__ is a Python frame around it.
@@ -89,6 +91,8 @@ class _OpPlan:
         self.func_id = func_id
         # record_function markers (optimizers emit them) are not computations.
         self.is_ignored = func.namespace == "profiler"
+        # The start (True) or end (False) of a record_function region (an optimizer step's), else None.
+        self.region = _REGION_OPS.get(func._schema.name) if self.is_ignored else None
         facts = facts_of(func)
         # Arguments written in place, as (position, name): the op's real outputs when it returns
         # nothing (``_foreach_add_`` updating parameters returns None).
@@ -128,7 +132,7 @@ class OpInterceptor(TorchDispatchMode):
     # op is one more Python call on every op of the user's program. What is not per op (a new
     # op, a finding, a failed kernel, check points) is in the methods below; what a finding
     # becomes, in the exit (self.findings). tests/unit/test_rules.py keeps the class within
-    # 250 code lines and __torch_dispatch__ within 80.
+    # 235 code lines and __torch_dispatch__ within 80.
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -170,6 +174,8 @@ class OpInterceptor(TorchDispatchMode):
         self._last_seq = get_sequence_nr()
         # (op index, id of the exception) when a kernel raised
         self.failure: tuple[int, int] | None = None
+        # Told where profiler regions start and end (opwatch.modes.functions), or None.
+        self.on_region = None
 
     @property
     def inert(self) -> bool:
@@ -203,7 +209,7 @@ class OpInterceptor(TorchDispatchMode):
             self._before(func, args, kwargs)  # strict: raises before a consumer's kernel
         plan = self._plans.get(id(func)) or self._plan(func)
         if plan is None or plan.is_ignored:
-            return func(*args, **kwargs)
+            return self._unwatched(plan, func, args, kwargs)
 
         # -- before the kernel: the op's arguments, source, module and phase; the checks.
         try:
@@ -295,6 +301,13 @@ class OpInterceptor(TorchDispatchMode):
         except Exception as error:
             self.internal_error(error)
             return None
+
+    def _unwatched(self, plan, func, args, kwargs):
+        """Run an op the watch does not record (a profiler marker, or any op once making its
+        plan failed); the function mode learns where profiler regions start and end."""
+        if plan is not None and plan.region is not None and self.on_region is not None:
+            self.on_region(plan.region, args)
+        return func(*args, **kwargs)
 
     def _found(self, finding, head, inputs):
         """A check found ``finding`` on the op about to run: log it (unfinished) and hand the

@@ -6,6 +6,9 @@ from __future__ import annotations
 __tracebackhide__ = True
 
 import threading
+import traceback
+
+from ..core.compat import optimizer_step_runs_only
 
 __all__ = ["OptimizerCheckPoints", "steps_checked"]
 
@@ -17,7 +20,13 @@ class OptimizerCheckPoints:
     watch's ``_before_optimizer_step``).
 
     GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite, so the
-    steps it skips never reach this hook."""
+    steps it skips never reach this hook.
+
+    While the step of one of torch's own optimizers runs (no closure, no other step hook), the
+    function mode of the one watch active on the thread stands aside
+    (:meth:`~opwatch.modes.functions.FunctionWatch.stand_aside`) until the step's profiler
+    region ends. (No post-hook: a watch that ends in another post-hook, a guard's audit, would
+    remove it while torch iterates over them.)"""
 
     def __init__(self):
         self._watches: list = []  # (watch, the thread it is active on), innermost last
@@ -45,9 +54,28 @@ class OptimizerCheckPoints:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         thread = threading.get_ident()
-        for w, active_on in reversed(self._watches):
-            if active_on == thread:
-                w._before_optimizer_step()
+        watches = [w for w, active_on in reversed(self._watches) if active_on == thread]
+        for w in watches:
+            w._before_optimizer_step()  # strict: may raise, the step then never runs
+        if len(watches) != 1:
+            return
+        (only,) = watches
+        try:
+            if only._functions is not None and self._runs_only_torch_code(optimizer, args, kwargs):
+                only._functions.stand_aside()
+        except Exception as error:
+            only._internal_error(error, traceback.format_exc())
+
+    def _runs_only_torch_code(self, optimizer, args, kwargs) -> bool:
+        """Whether the step about to run is torch's own optimizer code alone: a ``torch.optim``
+        class (not a subclass of the program's), no closure (the program's forward and backward
+        would run inside the step), no other step hook."""
+        if self._handle is None or not type(optimizer).__module__.startswith("torch.optim."):
+            return False
+        _, *step_args = args
+        if any(value is not None for value in (*step_args, *kwargs.values())):
+            return False
+        return optimizer_step_runs_only(optimizer, self._handle.id)
 
 
 steps_checked = OptimizerCheckPoints()

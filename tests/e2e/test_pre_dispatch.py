@@ -443,3 +443,153 @@ def test_the_log_numbers_ops_function_calls_and_module_calls_in_one_sequence_acr
     assert indices == list(range(len(indices))) and indices[: len(first_block)] == first_block
     calls = {str(record.func) for record in w.records if record.flags}
     assert calls == {"F.conv2d", "Conv2d.forward"}, calls
+
+
+# -- the function mode stands aside while torch's own optimizer steps -------------------------------
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _calls_seen_inside_steps(monkeypatch, make_optimizer, *, other_hook=None):
+    """Train a few steps under watch(); return the names of the function mode's calls made
+    while ``optimizer.step()`` ran (``other_hook``: with a global step hook of the program's,
+    ``"pre"`` or ``"post"``)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from opwatch.modes.functions import FunctionWatch
+
+    seen, inside = [], [False]
+    original = FunctionWatch.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        if inside[0]:
+            seen.append(getattr(func, "__qualname__", repr(func)))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(FunctionWatch, "__torch_function__", counting)
+    model = Classifier()
+    optimizer = make_optimizer(model.parameters())
+    x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    depth = torch._C._len_torch_function_stack()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        register = {"pre": register_optimizer_step_pre_hook, "post": register_optimizer_step_post_hook}.get(other_hook)
+        handle = register(lambda *args: None) if register else None
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), labels).backward()
+            inside[0] = True
+            optimizer.step()
+            inside[0] = False
+            assert torch._C._len_torch_function_stack() == depth + 1  # back on the stack
+        if handle is not None:
+            handle.remove()
+    assert torch._C._len_torch_function_stack() == depth and not w.anomalies
+    return seen
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False), lambda p: torch.optim.AdamW(p, foreach=True)],
+    ids=["sgd", "adam", "adamw-foreach"],
+)
+def test_a_torch_optimizer_step_runs_without_the_function_mode(monkeypatch, make_optimizer):
+    seen = _calls_seen_inside_steps(monkeypatch, make_optimizer)
+    # Only the end of the step's profiler region passes by (the mode is back for it), and its start.
+    assert seen and all("record_function" in name or "RecordFunction" in name for name in seen), seen
+    # With a step hook of the program's (it may call anything), the mode stays on.
+    for other_hook in ("pre", "post"):
+        seen = _calls_seen_inside_steps(monkeypatch, make_optimizer, other_hook=other_hook)
+        assert len([name for name in seen if "ecord" not in name]) >= 3 * 8, (other_hook, seen)
+
+
+def test_the_same_records_with_the_function_mode_aside_or_not(monkeypatch):
+    """The function mode judges calls, the dispatch mode logs ops: standing aside changes no
+    record (index, op, site, module, phase, arguments, tensors)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def records(keep_the_mode_on):
+        torch.manual_seed(0)
+        model = Classifier()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = register_optimizer_step_pre_hook(lambda *args: None) if keep_the_mode_on else None  # another hook: no standing aside
+        try:
+            x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            with opwatch.watch(warn=False) as w:
+                for _ in range(2):
+                    optimizer.zero_grad()
+                    F.cross_entropy(model(x), labels).backward()
+                    optimizer.step()
+        finally:
+            if handle is not None:
+                handle.remove()
+        return [(r.index, r.op, r.where, r.module, r.phase, r.args, [m[:3] for m in r.inputs], [m[:3] for m in r.outputs or ()]) for r in w.records]
+
+    aside, on = records(False), records(True)
+    assert aside == on and len(aside) > 50
+
+
+def test_a_table_function_in_a_closure_step_still_flags(monkeypatch):
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def closure():
+        loss = F.cross_entropy(model(x), labels)
+        torch.isclose(loss, loss.double())  # raises in torch before any op: float32 against float64
+        loss.backward()
+        return loss
+
+    def train_step():
+        optimizer.zero_grad()
+        optimizer.step(closure)
+
+    w, error = _watched(train_step)
+    assert isinstance(error, RuntimeError)
+    assert _only(w, "pre_dispatch.dtype").finding.facts["function"] == "torch.isclose"
+
+
+def test_a_table_function_in_the_programs_own_step_hook_still_flags():
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checked = []
+
+    def compare_with_the_reference(opt, args, kwargs):
+        checked.append(torch.isclose(model.body[0].weight, model.body[0].weight.double()))
+
+    optimizer.register_step_pre_hook(compare_with_the_reference)
+
+    def train_step():
+        F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        optimizer.step()
+
+    w, error = _watched(train_step)
+    assert isinstance(error, RuntimeError) and not checked
+    assert _only(w, "pre_dispatch.dtype").finding.facts["function"] == "torch.isclose"
+
+
+def test_after_a_step_that_raised_the_function_mode_is_back_and_flags():
+    """A step raising with the mode aside (an optimizer state loaded for another model): the
+    mode comes back at the end of the step's profiler region, which ends on the way out."""
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.state[model.body[0].bias]["momentum_buffer"] = torch.zeros(5)  # the bias has 16
+    depth = torch._C._len_torch_function_stack()
+
+    def train_on():
+        F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        with pytest.raises(RuntimeError):
+            optimizer.step()
+        assert torch._C._len_torch_function_stack() == depth + 1
+        F.one_hot(torch.tensor([0, 2, 1], dtype=torch.int32), 3)  # a dtype F.one_hot rejects
+
+    w, error = _watched(train_on)
+    assert isinstance(error, RuntimeError), error
+    assert _only(w, "pre_dispatch.dtype").finding.facts["function"] == "F.one_hot"
+    assert torch._C._len_torch_function_stack() == depth

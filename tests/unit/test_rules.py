@@ -386,9 +386,11 @@ def test_the_private_torch_detector_sees_getattr_by_name(tmp_path):
 # The interceptor's class and its per-op function, in code lines (no docstring, comment or blank
 # line). The function is STYLE.md's ~80 (past it, a function holds two jobs). The class holds the
 # per-op work, its plans, the head of an entry, the rare paths (a finding, a failed kernel) and
-# check points: 230, room for a few lines. Its siblings (the function mode, module calls,
+# check points: 230, room for a few lines; 235 since it also tells the function mode where profiler
+# regions start and end (issue 40: the mode stands aside for an optimizer step until its region
+# ends, an op only the interceptor sees). Its siblings (the function mode, module calls,
 # compiled graphs) log through OpLog.log_call, never through it.
-HOT_PATH_LIMITS = {("opwatch.modes.interceptor", "OpInterceptor"): 230, ("opwatch.modes.interceptor", "OpInterceptor.__torch_dispatch__"): 80}
+HOT_PATH_LIMITS = {("opwatch.modes.interceptor", "OpInterceptor"): 235, ("opwatch.modes.interceptor", "OpInterceptor.__torch_dispatch__"): 80}
 
 
 def code_lines(source: str, node: ast.AST) -> int:
