@@ -32,12 +32,12 @@ __tracebackhide__ = True
 
 import functools
 import os
+import weakref
 import warnings
 from collections import deque
 
 import torch
 
-from ...core.finite import nonfinite_kind
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
 from ...findings.ranks import RankAnomaly
 from ...render.leave_on import parameters as render_parameters
@@ -46,11 +46,12 @@ from ...session import Watch, _disabled_by_environment
 from . import compiled as compiled_steps
 from . import replay as replays
 from .audit import Audits
-from .check import FailedElsewhere, FiniteCheck, Raised, not_finite, on_failure_option
-from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, RankOrigin, local, raised_where
+from .check import FailedElsewhere, Raised, not_finite, on_failure_option
+from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, raised_where
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
-from ..ledger import RunLedger
+from ..ledger import MAX_FAILED_IN_A_ROW
+from ..policy import StepPolicy
 
 __all__ = ["guard", "Guarded"]
 
@@ -76,6 +77,7 @@ def guard(
     last: int = 10,
     max_records: int = 10_000,
     scaler=None,
+    max_failed_in_a_row: int | None = MAX_FAILED_IN_A_ROW,
 ) -> Guarded:
     """Run ``train_step`` at eager speed; when a step goes wrong, replay it under a full watch.
 
@@ -186,13 +188,17 @@ def guard(
     scaler
         The ``torch.amp.GradScaler`` of an fp16 loop: its overflow steps are its business, not
         failures; a loss that is not finite still is. ``guard(step, model, scaler=scaler)``.
+    max_failed_in_a_row
+        With ``on_failure="skip"`` or ``"apply"``: after that many failed calls in a row the
+        guard raises :class:`~opwatch.runners.policy.RunStuck` naming the first of them and its
+        origin (default 10; ``None``: never). ``guard(step, model, on_failure="skip", max_failed_in_a_row=50)``.
 
     ``OPWATCH_DISABLE=1`` makes the guarded step call ``train_step`` and nothing else.
     """
     return Guarded(
         train_step, model, audit=audit, max_audits=max_audits, strict=strict, checks=checks, allow=allow,
         on_failure=on_failure, repro=repro, repro_dir=repro_dir, repro_max_bytes=repro_max_bytes,
-        last=last, max_records=max_records, scaler=scaler,
+        last=last, max_records=max_records, scaler=scaler, max_failed_in_a_row=max_failed_in_a_row,
     )
 
 
@@ -218,7 +224,7 @@ class Guarded:
     """
 
     def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
-                 scaler=None, audit="new", max_audits=8, strict=False):
+                 scaler=None, audit="new", max_audits=8, strict=False, max_failed_in_a_row=MAX_FAILED_IN_A_ROW):
         _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict)
         self._audits = Audits(audit, max_audits)
         self._strict = strict
@@ -232,8 +238,11 @@ class Guarded:
         self._allow = allow
         self._check_results = checks is None or "nonfinite" in checks
         self._on_failure = on_failure
+        # The one policy of every runner: its ledger holds the facts of the guarded calls.
+        self.policy = StepPolicy(on_failure=on_failure, max_failed_in_a_row=max_failed_in_a_row, scaler=scaler, unit="guarded calls")
+        self.ledger = self.policy.ledger
         self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
-        self._poisoned = False  # the parameters held nan/inf at a failure: told once
+        self._writes_hook = None  # torch's optimizer step post-hook: which optimizer step left the weights (removed with self)
         self._repro = repro
         self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
         self._repro_max_bytes = repro_max_bytes
@@ -242,14 +251,12 @@ class Guarded:
         self._enabled = not _disabled_by_environment()
         self._snapshots: Snapshots | None = None  # made on the first call
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first call)
-        self._finite = FiniteCheck(scaler)
         self._warned: set = set()  # (kind, file, line) of skipped steps already warned
         self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
         self._told_internal_error = False
         self._finite_here = True  # this rank's own check passed (the step failed on another rank)
         self._raised_elsewhere = None  # the error naming another rank whose step raised (set by the flag)
         self.calls = 0
-        self.ledger = RunLedger()  # the facts of the guarded calls: .skipped and the failures read them
         self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.last_replay: Watch | None = None
@@ -274,8 +281,10 @@ class Guarded:
         self.calls += 1
         if self._snapshots is None:
             self._snapshots = self._collect()
-            self._finite.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
+            self.policy.verdict.returned.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
             self._agreement = Agreement.start() if self._check_results else None
+            self.policy.join(self._agreement)
+            self._see_writes()
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
         self.ledger.step(audited=audit is not None)
         start = self._snapshots.take(args, kwargs)
@@ -381,7 +390,7 @@ class Guarded:
         """Whether the step's results are finite; an error of the check itself (a tensor kind
         it does not know) is opwatch's problem: one warning, and the step counts as healthy."""
         try:
-            return self._finite.all_finite(result, self._snapshots.params)
+            return self.policy.verdict.step_finite(result, self._snapshots.params)
         except Exception as error:
             if not self._told_internal_error:
                 self._told_internal_error = True
@@ -403,6 +412,7 @@ class Guarded:
             self.ledger.decide(fact, "raised")
             raise
         self.ledger.decide(fact, "skipped" if self._on_failure == "skip" else "applied")
+        self.policy.stop_when_stuck(fact)
         return result
 
     def _judged(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
@@ -461,14 +471,8 @@ class Guarded:
 
     def _origins(self, replay):
         """``(RankOrigin, the first origin's row)``: every rank's replay findings exchanged
-        (bounded); an exchange that fails names every other rank as missing."""
-        agreement = self._agreement
-        anomalies = [anomaly for anomaly in replay.watch.anomalies if anomaly.kind in NONFINITE and anomaly.record is not None]
-        try:
-            return agreement.origins(self.calls, anomalies)
-        except Exception:
-            others = tuple(rank for rank in range(agreement.world) if rank != agreement.rank)
-            return RankOrigin(agreement.rank, None, others, agreement.wait_s), None
+        (bounded, the policy's exchange)."""
+        return self.policy.exchange(self.calls, list(replay.watch.anomalies))
 
     def _made_elsewhere(self, ranks, first, failure, buffers):
         """The error of a rank whose replay found no origin while another rank made it: an
@@ -477,27 +481,35 @@ class Guarded:
         return AnomalyError(RankAnomaly(**{**first.fields(), "message": text}, rank=first.rank))
 
     def _weights_poisoned(self, name) -> bool:
-        """Whether the parameters hold nan/inf themselves (read only after a failed check):
-        then no op of this step is the origin, and a replay would name the first that reads
-        them. Told once; ``on_failure="raise"`` raises."""
-        if self._poisoned:
+        """Whether the parameters hold nan/inf themselves (the policy's one check, read only
+        after a failed check): then no op of this step is the origin, and a replay would name
+        the first that reads them. Told once; ``on_failure="raise"`` raises."""
+        if self.ledger.poisoned_since is not None:
             return True
-        with torch.no_grad():
-            names = self._parameter_names()
-            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(local(param.detach())))
-                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(local(param.detach())).all()]
-        if self._agreement is not None:  # every rank replays, or none: a shard may hold them on one rank only
-            if not self._agreement.failed(bool(bad), self.calls, name, "poisoned"):
-                return False
-        elif not bad:
+        names = self._parameter_names()
+        named = [(names.get(id(param)) or f"parameter {position}", param) for position, param in enumerate(self._snapshots.params)]
+        bad = self.policy.poisoned(named, self.calls, name)
+        if bad is None:
             return False
-        self._poisoned = True
+        self.ledger.latest.cause = "weights"
         shown = render_parameters(bad) if bad else words.poisoned_elsewhere()
-        text = words.poisoned_weights(self.calls, name, self._applied_at, shown, self._on_failure)
+        by_program = self._applied_at is None and self.policy.by_program(named, bad)
+        text = words.poisoned_weights(self.calls, name, self._applied_at, shown, self._on_failure, by_program=by_program)
         if self._on_failure == "raise":
             raise RuntimeError(text)
         warnings.warn(OpwatchWarning(text), stacklevel=4)
         return True
+
+    def _see_writes(self) -> None:
+        """Which optimizer step left the weights (torch's global optimizer step post-hook, a
+        Python read of each parameter's version counter per step; removed when this guard
+        goes): weights that turn nan/inf with no optimizer step writing them were written by
+        the program."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        writes = self.policy.writes
+        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: writes.stepped(optimizer))
+        self._writes_hook = weakref.finalize(self, handle.remove)
 
     def _after_poisoned(self, start, result):
         """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
@@ -561,7 +573,7 @@ class Guarded:
         snapshots = self._snapshots
         return compiled_steps.explain(
             verdict, self._step, args, kwargs, restore=lambda: snapshots.restore(start),
-            finite=lambda result: self._finite.all_finite(result, snapshots.params),
+            finite=lambda result: self.policy.verdict.step_finite(result, snapshots.params),
             max_bytes=self._repro_max_bytes, repro_dir=self._repro_dir, repro=self._repro,
         )
 
