@@ -39,19 +39,17 @@ from collections import deque
 import torch
 
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
-from ...findings.ranks import RankAnomaly
-from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
 from . import compiled as compiled_steps
-from . import replay as replays
 from .audit import Audits
 from .check import FailedElsewhere, Raised, not_finite, on_failure_option
 from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, raised_where
-from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
-from .snapshot import Snapshots, changed_arguments, put_buffers
+from . import replay as replays
+from .replay import NONFINITE, allow_option, first_line, judge
+from .snapshot import Snapshots, changed_arguments
 from ..ledger import MAX_FAILED_IN_A_ROW
-from ..policy import StepPolicy
+from ..policy import StepPolicy, warn_at
 
 __all__ = ["guard", "Guarded"]
 
@@ -304,7 +302,7 @@ class Guarded:
                 self._raised_in_job(start, error)
             if self._snapshots.changed_parameters(start):
                 self._refuse_changed_parameters(start, error=error)
-            return self._failed(start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
+            return self.policy.failed_call(self, start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
         # A step that changes the parameters could not be replayed: refused at its first call
         # (and at audits; a failing step is looked at in _failed). Healthy steps skip the look.
         if (self.calls == 1 or audit is not None) and self._snapshots.changed_parameters(start):
@@ -324,7 +322,7 @@ class Guarded:
                 result = None
             if audit is not None:
                 self._audited(audit, start, may_raise=False)  # the failure is what raises
-            return self._failed(start, args, kwargs, failure, audit=audit, result=result)
+            return self.policy.failed_call(self, start, args, kwargs, failure, audit=audit, result=result)
         if audit is not None:
             self._audited(audit, start)
         self.ledger.passed(self.calls)
@@ -354,7 +352,7 @@ class Guarded:
             key = (anomaly.kind, anomaly.filename, anomaly.lineno)
             if key not in self._warned_audit:
                 self._warned_audit.add(key)
-                _warn_at(OpwatchWarning(anomaly.message), anomaly)
+                warn_at(OpwatchWarning(anomaly.message), anomaly)
 
     # -- the check of a healthy step -----------------------------------------------------------
 
@@ -400,106 +398,6 @@ class Guarded:
 
     # -- a failing step ------------------------------------------------------------------------
 
-    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
-        """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
-        (or skip, or apply), and keep the facts in :attr:`ledger`. ``failure``: what went wrong
-        (facts); ``error``: the step's exception; ``result``: what the step returned (kept for
-        ``on_failure="apply"``)."""
-        fact = self.ledger.fail(self.calls, [], "raised" if error is not None else "gradients")
-        try:
-            result = self._judged(start, args, kwargs, failure, error=error, audit=audit, result=result)
-        except BaseException:
-            self.ledger.decide(fact, "raised")
-            raise
-        self.ledger.decide(fact, "skipped" if self._on_failure == "skip" else "applied")
-        self.policy.stop_when_stuck(fact)
-        return result
-
-    def _judged(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
-        snapshots = self._snapshots
-        name = self._name()
-        if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
-            return self._after_poisoned(start, result)
-        # In a distributed job a failing step is always replayed, never judged from its audit:
-        # every rank then runs the step's collectives again, whether its call was audited or not.
-        found = audit is not None and error is None and self._agreement is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
-        after = None
-        ranks = first_made = None
-        if found:
-            replay = None
-            self.last_replay = audit
-            anomaly = replays.explaining(audit.anomalies, None, None, None)
-            repro, note, context = None, ReproNote("audit"), StepContext(name, failure, None, True)
-        else:
-            if snapshots.changed_parameters(start):
-                self._refuse_changed_parameters(start, error=error)
-            self._refuse_changed_arguments(start, failure, error)
-            after = snapshots.buffers_now()  # the buffers as this run of the step left them
-            snapshots.restore(start)
-            replay = replays.run(self._step, args, kwargs, checks=self._checks, allow=self._allow, max_records=self._max_records,
-                                 repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
-            self.last_replay = replay.watch
-            anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
-            self.last_verdict = self._compiled_verdict(replay, anomaly, error, start, args, kwargs)
-            context = StepContext(name, failure, len(start.buffers), False)
-            if self._agreement is not None and error is None:  # a step that raised replays on its rank alone
-                ranks, first_made = self._origins(replay)
-        # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
-        go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
-        # The optimizer never sees this step's gradients (unless on_failure="apply": those of
-        # the replay, a second run of the step from its start); the buffers are as one run left
-        # them, or as they were before it when the step is skipped.
-        if go_on != "apply":
-            snapshots.put_grads(start)
-        if go_on == "skip":
-            snapshots.put_start_buffers(start)
-        elif after is not None:
-            put_buffers(*after)
-        if go_on == "apply":
-            self._applied_at = self.calls
-        if anomaly is None:
-            if ranks is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank and replay.error is None:
-                problem = self._made_elsewhere(ranks, first_made, failure, len(start.buffers))
-            else:
-                problem = self._not_found(replay, error, failure, len(start.buffers), repro)
-            if go_on is not None and replay.error is None:
-                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
-                return result
-            raise problem
-        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note, ranks=ranks), go_on, error,
-                            audit.records if found else None, result)
-
-    def _origins(self, replay):
-        """``(RankOrigin, the first origin's row)``: every rank's replay findings exchanged
-        (bounded, the policy's exchange)."""
-        return self.policy.exchange(self.calls, list(replay.watch.anomalies))
-
-    def _made_elsewhere(self, ranks, first, failure, buffers):
-        """The error of a rank whose replay found no origin while another rank made it: an
-        :class:`~opwatch.AnomalyError` whose anomaly is that rank's (``.rank``, ``.op``, ``.lineno``)."""
-        text = words.failed_elsewhere(self.calls, self._name(), failure, buffers, ranks)
-        return AnomalyError(RankAnomaly(**{**first.fields(), "message": text}, rank=first.rank))
-
-    def _weights_poisoned(self, name) -> bool:
-        """Whether the parameters hold nan/inf themselves (the policy's one check, read only
-        after a failed check): then no op of this step is the origin, and a replay would name
-        the first that reads them. Told once; ``on_failure="raise"`` raises."""
-        if self.ledger.poisoned_since is not None:
-            return True
-        names = self._parameter_names()
-        named = [(names.get(id(param)) or f"parameter {position}", param) for position, param in enumerate(self._snapshots.params)]
-        bad = self.policy.poisoned(named, self.calls, name)
-        if bad is None:
-            return False
-        self.ledger.latest.cause = "weights"
-        shown = render_parameters(bad) if bad else words.poisoned_elsewhere()
-        by_program = self._applied_at is None and self.policy.by_program(named, bad)
-        text = words.poisoned_weights(self.calls, name, self._applied_at, shown, self._on_failure, by_program=by_program)
-        if self._on_failure == "raise":
-            raise RuntimeError(text)
-        warnings.warn(OpwatchWarning(text), stacklevel=4)
-        return True
-
     def _see_writes(self) -> None:
         """Which optimizer step left the weights (torch's global optimizer step post-hook, a
         Python read of each parameter's version counter per step; removed when this guard
@@ -511,55 +409,13 @@ class Guarded:
         handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: writes.stepped(optimizer))
         self._writes_hook = weakref.finalize(self, handle.remove)
 
-    def _after_poisoned(self, start, result):
-        """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
-        or applied, counted, not replayed."""
-        if self._on_failure == "skip":
-            self._snapshots.put_grads(start)
-            self._snapshots.put_start_buffers(start)
-        return result
-
-    def _report(self, replayed, go_on, error, records, result=None):
-        self.failures.append(replayed)
-        self.ledger.explain(self.ledger.latest, replayed, replayed=records is None)
-        if go_on is not None:
-            key = (replayed.kind, replayed.filename, replayed.lineno)
-            if key not in self._warned:
-                self._warned.add(key)
-                _warn_at(OpwatchWarning(words.skipped_step(replayed.message, go_on)), replayed)
-            return result
-        raised = AnomalyError(replayed)
-        audited = records is not None
-        note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
-        if note:
-            raised.add_note(note)
-        if not audited and self.last_verdict is not None:
-            raised.add_note(words.compiled_verdict(self.last_verdict))
-        if error is not None:
-            raise raised from error
-        raise raised
-
-    def _not_found(self, replay, error, failure, buffers, repro) -> BaseException:
-        """What to raise when the replay found no anomaly that explains the failure."""
-        allowed = list(getattr(replay.watch, "allowed", ()))
-        if error is not None:
-            failed = record_at(replay.watch, replay.raised_at) if replay.error is not None else None
-            add_note(error, words.replay_raised_note(
-                self.calls, self._name(), buffers, again=type(replay.error) is type(error), original=type(error).__name__,
-                replay_raised=None if replay.error is None else type(replay.error).__name__, allowed=len(allowed),
-                failed_record=failed, repro=repro,
-            ))
-            return error
-        if replay.error is not None:
-            mismatch = RuntimeError(words.replay_raised_instead(self.calls, self._name(), failure, type(replay.error).__name__))
-            mismatch.__cause__ = replay.error
-            return mismatch
-        if self.last_verdict is not None and not self.last_verdict.eager_fails:
-            return RuntimeError(words.only_compiled(self.calls, self._name(), failure, buffers, self.last_verdict))
-        allowed_nonfinite = [anomaly for anomaly in allowed if anomaly.kind in NONFINITE]
-        if allowed_nonfinite:
-            return RuntimeError(words.only_allowed(self.calls, self._name(), failure, buffers, len(allowed_nonfinite), allowed_nonfinite[0].message))
-        return RuntimeError(words.nothing_found(self.calls, self._name(), failure, buffers, len(allowed)))
+    def replayed(self, args, kwargs, error):
+        """The step run again under a full watch on ``args``/``kwargs`` (its start restored by
+        the policy): ``(Replay, (origin or None, repro folder, repro note))``."""
+        replay = replays.run(self._step, args, kwargs, checks=self._checks, allow=self._allow, max_records=self._max_records,
+                             repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
+        self.last_replay = replay.watch
+        return replay, judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
 
     def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
         """For a step that made nan/inf and runs compiled code: eager fails too, or only the
@@ -616,11 +472,6 @@ class Guarded:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _warn_at(warning, anomaly) -> None:
-    """Warn, attributed to the anomaly's line (the way Python shows its own warnings)."""
-    warnings.warn_explicit(warning, OpwatchWarning, filename=anomaly.filename or "<unknown>", lineno=anomaly.lineno or 0, module="opwatch")
 
 
 def _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict) -> None:
