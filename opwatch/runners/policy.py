@@ -489,7 +489,7 @@ class GuardedCalls:
         text = guard_words.poisoned_weights(guarded.calls, name, guarded._applied_at, shown, self.on_failure, by_program=by_program)
         if self.on_failure == "raise":
             raise RuntimeError(text)
-        warnings.warn(OpwatchWarning(text), stacklevel=4)
+        _warn(text)  # at the user's line that called the guarded step
         return True
 
     def _after_poisoned(self, guarded, start, result):

@@ -226,3 +226,40 @@ def test_the_guard_result_types_are_read_by_attribute():
     assert found.grads == (BadGrads("nan", (Unnamed(0, ((1, 3), torch.float32, torch.device("cpu"), 0)),)),)
     assert isinstance(found, NotFinite)
     assert failure_text(found) == "the check after it found inf in the returned tensor and nan in the .grad of 1 parameter(s): parameter 0 (f32[1, 3] cpu)"
+
+
+# -- gradient clipping's and the optimizer's ops have their own phase ----------------------------
+
+
+def test_clipping_and_the_optimizer_step_have_their_own_phase_in_a_gpt_step():
+    from test_run_ledger import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ids = torch.randint(0, 48, (4, 16))
+    original = torch.nn.utils.clip_grad_norm_
+    with opwatch.watch() as watched:
+        loss = model(ids, torch.roll(ids, -1, dims=1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        model(ids, torch.roll(ids, -1, dims=1))  # the next forward is forward again
+    phases = [record.phase for record in watched.records]
+    assert {"forward", "backward", "clipping", "optimizer"} <= set(phases)
+    assert phases[-1] == "forward" and phases.index("clipping") < phases.index("optimizer")
+    clipping = [record.op for record in watched.records if record.phase == "clipping"]
+    assert any("norm" in op for op in clipping)
+    # nothing of it outlives the watch
+    assert torch.nn.utils.clip_grad_norm_ is original
+
+
+def test_an_inf_the_optimizer_step_makes_is_labelled_optimizer_not_forward():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=3e38)  # the update overflows float32
+    model(torch.randn(8, 4)).pow(2).sum().backward()
+    with opwatch.watch(warn=False) as watched:
+        optimizer.step()
+    made = [anomaly for anomaly in watched.anomalies if anomaly.kind in ("nan", "inf")]
+    assert made and made[0].phase == "optimizer" and "(optimizer)" in str(made[0]).splitlines()[0]
