@@ -102,22 +102,21 @@ take_function_mode_off = torch._C._pop_torch_function_stack
 put_function_mode_back = torch._C._push_on_torch_function_stack
 
 
-def optimizer_step_runs_only(optimizer, pre_hook_id: int) -> bool:
+def optimizer_step_runs_only(optimizer, pre_hook_id: int, *, own_post_hook_id: int | None = None) -> bool:
     """Whether a step of ``optimizer`` runs no optimizer step hook besides the global pre-hook
-    ``pre_hook_id``, the last global pre-hook: then nothing but the optimizer's own code runs
-    from that hook to the end of the step. The global hooks are the ordered dicts
+    ``pre_hook_id``, the last global pre-hook, and opwatch's own per-optimizer post-hook
+    ``own_post_hook_id`` (which only ends a phase span): then nothing but the optimizer's own
+    code runs from that hook to the end of the step. The global hooks are the ordered dicts
     ``torch.optim.optimizer._global_optimizer_pre_hooks`` and ``_global_optimizer_post_hooks``,
     the optimizer's own ``_optimizer_step_pre_hooks`` and ``_optimizer_step_post_hooks`` (torch
     >= 2.0). Fallback: ``False`` (other hooks may run)."""
     try:
         from torch.optim import optimizer as optim
 
-        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or optim._global_optimizer_post_hooks:
+        post = [key for key in optimizer._optimizer_step_post_hooks if key != own_post_hook_id]
+        if optimizer._optimizer_step_pre_hooks or post or optim._global_optimizer_post_hooks:
             return False
         return next(reversed(optim._global_optimizer_pre_hooks), None) == pre_hook_id
-    except Exception:
-        return False
-        return next(reversed(pre), None) == pre_hook_id and next(iter(post), None) == post_hook_id
     except Exception:
         return False
 

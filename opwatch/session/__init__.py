@@ -451,6 +451,13 @@ class Watch:
         if self._interceptor is not None:
             self._interceptor.check_point(final=True)
 
+    def _phase_begins(self, phase: str) -> None:
+        """The ops logged from now on ran in ``phase`` (an optimizer step, gradient clipping)."""
+        self._log.open_span(phase)
+
+    def _phase_ends(self) -> None:
+        self._log.close_span()
+
     def _publish(self) -> None:
         """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
         ``set``); a failure is one warning, never an exception on the program's line."""

@@ -5,10 +5,15 @@ from __future__ import annotations
 # pytest leaves this module's frames out of a failing test's traceback (see opwatch.session).
 __tracebackhide__ = True
 
+import functools
 import threading
 import traceback
+import weakref
+
+import torch
 
 from ..core.compat import optimizer_step_runs_only
+from ..core.records import CLIPPING, OPTIMIZER
 
 __all__ = ["OptimizerCheckPoints", "steps_checked"]
 
@@ -31,6 +36,12 @@ class OptimizerCheckPoints:
     def __init__(self):
         self._watches: list = []  # (watch, the thread it is active on), innermost last
         self._handle = None
+        # optimizer -> its step post-hook (the step's ops end their phase span there): one per
+        # optimizer that stepped under a watch, removed with the last watch. Not a global hook:
+        # a watch entered inside a global post-hook (leave-on's audits) must not add to the
+        # hooks torch is running.
+        self._after = weakref.WeakKeyDictionary()
+        self._clip = None  # torch.nn.utils' clipping functions as they were, while wrapped
         self._lock = threading.Lock()
 
     def hold(self, w) -> None:
@@ -40,6 +51,7 @@ class OptimizerCheckPoints:
             self._watches.append((w, threading.get_ident()))
             if self._handle is None:
                 self._handle = register_optimizer_step_pre_hook(self._before_step)
+                self._wrap_clipping()
 
     def release(self, w) -> None:
         with self._lock:
@@ -47,24 +59,74 @@ class OptimizerCheckPoints:
             if not self._watches and self._handle is not None:
                 self._handle.remove()
                 self._handle = None
+                for after in list(self._after.values()):
+                    after.remove()
+                self._after.clear()
+                self._unwrap_clipping()
+
+    def _wrap_clipping(self) -> None:
+        """While a watch is active, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+        mark their ops' phase (``clipping``, not ``forward``): torch has no hook for them, so
+        the two module attributes are wrapped, and put back when the last watch ends (a name
+        imported from torch before the watch began calls the function unwrapped: its ops read
+        ``forward``)."""
+        utils = torch.nn.utils
+        self._clip = {name: getattr(utils, name) for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(utils, name)}
+        for name, function in self._clip.items():
+            setattr(utils, name, self._spanned(function))
+
+    def _unwrap_clipping(self) -> None:
+        for name, function in (self._clip or {}).items():
+            if getattr(getattr(torch.nn.utils, name), "__wrapped__", None) is function:
+                setattr(torch.nn.utils, name, function)
+        self._clip = None
+
+    def _spanned(self, function):
+        points = self
+
+        @functools.wraps(function)
+        def clipping(*args, **kwargs):
+            watches = points._here()
+            for w in watches:
+                w._phase_begins(CLIPPING)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                for w in watches:
+                    w._phase_ends()
+
+        return clipping
+
+    def _here(self) -> list:
+        """The watches active on this thread, outermost first."""
+        thread = threading.get_ident()
+        return [w for w, active_on in self._watches if active_on == thread]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        for w in self._here():
+            w._phase_ends()
 
     @property
     def registered(self) -> bool:
         return self._handle is not None
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        thread = threading.get_ident()
-        watches = [w for w, active_on in reversed(self._watches) if active_on == thread]
+    def _before_step(self, optimizer, args, kwargs):
+        watches = self._here()[::-1]  # innermost first
         for w in watches:
             w._before_optimizer_step()  # strict: may raise, the step then never runs
-        if len(watches) != 1:
-            return
-        (only,) = watches
-        try:
-            if only._functions is not None and self._runs_only_torch_code(optimizer, args, kwargs):
-                only._functions.stand_aside()
-        except Exception as error:
-            only._internal_error(error, traceback.format_exc())
+            w._phase_begins(OPTIMIZER)  # the step's own ops: phase "optimizer"
+        if not watches:
+            return None
+        if optimizer not in self._after:
+            self._after[optimizer] = optimizer.register_step_post_hook(self._after_step)
+        if len(watches) == 1:
+            (only,) = watches
+            try:
+                if only._functions is not None and self._runs_only_torch_code(optimizer, args, kwargs):
+                    only._functions.stand_aside()
+            except Exception as error:
+                only._internal_error(error, traceback.format_exc())
+        return _closure_unspanned(args, kwargs, watches)
 
     def _runs_only_torch_code(self, optimizer, args, kwargs) -> bool:
         """Whether the step about to run is torch's own optimizer code alone: a ``torch.optim``
@@ -75,7 +137,32 @@ class OptimizerCheckPoints:
         _, *step_args = args
         if any(value is not None for value in (*step_args, *kwargs.values())):
             return False
-        return optimizer_step_runs_only(optimizer, self._handle.id)
+        own_after = self._after.get(optimizer)
+        return optimizer_step_runs_only(optimizer, self._handle.id, own_post_hook_id=None if own_after is None else own_after.id)
+
+
+def _closure_unspanned(args, kwargs, watches):
+    """``optimizer.step(closure)`` (Lightning's, LBFGS'): the closure runs the forward and the
+    backward inside the step; its ops keep their own phases, only the update's are the
+    optimizer's. Returns the step's arguments with the closure wrapped, or ``None``."""
+    _, *rest = args
+    closure = kwargs.get("closure", next(iter(rest), None))
+    if not callable(closure):
+        return None
+
+    def closure_of_the_step(*closure_args, **closure_kwargs):
+        for w in watches:
+            w._phase_ends()
+        try:
+            return closure(*closure_args, **closure_kwargs)
+        finally:
+            for w in watches:
+                w._phase_begins(OPTIMIZER)
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_of_the_step}
+    first, _, *others = args
+    return (first, closure_of_the_step, *others), kwargs
 
 
 steps_checked = OptimizerCheckPoints()
