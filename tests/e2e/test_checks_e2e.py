@@ -120,8 +120,6 @@ def test_diverging_training_loop_points_at_the_first_overflow():
     ids=lambda story: story.__name__,
 )
 def test_healthy_code_is_not_flagged(story):
-    if story.__name__ == "pairwise" and torch.__version__ < "2.7":
-        pytest.xfail("known on torch 2.6: a pairwise table is flagged as a broadcast")
     with warnings.catch_warnings():
         warnings.simplefilter("error", opwatch.OpwatchWarning)
         with opwatch.watch() as w:
@@ -129,10 +127,32 @@ def test_healthy_code_is_not_flagged(story):
     assert w.anomalies == []
 
 
-@known_on_torch_2_6("a pairwise table with equal row counts is flagged as a broadcast")
 def test_pairwise_with_equal_row_counts_is_not_flagged():
     assert run(stories.pairwise, 6).anomalies == []
     assert run(stories.pairwise, 3).anomalies == []
+
+
+def _pairwise_distance_step(make_rows):
+    """A training step on a pairwise distance table: an embedding's rows against a second
+    batch's, the size-1 dim made by ``make_rows``, then a full-width slice of it (what torch 2.6
+    dispatches for the last ``:`` of ``x[:, None, :]``)."""
+    torch.manual_seed(0)
+    embed = torch.nn.Linear(3, 4)
+    anchors, others = torch.randn(5, 3), torch.randn(5, 3)
+    with opwatch.watch(warn=False) as w:
+        rows = make_rows(embed(anchors)).narrow(2, 0, 4)
+        distances = (rows - embed(others)).norm(dim=-1)
+        distances.diagonal().mean().backward()
+    return w
+
+
+def test_a_full_width_slice_keeps_a_deliberate_dim():
+    assert _pairwise_distance_step(lambda h: h[:, None]).anomalies == []
+
+
+def test_a_full_width_slice_of_a_reshaped_dim_is_still_flagged():
+    w = _pairwise_distance_step(lambda h: h.reshape(5, 1, 4))
+    assert [(a.kind, a.op, a.phase) for a in w.anomalies] == [("broadcast", "aten.sub.Tensor", "forward")]
 
 
 def test_rotary_with_inv_freq_as_long_as_the_sequence():
