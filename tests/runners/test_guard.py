@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import opwatch
-from support import CountingMode, known_on_torch_2_6
+from support import CountingMode
 from support.helpers import line_of
 
 HERE = os.path.abspath(__file__)
@@ -223,7 +223,6 @@ def test_gradients_the_fused_kernel_does_not_take_are_checked_per_device():
 # -- failing steps ------------------------------------------------------------------------------
 
 
-@known_on_torch_2_6("the replay's op indices and the repro's capture disagree: no repro is written")
 def test_forward_inf_is_replayed_and_named_with_the_model_as_one_run_left_it():
     model, train_step, step = make("forward inf")
     x, y = batch()
@@ -274,7 +273,6 @@ def test_an_exception_from_a_device_mix_is_replayed_and_chained():
     assert int(model.bn.num_batches_tracked) == 1
 
 
-@known_on_torch_2_6("the replay's op indices and the repro's capture disagree: no repro is written")
 def test_the_repro_reruns_the_origin_op_alone_in_a_subprocess(tmp_path):
     folder = fail("forward inf", repro_dir=tmp_path)[2].anomaly.repro
     assert os.path.dirname(folder) == str(tmp_path)
