@@ -463,7 +463,7 @@ class ShapeProvenance:
                 self._remember(meta, self._inherited(inputs, shape), entry)
 
     def _after_view(self, entry, inputs, outputs, metas) -> None:
-        source = inputs[0] if inputs else None
+        source = next(iter(inputs), None)
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opwatch
 from opwatch.render.messages import explain
-from support import SCENARIOS, CountingMode, assert_golden, needs_columns, known_on_torch_2_6
+from support import SCENARIOS, CountingMode, assert_golden, needs_columns
 from support.helpers import watch_story
 
 import stories  # noqa: E402

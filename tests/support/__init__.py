@@ -27,12 +27,6 @@ UPDATE_GOLDENS = os.environ.get("OPWATCH_UPDATE_GOLDENS") == "1"
 needs_columns = pytest.mark.skipif(sys.version_info < (3, 11), reason="goldens show 3.11+ column positions")
 
 
-def known_on_torch_2_6(what: str):
-    """A test that fails on torch 2.6, the floor, and passes on 2.13 and 2.14: expected to
-    fail there (strict, so a fix shows), with what goes wrong, until opwatch is fixed for it."""
-    return pytest.mark.xfail(torch.__version__ < "2.7", reason=f"known on torch 2.6: {what}", strict=True)
-
-
 def needs(package: str):
     """The optional test package ``package`` (the test extra installs it), or a skip that names
     it (``pytest.importorskip``). transformers is also skipped where it is installed but turned
