@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from ..core.ops import facts_of
+from ..core.sites import lone_call
 from . import device
 from .finding import Attribute, BeforeWatch, ComputedFrom, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 from ..core.records import M_DTYPE, M_IDENT, M_SHAPE
@@ -109,7 +110,7 @@ class Provenance:
         for _ in range(self._SOURCE_DEPTH):
             facts = facts_of(record.func)
             if facts.is_lift:
-                return PythonData("python_data", record.position.expression(), Place.of(record) if moved else None)
+                return PythonData("python_data", _python_data_call(record.position), Place.of(record) if moved else None)
             inputs = record.inputs
             if not inputs or not (facts.preserves_values or facts.keeps_values or facts.is_copy):
                 return None
@@ -194,3 +195,13 @@ class Provenance:
                     if id(value) == ident:
                         return Owned(kind, path, name, type(module).__name__)
         return None
+
+
+# The calls that bring Python or NumPy data into torch, by their last name.
+_PYTHON_DATA_CALLS = frozenset(("tensor", "as_tensor", "asarray", "from_numpy"))
+
+
+def _python_data_call(position) -> str | None:
+    """The user's call that lifted Python data: its sub-expression, or (Python 3.10: no columns)
+    the one such call on its line."""
+    return position.expression() or lone_call(position.filename, position.lineno, _PYTHON_DATA_CALLS)

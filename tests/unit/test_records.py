@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import opwatch
+from opwatch.core.sites import lone_call
 from support import SCENARIOS, needs_columns
 from support.helpers import line_of as _line_of
 
@@ -388,3 +389,17 @@ def test_the_log_numbers_every_call_it_logs():
     assert (str(first.func), first.module, first.module_class, first.outputs, first.end_ns) == ("LSTM.forward", "rnn", "LSTM", None, None)
     assert (second.op, second.module, second.phase, len(second.inputs), second.end_ns) == ("aten.add.Tensor", None, "backward", 2, 12)
     assert [record.index for record in log.records()] == [5, 6]
+
+
+def test_the_lone_python_data_call_on_a_line_stands_in_for_its_sub_expression(tmp_path):
+    # Python 3.10 has no column positions: a line's one torch.tensor(...) call names the maker.
+    script = tmp_path / "losses.py"
+    script.write_text(
+        "aux = model.aux(h).mean() if use_aux else torch.tensor(0.0)\n"
+        "pair = torch.stack([torch.tensor(1.0), torch.as_tensor(x)])\n"
+        "total = (main +\n"
+    )
+    names = frozenset(("tensor", "as_tensor", "from_numpy"))
+    assert lone_call(str(script), 1, names) == "torch.tensor(0.0)"
+    assert lone_call(str(script), 2, names) is None  # two calls: which one made it is unknown
+    assert lone_call(str(script), 3, names) is None  # not a whole statement
