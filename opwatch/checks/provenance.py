@@ -171,6 +171,10 @@ class Provenance:
         if producer is None or not hasattr(producer.func, "_schema") or not facts_of(producer.func).is_lift:
             return False
         lifted, copied = producer.position, record.position
+        if copied.col is None:
+            # No columns (Python 3.10): a cast on the lift's line (``from_numpy(a).double()``)
+            # is told from torch.tensor's own copy by what it is given: the latter names a device.
+            return (lifted.filename, lifted.lineno) == (copied.filename, copied.lineno) and "device" in dict(record.args)
         return (lifted.filename, lifted.lineno, lifted.col, lifted.end_col) == (copied.filename, copied.lineno, copied.col, copied.end_col)
 
     def _held_by_module(self, ident: int) -> Owned | None:
