@@ -121,7 +121,7 @@ class Provenance:
             held = self._held_by_module(source.ident)
             if held is not None:
                 return FromModule("from_module", held.how, held.cls, held.name, held.path)
-            record = self._log.producer_of(source.ident)
+            record = self._log.producer_of(source.ident, before=record.index)  # an id is reused once its tensor dies
             if record is None or not hasattr(record.func, "_schema"):
                 return None
         return None
@@ -137,37 +137,38 @@ class Provenance:
             inputs = record.inputs or ()
             if not (facts.preserves_values or facts.keeps_values) or facts.is_copy:
                 for meta in inputs:
-                    held = self._held_through_views(meta) if meta.dtype == dtype else None
+                    held = self._held_through_views(meta, record.index) if meta.dtype == dtype else None
                     if held is not None:
                         return ComputedFrom("computed_from", held.how, held.cls, held.name, held.path)
                 return None
             if not inputs:
                 return None
             moved, *_ = inputs
-            record = self._log.producer_of(moved.ident)
+            record = self._log.producer_of(moved.ident, before=record.index)
             if record is None:
                 return None
         return None
 
     _VIEW_DEPTH = 3
 
-    def _held_through_views(self, meta) -> Owned | None:
-        """The module's parameter or buffer ``meta`` is, or is a view of (a Linear's weight
-        reaches its ``mm`` as ``weight.t()``)."""
+    def _held_through_views(self, meta, read_at: int) -> Owned | None:
+        """The module's parameter or buffer ``meta`` (an input of op ``read_at``) is, or is a
+        view of (a Linear's weight reaches its ``mm`` as ``weight.t()``)."""
         for _ in range(self._VIEW_DEPTH):
             held = self._held_by_module(meta.ident)
             if held is not None:
                 return held
-            record = self._log.producer_of(meta.ident)
+            record = self._log.producer_of(meta.ident, before=read_at)
             if record is None or not hasattr(record.func, "_schema") or not facts_of(record.func).is_view or not record.inputs:
                 return None
             meta, *_ = record.inputs
+            read_at = record.index
         return None
 
     def _is_lift_copy(self, record, source) -> bool:
         """Whether the copy ``record`` copies a lift's output on the same line
         (``torch.tensor(ndarray)`` lifts the array, then copies it)."""
-        producer = self._log.producer_of(source.ident)
+        producer = self._log.producer_of(source.ident, before=record.index)
         if producer is None or not hasattr(producer.func, "_schema") or not facts_of(producer.func).is_lift:
             return False
         lifted, copied = producer.position, record.position
