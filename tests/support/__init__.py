@@ -27,6 +27,14 @@ UPDATE_GOLDENS = os.environ.get("OPWATCH_UPDATE_GOLDENS") == "1"
 needs_columns = pytest.mark.skipif(sys.version_info < (3, 11), reason="goldens show 3.11+ column positions")
 
 
+# FSDP2 (fully_shard) on the CPU: its all-gather records an event on a torch.cpu.Stream, which
+# has no record_event in torch 2.6 (AttributeError on every rank; 2.13 and 2.14 have it).
+fsdp2_on_cpu = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"FSDP2 on the CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks",
+)
+
+
 def needs(package: str):
     """The optional test package ``package`` (the test extra installs it), or a skip that names
     it (``pytest.importorskip``). transformers is also skipped where it is installed but turned
