@@ -491,10 +491,14 @@ class ShapeProvenance:
                 self._remember(meta, self._inherited(inputs, shape), entry)
 
     def _after_view(self, entry, inputs, outputs, metas) -> None:
+        source = next(iter(inputs), None)
         for meta in metas:
             shape = meta[M_SHAPE]
             if shape is not None and 1 in shape:
-                self._remember(meta, (), entry)
+                # A view of its input's own shape (the full slice torch 2.6 dispatches for the
+                # ``:`` in ``x[:, None, :]``) has its size-1 dims where the input has them.
+                same = source is not None and source[M_SHAPE] == shape
+                self._remember(meta, self._inherited((source,), shape) if same else (), entry)
 
     def _after_expand(self, entry, inputs, outputs, metas) -> None:
         self._after_view(entry, inputs, outputs, metas)

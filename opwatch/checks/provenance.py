@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from ..core.ops import facts_of
+from ..core.sites import lone_call
 from . import device
 from .finding import Attribute, BeforeWatch, ComputedFrom, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
 from ..core.records import M_DTYPE, M_IDENT, M_SHAPE
@@ -109,7 +110,7 @@ class Provenance:
         for _ in range(self._SOURCE_DEPTH):
             facts = facts_of(record.func)
             if facts.is_lift:
-                return PythonData("python_data", record.position.expression(), Place.of(record) if moved else None)
+                return PythonData("python_data", _python_data_call(record.position), Place.of(record) if moved else None)
             inputs = record.inputs
             if not inputs or not (facts.preserves_values or facts.keeps_values or facts.is_copy):
                 return None
@@ -120,7 +121,7 @@ class Provenance:
             held = self._held_by_module(source.ident)
             if held is not None:
                 return FromModule("from_module", held.how, held.cls, held.name, held.path)
-            record = self._log.producer_of(source.ident)
+            record = self._log.producer_of(source.ident, before=record.index)  # an id is reused once its tensor dies
             if record is None or not hasattr(record.func, "_schema"):
                 return None
         return None
@@ -136,40 +137,45 @@ class Provenance:
             inputs = record.inputs or ()
             if not (facts.preserves_values or facts.keeps_values) or facts.is_copy:
                 for meta in inputs:
-                    held = self._held_through_views(meta) if meta.dtype == dtype else None
+                    held = self._held_through_views(meta, record.index) if meta.dtype == dtype else None
                     if held is not None:
                         return ComputedFrom("computed_from", held.how, held.cls, held.name, held.path)
                 return None
             if not inputs:
                 return None
             moved, *_ = inputs
-            record = self._log.producer_of(moved.ident)
+            record = self._log.producer_of(moved.ident, before=record.index)
             if record is None:
                 return None
         return None
 
     _VIEW_DEPTH = 3
 
-    def _held_through_views(self, meta) -> Owned | None:
-        """The module's parameter or buffer ``meta`` is, or is a view of (a Linear's weight
-        reaches its ``mm`` as ``weight.t()``)."""
+    def _held_through_views(self, meta, read_at: int) -> Owned | None:
+        """The module's parameter or buffer ``meta`` (an input of op ``read_at``) is, or is a
+        view of (a Linear's weight reaches its ``mm`` as ``weight.t()``)."""
         for _ in range(self._VIEW_DEPTH):
             held = self._held_by_module(meta.ident)
             if held is not None:
                 return held
-            record = self._log.producer_of(meta.ident)
+            record = self._log.producer_of(meta.ident, before=read_at)
             if record is None or not hasattr(record.func, "_schema") or not facts_of(record.func).is_view or not record.inputs:
                 return None
             meta, *_ = record.inputs
+            read_at = record.index
         return None
 
     def _is_lift_copy(self, record, source) -> bool:
         """Whether the copy ``record`` copies a lift's output on the same line
         (``torch.tensor(ndarray)`` lifts the array, then copies it)."""
-        producer = self._log.producer_of(source.ident)
+        producer = self._log.producer_of(source.ident, before=record.index)
         if producer is None or not hasattr(producer.func, "_schema") or not facts_of(producer.func).is_lift:
             return False
         lifted, copied = producer.position, record.position
+        if copied.col is None:
+            # No columns (Python 3.10): a cast on the lift's line (``from_numpy(a).double()``)
+            # is told from torch.tensor's own copy by what it is given: the latter names a device.
+            return (lifted.filename, lifted.lineno) == (copied.filename, copied.lineno) and "device" in dict(record.args)
         return (lifted.filename, lifted.lineno, lifted.col, lifted.end_col) == (copied.filename, copied.lineno, copied.col, copied.end_col)
 
     def _held_by_module(self, ident: int) -> Owned | None:
@@ -194,3 +200,13 @@ class Provenance:
                     if id(value) == ident:
                         return Owned(kind, path, name, type(module).__name__)
         return None
+
+
+# The calls that bring Python or NumPy data into torch, by their last name.
+_PYTHON_DATA_CALLS = frozenset(("tensor", "as_tensor", "asarray", "from_numpy"))
+
+
+def _python_data_call(position) -> str | None:
+    """The user's call that lifted Python data: its sub-expression, or (Python 3.10: no columns)
+    the one such call on its line."""
+    return position.expression() or lone_call(position.filename, position.lineno, _PYTHON_DATA_CALLS)

@@ -6,6 +6,7 @@ column ranges are derived from them when somebody reads a record.
 
 from __future__ import annotations
 
+import ast
 import linecache
 import os
 import sys
@@ -18,7 +19,7 @@ import torch
 
 from .compat import engine_entry_code
 
-__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "warn_at_user"]
+__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "lone_call", "warn_at_user"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -211,6 +212,25 @@ def source_line(filename: str | None, lineno: int | None) -> str:
     if not filename or not lineno:
         return ""
     return linecache.getline(filename, lineno)
+
+
+@lru_cache(maxsize=256)
+def lone_call(filename: str | None, lineno: int | None, names: frozenset) -> str | None:
+    """The source text of the one call on line ``lineno`` whose callee's last name is in
+    ``names`` (``torch.tensor(0.0)`` for ``{"tensor"}``); ``None`` where the line holds none or
+    several, or does not parse alone. Stands in for a sub-expression where Python (3.10) has no
+    column positions."""
+    line = source_line(filename, lineno).strip()
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in names]
+    if len(calls) != 1:
+        return None
+    (call,) = calls
+    return ast.get_source_segment(line, call)
 
 
 @lru_cache(maxsize=4096)

@@ -87,6 +87,12 @@ class GraphsInterceptor(OpInterceptor):
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # torch 2.6 has no ignore_compile_internals: there Dynamo skips a frame whenever a mode
+        # that is no "infra" mode is on the stack, and the step would run eagerly.
+        return True
+
 
 # -- which watch records, per thread -----------------------------------------------------------
 

@@ -196,6 +196,11 @@ class Watch:
     def records(self) -> list[OpRecord]:
         return self._log.records()
 
+    def _next_op_index(self) -> int:
+        """The index this watch gives the next op it logs (``OpLog.next_index``): a mode
+        entered inside the watch numbers its ops with it (opwatch.guard's input capture)."""
+        return self._log.next_index
+
     @property
     def anomalies(self) -> list[Anomaly]:
         return list(self._reporter.anomalies)

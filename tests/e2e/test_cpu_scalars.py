@@ -48,7 +48,6 @@ class TwoHeadModel(nn.Module):
         return torch.stack([main, aux])  # stack losses
 
 
-@pytest.mark.xfail(sys.version_info < (3, 11), reason="known on Python 3.10: the 0-dim tensor's maker, torch.tensor(0.0), is not named", strict=True)
 def test_a_cpu_zero_stacked_with_a_device_loss_flags_at_the_stack():
     model = TwoHeadModel().to("meta")
     x, y = torch.randn(4, 8, device="meta"), torch.randint(0, 3, (4,), device="meta")

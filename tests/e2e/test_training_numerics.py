@@ -539,8 +539,31 @@ MADE_ONCE = [
 ]
 
 
+def _refuses_overflowing_scalars() -> bool:
+    """Whether this torch refuses a Python scalar that overflows a float16 tensor it is put into
+    (``torch.where(mask, finfo(f32).min, f16)``, ``bias[mask] = finfo(f32).min``: torch 2.6
+    raises "value cannot be converted to type at::Half without overflow"; newer torch writes
+    -inf)."""
+    try:
+        torch.where(torch.tensor([True]), torch.finfo(torch.float32).min, torch.zeros(1, dtype=torch.float16))
+    except RuntimeError:
+        return True
+    return False
+
+
+REFUSES_OVERFLOWING_SCALARS = _refuses_overflowing_scalars()
+# The scenarios that put finfo(float32).min into float16 as a Python scalar.
+_OVERFLOWING_SCALAR_SCENARIOS = ("attend_finfo32_where", "bias_finfo32_where", "bias_finfo32_setitem")
+
+
+def _skip_where_torch_refuses_the_program(scenario, dtype) -> None:
+    if REFUSES_OVERFLOWING_SCALARS and dtype == torch.float16 and scenario.__name__ in _OVERFLOWING_SCALAR_SCENARIOS:
+        pytest.skip(f"torch {torch.__version__} refuses {scenario.__name__}'s float32 minimum in float16: the program raises, watched or not")
+
+
 @pytest.mark.parametrize("attend, dtype", PER_STEP, ids=param_id)
 def test_deliberate_masks_applied_each_step_are_not_anomalies(attend, dtype):
+    _skip_where_torch_refuses_the_program(attend, dtype)
     w, (model, losses) = watched(attention_training, attend, dtype=dtype)
     assert all(math.isfinite(loss) for loss in losses) and all_finite(model)
     assert_quiet(w)
@@ -548,6 +571,7 @@ def test_deliberate_masks_applied_each_step_are_not_anomalies(attend, dtype):
 
 @pytest.mark.parametrize("make_bias, dtype", MADE_ONCE, ids=param_id)
 def test_deliberate_masks_made_once_and_kept_alive_are_not_anomalies(make_bias, dtype):
+    _skip_where_torch_refuses_the_program(make_bias, dtype)
     w, (model, losses) = watched(attention_training, attend_with_bias, make_bias, dtype=dtype)
     assert model.bias.isneginf().any()  # the scenario is what it claims: the mask holds -inf
     assert all(math.isfinite(loss) for loss in losses) and all_finite(model)
@@ -560,7 +584,11 @@ def test_fp16_masks_made_on_purpose_really_hold_neg_inf():
     both = torch.tensor([minimum16], dtype=torch.float16) + torch.tensor([minimum16], dtype=torch.float16)
     assert both.item() == float("-inf")
     scores = torch.zeros(2, dtype=torch.float16)
-    assert torch.where(torch.tensor([True, False]), torch.finfo(torch.float32).min, scores)[0].item() == float("-inf")
+    if REFUSES_OVERFLOWING_SCALARS:
+        with pytest.raises(RuntimeError, match="without overflow"):
+            torch.where(torch.tensor([True, False]), torch.finfo(torch.float32).min, scores)
+    else:
+        assert torch.where(torch.tensor([True, False]), torch.finfo(torch.float32).min, scores)[0].item() == float("-inf")
     assert torch.tensor(torch.finfo(torch.float32).min).to(torch.float16).item() == float("-inf")
 
 

@@ -117,7 +117,10 @@ def test_checks_reach_the_guard_runner(train):
 def test_the_console_script_runs_main(train):
     """``opwatch`` (pyproject's [project.scripts]) calls ``opwatch.runners.cli:main`` and exits
     with its status, naming itself ``opwatch`` in its usage."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # tomllib is 3.11+; pytest itself needs tomli on 3.10
+        import tomli as tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"opwatch": "opwatch.runners.cli:main"}

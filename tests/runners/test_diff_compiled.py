@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import opwatch
-from support import known_on_torch_2_6
 from opwatch.runners.cli_diff import run_diff
 from support.helpers import line_of
 
@@ -100,7 +99,6 @@ def _compiled(model, x, y, backend, steps=2):
     return w, losses, model
 
 
-@known_on_torch_2_6("a compiled graph's node is not matched to its eager op")
 def test_a_miscompiled_node_is_named_at_its_line():
     model, x, y = _setup()
     compiled, _, _ = _compiled(model, x, y, MISCOMPILE)

@@ -22,6 +22,7 @@ import torch
 
 import opwatch
 from opwatch.runners.cli_diff import run_diff
+from support import fsdp2_on_cpu
 from support.helpers import line_of
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -126,7 +127,7 @@ def _record(tmp_path, plant: bool, layout: str) -> tuple[Path, Path]:
     return tmp_path / "ranks", tmp_path / "single.jsonl"
 
 
-LAYOUTS = pytest.mark.parametrize("layout", ["tp", "fsdp2"])
+LAYOUTS = pytest.mark.parametrize("layout", ["tp", pytest.param("fsdp2", marks=fsdp2_on_cpu)])
 
 
 @LAYOUTS

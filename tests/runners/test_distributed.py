@@ -29,7 +29,7 @@ from opwatch.render.messages import explain
 
 from support.helpers import line_of
 
-from support import SCENARIOS
+from support import SCENARIOS, fsdp2_on_cpu
 from support.distributed import spawn
 import dist_cases  # noqa: E402
 
@@ -178,6 +178,7 @@ def test_c10d_nested_list_outputs_are_recorded(functional_ranks):
     assert c10d["anomalies"] == [["nan", "c10d.allgather_.default", f"dist_cases.py:{line}", "forward", True, 0]]
 
 
+@fsdp2_on_cpu
 def test_fsdp2(two_sharded_ranks):
     zero, one = two_sharded_ranks[0]["fsdp2"], two_sharded_ranks[1]["fsdp2"]
     for rank in (0, 1):
@@ -189,6 +190,7 @@ def test_fsdp2(two_sharded_ranks):
     assert zero["anomalies"] and all(a[1] == "c10d._reduce_scatter_base_.default" and a[4] for a in zero["anomalies"])
 
 
+@fsdp2_on_cpu  # its ranks run the FSDP2 case first, in the same process group
 def test_dtensor(two_sharded_ranks):
     zero, one = two_sharded_ranks[0]["dtensor"], two_sharded_ranks[1]["dtensor"]
     for rank in (0, 1):

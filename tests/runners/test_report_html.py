@@ -20,7 +20,6 @@ from opwatch.render.html import render_report, training_steps
 from opwatch.storage.jsonl import load
 
 import report_training  # noqa: E402  (tests/scenarios)
-from support import known_on_torch_2_6
 from support.browser import browser, launch
 
 
@@ -197,7 +196,6 @@ def test_a_log_cut_short_is_refused_in_one_line(buggy_run, tmp_path, monkeypatch
 # -- in a real browser --------------------------------------------------------------------------
 
 
-@known_on_torch_2_6("the watch records 294 ops of the training loop and the page lists 200 of them")
 def test_the_report_in_chromium_offline(buggy_run, tmp_path):
     sync_playwright = browser()  # the skip (or CI failure) when chromium or playwright is missing
     w, folder = buggy_run
@@ -234,7 +232,9 @@ def test_the_report_in_chromium_offline(buggy_run, tmp_path):
         assert box.locator("tr.this td").first.inner_text() == str(third)
         # The op table: newest first, filtered on demand.
         rows = page.locator("#all-ops tr")
-        assert rows.count() == len(w.records)
+        # One page of 200 rows at most: the run records 200 ops on torch 2.13, 294 on 2.6 (its
+        # first optimizer step imports Dynamo, whose import runs ops; autograd's detaches differ).
+        assert rows.count() == min(len(w.records), 200)
         page.fill("#filter", "aten.sqrt")
         page.wait_for_function("document.querySelectorAll('#all-ops tr').length === 3")
         page.check("#flagged")

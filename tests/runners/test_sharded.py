@@ -23,7 +23,7 @@ from opwatch.core.notation import Sharding, TensorMeta, format_meta, format_shar
 from opwatch.core.records import M_SHARDING, entry_inputs, entry_outputs
 from opwatch.storage.codec import decode, encode, meta_fields, meta_from_fields
 
-from support import SCENARIOS, assert_golden, needs_columns
+from support import SCENARIOS, assert_golden, fsdp2_on_cpu, needs_columns
 from support.distributed import spawn
 from support.helpers import line_of
 import dist_sharded  # noqa: E402
@@ -33,13 +33,18 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 CASES_FILE = str(SCENARIOS / "dist_sharded.py")
 NAN_LINE = line_of("# nan made here", CASES_FILE)
 BROADCAST_LINE = line_of("# broadcast here", CASES_FILE)
-LAYOUTS = ["fsdp2_reshard", "fsdp2_keep", "tp", "sp", "ddp"]
+FSDP2_LAYOUTS = ("fsdp2_reshard", "fsdp2_keep")
+# torch 2.6 cannot run FSDP2 on the CPU (support.fsdp2_on_cpu): its cases are neither run nor tested there.
+RUNS_FSDP2 = not fsdp2_on_cpu.args[0]
+LAYOUTS = [pytest.param(layout, marks=fsdp2_on_cpu) for layout in FSDP2_LAYOUTS] + ["tp", "sp", "ddp"]
+RUN_LAYOUTS = [*(FSDP2_LAYOUTS if RUNS_FSDP2 else ()), "tp", "sp", "ddp"]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One process group of 2 ranks running every 2-rank case (spawning costs seconds)."""
-    return spawn(dist_sharded.worker, 2, [*LAYOUTS, "dtensor_origin", "finite_local", "tp_poisoned_weight"], tmp_path_factory.mktemp("sharded2"), timeout=300)
+    cases = [*RUN_LAYOUTS, "dtensor_origin", *(("finite_local",) if RUNS_FSDP2 else ()), "tp_poisoned_weight"]  # finite_local runs FSDP2 too
+    return spawn(dist_sharded.worker, 2, cases, tmp_path_factory.mktemp("sharded2"), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,7 @@ def test_healthy_training_gives_no_finding(two_ranks, layout):
         assert result["same_losses"] and all(math.isfinite(loss) for loss in result["losses"])
 
 
+@fsdp2_on_cpu
 def test_the_table_shows_each_dtensor_s_shard_global_shape_and_placement(two_ranks):
     zero = two_ranks[0]
     # FSDP2: the optimizer step runs on the sharded parameters (dim 0 over 2 ranks).
@@ -108,6 +114,7 @@ def test_a_broadcast_in_the_loss_is_named_on_every_rank(two_ranks, layout):
         assert "f32[4] cpu gets new leading dims and f32[4, 1] cpu" in message
 
 
+@fsdp2_on_cpu
 def test_four_ranks_name_the_last_rank_and_the_others_received(four_ranks):
     for rank, results in enumerate(four_ranks):
         result = results["fsdp2_reshard"]
@@ -168,6 +175,7 @@ def test_a_saved_log_renders_dtensors_byte_equal(two_ranks):
 # -- the finite checks read local shards, no collective ------------------------------------------
 
 
+@fsdp2_on_cpu
 @pytest.mark.parametrize("layout", ["fsdp2_reshard", "tp"])
 def test_finite_checks_read_local_shards_without_a_collective(two_ranks, layout):
     for rank, results in enumerate(two_ranks):
@@ -190,6 +198,7 @@ def _torchrun_guard(**env):
     return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
 
 
+@fsdp2_on_cpu
 def test_torchrun_guard_on_healthy_fsdp2_exits_0_with_no_finding():
     result = _torchrun_guard()
     assert result.returncode == 0, result.stderr[-3000:]
@@ -199,6 +208,7 @@ def test_torchrun_guard_on_healthy_fsdp2_exits_0_with_no_finding():
     assert result.stderr.count("5 optimizer steps ran") == 2 and "0 failed" in result.stderr
 
 
+@fsdp2_on_cpu  # the script trains with FSDP2
 def test_torchrun_guard_names_a_nan_made_on_rank_1():
     result = _torchrun_guard(NAN_RANK="1")
     assert result.returncode == 0, result.stderr[-3000:]  # skipped steps, as GradScaler skips

@@ -27,10 +27,12 @@ UPDATE_GOLDENS = os.environ.get("OPWATCH_UPDATE_GOLDENS") == "1"
 needs_columns = pytest.mark.skipif(sys.version_info < (3, 11), reason="goldens show 3.11+ column positions")
 
 
-def known_on_torch_2_6(what: str):
-    """A test that fails on torch 2.6, the floor, and passes on 2.13 and 2.14: expected to
-    fail there (strict, so a fix shows), with what goes wrong, until opwatch is fixed for it."""
-    return pytest.mark.xfail(torch.__version__ < "2.7", reason=f"known on torch 2.6: {what}", strict=True)
+# FSDP2 (fully_shard) on the CPU: its all-gather records an event on a torch.cpu.Stream, which
+# has no record_event in torch 2.6 (AttributeError on every rank; 2.13 and 2.14 have it).
+fsdp2_on_cpu = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"FSDP2 on the CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks",
+)
 
 
 def needs(package: str):

@@ -89,7 +89,7 @@ def run(step, args, kwargs, *, checks, allow, max_records, repro_max_bytes, keep
         strict=False, max_records=max_records, checks=checks, dump_on_error=False,
         last=0, file=None, warn=False, check_every=1, **allow_option(allow),
     )
-    capture = InputCapture(max_bytes=repro_max_bytes, keep_values=keep_values)
+    capture = InputCapture(max_bytes=repro_max_bytes, keep_values=keep_values, numbering=watch._next_op_index)
     replay = Replay(watch, capture)
     result = None
     try:

@@ -2,7 +2,7 @@
 a ``repro.py`` that runs that op alone and prints how many nan/inf its output holds.
 
 A watch records no tensors, so :func:`opwatch.guard` enters :class:`InputCapture` on top of
-the replay's watch: it counts ops exactly as the watch does (the same op indices) and keeps
+the replay's watch: it numbers each op with the index the watch gives it and keeps
 CPU copies of the arguments of the few ops that can become the subject of a repro:
 
 - an op whose floating output holds nan while no input did, or inf while every input was
@@ -124,11 +124,15 @@ class InputCapture(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return not SKIPS_DYNAMO_PER_CODE  # as OpInterceptor: keep Dynamo out without importing it
 
-    def __init__(self, *, max_bytes: int, keep_values: bool = True):
+    def __init__(self, *, max_bytes: int, keep_values: bool = True, numbering=None):
         super().__init__()
         self.calls: dict[int, SavedCall] = {}
         self.raised: tuple[int, int] | None = None
         self.next_index = 0
+        # The watch below: the index it gives the op about to run. Counting here alone drifts
+        # from it where the watch sees ops this mode does not (on torch 2.6 a mode nested in
+        # another makes the outer one see more detaches: autograd storing a first gradient).
+        self._numbering = numbering
         self._budget = [max_bytes if keep_values else 0]
         # Without values to keep, only the op that raised is looked for (no check per op).
         self._max_calls = self.MAX_CALLS if keep_values else 0
@@ -141,7 +145,7 @@ class InputCapture(TorchDispatchMode):
             kwargs = {}
         if func.namespace == "profiler" or self.broken:
             return func(*args, **kwargs)  # the watch does not number record_function markers
-        index = self.next_index
+        index = self.next_index if self._numbering is None else self._numbering()
         self.next_index = index + 1
         writes = before = None
         try:
