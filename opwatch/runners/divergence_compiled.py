@@ -24,6 +24,7 @@ compiled kernel sums in another order than eager, and its last bits differ.
 
 from __future__ import annotations
 
+from ..core.records import BACKWARD, FORWARD
 from ..modes.compiled_graphs import is_graph_record
 
 __all__ = ["compiled_side", "pair_compiled", "compiled_tolerance"]
@@ -42,7 +43,9 @@ def _key(run, step: int) -> tuple:
     record = run.records[step]
     _, base, text, _, phase = run.keys[step]
     outputs = record.outputs or ()
-    return (base, text, phase, tuple(_numel(meta.shape) for meta in outputs), tuple(str(meta.dtype) for meta in outputs))
+    # A compiled graph runs the optimizer's update and the clipping inside it, where no step hook
+    # marks their phase: only forward and backward tell its ops from eager's.
+    return (base, text, phase if phase == BACKWARD else FORWARD, tuple(_numel(meta.shape) for meta in outputs), tuple(str(meta.dtype) for meta in outputs))
 
 
 def _numel(shape) -> int:
