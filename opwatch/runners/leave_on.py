@@ -42,7 +42,7 @@ import torch
 from ..findings.anomaly import AnomalyError, OpwatchWarning
 from ..findings.ranks import RankAnomaly
 from ..core.compat import no_python_dispatch, version_counters
-from ..core.finite import FusedFiniteCheck, nonfinite_kind, tensors_in
+from ..core.finite import nonfinite_kind, tensors_in
 from ..core.sites import display_path, position_of, user_frame, warn_at_user
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
@@ -50,6 +50,7 @@ from ..render import guard as guard_words
 from ..render import leave_on as words
 from .guarded.ranks import NONFINITE, WATCHED, Agreement
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, RunLedger
+from .step_verdict import DeferredFlag, StepReductions, StepVerdict, shared_gradients, takes_flag
 from ..session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "RunStuck", "Failure", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
@@ -126,7 +127,12 @@ class LeaveOn:
         self._recheck_of: int | None = None  # the failed step the running audit re-checks
         self._before_audit: set = set()
         self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
-        self._finite = FusedFiniteCheck()  # its flags kept from step to step
+        # The step's verdict, from what the step computed (the clip's norm, GradScaler's unscale)
+        # or one fused pass where it computed nothing that covers its gradients.
+        self._reductions = StepReductions()
+        self.verdict = StepVerdict(self._reductions)
+        self._deferred = weakref.WeakKeyDictionary()  # fused optimizer -> its DeferredFlag (found_inf handed over)
+        self._handed = weakref.WeakSet()  # optimizers given opwatch's found_inf for the step running now
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
         # Set by a trainer that can run the failing batch again from its start under a full
@@ -154,12 +160,15 @@ class LeaveOn:
     def __enter__(self) -> LeaveOn:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        for handle in self._handles:  # entered again (a second trainer.train())
+        if self._handles:  # entered again (a second trainer.train())
+            self._reductions.__exit__(None, None, None)
+        for handle in self._handles:
             handle.remove()
         self._handles = []
         if not self.watch.enabled:  # OPWATCH_DISABLE: the run goes on untouched
             return self
         self._handles = [register_optimizer_step_post_hook(self._after_step)]
+        self._reductions.__enter__()
         self._see_losses()
         if self.pre_hook:
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
@@ -171,8 +180,12 @@ class LeaveOn:
         """End the run (again: nothing happens)."""
         for handle in self._handles:
             handle.remove()
+        entered = bool(self._handles)
         self._handles = []
         self._unsee_losses()
+        if entered:
+            self._reductions.__exit__(None, None, None)
+        self._told_late(None)  # a fused step that failed last: its flag is read now
         pending = self._pending_recheck()
         self._unwatch_inputs()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
@@ -201,9 +214,11 @@ class LeaveOn:
 
         def backward(tensor, *args, **kwargs):
             seen = runner()
-            if seen is not None and len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
-                with no_python_dispatch():
-                    seen._losses.append(tensor.detach())
+            if seen is not None:
+                seen._reductions.after_backward()  # a norm taken before this backward covers old gradients
+                if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
+                    with no_python_dispatch():
+                        seen._losses.append(tensor.detach())
             return original(tensor, *args, **kwargs)
 
         backward.__wrapped__ = original
@@ -346,11 +361,24 @@ class LeaveOn:
             except AnomalyError as error:  # strict: the step does not run; counted if it failed
                 self._failed_at_check(optimizer, step, losses, error)
                 raise
-        finite = self._verdict(optimizer, losses)
-        decision = None
         with no_python_dispatch():  # the flag's group is made at the first step, maybe in an audit
             agreement = self._job()
-        if agreement is not None:  # every rank decides this step together (bounded: NoAnswer)
+        if self._defers(optimizer, agreement):
+            self._told_late(optimizer)  # the step before, whose flag the device has set by now
+            self._hand_flag(optimizer, losses)
+            ledger.passed(step)
+            return False
+        finite = self._verdict(optimizer, losses)
+        decision = None
+        shared = agreement is not None and shared_gradients(_trained(optimizer), self._modules)
+        if shared and not finite and self._gradients_finite(optimizer):
+            # The reduced gradients are finite on every rank, this rank's loss is not: told
+            # here, and every rank applies the step alike (decided from what they share).
+            _warn(words.loss_here_only(step, _loss_kind(losses), agreement.rank))
+            finite = True
+        if agreement is not None and not (shared and finite):
+            # Every rank decides this step together (bounded: NoAnswer); with DDP's reduced
+            # gradients every rank's verdict is the same, and only a failure asks which rank.
             with no_python_dispatch():
                 decision = agreement.decide((0 if finite else NONFINITE) | (WATCHED if self._auditing else 0), step, "", "gradients")
             finite = not decision.failed
@@ -457,11 +485,66 @@ class LeaveOn:
         return self._skips(failure)
 
     def _verdict(self, optimizer, losses: list) -> bool:
-        """Whether the step may run: the one source of the step's verdict (one fused pass over
-        the gradients about to be applied and the losses backward() ran on, one host read), kept
-        in one place so that another source (the step's own clip norm or found_inf) can replace it."""
+        """Whether the step may run: the one source of the step's verdict
+        (:class:`~opwatch.runners.step_verdict.StepVerdict`: GradScaler's unscale, the clip's
+        total norm, or one fused pass over the gradients about to be applied, with the losses
+        backward() ran on; at most one host read)."""
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            return self._finite(gradients(optimizer), losses)
+            return self.verdict.finite(gradients(optimizer), losses, optimizer)
+
+    def _gradients_finite(self, optimizer) -> bool:
+        with no_python_dispatch():
+            return self.verdict.gradients_finite(gradients(optimizer), optimizer)
+
+    # -- a fused optimizer: the verdict handed over as found_inf, read at the next step ---------
+
+    def _defers(self, optimizer, agreement) -> bool:
+        """Whether this step's verdict goes to ``optimizer`` as ``found_inf`` (it skips a failing
+        step on the device) and is read at the next step: a fused optimizer that GradScaler did
+        not hand a flag, outside audits and re-checks, in a process of its own, when failing
+        steps are skipped or raised."""
+        return (agreement is None and self.on_failure != "apply" and not self._auditing and self._recheck_of is None
+                and self.poisoned_since is None and takes_flag(optimizer) and getattr(optimizer, "found_inf", None) is None)
+
+    def _hand_flag(self, optimizer, losses) -> None:
+        with no_python_dispatch():
+            flag = self.verdict.device_flag(gradients(optimizer), losses, optimizer)
+        if flag is None:  # gradients on several devices: the host read of the other optimizers
+            self._deferred.pop(optimizer, None)
+            if not self._verdict(optimizer, losses):
+                flag = torch.ones((), device=gradients(optimizer)[0].device)
+            else:
+                return
+        deferred = self._deferred.get(optimizer)
+        if deferred is None:
+            deferred = self._deferred[optimizer] = DeferredFlag()
+        deferred.hand(flag)
+        deferred.step, deferred.losses = self.steps, losses  # references: read only if it failed
+        optimizer.found_inf = flag
+        optimizer.grad_scale = None
+        self._handed.add(optimizer)
+
+    def _told_late(self, optimizer) -> None:
+        """Read the flag handed to ``optimizer`` at its last step (``None``: every optimizer's,
+        at the end of the run); a set flag is a failed step the device skipped, told now."""
+        pending = [optimizer] if optimizer is not None else list(self._deferred)
+        for handed in pending:
+            deferred = self._deferred.get(handed)
+            if deferred is None or not deferred.read():
+                continue
+            loss = _loss_kind(deferred.losses)
+            failure = self.ledger.fail(deferred.step, [], "loss" if loss is not None else "gradients", loss=loss)
+            self.ledger.decide(failure, "skipped")
+            deferred.losses = []
+            text = words.failed_late(deferred.step, None if optimizer is None else self.steps, self.on_failure, loss=loss)
+            if self.on_failure == "raise":
+                self.ledger.decide(failure, "raised")
+                raise GradientsNotFinite(text, step=deferred.step, parameters=[])
+            if self._told():
+                _warn(text)
+                if optimizer is not None:
+                    self.start_audit()  # the next step runs under the full watch: a failure that recurs is named
+            self._stop_when_stuck(failure)
 
     def _failed_at_check(self, optimizer, step: int, losses: list, error: AnomalyError) -> None:
         """A strict audit raised at this step's check point: the ledger counts the step as
@@ -551,6 +634,10 @@ class LeaveOn:
                        for parameter, now, then in zip(parameters, version_counters(parameters), left))
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if optimizer in self._handed:  # GradScaler's contract: the flag lives for one step
+            self._handed.discard(optimizer)
+            del optimizer.found_inf, optimizer.grad_scale
+        self._reductions.after_step(optimizer)
         # The parameters' version counters as this step left them (a Python read each, no kernel).
         self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])
         self._judge_step(optimizer)
@@ -676,6 +763,11 @@ class LeaveOn:
 
 def gradients(optimizer) -> list:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _trained(optimizer) -> list:
+    """The parameters of ``optimizer`` that have a gradient."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def nonfinite_names(optimizer, names: dict, *, of=lambda parameter: parameter.grad) -> list:

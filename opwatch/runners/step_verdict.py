@@ -1,0 +1,275 @@
+"""A step's verdict from what the step already computed: the clip's total norm, GradScaler's
+``found_inf``, the loss the program backpropagated; one fused pass only where it computed none.
+
+A healthy step of a guarded run asks one question (are the gradients about to be applied, and
+the losses they came from, finite?) and most training loops have answered it already:
+
+- ``clip_grad_norm_`` (nanoGPT's ``grad_clip``, the Hugging Face Trainer's ``max_grad_norm``,
+  Lightning's ``gradient_clip_val``) reduces every gradient it clips to one total norm, and a
+  p-norm (p > 0) is nan or inf whenever one of the values it covers is. :class:`StepReductions`
+  keeps the norms the program computes (a scoped wrap of the function both ``clip_grad_norm_``
+  and ``get_total_norm`` call, restored on exit), with the gradients each covered;
+- ``GradScaler.unscale_`` checks every gradient of an optimizer for nan/inf and skips the step
+  itself when it finds one (so the step never reaches opwatch's hooks): a step it unscaled is
+  decided by it, gradients-wise;
+- the losses ``Tensor.backward()`` ran on are kept by the caller (detached views, no copy).
+
+:class:`StepVerdict` reads the cheapest source that covers every gradient of the step: a
+scaler's unscale (no read), a clip norm (one scalar read, together with the losses), else the
+fused pass of :class:`opwatch.core.finite.FusedFiniteCheck` (GradScaler's kernel over the
+gradients, one host read). :meth:`StepVerdict.device_flag` computes the same verdict as a
+device tensor with no host read, for an optimizer that takes GradScaler's ``found_inf``
+(the fused Adam, AdamW, SGD): it skips a failing step on the device, and :class:`DeferredFlag`
+brings the flag to the host without blocking, read at the next step.
+
+:func:`shared_gradients` says when the verdict is the same on every rank of a job (DDP's
+reduced gradients), so that a healthy step needs no collective of opwatch's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, takes_found_inf
+from ..core.finite import FusedFiniteCheck
+
+__all__ = ["StepReductions", "StepVerdict", "DeferredFlag", "ClipNorm", "shared_gradients", "CLIP", "SCALER", "FUSED_PASS"]
+
+# Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
+CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
+_MAX_NORMS = 16  # clip norms kept between two optimizer steps (a loop clips once a step)
+
+
+class ClipNorm(NamedTuple):
+    """One total norm the program computed: the norm tensor and the ids of the tensors it covered."""
+
+    total: torch.Tensor
+    covered: frozenset
+
+
+class _ScopedWrap:
+    """``owner.name`` replaced by ``wrapper(original, ...)`` until :meth:`undo`; a wrap another
+    one went on top of is left in place, passing calls through."""
+
+    def __init__(self, owner, name: str, make_wrapper):
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self.active = True
+        original = self.original
+        wrap = self
+
+        def wrapped(*args, **kwargs):
+            if not wrap.active:
+                return original(*args, **kwargs)
+            return make_wrapper(original, *args, **kwargs)
+
+        wrapped.__wrapped__ = original
+        self.wrapped = wrapped
+        setattr(owner, name, wrapped)
+
+    def undo(self) -> None:
+        self.active = False
+        if getattr(self.owner, self.name, None) is self.wrapped:
+            setattr(self.owner, self.name, self.original)
+
+
+class StepReductions:
+    """A context manager: while it is entered, the total norms the program computes and the
+    optimizers a GradScaler unscales are kept (references, no copy, no kernel)."""
+
+    def __init__(self):
+        self.norms: list = []
+        self._unscaled: weakref.WeakSet = weakref.WeakSet()  # optimizers unscaled since their last step
+        self._wraps: list = []
+        self._depth = 0
+
+    def __enter__(self) -> StepReductions:
+        self._depth += 1
+        if self._depth > 1:
+            return self
+        module_name, name = TOTAL_NORM_HOME
+        home = importlib.import_module(module_name)
+        kept = weakref.ref(self)
+
+        def total_norm(original, tensors, *args, **kwargs):
+            norm = original(tensors, *args, **kwargs)
+            reductions = kept()
+            if reductions is not None:
+                reductions.saw_norm(norm, tensors, args, kwargs)
+            return norm
+
+        def unscale_(original, scaler, optimizer):
+            result = original(scaler, optimizer)
+            reductions = kept()
+            if reductions is not None and scaler.is_enabled():
+                reductions._unscaled.add(optimizer)
+            return result
+
+        self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_)]
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._depth -= 1
+        if self._depth == 0:
+            for wrap in reversed(self._wraps):
+                wrap.undo()
+            self._wraps = []
+            self.forget()
+        return False
+
+    def saw_norm(self, norm, tensors, args, kwargs) -> None:
+        """Keep a norm that answers the question: a p-norm with p > 0 (nan and inf carry through
+        it; p = 0 counts nonzeros, p = -inf takes the smallest), of plain tensors."""
+        norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+        try:
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            return
+        if not norm_type > 0 or len(self.norms) >= _MAX_NORMS or type(norm) is not torch.Tensor:
+            return  # a DTensor's norm may be a partial sum: not this rank's answer alone
+        covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        self.norms.append(ClipNorm(norm, frozenset(map(id, covered))))
+
+    def after_backward(self) -> None:
+        """A backward ran: a norm computed before it covers gradients that changed since."""
+        self.norms.clear()
+
+    def after_step(self, optimizer) -> None:
+        self.norms.clear()
+        self._unscaled.discard(optimizer)
+
+    def forget(self) -> None:
+        self.norms.clear()
+        self._unscaled = weakref.WeakSet()
+
+    def unscaled(self, optimizer) -> bool:
+        """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
+        (its kernel checked every one of them; it skips the step itself when one is not finite)."""
+        return optimizer is not None and optimizer in self._unscaled
+
+    def norm_covering(self, grads) -> ClipNorm | None:
+        """The newest kept norm that covered every tensor of ``grads``, or ``None``."""
+        if not self.norms:
+            return None
+        wanted = set(map(id, grads))
+        for norm in reversed(self.norms):
+            if wanted <= norm.covered:
+                return norm
+        return None
+
+
+class StepVerdict:
+    """Whether a step's gradients and losses are finite, read from the cheapest source that
+    covers them (the module's docstring); :attr:`source` says which one the last call read."""
+
+    def __init__(self, reductions: StepReductions | None = None):
+        self.reductions = reductions
+        self.fused = FusedFiniteCheck()  # its flags kept from step to step
+        self.source: str | None = None
+
+    def finite(self, grads, losses=(), optimizer=None) -> bool:
+        """One verdict, at most one host read (none when a scaler decided and the losses are CPU scalars)."""
+        reductions = self.reductions
+        if reductions is not None and reductions.unscaled(optimizer):
+            self.source = SCALER  # the scaler skips an overflowing step itself: it never gets here
+            return scalars_finite(losses, self.fused)
+        norm = reductions.norm_covering(grads) if reductions is not None and grads else None
+        if norm is not None:
+            self.source = CLIP
+            return scalars_finite([norm.total, *losses], self.fused)
+        self.source = FUSED_PASS
+        return self.fused(grads, list(losses))
+
+    def gradients_finite(self, grads, optimizer=None) -> bool:
+        """The gradients' part alone (read after a failed :meth:`finite`, to tell a loss that is
+        not finite on this rank from gradients that are not finite on every rank)."""
+        return self.finite(grads, (), optimizer)
+
+    def device_flag(self, grads, losses=(), optimizer=None):
+        """The verdict as GradScaler's ``found_inf`` (a float32 0-dim tensor on the
+        gradients' device, nonzero when the step must not run), with no host read; ``None`` where
+        it cannot be made that way (no gradient, several devices, DTensors)."""
+        if not grads or dtensor_class() is not None and any(type(grad) is not torch.Tensor for grad in grads):
+            return None
+        device = grads[0].device
+        if any(grad.device != device for grad in grads) or any(loss.device != device for loss in losses):
+            return None
+        norm = self.reductions.norm_covering(grads) if self.reductions is not None else None
+        with torch.no_grad():
+            if norm is not None and norm.total.device == device:
+                self.source = CLIP
+                checked = [norm.total.detach().reshape(1)] + [loss.detach().reshape(-1) for loss in losses]
+                return (~torch.isfinite(torch.cat([value.float() for value in checked]))).any().float()
+            if amp_non_finite_check is None:
+                return None
+            self.source = FUSED_PASS
+            found = torch.zeros((), device=device)
+            read_only = [torch.linalg.vector_norm(loss.detach().float(), math.inf).reshape(1) for loss in losses]
+            writable = [grad for grad in grads if not grad.requires_grad]
+            read_only += [torch.linalg.vector_norm(grad.detach(), math.inf).reshape(1) for grad in grads if grad.requires_grad]
+            amp_non_finite_check(writable + read_only, found, torch.ones((), device=device))
+            return found
+
+
+def scalars_finite(tensors, fused: FusedFiniteCheck) -> bool:
+    """Whether a few small tensors (a norm, losses) hold only finite values: CPU scalars read
+    where they lie, the others in one fused read."""
+    if all(tensor.is_cpu and tensor.numel() == 1 for tensor in tensors):
+        return all(math.isfinite(tensor.item()) for tensor in tensors)
+    return fused([], list(tensors))
+
+
+class DeferredFlag:
+    """A device flag brought to the host without blocking: a pinned buffer and an event (on a
+    CUDA device), read at the next step, when the device has almost always finished it."""
+
+    def __init__(self):
+        self._host = None
+        self._event = None
+        self.pending = False
+
+    def hand(self, flag) -> None:
+        """Start the copy of ``flag`` (a 0-dim tensor) to the host."""
+        if flag.is_cuda:
+            if self._host is None:
+                self._host = torch.zeros((), pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag  # a CPU flag is on the host already: read it when asked
+            self._event = None
+        self.pending = True
+
+    def read(self) -> bool:
+        """Whether the flag handed last was set (waits for the copy only if it has not ended)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host.item() != 0)
+
+
+def shared_gradients(params, modules) -> bool:
+    """Whether every parameter of ``params`` is trained by a ``DistributedDataParallel`` module
+    among ``modules``: its gradient is reduced across the ranks before the optimizer step, so a
+    verdict read from it is the same on every rank (a nan/inf on one rank reaches all of them)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    reduced: set = set()
+    for module in modules:
+        if isinstance(module, ddp):
+            reduced.update(id(parameter) for parameter in module.parameters() if parameter.requires_grad)
+    if not reduced:
+        return False
+    return all(id(parameter) in reduced for parameter in params)
+
+
+def takes_flag(optimizer) -> bool:
+    """Whether ``optimizer`` skips its own update on the device when handed ``found_inf``."""
+    return takes_found_inf(optimizer)
