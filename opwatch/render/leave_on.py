@@ -131,7 +131,7 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None, by_program: 
 def failed_late(step: int, now: int | None, on_failure: str, *, loss: str | None = None) -> str:
     """A fused optimizer's step whose verdict went to it as ``found_inf`` failed: it skipped the
     update on the device; told at step ``now``'s check (``None``: at the end of the run)."""
-    what = f"the loss backward() ran on was {loss}" if loss is not None else "its gradients (or the loss backward() ran on) held nan/inf"
+    what = "its gradients (or the loss backward() ran on) held nan/inf" + (f" (the loss was {loss})" if loss is not None else "")
     when = f"told at step {now}, before that step runs" if now is not None else "told at the end of the run"
     head = (f"opwatch: optimizer step {step}: {what}. The fused optimizer got the verdict as found_inf, as GradScaler hands it, "
             f"and skipped that step on the device: the weights are as they were ({when}, so that a healthy step never waits for the device).")

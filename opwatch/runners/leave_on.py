@@ -133,6 +133,7 @@ class LeaveOn:
         self.verdict = StepVerdict(self._reductions)
         self._deferred = weakref.WeakKeyDictionary()  # fused optimizer -> its DeferredFlag (found_inf handed over)
         self._handed = weakref.WeakSet()  # optimizers given opwatch's found_inf for the step running now
+        self._audit_after_step = False  # a failure told late: the step after this one runs under the full watch
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
         # Set by a trainer that can run the failing batch again from its start under a full
@@ -215,7 +216,8 @@ class LeaveOn:
         def backward(tensor, *args, **kwargs):
             seen = runner()
             if seen is not None:
-                seen._reductions.after_backward()  # a norm taken before this backward covers old gradients
+                if seen._reductions.after_backward():  # GradScaler skipped the step those losses made
+                    seen._losses.clear()
                 if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
                     with no_python_dispatch():
                         seen._losses.append(tensor.detach())
@@ -509,12 +511,13 @@ class LeaveOn:
     def _hand_flag(self, optimizer, losses) -> None:
         with no_python_dispatch():
             flag = self.verdict.device_flag(gradients(optimizer), losses, optimizer)
-        if flag is None:  # gradients on several devices: the host read of the other optimizers
+        if flag is None:  # no gradient, or on several devices: the host read of the other optimizers
             self._deferred.pop(optimizer, None)
-            if not self._verdict(optimizer, losses):
-                flag = torch.ones((), device=gradients(optimizer)[0].device)
-            else:
+            grads = gradients(optimizer)
+            if not grads or self._verdict(optimizer, losses):
                 return
+            first, *_ = grads
+            flag = torch.ones((), device=first.device)
         deferred = self._deferred.get(optimizer)
         if deferred is None:
             deferred = self._deferred[optimizer] = DeferredFlag()
@@ -533,7 +536,7 @@ class LeaveOn:
             if deferred is None or not deferred.read():
                 continue
             loss = _loss_kind(deferred.losses)
-            failure = self.ledger.fail(deferred.step, [], "loss" if loss is not None else "gradients", loss=loss)
+            failure = self.ledger.fail(deferred.step, [], "gradients", loss=loss)  # the gradients are gone: not told apart
             self.ledger.decide(failure, "skipped")
             deferred.losses = []
             text = words.failed_late(deferred.step, None if optimizer is None else self.steps, self.on_failure, loss=loss)
@@ -542,8 +545,7 @@ class LeaveOn:
                 raise GradientsNotFinite(text, step=deferred.step, parameters=[])
             if self._told():
                 _warn(text)
-                if optimizer is not None:
-                    self.start_audit()  # the next step runs under the full watch: a failure that recurs is named
+                self._audit_after_step = optimizer is not None  # the next step under the full watch: a failure that recurs is named
             self._stop_when_stuck(failure)
 
     def _failed_at_check(self, optimizer, step: int, losses: list, error: AnomalyError) -> None:
@@ -641,6 +643,9 @@ class LeaveOn:
         # The parameters' version counters as this step left them (a Python read each, no kernel).
         self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])
         self._judge_step(optimizer)
+        if self._audit_after_step:
+            self._audit_after_step = False
+            self.start_audit()
         self._watch_inputs()
 
     def _watch_inputs(self) -> None:

@@ -7,8 +7,8 @@ the losses they came from, finite?) and most training loops have answered it alr
 - ``clip_grad_norm_`` (nanoGPT's ``grad_clip``, the Hugging Face Trainer's ``max_grad_norm``,
   Lightning's ``gradient_clip_val``) reduces every gradient it clips to one total norm, and a
   p-norm (p > 0) is nan or inf whenever one of the values it covers is. :class:`StepReductions`
-  keeps the norms the program computes (a scoped wrap of the function both ``clip_grad_norm_``
-  and ``get_total_norm`` call, restored on exit), with the gradients each covered;
+  keeps the norms the program computes (a scoped wrap of the function ``clip_grad_norm_`` calls,
+  and of ``torch.nn.utils.get_total_norm``, restored on exit), with the gradients each covered;
 - ``GradScaler.unscale_`` checks every gradient of an optimizer for nan/inf and skips the step
   itself when it finds one (so the step never reaches opwatch's hooks): a step it unscaled is
   decided by it, gradients-wise;
@@ -80,7 +80,11 @@ class _ScopedWrap:
 
 class StepReductions:
     """A context manager: while it is entered, the total norms the program computes and the
-    optimizers a GradScaler unscales are kept (references, no copy, no kernel)."""
+    optimizers a GradScaler unscales are kept (references, no copy, no kernel). Entering it
+    forgets what an earlier scope kept; leaving it keeps them, to be read after the scope (a
+    guarded call's check)."""
+
+    _home = None  # the module whose global computes a total norm (imported at the first entry)
 
     def __init__(self):
         self.norms: list = []
@@ -92,8 +96,11 @@ class StepReductions:
         self._depth += 1
         if self._depth > 1:
             return self
+        self.forget()
         module_name, name = TOTAL_NORM_HOME
-        home = importlib.import_module(module_name)
+        if StepReductions._home is None:
+            StepReductions._home = importlib.import_module(module_name)
+        home = StepReductions._home
         kept = weakref.ref(self)
 
         def total_norm(original, tensors, *args, **kwargs):
@@ -110,7 +117,8 @@ class StepReductions:
                 reductions._unscaled.add(optimizer)
             return result
 
-        self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_)]
+        self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
+                       _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_)]
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -119,13 +127,12 @@ class StepReductions:
             for wrap in reversed(self._wraps):
                 wrap.undo()
             self._wraps = []
-            self.forget()
         return False
 
     def saw_norm(self, norm, tensors, args, kwargs) -> None:
         """Keep a norm that answers the question: a p-norm with p > 0 (nan and inf carry through
         it; p = 0 counts nonzeros, p = -inf takes the smallest), of plain tensors."""
-        norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+        norm_type = next(iter(args), kwargs.get("norm_type", 2.0))  # get_total_norm(tensors, norm_type, ...)
         try:
             norm_type = float(norm_type)
         except (TypeError, ValueError):
@@ -135,9 +142,15 @@ class StepReductions:
         covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         self.norms.append(ClipNorm(norm, frozenset(map(id, covered))))
 
-    def after_backward(self) -> None:
-        """A backward ran: a norm computed before it covers gradients that changed since."""
+    def after_backward(self) -> bool:
+        """A backward ran: a norm computed before it covers gradients that changed since.
+        Returns whether an optimizer unscaled since its last step never stepped (GradScaler
+        skipped it): the step before this backward ended there."""
         self.norms.clear()
+        skipped = len(self._unscaled) > 0
+        if skipped:
+            self._unscaled = weakref.WeakSet()
+        return skipped
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
@@ -196,7 +209,8 @@ class StepVerdict:
         it cannot be made that way (no gradient, several devices, DTensors)."""
         if not grads or dtensor_class() is not None and any(type(grad) is not torch.Tensor for grad in grads):
             return None
-        device = grads[0].device
+        first, *_ = grads
+        device = first.device
         if any(grad.device != device for grad in grads) or any(loss.device != device for loss in losses):
             return None
         norm = self.reductions.norm_covering(grads) if self.reductions is not None else None

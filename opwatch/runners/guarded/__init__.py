@@ -51,6 +51,7 @@ from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, RankOrigin, l
 from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
 from .snapshot import Snapshots, changed_arguments, put_buffers
 from ..ledger import RunLedger
+from ..step_verdict import StepReductions, shared_gradients
 
 __all__ = ["guard", "Guarded"]
 
@@ -242,7 +243,9 @@ class Guarded:
         self._enabled = not _disabled_by_environment()
         self._snapshots: Snapshots | None = None  # made on the first call
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first call)
-        self._finite = FiniteCheck(scaler)
+        self._reductions = StepReductions()  # the clip norms each call computes (a scoped wrap)
+        self._finite = FiniteCheck(scaler, self._reductions)
+        self._shared = False  # a DDP model: its reduced gradients decide a healthy step alike on every rank
         self._warned: set = set()  # (kind, file, line) of skipped steps already warned
         self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
         self._told_internal_error = False
@@ -276,15 +279,17 @@ class Guarded:
             self._snapshots = self._collect()
             self._finite.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
             self._agreement = Agreement.start() if self._check_results else None
+            self._shared = self._agreement is not None and shared_gradients(self._snapshots.params, [self._model])
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
         self.ledger.step(audited=audit is not None)
         start = self._snapshots.take(args, kwargs)
         try:
             if audit is None:
-                result = self._step(*args, **kwargs)
+                with self._reductions:
+                    result = self._step(*args, **kwargs)
             else:
                 self.last_audit = audit
-                with audit:
+                with audit, self._reductions:
                     result = self._step(*args, **kwargs)
         except _NOT_REPLAYED as error:
             if self._agreement is not None:
@@ -302,9 +307,11 @@ class Guarded:
             self._refuse_changed_parameters(start)
         # In a job of several ranks every call meets the others at the flag, checked or not (a
         # check that failed once is off on this rank only).
-        if (self._check_results or self._agreement is not None) and not self._healthy(result):
+        healthy = self._healthy(result) if self._check_results or self._agreement is not None else True
+        self._reductions.forget()  # the norms' ids name this call's gradients only
+        if not healthy:
             if self._raised_elsewhere is not None:  # another rank's step raised: every rank stops here
-                self._snapshots.put_grads(start)
+                self._snapshots.drop_grads()
                 raise self._raised_elsewhere
             if self._finite_here:
                 failure = FailedElsewhere("elsewhere")
@@ -339,7 +346,7 @@ class Guarded:
             return
         self.anomalies.extend(found)
         if self._strict and may_raise:
-            self._snapshots.put_grads(start)  # the optimizer never sees this step's gradients
+            self._snapshots.drop_grads()  # the optimizer never sees this step's gradients
             raise AnomalyError(found[0])
         for anomaly in found:
             key = (anomaly.kind, anomaly.filename, anomaly.lineno)
@@ -356,8 +363,13 @@ class Guarded:
         healthy = self._checked(result) if self._check_results else True
         self._finite_here = healthy
         self._raised_elsewhere = None
-        if self._agreement is None:
-            return healthy
+        if self._shared and not healthy and self._finite.all_finite(None, self._snapshots.params):
+            # DDP: the reduced gradients are finite on every rank, what this rank returned is
+            # not: told here; every rank goes on alike (decided from what they share).
+            warnings.warn(OpwatchWarning(words.returned_here_only(self.calls, self._name(), self._agreement.rank)), stacklevel=3)
+            self._finite_here = healthy = True
+        if self._agreement is None or healthy and self._shared:
+            return healthy  # DDP: every rank read the same reduced gradients; a failure asks the others
         decision = self._agreement.decide(0 if healthy else NONFINITE_CODE, self.calls, self._name())
         if decision.raised:
             self._raised_elsewhere = self._agreement.raised_elsewhere(decision, self.calls, self._name())
@@ -372,8 +384,12 @@ class Guarded:
         line = first_line(error)
         agreement.mark(self.calls, name, "raised", f"{type(error).__name__}: {line}", error_type=type(error).__name__,
                        where=raised_where(error), line=line)
+        if self._shared:  # the others meet no flag on a healthy step: none to wait at
+            self._snapshots.drop_grads()
+            add_note(error, words.raised_here_shared_note(agreement.rank, agreement.world))
+            raise error
         decision = agreement.decide(RAISED, self.calls, name)  # NoAnswer (bounded) when another rank never comes
-        self._snapshots.put_grads(start)
+        self._snapshots.drop_grads()
         add_note(error, words.raised_here_note(agreement.rank, decision.raised, agreement.world))
         raise error
 
@@ -440,7 +456,7 @@ class Guarded:
         # the replay, a second run of the step from its start); the buffers are as one run left
         # them, or as they were before it when the step is skipped.
         if go_on != "apply":
-            snapshots.put_grads(start)
+            snapshots.drop_grads()
         if go_on == "skip":
             snapshots.put_start_buffers(start)
         elif after is not None:
@@ -503,7 +519,7 @@ class Guarded:
         """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
         or applied, counted, not replayed."""
         if self._on_failure == "skip":
-            self._snapshots.put_grads(start)
+            self._snapshots.drop_grads()
             self._snapshots.put_start_buffers(start)
         return result
 
