@@ -560,6 +560,23 @@ def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
     assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in out.getvalue()
 
 
+def test_transformers_guard_rides_on_the_trainer_s_own_clip(tmp_path):
+    """The Trainer clips by default (max_grad_norm=1.0): its total norm decides each healthy
+    step, no pass of opwatch's over the gradients; a nan under it still fails its step."""
+    needs("transformers")
+    from opwatch.runners.transformers import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    hf_guard(tmp_path / "healthy", callback)
+    assert (callback.runner.failed, callback.runner.verdict.source) == (0, "clip")
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    # Trainer's default optimizer is the fused AdamW where torch has it: the verdict is handed over as found_inf
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: (the gradients about to be applied hold|its gradients .* held) nan/inf"):
+        hf_guard(tmp_path / "nan", callback, nan_at=2)
+    assert [failure.step for failure in callback.runner.failures] == [2] and callback.runner.verdict.source == "clip"
+
+
 def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):
     needs("transformers")
     from opwatch.runners.transformers import OpwatchCallback
