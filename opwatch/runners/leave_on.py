@@ -186,7 +186,8 @@ class LeaveOn:
         self._unsee_losses()
         if entered:
             self._reductions.__exit__(None, None, None)
-        self._told_late(None)  # a fused step that failed last: its flag is read now
+        if exc is None:  # a fused step that failed last: its flag is read now (never over the program's own error)
+            self._told_late(None)
         pending = self._pending_recheck()
         self._unwatch_inputs()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
@@ -537,12 +538,12 @@ class LeaveOn:
                 continue
             loss = _loss_kind(deferred.losses)
             failure = self.ledger.fail(deferred.step, [], "gradients", loss=loss)  # the gradients are gone: not told apart
-            self.ledger.decide(failure, "skipped")
             deferred.losses = []
             text = words.failed_late(deferred.step, None if optimizer is None else self.steps, self.on_failure, loss=loss)
-            if self.on_failure == "raise":
+            if self.on_failure == "raise":  # the device skipped it; the run stops here
                 self.ledger.decide(failure, "raised")
                 raise GradientsNotFinite(text, step=deferred.step, parameters=[])
+            self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer
             if self._told():
                 _warn(text)
                 self._audit_after_step = optimizer is not None  # the next step under the full watch: a failure that recurs is named
