@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, takes_found_inf
+from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
 __all__ = ["StepReductions", "StepVerdict", "DeferredFlag", "ClipNorm", "shared_gradients", "CLIP", "SCALER", "FUSED_PASS"]
@@ -137,8 +137,15 @@ class StepReductions:
             norm_type = float(norm_type)
         except (TypeError, ValueError):
             return
-        if not norm_type > 0 or len(self.norms) >= _MAX_NORMS or type(norm) is not torch.Tensor:
-            return  # a DTensor's norm may be a partial sum: not this rank's answer alone
+        if not norm_type > 0 or len(self.norms) >= _MAX_NORMS:
+            return
+        if type(norm) is not torch.Tensor:
+            dtensor = dtensor_class()
+            if dtensor is None or not isinstance(norm, dtensor):
+                return
+            # FSDP2, tensor parallel: this rank's part of the norm (of its shards), nan or inf
+            # whenever its shards hold one; read with no collective (the ranks agree after).
+            norm, _, _ = dtensor_parts(norm)
         covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         self.norms.append(ClipNorm(norm, frozenset(map(id, covered))))
 

@@ -315,7 +315,7 @@ def ddp_ranks(tmp_path_factory):
     import dist_step_verdict
     from support.distributed import spawn
 
-    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy"],
+    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", "fsdp2_leave_on"],
                  tmp_path_factory.mktemp("step_verdict_ranks"), timeout=180.0)
 
 
@@ -350,3 +350,12 @@ def test_ddp_a_nan_loss_on_one_rank_with_finite_reduced_gradients_is_told_there_
     assert not any("optimizer step 3" in text for text in zero["warned"])
     assert zero["weights"] == one["weights"]
     assert zero["collectives"][1:] == one["collectives"][1:] == [0] * 5
+
+
+@ddp
+def test_fsdp2_the_clip_s_norm_stands_for_each_rank_s_shards_and_one_small_all_reduce_decides(ddp_ranks):
+    zero, one = ddp_ranks[0]["fsdp2_leave_on"], ddp_ranks[1]["fsdp2_leave_on"]
+    for result in (zero, one):
+        assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "clip"
+        assert result["collectives"][1] == 1 and result["collectives"][3:] == [1, 1, 1]  # opwatch's one flag a step
+    assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])

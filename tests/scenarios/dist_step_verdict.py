@@ -18,7 +18,7 @@ from torch import nn
 
 import opwatch
 from opwatch.runners.leave_on import LeaveOn
-from dist_cases import run_cases
+from dist_cases import _mesh, run_cases
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "barrier", "all_gather_object")
 
@@ -52,6 +52,17 @@ def _model():
     return nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)))
 
 
+def _fsdp2(world):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    mesh = _mesh(world)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _batch(rank, step, *, ignored=False):
     generator = torch.Generator().manual_seed(100 * rank + step)
     x, y = torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator)
@@ -65,10 +76,10 @@ def _forward(model, x, y, make_nan):
     return F.cross_entropy(logits, y)
 
 
-def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None):
-    """Leave-on over a DDP loop: rank 1 makes nan at ``nan_at``; its batch has every label
-    ignored at ``loss_nan_at`` (its loss is 0/0 = nan, its gradients zero)."""
-    model = _model()
+def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None):
+    """Leave-on over a DDP loop (or ``model``'s): rank 1 makes nan at ``nan_at``; its batch has
+    every label ignored at ``loss_nan_at`` (its loss is 0/0 = nan, its gradients zero)."""
+    model = _model() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_step = []
     with warnings.catch_warnings(record=True) as caught:
@@ -91,9 +102,20 @@ def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None):
         "failed": [failure.step for failure in run.failures],
         "skipped": run.skipped,
         "source": run.verdict.source,
-        "weights": [float(parameter.detach().double().sum()) for parameter in model.parameters()],
+        "weights": [float(_full(parameter).double().sum()) for parameter in model.parameters()],
         "warned": [str(w.message) for w in caught if isinstance(w.message, opwatch.OpwatchWarning)],
     }
+
+
+def _full(parameter):
+    parameter = parameter.detach()
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+
+
+def fsdp2_leave_on(rank, world):
+    """FSDP2: each rank holds its own shards; the clip's norm (this rank's part of it) stands for
+    them, and the ranks decide together with one small all-reduce a step."""
+    return _loop(rank, nan_at=3, model=_fsdp2(world))
 
 
 def leave_on_healthy(rank, world):
@@ -132,7 +154,7 @@ def guard_healthy(rank, world):
             "weights": [float(parameter.detach().double().sum()) for parameter in model.parameters()]}
 
 
-CASES = {"leave_on_healthy": leave_on_healthy, "leave_on_nan": leave_on_nan, "leave_on_loss_nan": leave_on_loss_nan, "guard_healthy": guard_healthy}
+CASES = {"fsdp2_leave_on": fsdp2_leave_on, "leave_on_healthy": leave_on_healthy, "leave_on_nan": leave_on_nan, "leave_on_loss_nan": leave_on_loss_nan, "guard_healthy": guard_healthy}
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:

@@ -77,14 +77,14 @@ class FiniteCheck:
             return self.tensors([], returned)
         # The gradients may be written back (unchanged) by the kernel; what the step returned
         # is the user's, never written.
-        if self.sharded:  # each rank reads its own shard, no collective (the ranks agree after)
-            return self.tensors([local(grad) for param in params if (grad := param.grad) is not None], returned)
         grads = [grad for param in params if (grad := param.grad) is not None]
         norm = self.reductions.norm_covering(grads) if self.reductions is not None and grads else None
         if norm is not None:  # the step's clip reduced every gradient to one norm: it stands for them
             self.source = CLIP
             return scalars_finite([*returned, norm.total], self.tensors)
         self.source = FUSED_PASS
+        if self.sharded:  # each rank reads its own shard, no collective (the ranks agree after)
+            return self.tensors([local(grad) for grad in grads], returned)
         return self.tensors(grads, returned)
 
 
