@@ -50,7 +50,7 @@ from ..render import guard as guard_words
 from ..render import leave_on as words
 from .guarded.ranks import NONFINITE, WATCHED, Agreement
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, RunLedger
-from .step_verdict import DeferredFlag, StepReductions, StepVerdict, shared_gradients, takes_flag
+from .step_verdict import DeviceVerdict, FoundInfHandOff, StepReductions, VerdictFromStep, shared_gradients
 from ..session import Watch, strict, watch
 
 __all__ = ["LeaveOn", "GradientsNotFinite", "RunStuck", "Failure", "ON_FAILURE", "signature", "nonfinite_names", "nonfinite_parameters"]
@@ -130,9 +130,8 @@ class LeaveOn:
         # The step's verdict, from what the step computed (the clip's norm, GradScaler's unscale)
         # or one fused pass where it computed nothing that covers its gradients.
         self._reductions = StepReductions()
-        self.verdict = StepVerdict(self._reductions)
-        self._deferred = weakref.WeakKeyDictionary()  # fused optimizer -> its DeferredFlag (found_inf handed over)
-        self._handed = weakref.WeakSet()  # optimizers given opwatch's found_inf for the step running now
+        self.verdict = VerdictFromStep(self._reductions)
+        self._hand_off = FoundInfHandOff()  # a fused optimizer's found_inf, read at its next step
         self._audit_after_step = False  # a failure told late: the step after this one runs under the full watch
         self._handles: list = []  # the optimizer hooks
         self._module_hook = None  # names the parameters; only during audits
@@ -489,7 +488,7 @@ class LeaveOn:
 
     def _verdict(self, optimizer, losses: list) -> bool:
         """Whether the step may run: the one source of the step's verdict
-        (:class:`~opwatch.runners.step_verdict.StepVerdict`: GradScaler's unscale, the clip's
+        (:class:`~opwatch.runners.step_verdict.VerdictFromStep`: GradScaler's unscale, the clip's
         total norm, or one fused pass over the gradients about to be applied, with the losses
         backward() ran on; at most one host read)."""
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
@@ -507,42 +506,30 @@ class LeaveOn:
         not hand a flag, outside audits and re-checks, in a process of its own, when failing
         steps are skipped or raised."""
         return (agreement is None and self.on_failure != "apply" and not self._auditing and self._recheck_of is None
-                and self.poisoned_since is None and takes_flag(optimizer) and getattr(optimizer, "found_inf", None) is None)
+                and self.poisoned_since is None and self._hand_off.takes(optimizer))
 
     def _hand_flag(self, optimizer, losses) -> None:
         with no_python_dispatch():
-            flag = self.verdict.device_flag(gradients(optimizer), losses, optimizer)
-        if flag is None:  # no gradient, or on several devices: the host read of the other optimizers
-            self._deferred.pop(optimizer, None)
+            verdict = self.verdict.device_flag(gradients(optimizer), losses, optimizer)
+        if verdict is None:  # no gradient, or on several devices: the host read of the other optimizers
+            self._hand_off.forget(optimizer)
             grads = gradients(optimizer)
             if not grads or self._verdict(optimizer, losses):
                 return
             first, *_ = grads
-            flag = torch.ones((), device=first.device)
-        deferred = self._deferred.get(optimizer)
-        if deferred is None:
-            deferred = self._deferred[optimizer] = DeferredFlag()
-        deferred.hand(flag)
-        deferred.step, deferred.losses = self.steps, losses  # references: read only if it failed
-        optimizer.found_inf = flag
-        optimizer.grad_scale = None
-        self._handed.add(optimizer)
+            verdict = DeviceVerdict(torch.ones((), device=first.device), torch.ones(2, device=first.device))
+        self._hand_off.hand(optimizer, verdict, self.steps, losses)
 
     def _told_late(self, optimizer) -> None:
         """Read the flag handed to ``optimizer`` at its last step (``None``: every optimizer's,
         at the end of the run); a set flag is a failed step the device skipped, told now."""
-        pending = [optimizer] if optimizer is not None else list(self._deferred)
-        for handed in pending:
-            deferred = self._deferred.get(handed)
-            if deferred is None or not deferred.read():
-                continue
-            loss = _loss_kind(deferred.losses)
-            failure = self.ledger.fail(deferred.step, [], "gradients", loss=loss)  # the gradients are gone: not told apart
-            deferred.losses = []
-            text = words.failed_late(deferred.step, None if optimizer is None else self.steps, self.on_failure, loss=loss)
+        for late in self._hand_off.failed(optimizer):
+            loss = _loss_kind(late.losses)
+            failure = self.ledger.fail(late.step, [], "loss" if loss is not None and not late.gradients else "gradients", loss=loss)
+            text = words.failed_late(late.step, None if optimizer is None else self.steps, self.on_failure, loss=loss, gradients=late.gradients)
             if self.on_failure == "raise":  # the device skipped it; the run stops here
                 self.ledger.decide(failure, "raised")
-                raise GradientsNotFinite(text, step=deferred.step, parameters=[])
+                raise GradientsNotFinite(text, step=late.step, parameters=[])
             self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer
             if self._told():
                 _warn(text)
@@ -637,9 +624,7 @@ class LeaveOn:
                        for parameter, now, then in zip(parameters, version_counters(parameters), left))
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if optimizer in self._handed:  # GradScaler's contract: the flag lives for one step
-            self._handed.discard(optimizer)
-            del optimizer.found_inf, optimizer.grad_scale
+        self._hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
         self._reductions.after_step(optimizer)
         # The parameters' version counters as this step left them (a Python read each, no kernel).
         self._left_by_step[optimizer] = version_counters([parameter for group in optimizer.param_groups for parameter in group["params"]])

@@ -14,13 +14,14 @@ the losses they came from, finite?) and most training loops have answered it alr
   decided by it, gradients-wise;
 - the losses ``Tensor.backward()`` ran on are kept by the caller (detached views, no copy).
 
-:class:`StepVerdict` reads the cheapest source that covers every gradient of the step: a
+:class:`VerdictFromStep` reads the cheapest source that covers every gradient of the step: a
 scaler's unscale (no read), a clip norm (one scalar read, together with the losses), else the
 fused pass of :class:`opwatch.core.finite.FusedFiniteCheck` (GradScaler's kernel over the
-gradients, one host read). :meth:`StepVerdict.device_flag` computes the same verdict as a
+gradients, one host read). :meth:`VerdictFromStep.device_flag` computes the same verdict as a
 device tensor with no host read, for an optimizer that takes GradScaler's ``found_inf``
 (the fused Adam, AdamW, SGD): it skips a failing step on the device, and :class:`DeferredFlag`
-brings the flag to the host without blocking, read at the next step.
+brings the flag to the host without blocking, read at the next step (:class:`FoundInfHandOff`:
+the hand-off, GradScaler's contract: the flag set on the optimizer for one step).
 
 :func:`shared_gradients` says when the verdict is the same on every rank of a job (DDP's
 reduced gradients), so that a healthy step needs no collective of opwatch's.
@@ -38,11 +39,19 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "StepVerdict", "DeferredFlag", "ClipNorm", "shared_gradients", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "shared_gradients", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
 _MAX_NORMS = 16  # clip norms kept between two optimizer steps (a loop clips once a step)
+
+
+class DeviceVerdict(NamedTuple):
+    """A step's verdict on the device: ``found_inf`` (0-dim float32, 1 when the step must not
+    run) and ``parts``: ``[gradients not finite, losses not finite]`` (two float32 flags)."""
+
+    found_inf: torch.Tensor
+    parts: torch.Tensor
 
 
 class ClipNorm(NamedTuple):
@@ -183,7 +192,7 @@ class StepReductions:
         return None
 
 
-class StepVerdict:
+class VerdictFromStep:
     """Whether a step's gradients and losses are finite, read from the cheapest source that
     covers them (the module's docstring); :attr:`source` says which one the last call read."""
 
@@ -211,9 +220,9 @@ class StepVerdict:
         return self.finite(grads, (), optimizer)
 
     def device_flag(self, grads, losses=(), optimizer=None):
-        """The verdict as GradScaler's ``found_inf`` (a float32 0-dim tensor on the
-        gradients' device, nonzero when the step must not run), with no host read; ``None`` where
-        it cannot be made that way (no gradient, several devices, DTensors)."""
+        """The verdict as a :class:`DeviceVerdict` on the gradients' device, with no host read:
+        ``found_inf`` for the optimizer and the two parts it is made of; ``None`` where it cannot
+        be made that way (no gradient, several devices, DTensors)."""
         if not grads or dtensor_class() is not None and any(type(grad) is not torch.Tensor for grad in grads):
             return None
         first, *_ = grads
@@ -222,19 +231,23 @@ class StepVerdict:
             return None
         norm = self.reductions.norm_covering(grads) if self.reductions is not None else None
         with torch.no_grad():
+            if losses:
+                loss_bad = (~torch.isfinite(torch.cat([loss.detach().reshape(-1).float() for loss in losses]))).any().float()
+            else:
+                loss_bad = torch.zeros((), device=device)
             if norm is not None and norm.total.device == device:
                 self.source = CLIP
-                checked = [norm.total.detach().reshape(1)] + [loss.detach().reshape(-1) for loss in losses]
-                return (~torch.isfinite(torch.cat([value.float() for value in checked]))).any().float()
-            if amp_non_finite_check is None:
+                grads_bad = (~torch.isfinite(norm.total.detach())).float()
+            elif amp_non_finite_check is None:
                 return None
-            self.source = FUSED_PASS
-            found = torch.zeros((), device=device)
-            read_only = [torch.linalg.vector_norm(loss.detach().float(), math.inf).reshape(1) for loss in losses]
-            writable = [grad for grad in grads if not grad.requires_grad]
-            read_only += [torch.linalg.vector_norm(grad.detach(), math.inf).reshape(1) for grad in grads if grad.requires_grad]
-            amp_non_finite_check(writable + read_only, found, torch.ones((), device=device))
-            return found
+            else:
+                self.source = FUSED_PASS
+                grads_bad = torch.zeros((), device=device)
+                writable = [grad for grad in grads if not grad.requires_grad]
+                read_only = [torch.linalg.vector_norm(grad.detach(), math.inf).reshape(1) for grad in grads if grad.requires_grad]
+                amp_non_finite_check(writable + read_only, grads_bad, torch.ones((), device=device))
+            # found_inf must be exactly 0 or 1: the fused step subtracts it from its step counts
+            return DeviceVerdict(torch.maximum(grads_bad, loss_bad), torch.stack((grads_bad, loss_bad)))
 
 
 def scalars_finite(tensors, fused: FusedFiniteCheck) -> bool:
@@ -255,10 +268,10 @@ class DeferredFlag:
         self.pending = False
 
     def hand(self, flag) -> None:
-        """Start the copy of ``flag`` (a 0-dim tensor) to the host."""
+        """Start the copy of ``flag`` (a small float32 tensor: a verdict's parts) to the host."""
         if flag.is_cuda:
-            if self._host is None:
-                self._host = torch.zeros((), pin_memory=True)
+            if self._host is None or self._host.shape != flag.shape:
+                self._host = torch.zeros(flag.shape, pin_memory=True)
             self._host.copy_(flag, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -267,14 +280,75 @@ class DeferredFlag:
             self._event = None
         self.pending = True
 
-    def read(self) -> bool:
-        """Whether the flag handed last was set (waits for the copy only if it has not ended)."""
+    def read(self) -> tuple | None:
+        """The flag handed last, as a tuple of bools (waits for the copy only if it has not
+        ended); ``None`` when none is pending."""
         if not self.pending:
-            return False
+            return None
         self.pending = False
         if self._event is not None:
             self._event.synchronize()
-        return bool(self._host.item() != 0)
+        return tuple(value != 0 for value in self._host.tolist())
+
+
+class LateFailure(NamedTuple):
+    """A step a fused optimizer skipped on the device, its flag read a step later."""
+
+    step: int
+    gradients: bool  # its gradients held nan/inf (else only its losses did)
+    losses: list  # the losses backward() ran on (references), to say which kind
+
+
+class _Handed(NamedTuple):
+    flag: DeferredFlag
+    step: int
+    losses: list
+
+
+class FoundInfHandOff:
+    """The verdict handed to fused optimizers as ``found_inf`` (set on the optimizer for its
+    step, deleted after it, as GradScaler does), each flag read back at that optimizer's next
+    step (or at the end of the run) through a :class:`DeferredFlag`."""
+
+    def __init__(self):
+        self._deferred = weakref.WeakKeyDictionary()  # optimizer -> _Handed
+        self._handed = weakref.WeakSet()  # optimizers holding opwatch's found_inf for the step running now
+
+    @staticmethod
+    def takes(optimizer) -> bool:
+        """Whether ``optimizer`` skips its own update on the device when handed ``found_inf``,
+        and has none from GradScaler for this step."""
+        return takes_found_inf(optimizer) and getattr(optimizer, "found_inf", None) is None
+
+    def hand(self, optimizer, verdict: DeviceVerdict, step: int, losses) -> None:
+        kept = self._deferred.get(optimizer)
+        flag = kept.flag if kept is not None else DeferredFlag()
+        flag.hand(verdict.parts)
+        self._deferred[optimizer] = _Handed(flag, step, losses)  # references: read only if it failed
+        optimizer.found_inf = verdict.found_inf
+        optimizer.grad_scale = None
+        self._handed.add(optimizer)
+
+    def forget(self, optimizer) -> None:
+        self._deferred.pop(optimizer, None)
+
+    def after_step(self, optimizer) -> None:
+        if optimizer in self._handed:
+            self._handed.discard(optimizer)
+            del optimizer.found_inf, optimizer.grad_scale
+
+    def failed(self, optimizer=None) -> list:
+        """The :class:`LateFailure` s among the flags handed to ``optimizer`` (``None``: to every
+        optimizer), each read once."""
+        found = []
+        for handed in [optimizer] if optimizer is not None else list(self._deferred):
+            kept = self._deferred.get(handed)
+            parts = None if kept is None else kept.flag.read()
+            if parts is not None and any(parts):
+                gradients_bad, _ = parts
+                found.append(LateFailure(kept.step, bool(gradients_bad), kept.losses))
+                self._deferred[handed] = kept._replace(losses=[])
+        return found
 
 
 def shared_gradients(params, modules) -> bool:
@@ -289,8 +363,3 @@ def shared_gradients(params, modules) -> bool:
     if not reduced:
         return False
     return all(id(parameter) in reduced for parameter in params)
-
-
-def takes_flag(optimizer) -> bool:
-    """Whether ``optimizer`` skips its own update on the device when handed ``found_inf``."""
-    return takes_found_inf(optimizer)

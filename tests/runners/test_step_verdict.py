@@ -248,7 +248,7 @@ def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_s
             model.bug = None
             nanogpt_steps(model, optimizer, 2, first=4)
     assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
-    assert any(str(w.message).startswith("opwatch: optimizer step 3: its gradients (or the loss backward() ran on) held nan/inf (the loss was nan). "
+    assert any(str(w.message).startswith("opwatch: optimizer step 3: its gradients held nan/inf (and the loss backward() ran on was nan). "
                                          "The fused optimizer got the verdict as found_inf") and "told at step 4" in str(w.message)
                for w in caught)
     assert run.audited == 1  # step 5 ran under the full watch, to name a failure that recurs
@@ -280,18 +280,19 @@ def test_device_flag_is_the_verdict_without_a_host_read():
     """The flag handed to a fused optimizer: set by a nan gradient, a nan loss or a nan clip
     norm, made with no _local_scalar_dense (on CUDA: no sync)."""
     reductions = step_verdict.StepReductions()
-    verdict = step_verdict.StepVerdict(reductions)
+    verdict = step_verdict.VerdictFromStep(reductions)
     grads = [torch.ones(3), torch.ones(2, 2)]
     with CountingMode() as counted:
         flags = [verdict.device_flag(grads, [torch.tensor(1.0)]), verdict.device_flag(grads, [torch.tensor(math.nan)]),
                  verdict.device_flag([torch.ones(3), torch.tensor([1.0, math.inf])], [torch.tensor(1.0)])]
     assert counted.count("aten._local_scalar_dense.default") == 0
-    assert [flag.item() for flag in flags] == [0.0, 1.0, 1.0]
+    assert [flag.found_inf.item() for flag in flags] == [0.0, 1.0, 1.0]
+    assert [flag.parts.tolist() for flag in flags] == [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]]  # gradients, losses
     other = torch.tensor([1.0, math.nan])
     with reductions:
         torch.nn.utils.get_total_norm([other])
-    assert verdict.device_flag([torch.ones(1)], []).item() == 0.0  # a norm that covers other tensors stands for nothing here
-    assert verdict.device_flag([other], []).item() == 1.0 and verdict.source == step_verdict.CLIP
+    assert verdict.device_flag([torch.ones(1)], []).found_inf.item() == 0.0  # a norm that covers other tensors stands for nothing here
+    assert verdict.device_flag([other], []).found_inf.item() == 1.0 and verdict.source == step_verdict.CLIP
 
 
 def test_norm_types_that_do_not_carry_nan_are_not_kept():
