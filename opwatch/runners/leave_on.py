@@ -623,7 +623,26 @@ class LeaveOn:
             return any(now != then and nonfinite_kind(parameter) is not None
                        for parameter, now, then in zip(parameters, version_counters(parameters), left))
 
+    def decide_at_clip(self, optimizer, on_skip) -> None:
+        """Decide ``optimizer``'s step when the program's clip has its total norm (Lightning clips
+        after the callback's hook, right before the update): the norm then stands for the
+        gradients; ``on_skip()`` drops the gradients of a step that must not run. A step whose
+        clip never came is decided after it, at torch's post-hook."""
+        runner = weakref.ref(self)
+
+        def decide():
+            seen = runner()
+            if seen is not None:
+                with torch.enable_grad():  # the clip runs under no_grad; a failing batch's replay runs a backward
+                    if seen.before_step(optimizer):
+                        on_skip()
+
+        self._reductions.on_norm = decide
+
     def _after_step(self, optimizer, args, kwargs) -> None:
+        undecided, self._reductions.on_norm = self._reductions.on_norm, None
+        if undecided is not None:  # the clip the step was to be decided at never came
+            undecided()
         self._hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
         self._reductions.after_step(optimizer)
         # The parameters' version counters as this step left them (a Python read each, no kernel).

@@ -100,6 +100,9 @@ class StepReductions:
         self._unscaled: weakref.WeakSet = weakref.WeakSet()  # optimizers unscaled since their last step
         self._wraps: list = []
         self._depth = 0
+        # Called once, right after the next norm is kept (Lightning's guard mode decides its step
+        # there: Lightning clips after the callback's hook, just before the update).
+        self.on_norm = None
 
     def __enter__(self) -> StepReductions:
         self._depth += 1
@@ -117,6 +120,9 @@ class StepReductions:
             reductions = kept()
             if reductions is not None:
                 reductions.saw_norm(norm, tensors, args, kwargs)
+                decide, reductions.on_norm = reductions.on_norm, None
+                if decide is not None:
+                    decide()
             return norm
 
         def unscale_(original, scaler, optimizer):
