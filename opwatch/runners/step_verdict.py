@@ -202,9 +202,9 @@ class VerdictFromStep:
     """Whether a step's gradients and losses are finite, read from the cheapest source that
     covers them (the module's docstring); :attr:`source` says which one the last call read."""
 
-    def __init__(self, reductions: StepReductions | None = None):
+    def __init__(self, reductions: StepReductions | None = None, fused: FusedFiniteCheck | None = None):
         self.reductions = reductions
-        self.fused = FusedFiniteCheck()  # its flags kept from step to step
+        self.fused = fused if fused is not None else FusedFiniteCheck()  # its flags kept from step to step
         self.source: str | None = None
 
     def finite(self, grads, losses=(), optimizer=None) -> bool:
