@@ -76,7 +76,7 @@ def _lanes(parts, smoke: bool, fused: bool) -> list:
             if kind == "guard":
                 return guarded
             guarded()  # its first call collects the parameters
-            snapshots, check = guarded._snapshots, guarded._finite
+            snapshots, check = guarded._snapshots, guarded.policy.verdict.returned
             params = snapshots.params
             found, one = torch.zeros(1, device=params[0].device), torch.ones(1, device=params[0].device)
 

@@ -172,11 +172,19 @@ def skipped_step(message: str, on_failure: str = "skip") -> str:
     return f"opwatch.guard skipped a step:\n{message}"
 
 
-def poisoned_weights(call: int, name: str, since, bad: str, on_failure: str) -> str:
+def poisoned_weights(call: int, name: str, since, bad: str, on_failure: str, *, by_program: bool = False) -> str:
     """Call ``call`` failed and the parameters themselves hold nan/inf (``bad``: the named
-    ones); ``since``: the call whose failure was applied (on_failure='apply'), or ``None``."""
+    ones); ``since``: the call whose failure was applied (on_failure='apply'), or ``None``;
+    ``by_program``: no optimizer step wrote them (their version counters moved after the last
+    optimizer step left them, or no optimizer step ran yet)."""
     if since is not None:
         head = f"opwatch.guard: call {call} of {name} failed and the weights hold nan/inf since call {since} (its gradients were applied, on_failure='apply'): {bad}."
+    elif by_program:
+        head = (
+            f"opwatch.guard: call {call} of {name} failed and the weights already hold nan/inf: {bad}. They were written by the "
+            "program, not by the optimizer: an in-place write changed them after the last optimizer step left them, or before "
+            "any optimizer step ran (an assignment such as w[i] = ..., a state-dict load, an init)."
+        )
     else:
         head = (
             f"opwatch.guard: call {call} of {name} failed and the weights already hold nan/inf: {bad}. Code outside the guarded step wrote "

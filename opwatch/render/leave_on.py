@@ -243,9 +243,10 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) ->
 
 
 def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poisoned_since: int | None, loss: str | None,
-          limit: int, applied: bool = False) -> str:
-    """``in_a_row`` optimizer steps in a row failed, ``first_step`` to ``step``: the run is stuck.
-    ``origin``: ``(kind, op, where, phase)`` of the first failure's origin, or ``None``."""
+          limit: int, applied: bool = False, unit: str = "optimizer steps") -> str:
+    """``in_a_row`` steps in a row failed, ``first_step`` to ``step``: the run is stuck.
+    ``origin``: ``(kind, op, where, phase)`` of the first failure's origin, or ``None``;
+    ``unit``: what a step is (``"optimizer steps"``, ``"guarded calls"``)."""
     if origin is not None:
         why = f"the first, step {first_step}: {_made(origin)}"
     elif poisoned_since is not None:
@@ -254,7 +255,7 @@ def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poiso
     else:
         why = f"the first, step {first_step}: {_held_then(bad, loss)}; no full watch named an op for it"
     return (
-        f"opwatch: the run is stuck: {in_a_row} optimizer steps in a row failed (steps {first_step} to {step}), "
+        f"opwatch: the run is stuck: {in_a_row} {unit} in a row failed (steps {first_step} to {step}), "
         f"{'the optimizer applied all but the last' if applied else 'none of them applied'}; {why}. opwatch stops the run here (at most {limit} failed steps in a row: max_failed_in_a_row=, "
         "--max-failed-steps N)."
     )

@@ -145,3 +145,49 @@ class RunLedger:
                     "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "message": next(iter(origin.message.splitlines()), "")},
             })
         return rows
+
+
+class LedgerCounts:
+    """The counts a runner shows, each read from its ``self.ledger`` (never kept beside it)."""
+
+    ledger: RunLedger
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps called (GradScaler's skipped ones never call it)."""
+        return self.ledger.steps
+
+    @property
+    def audited(self) -> int:
+        """Of them, run under the full watch."""
+        return self.ledger.audited
+
+    @property
+    def failed(self) -> int:
+        """Of them, failed: nan/inf in the gradients about to be applied, a loss not finite, weights already bad, a bad batch."""
+        return self.ledger.failed
+
+    @property
+    def skipped(self) -> int:
+        """Of the failed ones, not run (``on_failure`` ``"skip"`` or ``"raise"``)."""
+        return self.ledger.skipped
+
+    @property
+    def failures(self) -> list:
+        """The failed steps (:class:`Failure`: step, parameters, cause, origin, action)."""
+        return self.ledger.failures
+
+    @property
+    def origins(self) -> list:
+        """The nan/inf origins full watches named (audits, re-checks, replays), as Anomaly objects."""
+        return self.ledger.origins
+
+    @property
+    def poisoned_since(self) -> int | None:
+        """The step after which the weights held nan/inf, or ``None``."""
+        return self.ledger.poisoned_since
+
+    @property
+    def unjudged_end(self) -> bool:
+        """The run ended with ops that nothing checked."""
+        return self.ledger.unjudged_end

@@ -189,7 +189,7 @@ class _Hooks(WatchedSteps):
         if pl_module.automatic_optimization and trainer.gradient_clip_val and _by_norm(trainer.gradient_clip_algorithm):
             # Lightning clips by norm right after this hook: the step is decided on that norm
             # (no pass of opwatch's over the gradients), before the update.
-            self.runner.decide_at_clip(optimizer, lambda: _drop_gradients(optimizer))
+            self.runner.policy.decide_at_clip(optimizer, self.runner, lambda: _drop_gradients(optimizer))
         elif self.runner.before_step(optimizer):
             _drop_gradients(optimizer)
 

@@ -39,7 +39,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "shared_gradients", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -355,6 +355,11 @@ class FoundInfHandOff:
                 found.append(LateFailure(kept.step, bool(gradients_bad), kept.losses))
                 self._deferred[handed] = kept._replace(losses=[])
         return found
+
+
+def trained(optimizer) -> list:
+    """The parameters of ``optimizer`` that have a gradient."""
+    return [parameter for group in optimizer.param_groups for parameter in group["params"] if parameter.grad is not None]
 
 
 def shared_gradients(params, modules) -> bool:

@@ -208,5 +208,5 @@ def test_leave_on_with_a_fused_adamw_and_a_clip_adds_no_sync_to_a_healthy_step_a
                     torch.cuda.synchronize()
                     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
     assert syncs[1:4] == [0, 0, 0]  # after the audited first step: nothing added to the program's own syncs
-    assert [failure.step for failure in run.failures] == [4] and run.verdict.source == "clip"
+    assert [failure.step for failure in run.failures] == [4] and run.policy.verdict.source == "clip"
     assert any("optimizer step 4:" in str(w.message) and "told at step 5" in str(w.message) for w in caught)

@@ -213,7 +213,7 @@ def test_gradients_the_fused_kernel_does_not_take_are_checked_per_device():
         return loss
 
     step = opwatch.guard(train_step, [weight, scale], repro=False, audit="never")
-    assert step(torch.ones(3, dtype=torch.complex64)) == 3 and step._finite.tensors.by_device
+    assert step(torch.ones(3, dtype=torch.complex64)) == 3 and step.policy.verdict.check.by_device
     weight.grad = scale.grad = None
     with pytest.raises(opwatch.AnomalyError, match="inf in aten.log.default") as caught:
         step(torch.tensor([1, 0, 1], dtype=torch.complex64))
@@ -554,7 +554,7 @@ def test_the_fused_check_sees_nan_and_inf_in_low_precision_gradients_beside_unus
 
     step = opwatch.guard(train_step, model, audit="never", on_failure="skip", repro=False)
     x = torch.randn(16, 4, dtype=dtype)
-    assert torch.isfinite(step(x)) and model[3].weight.grad is None and not step._finite.tensors.by_device
+    assert torch.isfinite(step(x)) and model[3].weight.grad is None and not step.policy.verdict.check.by_device
     model.zero_grad(set_to_none=True)
     poison[0] = True
     with warnings.catch_warnings():

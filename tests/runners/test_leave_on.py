@@ -522,7 +522,7 @@ def test_lightning_guard_with_gradient_clip_val_decides_on_lightning_s_clip_and_
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     lightning_guard(tmp_path / "healthy", callback, clip=1.0)
-    assert (callback.runner.steps, callback.runner.failed, callback.runner.verdict.source) == (3, 0, "clip")
+    assert (callback.runner.steps, callback.runner.failed, callback.runner.policy.verdict.source) == (3, 0, "clip")
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     with pytest.warns(opwatch.OpwatchWarning) as told:
@@ -530,7 +530,7 @@ def test_lightning_guard_with_gradient_clip_val_decides_on_lightning_s_clip_and_
     text = "\n".join(str(warning.message) for warning in told)
     assert f"inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
     runner = callback.runner
-    assert (runner.steps, runner.failed, runner.skipped, runner.verdict.source) == (4, 1, 1, "clip")
+    assert (runner.steps, runner.failed, runner.skipped, runner.policy.verdict.source) == (4, 1, 1, "clip")
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 
@@ -589,13 +589,13 @@ def test_transformers_guard_rides_on_the_trainer_s_own_clip(tmp_path):
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     hf_guard(tmp_path / "healthy", callback)
-    assert (callback.runner.failed, callback.runner.verdict.source) == (0, "clip")
+    assert (callback.runner.failed, callback.runner.policy.verdict.source) == (0, "clip")
 
     callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
     # Trainer's default optimizer is the fused AdamW where torch has it: the verdict is handed over as found_inf
     with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: (the gradients about to be applied hold|its gradients held) nan/inf"):
         hf_guard(tmp_path / "nan", callback, nan_at=2)
-    assert [failure.step for failure in callback.runner.failures] == [2] and callback.runner.verdict.source == "clip"
+    assert [failure.step for failure in callback.runner.failures] == [2] and callback.runner.policy.verdict.source == "clip"
 
 
 def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):

@@ -108,7 +108,7 @@ def test_leave_on_over_a_clipping_loop_touches_at_most_one_percent_of_the_gradie
     added = added_elements(plain, watched)
     assert sum(added.values()) / 3 <= 0.01 * gradient_elements(model), added
     assert "aten._foreach_copy_.default" not in added and "aten._amp_foreach_non_finite_check_and_unscale_.default" not in added
-    assert run.verdict.source == step_verdict.CLIP and run.failed == 0
+    assert run.policy.verdict.source == step_verdict.CLIP and run.failed == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))  # bitwise the same training
 
 
@@ -119,7 +119,7 @@ def test_without_a_clip_leave_on_makes_its_own_fused_pass():
         nanogpt_steps(model, optimizer, 1, clip=False)
         with CountingMode() as watched:
             nanogpt_steps(model, optimizer, 1, first=2, clip=False)
-    assert run.verdict.source == step_verdict.FUSED_PASS
+    assert run.policy.verdict.source == step_verdict.FUSED_PASS
     # its ops run with Python dispatch off: the counting mode sees none of them, the program's only
     assert watched.count("aten._amp_foreach_non_finite_check_and_unscale_.default") == 0
 
@@ -131,7 +131,7 @@ def test_a_clip_over_only_some_parameters_does_not_stand_for_the_others():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.mlp.parameters(), 1.0)  # the MLP's only
         optimizer.step()
-    assert run.verdict.source == step_verdict.FUSED_PASS
+    assert run.policy.verdict.source == step_verdict.FUSED_PASS
 
 
 def test_the_clip_wrap_is_scoped_and_sees_a_clip_imported_before_the_run():
@@ -145,7 +145,7 @@ def test_the_clip_wrap_is_scoped_and_sees_a_clip_imported_before_the_run():
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     assert torch.nn.utils.clip_grad._get_total_norm is home  # restored on exit
-    assert run.verdict.source == step_verdict.CLIP
+    assert run.policy.verdict.source == step_verdict.CLIP
 
 
 def test_guard_over_a_clipping_step_copies_no_gradient_and_runs_no_pass_over_them():
@@ -179,7 +179,7 @@ def test_guard_over_a_clipping_step_copies_no_gradient_and_runs_no_pass_over_the
     assert "aten._foreach_copy_.default" not in added
     assert "aten._amp_foreach_non_finite_check_and_unscale_.default" not in added
     assert max(added.values(), default=0) <= 0.01 * gradient_elements(model), added
-    assert guarded._finite.source == step_verdict.CLIP
+    assert guarded.policy.verdict.source == step_verdict.CLIP
 
 
 # -- must flag: a failing step is still caught and skipped ---------------------------------------
@@ -198,7 +198,7 @@ def test_a_clip_over_nan_gradients_fails_the_step_and_skips_it():
             model.bug = None
             nanogpt_steps(model, optimizer, 1, first=4)
     assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
-    assert run.verdict.source == step_verdict.CLIP
+    assert run.policy.verdict.source == step_verdict.CLIP
     assert all(torch.equal(a, b) for a, b in zip(before, after_failure))  # the weights as they were
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
     assert any("optimizer step 3: the gradients about to be applied hold nan/inf" in str(w.message) for w in caught)
@@ -227,7 +227,7 @@ def test_a_grad_scaler_overflow_is_the_scaler_s_and_its_unscale_decides_healthy_
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
     assert run.steps == 2 and run.failed == 0  # the scaler skipped step 2 itself: it never reached the hooks
-    assert run.verdict.source == step_verdict.SCALER
+    assert run.policy.verdict.source == step_verdict.SCALER
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 

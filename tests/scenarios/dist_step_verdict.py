@@ -101,7 +101,7 @@ def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None):
         "collectives": per_step,
         "failed": [failure.step for failure in run.failures],
         "skipped": run.skipped,
-        "source": run.verdict.source,
+        "source": run.policy.verdict.source,
         "weights": [float(_full(parameter).double().sum()) for parameter in model.parameters()],
         "warned": [str(w.message) for w in caught if isinstance(w.message, opwatch.OpwatchWarning)],
     }
@@ -150,7 +150,7 @@ def guard_healthy(rank, world):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         per_step.append(counted.calls)
-    return {"collectives": per_step, "source": step._finite.source,
+    return {"collectives": per_step, "source": step.policy.verdict.source,
             "weights": [float(parameter.detach().double().sum()) for parameter in model.parameters()]}
 
 

@@ -296,7 +296,8 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.examples.device_mix": 1,
     "opwatch.storage.jsonl": 3,  # the first/last line, a version string's part
     "opwatch.storage.chrome_trace": 2,  # the first record: the trace's time origin
-    "opwatch.runners.guarded": 2,
+    "opwatch.runners.guarded": 1,
+    "opwatch.runners.policy": 1,  # the first allowed nan/inf anomaly
     "opwatch.core.finite": 1,  # the first checked tensor: the device of the flags
     "opwatch.runners.guarded.replay": 3,
     "opwatch.runners.guarded.repro": 5,
@@ -422,6 +423,26 @@ def test_the_hot_path_keeps_its_size(module, unit):
     source = modules()[module].read_text()
     lines = code_lines(source, _unit(ast.parse(source), unit))
     assert lines <= HOT_PATH_LIMITS[module, unit], f"{module}.{unit}: {lines} code lines, at most {HOT_PATH_LIMITS[module, unit]}"
+
+
+# The runners keep only their trigger (issue 37): the decision of a step is the one policy's
+# (opwatch.runners.policy), so the call wrapper and the optimizer-hook runner stay small.
+TRIGGER_LIMITS = {("opwatch.runners.guarded", "Guarded"): 200, ("opwatch.runners.leave_on", "LeaveOn"): 200}
+
+
+@pytest.mark.parametrize("module, unit", list(TRIGGER_LIMITS))
+def test_the_runners_keep_only_their_trigger(module, unit):
+    source = modules()[module].read_text()
+    lines = code_lines(source, _unit(ast.parse(source), unit))
+    assert lines <= TRIGGER_LIMITS[module, unit], f"{module}.{unit}: {lines} code lines, at most {TRIGGER_LIMITS[module, unit]}"
+
+
+def test_the_poisoned_weights_check_exists_once():
+    """One check of whether the weights themselves hold nan/inf: the policy's."""
+    found = {name for name, path in modules().items() if "def poisoned(" in path.read_text() and name.startswith("opwatch.runners")}
+    assert found == {"opwatch.runners.policy"}, found
+    for name in ("opwatch.runners.guarded", "opwatch.runners.leave_on", "opwatch.runners.lightning", "opwatch.runners.transformers"):
+        assert "nonfinite_kind(local(param" not in modules()[name].read_text(), name
 
 
 def _interceptor_privates() -> set[str]:

@@ -32,26 +32,25 @@ __tracebackhide__ = True
 
 import functools
 import os
+import weakref
 import warnings
 from collections import deque
 
 import torch
 
-from ...core.finite import nonfinite_kind
 from ...findings.anomaly import Anomaly, AnomalyError, OpwatchWarning, add_note
-from ...findings.ranks import RankAnomaly
-from ...render.leave_on import parameters as render_parameters
 from ...render import guard as words
 from ...session import Watch, _disabled_by_environment
 from . import compiled as compiled_steps
-from . import replay as replays
 from .audit import Audits
-from .check import FailedElsewhere, FiniteCheck, Raised, not_finite, on_failure_option
-from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, RankOrigin, local, raised_where
-from .replay import NONFINITE, Replayed, ReproNote, StepContext, allow_option, first_line, judge, record_at
-from .snapshot import Snapshots, changed_arguments, put_buffers
-from ..ledger import RunLedger
-from ..step_verdict import StepReductions, shared_gradients
+from .check import FailedElsewhere, Raised, not_finite, on_failure_option
+from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, raised_where
+from . import replay as replays
+from .replay import NONFINITE, allow_option, first_line, judge
+from .snapshot import Snapshots, changed_arguments
+from ..ledger import MAX_FAILED_IN_A_ROW
+from ..step_verdict import shared_gradients
+from ..policy import StepPolicy, warn_at
 
 __all__ = ["guard", "Guarded"]
 
@@ -77,6 +76,7 @@ def guard(
     last: int = 10,
     max_records: int = 10_000,
     scaler=None,
+    max_failed_in_a_row: int | None = MAX_FAILED_IN_A_ROW,
 ) -> Guarded:
     """Run ``train_step`` at eager speed; when a step goes wrong, replay it under a full watch.
 
@@ -187,13 +187,17 @@ def guard(
     scaler
         The ``torch.amp.GradScaler`` of an fp16 loop: its overflow steps are its business, not
         failures; a loss that is not finite still is. ``guard(step, model, scaler=scaler)``.
+    max_failed_in_a_row
+        With ``on_failure="skip"`` or ``"apply"``: after that many failed calls in a row the
+        guard raises :class:`~opwatch.runners.policy.RunStuck` naming the first of them and its
+        origin (default 10; ``None``: never). ``guard(step, model, on_failure="skip", max_failed_in_a_row=50)``.
 
     ``OPWATCH_DISABLE=1`` makes the guarded step call ``train_step`` and nothing else.
     """
     return Guarded(
         train_step, model, audit=audit, max_audits=max_audits, strict=strict, checks=checks, allow=allow,
         on_failure=on_failure, repro=repro, repro_dir=repro_dir, repro_max_bytes=repro_max_bytes,
-        last=last, max_records=max_records, scaler=scaler,
+        last=last, max_records=max_records, scaler=scaler, max_failed_in_a_row=max_failed_in_a_row,
     )
 
 
@@ -219,7 +223,7 @@ class Guarded:
     """
 
     def __init__(self, train_step, model, *, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records,
-                 scaler=None, audit="new", max_audits=8, strict=False):
+                 scaler=None, audit="new", max_audits=8, strict=False, max_failed_in_a_row=MAX_FAILED_IN_A_ROW):
         _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict)
         self._audits = Audits(audit, max_audits)
         self._strict = strict
@@ -233,8 +237,11 @@ class Guarded:
         self._allow = allow
         self._check_results = checks is None or "nonfinite" in checks
         self._on_failure = on_failure
+        # The one policy of every runner: its ledger holds the facts of the guarded calls.
+        self.policy = StepPolicy(on_failure=on_failure, max_failed_in_a_row=max_failed_in_a_row, scaler=scaler, unit="guarded calls")
+        self.ledger = self.policy.ledger
         self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
-        self._poisoned = False  # the parameters held nan/inf at a failure: told once
+        self._writes_hook = None  # torch's optimizer step post-hook: which optimizer step left the weights (removed with self)
         self._repro = repro
         self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
         self._repro_max_bytes = repro_max_bytes
@@ -243,16 +250,12 @@ class Guarded:
         self._enabled = not _disabled_by_environment()
         self._snapshots: Snapshots | None = None  # made on the first call
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first call)
-        self._reductions = StepReductions()  # the clip norms each call computes (a scoped wrap)
-        self._finite = FiniteCheck(scaler, self._reductions)
-        self._shared = False  # a DDP model: its reduced gradients decide a healthy step alike on every rank
         self._warned: set = set()  # (kind, file, line) of skipped steps already warned
         self._warned_audit: set = set()  # (kind, file, line) of audit findings already warned
         self._told_internal_error = False
         self._finite_here = True  # this rank's own check passed (the step failed on another rank)
         self._raised_elsewhere = None  # the error naming another rank whose step raised (set by the flag)
         self.calls = 0
-        self.ledger = RunLedger()  # the facts of the guarded calls: .skipped and the failures read them
         self.anomalies: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.failures: deque[Anomaly] = deque(maxlen=_MAX_KEPT)
         self.last_replay: Watch | None = None
@@ -277,19 +280,22 @@ class Guarded:
         self.calls += 1
         if self._snapshots is None:
             self._snapshots = self._collect()
-            self._finite.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
+            self.policy.verdict.returned.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
             self._agreement = Agreement.start() if self._check_results else None
+            self.policy.join(self._agreement)
+            # A DDP model: its reduced gradients decide a healthy call alike on every rank.
             self._shared = self._agreement is not None and shared_gradients(self._snapshots.params, [self._model])
+            self._see_writes()
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
         self.ledger.step(audited=audit is not None)
         start = self._snapshots.take(args, kwargs)
         try:
             if audit is None:
-                with self._reductions:
+                with self.policy.verdict.reductions:  # the clip norms this call computes
                     result = self._step(*args, **kwargs)
             else:
                 self.last_audit = audit
-                with audit, self._reductions:
+                with audit, self.policy.verdict.reductions:
                     result = self._step(*args, **kwargs)
         except _NOT_REPLAYED as error:
             if self._agreement is not None:
@@ -300,16 +306,14 @@ class Guarded:
                 self._raised_in_job(start, error)
             if self._snapshots.changed_parameters(start):
                 self._refuse_changed_parameters(start, error=error)
-            return self._failed(start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
+            return self.policy.failed_call(self, start, args, kwargs, Raised("raised", type(error).__name__, first_line(error)), error=error)
         # A step that changes the parameters could not be replayed: refused at its first call
         # (and at audits; a failing step is looked at in _failed). Healthy steps skip the look.
         if (self.calls == 1 or audit is not None) and self._snapshots.changed_parameters(start):
             self._refuse_changed_parameters(start)
         # In a job of several ranks every call meets the others at the flag, checked or not (a
         # check that failed once is off on this rank only).
-        healthy = self._healthy(result) if self._check_results or self._agreement is not None else True
-        self._reductions.forget()  # the norms' ids name this call's gradients only
-        if not healthy:
+        if (self._check_results or self._agreement is not None) and not self._healthy(result):
             if self._raised_elsewhere is not None:  # another rank's step raised: every rank stops here
                 self._snapshots.drop_grads()
                 raise self._raised_elsewhere
@@ -322,7 +326,7 @@ class Guarded:
                 result = None
             if audit is not None:
                 self._audited(audit, start, may_raise=False)  # the failure is what raises
-            return self._failed(start, args, kwargs, failure, audit=audit, result=result)
+            return self.policy.failed_call(self, start, args, kwargs, failure, audit=audit, result=result)
         if audit is not None:
             self._audited(audit, start)
         self.ledger.passed(self.calls)
@@ -352,7 +356,7 @@ class Guarded:
             key = (anomaly.kind, anomaly.filename, anomaly.lineno)
             if key not in self._warned_audit:
                 self._warned_audit.add(key)
-                _warn_at(OpwatchWarning(anomaly.message), anomaly)
+                warn_at(OpwatchWarning(anomaly.message), anomaly)
 
     # -- the check of a healthy step -----------------------------------------------------------
 
@@ -361,13 +365,9 @@ class Guarded:
         one slot per rank), so that every rank replays the same steps with matching collectives;
         a step that raised on another rank leaves its error in ``_raised_elsewhere``."""
         healthy = self._checked(result) if self._check_results else True
+        healthy = healthy or self._shared and self.policy.returned_here_only(self)  # DDP: decided from what the ranks share
         self._finite_here = healthy
         self._raised_elsewhere = None
-        if self._shared and not healthy and self._finite.all_finite(None, self._snapshots.params):
-            # DDP: the reduced gradients are finite on every rank, what this rank returned is
-            # not: told here; every rank goes on alike (decided from what they share).
-            warnings.warn(OpwatchWarning(words.returned_here_only(self.calls, self._name(), self._agreement.rank)), stacklevel=3)
-            self._finite_here = healthy = True
         if self._agreement is None or healthy and self._shared:
             return healthy  # DDP: every rank read the same reduced gradients; a failure asks the others
         decision = self._agreement.decide(0 if healthy else NONFINITE_CODE, self.calls, self._name())
@@ -384,10 +384,8 @@ class Guarded:
         line = first_line(error)
         agreement.mark(self.calls, name, "raised", f"{type(error).__name__}: {line}", error_type=type(error).__name__,
                        where=raised_where(error), line=line)
-        if self._shared:  # the others meet no flag on a healthy step: none to wait at
-            self._snapshots.drop_grads()
-            add_note(error, words.raised_here_shared_note(agreement.rank, agreement.world))
-            raise error
+        if self._shared:  # DDP: the others meet no flag on a healthy step, none to wait at
+            self.policy.raised_shared(self, error)
         decision = agreement.decide(RAISED, self.calls, name)  # NoAnswer (bounded) when another rank never comes
         self._snapshots.drop_grads()
         add_note(error, words.raised_here_note(agreement.rank, decision.raised, agreement.world))
@@ -397,7 +395,7 @@ class Guarded:
         """Whether the step's results are finite; an error of the check itself (a tensor kind
         it does not know) is opwatch's problem: one warning, and the step counts as healthy."""
         try:
-            return self._finite.all_finite(result, self._snapshots.params)
+            return self.policy.verdict.step_finite(result, self._snapshots.params)
         except Exception as error:
             if not self._told_internal_error:
                 self._told_internal_error = True
@@ -407,163 +405,24 @@ class Guarded:
 
     # -- a failing step ------------------------------------------------------------------------
 
-    def _failed(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
-        """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
-        (or skip, or apply), and keep the facts in :attr:`ledger`. ``failure``: what went wrong
-        (facts); ``error``: the step's exception; ``result``: what the step returned (kept for
-        ``on_failure="apply"``)."""
-        fact = self.ledger.fail(self.calls, [], "raised" if error is not None else "gradients")
-        try:
-            result = self._judged(start, args, kwargs, failure, error=error, audit=audit, result=result)
-        except BaseException:
-            self.ledger.decide(fact, "raised")
-            raise
-        self.ledger.decide(fact, "skipped" if self._on_failure == "skip" else "applied")
-        return result
+    def _see_writes(self) -> None:
+        """Which optimizer step left the weights (torch's global optimizer step post-hook, a
+        Python read of each parameter's version counter per step; removed when this guard
+        goes): weights that turn nan/inf with no optimizer step writing them were written by
+        the program."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    def _judged(self, start, args, kwargs, failure, *, error=None, audit=None, result=None):
-        snapshots = self._snapshots
-        name = self._name()
-        if error is None and not snapshots.changed_parameters(start) and self._weights_poisoned(name):
-            return self._after_poisoned(start, result)
-        # In a distributed job a failing step is always replayed, never judged from its audit:
-        # every rank then runs the step's collectives again, whether its call was audited or not.
-        found = audit is not None and error is None and self._agreement is None and any(anomaly.kind in NONFINITE for anomaly in audit.anomalies)
-        after = None
-        ranks = first_made = None
-        if found:
-            replay = None
-            self.last_replay = audit
-            anomaly = replays.explaining(audit.anomalies, None, None, None)
-            repro, note, context = None, ReproNote("audit"), StepContext(name, failure, None, True)
-        else:
-            if snapshots.changed_parameters(start):
-                self._refuse_changed_parameters(start, error=error)
-            self._refuse_changed_arguments(start, failure, error)
-            after = snapshots.buffers_now()  # the buffers as this run of the step left them
-            snapshots.restore(start)
-            replay = replays.run(self._step, args, kwargs, checks=self._checks, allow=self._allow, max_records=self._max_records,
-                                 repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
-            self.last_replay = replay.watch
-            anomaly, repro, note = judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
-            self.last_verdict = self._compiled_verdict(replay, anomaly, error, start, args, kwargs)
-            context = StepContext(name, failure, len(start.buffers), False)
-            if self._agreement is not None and error is None:  # a step that raised replays on its rank alone
-                ranks, first_made = self._origins(replay)
-        # Steps that raise always raise; "skip" and "apply" are for steps that made nan/inf.
-        go_on = None if error is not None or self._on_failure == "raise" else self._on_failure
-        # The optimizer never sees this step's gradients (unless on_failure="apply": those of
-        # the replay, a second run of the step from its start); the buffers are as one run left
-        # them, or as they were before it when the step is skipped.
-        if go_on != "apply":
-            snapshots.drop_grads()
-        if go_on == "skip":
-            snapshots.put_start_buffers(start)
-        elif after is not None:
-            put_buffers(*after)
-        if go_on == "apply":
-            self._applied_at = self.calls
-        if anomaly is None:
-            if ranks is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank and replay.error is None:
-                problem = self._made_elsewhere(ranks, first_made, failure, len(start.buffers))
-            else:
-                problem = self._not_found(replay, error, failure, len(start.buffers), repro)
-            if go_on is not None and replay.error is None:
-                warnings.warn(OpwatchWarning(words.skipped_unexplained(str(problem), go_on)), stacklevel=3)
-                return result
-            raise problem
-        return self._report(Replayed(anomaly, step=self.calls, context=context, repro=repro, repro_note=note, ranks=ranks), go_on, error,
-                            audit.records if found else None, result)
+        writes = self.policy.writes
+        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: writes.stepped(optimizer))
+        self._writes_hook = weakref.finalize(self, handle.remove)
 
-    def _origins(self, replay):
-        """``(RankOrigin, the first origin's row)``: every rank's replay findings exchanged
-        (bounded); an exchange that fails names every other rank as missing."""
-        agreement = self._agreement
-        anomalies = [anomaly for anomaly in replay.watch.anomalies if anomaly.kind in NONFINITE and anomaly.record is not None]
-        try:
-            return agreement.origins(self.calls, anomalies)
-        except Exception:
-            others = tuple(rank for rank in range(agreement.world) if rank != agreement.rank)
-            return RankOrigin(agreement.rank, None, others, agreement.wait_s), None
-
-    def _made_elsewhere(self, ranks, first, failure, buffers):
-        """The error of a rank whose replay found no origin while another rank made it: an
-        :class:`~opwatch.AnomalyError` whose anomaly is that rank's (``.rank``, ``.op``, ``.lineno``)."""
-        text = words.failed_elsewhere(self.calls, self._name(), failure, buffers, ranks)
-        return AnomalyError(RankAnomaly(**{**first.fields(), "message": text}, rank=first.rank))
-
-    def _weights_poisoned(self, name) -> bool:
-        """Whether the parameters hold nan/inf themselves (read only after a failed check):
-        then no op of this step is the origin, and a replay would name the first that reads
-        them. Told once; ``on_failure="raise"`` raises."""
-        if self._poisoned:
-            return True
-        with torch.no_grad():
-            names = self._parameter_names()
-            bad = [(names.get(id(param)) or f"parameter {position}", nonfinite_kind(local(param.detach())))
-                   for position, param in enumerate(self._snapshots.params) if not torch.isfinite(local(param.detach())).all()]
-        if self._agreement is not None:  # every rank replays, or none: a shard may hold them on one rank only
-            if not self._agreement.failed(bool(bad), self.calls, name, "poisoned"):
-                return False
-        elif not bad:
-            return False
-        self._poisoned = True
-        shown = render_parameters(bad) if bad else words.poisoned_elsewhere()
-        text = words.poisoned_weights(self.calls, name, self._applied_at, shown, self._on_failure)
-        if self._on_failure == "raise":
-            raise RuntimeError(text)
-        warnings.warn(OpwatchWarning(text), stacklevel=4)
-        return True
-
-    def _after_poisoned(self, start, result):
-        """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
-        or applied, counted, not replayed."""
-        if self._on_failure == "skip":
-            self._snapshots.drop_grads()
-            self._snapshots.put_start_buffers(start)
-        return result
-
-    def _report(self, replayed, go_on, error, records, result=None):
-        self.failures.append(replayed)
-        self.ledger.explain(self.ledger.latest, replayed, replayed=records is None)
-        if go_on is not None:
-            key = (replayed.kind, replayed.filename, replayed.lineno)
-            if key not in self._warned:
-                self._warned.add(key)
-                _warn_at(OpwatchWarning(words.skipped_step(replayed.message, go_on)), replayed)
-            return result
-        raised = AnomalyError(replayed)
-        audited = records is not None
-        note = self._ops_note(records if audited else self.last_replay.records, replayed.record, audited)
-        if note:
-            raised.add_note(note)
-        if not audited and self.last_verdict is not None:
-            raised.add_note(words.compiled_verdict(self.last_verdict))
-        if error is not None:
-            raise raised from error
-        raise raised
-
-    def _not_found(self, replay, error, failure, buffers, repro) -> BaseException:
-        """What to raise when the replay found no anomaly that explains the failure."""
-        allowed = list(getattr(replay.watch, "allowed", ()))
-        if error is not None:
-            failed = record_at(replay.watch, replay.raised_at) if replay.error is not None else None
-            add_note(error, words.replay_raised_note(
-                self.calls, self._name(), buffers, again=type(replay.error) is type(error), original=type(error).__name__,
-                replay_raised=None if replay.error is None else type(replay.error).__name__, allowed=len(allowed),
-                failed_record=failed, repro=repro,
-            ))
-            return error
-        if replay.error is not None:
-            mismatch = RuntimeError(words.replay_raised_instead(self.calls, self._name(), failure, type(replay.error).__name__))
-            mismatch.__cause__ = replay.error
-            return mismatch
-        if self.last_verdict is not None and not self.last_verdict.eager_fails:
-            return RuntimeError(words.only_compiled(self.calls, self._name(), failure, buffers, self.last_verdict))
-        allowed_nonfinite = [anomaly for anomaly in allowed if anomaly.kind in NONFINITE]
-        if allowed_nonfinite:
-            return RuntimeError(words.only_allowed(self.calls, self._name(), failure, buffers, len(allowed_nonfinite), allowed_nonfinite[0].message))
-        return RuntimeError(words.nothing_found(self.calls, self._name(), failure, buffers, len(allowed)))
+    def replayed(self, args, kwargs, error):
+        """The step run again under a full watch on ``args``/``kwargs`` (its start restored by
+        the policy): ``(Replay, (origin or None, repro folder, repro note))``."""
+        replay = replays.run(self._step, args, kwargs, checks=self._checks, allow=self._allow, max_records=self._max_records,
+                             repro_max_bytes=self._repro_max_bytes, keep_values=self._repro)
+        self.last_replay = replay.watch
+        return replay, judge(replay, error, repro=self._repro, repro_dir=self._repro_dir, repro_max_bytes=self._repro_max_bytes)
 
     def _compiled_verdict(self, replay, anomaly, error, start, args, kwargs):
         """For a step that made nan/inf and runs compiled code: eager fails too, or only the
@@ -577,7 +436,7 @@ class Guarded:
         snapshots = self._snapshots
         return compiled_steps.explain(
             verdict, self._step, args, kwargs, restore=lambda: snapshots.restore(start),
-            finite=lambda result: self._finite.all_finite(result, snapshots.params),
+            finite=lambda result: self.policy.verdict.step_finite(result, snapshots.params),
             max_bytes=self._repro_max_bytes, repro_dir=self._repro_dir, repro=self._repro,
         )
 
@@ -620,11 +479,6 @@ class Guarded:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _warn_at(warning, anomaly) -> None:
-    """Warn, attributed to the anomaly's line (the way Python shows its own warnings)."""
-    warnings.warn_explicit(warning, OpwatchWarning, filename=anomaly.filename or "<unknown>", lineno=anomaly.lineno or 0, module="opwatch")
 
 
 def _validate(train_step, checks, allow, on_failure, repro, repro_dir, repro_max_bytes, last, max_records, scaler, strict) -> None:

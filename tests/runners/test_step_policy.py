@@ -1,0 +1,158 @@
+"""One step policy (issue 37): the verdict seam, the one poisoned-weights check, "written by the
+program" and the stuck-run stop, the same through ``opwatch.guard`` (a call wrapper) and
+leave-on (optimizer hooks), on a numpy-fed training loop."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import opwatch
+from opwatch.runners.leave_on import LeaveOn
+from opwatch.runners.policy import ProgramWrites, RunStuck, StepPolicy, StepVerdict
+
+
+def numpy_loop(*, steps=30, blow_at=-1, blow_lr=1e38, write_at=-1, nan_at=-1):
+    """A numpy-fed regression loop: its model, optimizer and batches (built lazily)."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def batches():
+        for step in range(steps):
+            xs = rng.standard_normal((32, 8)).astype(np.float32)
+            if step == nan_at:
+                xs[3, 2] = np.nan
+            yield step, torch.from_numpy(xs)
+
+    def after_step(step):
+        for group in optimizer.param_groups:  # the next step's learning rate
+            group["lr"] = blow_lr if step + 1 == blow_at else 0.01
+        if step == write_at:
+            with torch.no_grad():
+                model[2].weight[0, 3] = float("inf")
+
+    return model, optimizer, batches, after_step
+
+
+def guarded_run(**loop):
+    model, optimizer, batches, after_step = numpy_loop(**loop)
+
+    def train_step(x):
+        loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()
+        return loss
+
+    step = opwatch.guard(train_step, model, on_failure="skip", repro=False)
+    for number, x in batches():
+        optimizer.zero_grad()
+        step(x)
+        optimizer.step()
+        after_step(number)
+    return step
+
+
+def test_the_verdict_seam_answers_finite_and_which_parameters_are_bad():
+    model = nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    verdict = StepVerdict()
+    named = list(model.named_parameters())
+    grads = [param.grad for _, param in named]
+    assert verdict.finite(grads, [torch.tensor(1.0)])
+    assert not verdict.finite(grads, [torch.tensor(float("nan"))])  # a nan loss with finite gradients
+    assert verdict.bad_gradients(named) == [] and verdict.loss_kind([torch.tensor(float("inf"))]) == "inf"
+    model.bias.grad[0] = float("nan")
+    assert not verdict.finite(grads) and verdict.bad_gradients(named) == [("bias", "nan")]
+
+
+def test_program_writes_tell_the_program_from_the_optimizer():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e38)
+    writes = ProgramWrites()
+    assert writes.by_program([model.weight])  # no optimizer step ran yet: an init or a load wrote it
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    optimizer.step()
+    writes.stepped(optimizer)
+    assert not writes.by_program([model.weight])  # as the optimizer step left it
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    assert writes.by_program([model.weight])
+
+
+def test_the_policy_stops_a_stuck_run_and_names_its_first_failure():
+    policy = StepPolicy(on_failure="skip", max_failed_in_a_row=3)
+    for step in (1, 2):
+        assert policy.act(policy.ledger.fail(step, [("w", "nan")]))
+        policy.stop_when_stuck(policy.ledger.latest)
+    policy.ledger.passed(3)  # a healthy step ends the streak
+    for step in (4, 5):
+        policy.act(policy.ledger.fail(step, [("w", "nan")]))
+        policy.stop_when_stuck(policy.ledger.latest)
+    with pytest.raises(RunStuck) as stuck:
+        failure = policy.ledger.fail(6, [("w", "nan")])
+        policy.act(failure)
+        policy.stop_when_stuck(failure)
+    assert stuck.value.step == 4 and stuck.value.failed_in_a_row == 3 and policy.ledger.failures[-1].action == "raised" and policy.ledger.skipped == 5
+    assert str(stuck.value).startswith("opwatch: the run is stuck: 3 optimizer steps in a row failed (steps 4 to 6)")
+    with pytest.raises(ValueError, match="max_failed_in_a_row"):
+        StepPolicy(on_failure="skip", max_failed_in_a_row=0)
+
+
+def test_guard_names_weights_the_program_wrote():
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck):
+        guarded_run(write_at=4)
+    text = next(str(warning.message) for warning in told if "weights already hold" in str(warning.message))
+    assert "They were written by the program, not by the optimizer" in text and "learning rate" not in text
+
+
+def test_guard_stops_the_stuck_run_of_a_blown_up_learning_rate():
+    # lr 1e38 makes the weights huge (finite): every later step's gradients overflow, and skip
+    # keeps the weights as they were, so every call fails.
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck) as stuck:
+        guarded_run(blow_at=5)
+    assert str(stuck.value).startswith("opwatch: the run is stuck: 10 guarded calls in a row failed (steps 7 to 16)")
+    assert stuck.value.failed_in_a_row == 10 and not any("written by the program" in str(warning.message) for warning in told)
+
+
+def test_guard_names_weights_the_optimizer_wrote():
+    # lr 3e38 (near float32's largest) makes the optimizer write inf/nan weights from finite gradients.
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck):
+        guarded_run(blow_at=5, blow_lr=3e38)
+    text = next(str(warning.message) for warning in told if "weights already hold" in str(warning.message))
+    assert "written by the program" not in text and "learning rate too large" in text
+
+
+def test_guard_runs_on_after_one_bad_batch():
+    with pytest.warns(opwatch.OpwatchWarning):
+        step = guarded_run(nan_at=4)
+    assert step.ledger.failed == 1 and step.ledger.skipped == 1 and step.ledger.steps == 30
+    assert all(torch.isfinite(param).all() for param in step._snapshots.params)
+
+
+def test_a_healthy_guarded_run_is_quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = guarded_run()
+    assert step.ledger.clean and step.ledger.steps == 30
+
+
+@pytest.mark.parametrize("write_at, by_program", [(4, True), (-1, False)])
+def test_leave_on_tells_who_wrote_the_weights(write_at, by_program):
+    model, optimizer, batches, after_step = numpy_loop(write_at=write_at, blow_at=-1 if by_program else 5, blow_lr=3e38, steps=12)
+    runner = LeaveOn(on_failure="skip", max_failed_in_a_row=None)
+    with pytest.warns(opwatch.OpwatchWarning) as told, runner:
+        for number, x in batches():
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            after_step(number)
+    text = next(str(warning.message) for warning in told if "weights hold" in str(warning.message))
+    assert ("written by the program" in text) == by_program
+    assert runner.failures[0].cause == "weights" and runner.poisoned_since is not None
