@@ -73,6 +73,8 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "runners/leave_on": (f"{LEAVE_ON}::test_watch_reports_at_the_optimizer_step_and_the_step_runs",),
     "runners/lightning": (f"{INTEGRATIONS}::test_lightning_fit", f"{LEAVE_ON}::test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_its_step"),
     "runners/pytest_plugin": ("runners/test_pytest_plugin.py::test_a_test_that_leaves_anomalies_fails_with_the_summary",),
+    "runners/policy": ("runners/test_step_policy.py::test_the_verdict_seam_answers_finite_and_which_parameters_are_bad",
+                       "runners/test_step_policy.py::test_the_policy_stops_a_stuck_run_and_names_its_first_failure"),
     "runners/step_verdict": ("runners/test_step_verdict.py::test_leave_on_over_a_clipping_loop_touches_at_most_one_percent_of_the_gradients",
                              "runners/test_step_verdict.py::test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_step_on_the_device"),
     "runners/tensorboard": ("runners/test_tensorboard.py::test_log_counts_into_a_summary_writer",
