@@ -6,12 +6,16 @@ from __future__ import annotations
 # __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
 __tracebackhide__ = True
 
+import functools
 import os
+import weakref
 import shutil
 import sys
 import threading
 import traceback
 from collections.abc import Iterable
+
+import torch
 
 from . import checks as _checks
 from .findings.allow import Allow
@@ -24,7 +28,7 @@ from .modes.module_calls import ModuleCalls
 from .modes.modules import ModuleStack
 from .modes.ranks import DistributedWatch
 from .findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
-from .core.records import OpLog, OpRecord
+from .core.records import CLIPPING, OPTIMIZER, OpLog, OpRecord
 from .core.sites import warn_at_user
 from .render import exception_note, render_failure, render_summary, render_table
 from .render.summary import render_disabled
@@ -454,6 +458,13 @@ class Watch:
         if self._interceptor is not None:
             self._interceptor.check_point(final=True)
 
+    def _phase_begins(self, phase: str) -> None:
+        """The ops logged from now on ran in ``phase`` (an optimizer step, gradient clipping)."""
+        self._log.open_span(phase)
+
+    def _phase_ends(self) -> None:
+        self._log.close_span()
+
     def _publish(self) -> None:
         """In a distributed job, publish this rank's anomalies for ``all_anomalies()`` (one store
         ``set``); a failure is one warning, never an exception on the program's line."""
@@ -507,6 +518,12 @@ class _OptimizerCheckPoints:
     def __init__(self):
         self._watches: list[Watch] = []
         self._handle = None
+        # optimizer -> its step post-hook (the step's ops end their phase span there): one per
+        # optimizer that stepped under a watch, removed with the last watch. Not a global hook:
+        # a watch entered inside a global post-hook (leave-on's audits) must not add to the
+        # hooks torch is running.
+        self._after = weakref.WeakKeyDictionary()
+        self._clip = None  # torch.nn.utils' clipping functions as they were, while wrapped
         self._lock = threading.Lock()
 
     def hold(self, w: Watch) -> None:
@@ -517,6 +534,7 @@ class _OptimizerCheckPoints:
             self._watches.append(w)
             if self._handle is None:
                 self._handle = register_optimizer_step_pre_hook(self._before_step)
+                self._wrap_clipping()
 
     def release(self, w: Watch) -> None:
         with self._lock:
@@ -524,19 +542,93 @@ class _OptimizerCheckPoints:
             if not self._watches and self._handle is not None:
                 self._handle.remove()
                 self._handle = None
+                for after in list(self._after.values()):
+                    after.remove()
+                self._after.clear()
+                self._unwrap_clipping()
+
+    def _wrap_clipping(self) -> None:
+        """While a watch is active, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+        mark their ops' phase (``clipping``, not ``forward``): torch has no hook for them, so
+        the two module attributes are wrapped, and put back when the last watch ends (a name
+        imported from torch before the watch began calls the function unwrapped: its ops read
+        ``forward``)."""
+        utils = torch.nn.utils
+        self._clip = {name: getattr(utils, name) for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(utils, name)}
+        for name, function in self._clip.items():
+            setattr(utils, name, self._spanned(function))
+
+    def _unwrap_clipping(self) -> None:
+        for name, function in (self._clip or {}).items():
+            if getattr(getattr(torch.nn.utils, name), "__wrapped__", None) is function:
+                setattr(torch.nn.utils, name, function)
+        self._clip = None
+
+    def _spanned(self, function):
+        points = self
+
+        @functools.wraps(function)
+        def clipping(*args, **kwargs):
+            watches = points._here()
+            for w in watches:
+                w._phase_begins(CLIPPING)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                for w in watches:
+                    w._phase_ends()
+
+        return clipping
+
+    def _here(self) -> list:
+        thread = threading.get_ident()
+        return [w for w in self._watches if w._thread == thread]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        for w in self._here():
+            w._phase_ends()
 
     @property
     def registered(self) -> bool:
         return self._handle is not None
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        thread = threading.get_ident()
-        for w in reversed(self._watches):
-            if w._thread == thread:
-                w._before_optimizer_step()
+        watches = self._here()
+        for w in reversed(watches):
+            w._before_optimizer_step()
+            w._phase_begins(OPTIMIZER)  # the step's own ops: phase "optimizer"
+        if not watches:
+            return None
+        if optimizer not in self._after:
+            self._after[optimizer] = optimizer.register_step_post_hook(self._after_step)
+        return _closure_unspanned(args, kwargs, watches)
 
 
 _steps_checked = _OptimizerCheckPoints()
+
+
+def _closure_unspanned(args, kwargs, watches):
+    """``optimizer.step(closure)`` (Lightning's, LBFGS'): the closure runs the forward and the
+    backward inside the step; its ops keep their own phases, only the update's are the
+    optimizer's. Returns the step's arguments with the closure wrapped, or ``None``."""
+    _, *rest = args
+    closure = kwargs.get("closure", next(iter(rest), None))
+    if not callable(closure):
+        return None
+
+    def closure_of_the_step(*closure_args, **closure_kwargs):
+        for w in watches:
+            w._phase_ends()
+        try:
+            return closure(*closure_args, **closure_kwargs)
+        finally:
+            for w in watches:
+                w._phase_begins(OPTIMIZER)
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_of_the_step}
+    first, _, *others = args
+    return (first, closure_of_the_step, *others), kwargs
 
 
 def _width_of(stream) -> int:

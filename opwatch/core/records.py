@@ -38,6 +38,9 @@ __all__ = [
 
 FORWARD = "forward"
 BACKWARD = "backward"
+OPTIMIZER = "optimizer"  # the ops of an optimizer step
+CLIPPING = "clipping"  # the ops of torch.nn.utils.clip_grad_norm_ / clip_grad_value_
+_PHASE_SPANS = 64  # optimizer steps and clippings whose ops' phase is kept
 
 # A log entry is one tuple: nine plain values, two counts, then one tensor metadata tuple per
 # tensor, inputs first. Shapes are interned. Everything in it is untracked by the garbage
@@ -143,6 +146,15 @@ class SharedShapes(BoundedCache):
         return self.put(size, tuple(size))
 
 
+class PhaseSpan:
+    """Ops ``first`` to ``end`` (excluded; ``None`` while open) ran in ``phase``."""
+
+    __slots__ = ("first", "end", "phase")
+
+    def __init__(self, first: int, phase: str):
+        self.first, self.end, self.phase = first, None, phase
+
+
 class OpLog:
     """The bounded log of one watch, and the tables its entries refer to."""
 
@@ -170,6 +182,29 @@ class OpLog:
         # across the blocks of one Watch. The interceptor takes its number inline (a method
         # call on every op costs); the others log through log_call.
         self.next_index = 0
+        # The ops of an optimizer step or of gradient clipping (PhaseSpan), set by hooks around
+        # those calls (opwatch.session) and read when a record's phase is asked for, never on
+        # the per-op path. The newest few are kept.
+        self.phase_spans: deque[PhaseSpan] = deque(maxlen=_PHASE_SPANS)
+        self._open_span: PhaseSpan | None = None
+
+    def open_span(self, phase: str) -> None:
+        """The ops logged from now on, until :meth:`close_span`, ran in ``phase``."""
+        self._open_span = PhaseSpan(self.next_index, phase)
+        self.phase_spans.append(self._open_span)
+
+    def close_span(self) -> None:
+        if self._open_span is not None:
+            self._open_span.end = self.next_index
+            self._open_span = None
+
+    def phase_at(self, index: int, logged: str) -> str:
+        """The phase of op ``index`` logged as ``logged`` (forward): an optimizer step's or
+        gradient clipping's when a span holds it."""
+        for span in reversed(self.phase_spans):
+            if span.first <= index and (span.end is None or index < span.end):
+                return span.phase
+        return logged
 
     def log_call(self, func, site: int, module, phase: str, inputs, *, start_ns: int, end_ns: int = -1, outputs=None) -> tuple:
         """Number one op, or a call that stands for one (a :class:`ModuleCall`), and log its
@@ -422,7 +457,8 @@ class OpRecord(BaseRecord):
         module_class: the class name of that module (``"Linear"``); ``None`` outside modules.
             Messages and tables show the two as one label, ``enc.0 (Linear)``, where the path
             ends in an index.
-        phase: ``"forward"`` or ``"backward"``.
+        phase: ``"forward"``, ``"backward"``, ``"clipping"`` (``torch.nn.utils.clip_grad_norm_``,
+            ``clip_grad_value_``) or ``"optimizer"`` (an optimizer step).
         forward_func: for a backward op run by autograd, the forward ``OpOverload`` whose
             gradient it computes (``None`` otherwise).
         flags: anomaly kinds found on this op (``()`` when none).
@@ -479,7 +515,10 @@ class OpRecord(BaseRecord):
 
     @property
     def phase(self) -> str:
-        return self._entry[E_PHASE]
+        phase = self._entry[E_PHASE]
+        if phase == FORWARD and self._log.phase_spans:
+            return self._log.phase_at(self._entry[E_INDEX], phase)
+        return phase
 
     @property
     def forward_func(self):

@@ -92,7 +92,8 @@ class Anomaly(BaseAnomaly):
         filename / lineno: the user's source line; for backward ops, the forward line.
         where: ``train.py:23``, as every message shows it (or a named place, ``DDP bucket [...]``).
         module: the ``nn.Module`` path, or ``None``.
-        phase: ``"forward"`` or ``"backward"``.
+        phase: ``"forward"``, ``"backward"``, ``"clipping"`` (gradient clipping) or ``"optimizer"``
+            (an optimizer step).
         index: the op's index in the watch's log.
         rank: the rank that found it in a ``torch.distributed`` job, else ``None``.
         received: a nan/inf that arrived through a collective rather than made on this rank.

@@ -2,10 +2,9 @@
 
 Facts used here:
 
-- a *failure*: ``Raised("raised", error_type, line)`` (its first line), or
-  ``NotFinite("not_finite", returned, grads)`` with ``returned`` = ``((kind, path, type), ...)``
-  and ``grads`` = ``((kind, (name, ...)), ...)``, a name being a parameter's name or
-  ``(position, meta)`` for an unnamed one (``opwatch.runners.guarded.check``);
+- a *failure*: a :class:`~opwatch.render.guard_facts.Raised`, ``FailedElsewhere`` or
+  ``NotFinite`` (:mod:`opwatch.render.guard_facts`, filled by ``opwatch.runners.guarded.check``),
+  read by attribute;
 - a *repro note*: a ``ReproNote(kind, op, where, why, error_type)`` of kind ``"alone"``,
   ``"raised_op"`` (op, where), ``"capture_broken"`` (why), ``"not_captured"``,
   ``"write_failed"`` (error_type, why) or ``"audit"``; or ``None`` (``opwatch.runners.guarded.replay``);
@@ -18,6 +17,7 @@ import os
 
 from ..core.notation import format_meta
 from ..core.sites import display_path, location
+from .guard_facts import FailedElsewhere, Raised, Unnamed
 from .summary import exception_note
 from .table import render_table
 
@@ -32,16 +32,15 @@ WHY = (
 
 
 def names(found) -> str:
-    """``a, b, c, d, +2 more``; an unnamed parameter ``(position, meta)`` is described."""
+    """``a, b, c, d, +2 more``; an unnamed parameter (:class:`Unnamed`) is described."""
     shown = ", ".join(_name(name) for name in found[:_MAX_NAMES])
     return shown + (f", +{len(found) - _MAX_NAMES} more" if len(found) > _MAX_NAMES else "")
 
 
 def _name(name) -> str:
-    if isinstance(name, str):
-        return name
-    position, meta = name
-    return f"parameter {position} ({format_meta(meta)})"
+    if isinstance(name, Unnamed):
+        return f"parameter {name.position} ({format_meta(name.meta)})"
+    return name
 
 
 def restored(buffers: int) -> str:
@@ -50,13 +49,12 @@ def restored(buffers: int) -> str:
 
 def failure_text(failure) -> str:
     """``it raised ValueError: ...`` or ``the check after it found nan in the returned tensor``."""
-    if failure.how == "raised":
+    if isinstance(failure, Raised):
         return f"it raised {failure.error_type}: {failure.line}"
-    if failure.how == "elsewhere":
+    if isinstance(failure, FailedElsewhere):
         return "this rank's results and gradients were finite, another rank's were not (the ranks decide each step together)"
-    _, returned, grads = failure
-    parts = [f"{kind} in " + (f"the returned {type_}" if path == "returned" else path) for kind, path, type_ in returned]
-    parts += [f"{kind} in the .grad of {len(found)} parameter(s): {names(found)}" for kind, found in grads]
+    parts = [f"{value.kind} in " + (f"the returned {value.type}" if value.path == "returned" else value.path) for value in failure.returned]
+    parts += [f"{bad.kind} in the .grad of {len(bad.names)} parameter(s): {names(bad.names)}" for bad in failure.grads]
     if not parts:
         found = "nan/inf (no longer there when described)"
     else:

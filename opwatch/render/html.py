@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from ..core.records import BACKWARD, FORWARD, M_IDENT, short_op_name
+from ..core.records import BACKWARD, M_IDENT, short_op_name
 from ..core.sites import location
 from .messages import message_parts
 from .phrases import module_of
@@ -320,7 +320,7 @@ def training_steps(records: list) -> list[int]:
     starts: list[int] = []
     phase, last_start, backward_since = None, None, False
     for record in records:
-        if last_start is None or (phase == BACKWARD and record.phase == FORWARD):
+        if last_start is None or (phase == BACKWARD and record.phase != BACKWARD):
             starts.append(record.index)
             last_start, backward_since = record.index, False
         phase = record.phase

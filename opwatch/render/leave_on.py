@@ -213,13 +213,31 @@ def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool, loss: 
     )
 
 
-def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, losses: int = 0) -> str:
+# What each cause of a failed step says in the summary line (opwatch.runners.ledger.CAUSES).
+_CAUSE_WORDS = {
+    "gradients": "nan/inf in the gradients",
+    "loss": "a loss not finite",
+    "weights": "the weights already held nan/inf",
+    "input": "the batch held nan/inf",
+    "raised": "the step raised",
+}
+
+
+def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, causes: dict | None = None) -> str:
     """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off);
-    ``losses``: of the failed, those whose loss alone was not finite."""
+    ``causes``: how many failed steps had each cause (``{"input": 1, ...}``), so that no step
+    whose cause was the batch or the weights is summed up as "nan/inf in the gradients"."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
     tail = f", {skipped} of them skipped" if skipped else ""
-    why = "nan/inf in the gradients" if not losses else f"nan/inf in the gradients, or in the loss for {losses} of them"
+    causes = {cause: count for cause, count in (causes or {}).items() if count}
+    losses = causes.get("loss", 0)
+    if set(causes) <= {"gradients", "loss"}:
+        why = "nan/inf in the gradients" if not losses else f"nan/inf in the gradients, or in the loss for {losses} of them"
+    elif len(causes) == 1:
+        why = _CAUSE_WORDS[next(iter(causes))]
+    else:
+        why = "; ".join(f"{_CAUSE_WORDS[cause]}: {count}" for cause, count in causes.items())
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
         f"{failed} failed ({why}){tail}."
@@ -243,21 +261,27 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) ->
 
 
 def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poisoned_since: int | None, loss: str | None,
-          limit: int, applied: bool = False, unit: str = "optimizer steps") -> str:
+          limit: int, applied: bool = False, unit: str = "optimizer steps", command_line: bool = False, cause: str = "gradients") -> str:
     """``in_a_row`` steps in a row failed, ``first_step`` to ``step``: the run is stuck.
     ``origin``: ``(kind, op, where, phase)`` of the first failure's origin, or ``None``;
-    ``unit``: what a step is (``"optimizer steps"``, ``"guarded calls"``)."""
+    ``unit``: what a step is (``"optimizer steps"``, ``"guarded calls"``); ``command_line``: the
+    limit is named as the command line's option, else as the Python keyword; ``cause``: the
+    first failure's (``opwatch.runners.ledger.CAUSES``)."""
     if origin is not None:
-        why = f"the first, step {first_step}: {_made(origin)}"
+        why = f"The first, step {first_step}: {_made(origin)}."
+    elif cause == "input":
+        why = (f"The first, step {first_step}: the batch held nan/inf before the model ran (cause: input)"
+               + (f"; the weights hold nan/inf since step {poisoned_since}, so every later step fails." if poisoned_since is not None else "."))
     elif poisoned_since is not None:
-        why = (f"the weights hold nan/inf since optimizer step {poisoned_since}, so every later step fails; "
-               f"the first failure, step {first_step}: {_held_then(bad, loss)}")
+        why = (f"The weights hold nan/inf since step {poisoned_since}, so every later step fails; "
+               f"the first failure, step {first_step}: {_held_then(bad, loss)}.")
     else:
-        why = f"the first, step {first_step}: {_held_then(bad, loss)}; no full watch named an op for it"
+        why = f"The first, step {first_step}: {_held_then(bad, loss)}; no full watch named an op for it."
+    option = "--max-failed-steps N (0: never stop)" if command_line else "max_failed_in_a_row=N (None: never stop)"
     return (
         f"opwatch: the run is stuck: {in_a_row} {unit} in a row failed (steps {first_step} to {step}), "
-        f"{'the optimizer applied all but the last' if applied else 'none of them applied'}; {why}. opwatch stops the run here (at most {limit} failed steps in a row: max_failed_in_a_row=, "
-        "--max-failed-steps N)."
+        f"{'the optimizer applied all but the last' if applied else 'none of them applied'}. {why} opwatch stopped the run "
+        f"after {limit} failed steps in a row; {option} sets that limit."
     )
 
 

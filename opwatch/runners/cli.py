@@ -469,6 +469,14 @@ def _report_uncaught(error: BaseException) -> None:
         seen.add(id(current))
         current.__traceback__ = _program_frames(current.__traceback__)
         pending += [current.__cause__, current.__context__]
+    from .policy import GradientsNotFinite
+
+    if isinstance(error, GradientsNotFinite) and sys.excepthook is sys.__excepthook__:
+        # opwatch stopped the run on purpose (RunStuck, --strict): its message says why, a traceback
+        # down to torch's optimizer hook would not.
+        sys.stderr.write(f"{type(error).__name__}: {error}\n")
+        sys.stderr.flush()
+        return
     if isinstance(error, AnomalyError) and sys.excepthook is sys.__excepthook__:
         # Its message is the finding opwatch's report above holds in full: one line here.
         reported = "".join(traceback.format_exception_only(error))

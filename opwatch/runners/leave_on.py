@@ -96,6 +96,7 @@ class LeaveOn(LedgerCounts):
         self._audit_first = audit == "first"
         self._file = file
         self.rerun = rerun
+        self.policy.command_line = rerun is not None  # the CLI names the command that reruns the script
         self._auditing = False
         self._before_audit: set = set()
         self._modules = weakref.WeakKeyDictionary()  # modules seen in audits: parameter names
@@ -337,8 +338,7 @@ class LeaveOn(LedgerCounts):
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a
         line saying so, with ``rerun``, the command that checks every op."""
         ledger = self.ledger
-        losses = sum(failure.cause == "loss" for failure in ledger.failures)
-        text = words.summary(ledger.steps, ledger.audited, ledger.failed, self.watch.enabled, ledger.skipped, losses=losses)
+        text = words.summary(ledger.steps, ledger.audited, ledger.failed, self.watch.enabled, ledger.skipped, causes=ledger.causes())
         if self.unjudged_end:
             text += "\n" + words.unjudged_end(self.steps, rerun)
         return text

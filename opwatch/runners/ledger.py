@@ -119,6 +119,13 @@ class RunLedger:
         "no anomalies" alone."""
         return not self.failed and not self.unjudged_end
 
+    def causes(self) -> dict:
+        """How many kept failures had each cause, the first seen first."""
+        counts: dict = {}
+        for failure in self.failures:
+            counts[failure.cause] = counts.get(failure.cause, 0) + 1
+        return counts
+
     def stuck(self, limit: int | None) -> bool:
         return limit is not None and self.failed_in_a_row >= limit
 

@@ -249,8 +249,10 @@ class OptimizerSteps:
         failure = ledger.fail(step, bad, "loss" if loss is not None and not elsewhere else "gradients", loss=loss)
         if failure.action:  # another trigger (guard_trainer's step) failed this step and told it already
             return failure.action != "applied"
-        self.stop_when_stuck(failure, trigger)
         if ledger.poisoned_since is not None:  # told once; every later step fails: only counted
+            failure.cause = "weights"
+        self.stop_when_stuck(failure, trigger)
+        if ledger.poisoned_since is not None:
             return self.act(failure)
         weights = self.poisoned(named, step)
         if weights is not None:  # written between two optimizer steps: by the last one (from finite gradients) or by the program
@@ -598,6 +600,7 @@ class GuardedCalls:
         after a failed check): then no op of this step is the origin, and a replay would name
         the first that reads them. Told once; ``on_failure="raise"`` raises."""
         if self.ledger.poisoned_since is not None:
+            self.ledger.latest.cause = "weights"
             return True
         names = guarded._parameter_names()
         named = [(names.get(id(param)) or f"parameter {position}", param) for position, param in enumerate(guarded._snapshots.params)]
@@ -610,7 +613,7 @@ class GuardedCalls:
         text = guard_words.poisoned_weights(guarded.calls, name, guarded._applied_at, shown, self.on_failure, by_program=by_program)
         if self.on_failure == "raise":
             raise RuntimeError(text)
-        warnings.warn(OpwatchWarning(text), stacklevel=4)
+        _warn(text)  # at the user's line that called the guarded step
         return True
 
     def _after_poisoned(self, guarded, start, result):
@@ -676,6 +679,7 @@ class StepPolicy(OptimizerSteps, GuardedCalls):
         self.ledger = RunLedger()
         self.verdict = StepVerdict(scaler)
         self.unit = unit  # what a step is, in the stuck message: "optimizer steps", "guarded calls"
+        self.command_line = False  # the stuck message names --max-failed-steps, not the keyword
         self.writes = ProgramWrites()
         self.hand_off = FoundInfHandOff()  # a fused optimizer's found_inf, read at its next step
         self.audit_next = False  # a failure told late: the step after the running one is watched fully
@@ -789,7 +793,8 @@ class StepPolicy(OptimizerSteps, GuardedCalls):
             self.stop_rechecking(trigger)
         text = words.stuck(first.step, failure.step, ledger.failed_in_a_row, first.parameters, origin_facts(ledger.first_origin()),
                            poisoned_since=ledger.poisoned_since, loss=first.loss, limit=self.max_failed_in_a_row,
-                           applied=self.on_failure == "apply", unit=self.unit)
+                           applied=self.on_failure == "apply", unit=self.unit,
+                           command_line=self.command_line, cause=first.cause)
         raise self.raised(failure, RunStuck(text, step=first.step, parameters=first.parameters, failed_in_a_row=ledger.failed_in_a_row))
 
 

@@ -356,9 +356,9 @@ def _verdict(**changes):
 
 
 def _failure():
-    from opwatch.runners.guarded.check import NotFinite
+    from opwatch.render.guard_facts import NotFinite, Returned
 
-    return NotFinite("not_finite", (("nan", "returned", "tensor"),), ())
+    return NotFinite("not_finite", (Returned("nan", "returned", "tensor"),), ())
 
 
 def test_the_message_names_the_node_its_line_and_both_values():

@@ -359,10 +359,10 @@ def test_guard_cli_a_two_step_data_glitch_in_a_30_step_momentum_run(tmp_path, on
     if on_failure is None:  # skip: the two bad steps never reach the weights
         assert "weights finite: True" in result.stdout
         assert "the failure of step 10 recurred at step 11: inf first made by aten.div.Tensor at train.py:11" in result.stderr, result.stderr
-        assert "30 optimizer steps ran, 2 audited under a full watch, 2 failed (nan/inf in the gradients), 2 of them skipped" in result.stderr
+        assert "30 optimizer steps ran, 2 audited under a full watch, 2 failed (the batch held nan/inf: 1; nan/inf in the gradients: 1), 2 of them skipped" in result.stderr
     else:  # as asked: the weights take the nan and keep it, every later step fails: the run is stuck and stops
         assert "the weights hold nan since optimizer step 10" in result.stderr
-        assert "19 optimizer steps ran, 1 audited under a full watch, 10 failed (nan/inf in the gradients), 1 of them skipped." in result.stderr  # the step that stopped the run did not run
+        assert "19 optimizer steps ran, 1 audited under a full watch, 10 failed (the batch held nan/inf: 1; the weights already held nan/inf: 9), 1 of them skipped." in result.stderr  # the step that stopped the run did not run
         assert "RunStuck: opwatch: the run is stuck: 10 optimizer steps in a row failed (steps 10 to 19), the optimizer applied all but the last" in result.stderr
 
 

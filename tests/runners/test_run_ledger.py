@@ -68,6 +68,8 @@ def test_cli_guard_stops_a_run_whose_every_step_fails_and_names_the_first_failur
     assert "RunStuck: opwatch: the run is stuck: 10 optimizer steps in a row failed (steps 12 to 21), none of them applied" in result.stderr
     assert f"first made by aten.mse_loss.default at train.py:{line_of('LOSS LINE', tmp_path / 'train.py')} (forward)" in result.stderr
     assert "21 optimizer steps ran" in result.stderr and "opwatch: no anomalies." not in result.stderr
+    # opwatch stopped the run on purpose: its message, no Python traceback; the CLI's flag, not the keyword
+    assert "Traceback" not in result.stderr and "--max-failed-steps N (0: never stop) sets that limit" in result.stderr
 
 
 def test_cli_guard_max_failed_steps_sets_the_limit_and_zero_never_stops(tmp_path):
@@ -87,7 +89,7 @@ def test_cli_guard_a_one_batch_glitch_is_not_a_stuck_run_and_its_batch_is_named(
             "cause: input: the batch held nan before the model ran: Sequential's argument 0 (f32[32, 8] cpu) held nan when it entered "
             f"the model at train.py:{line}") in result.stderr, result.stderr
     assert "did not recur" not in result.stderr  # a bad batch told as such: the quiet re-check is no news
-    assert "1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr and "RunStuck" not in result.stderr
+    assert "1 failed (the batch held nan/inf), 1 of them skipped" in result.stderr and "RunStuck" not in result.stderr  # never "(nan/inf in the gradients)" for a bad batch
     # a failed step is never summed up as "no anomalies"
     assert "opwatch: no anomalies." not in result.stderr
     assert "opwatch: no op was named in the fully watched steps, but 1 optimizer step failed" in result.stderr
@@ -101,7 +103,7 @@ def test_cli_guard_strict_names_the_bad_batch_and_the_next_command(tmp_path):
             f"2.weight (nan), 2.bias (nan). cause: input: the batch held nan before the model ran") in result.stderr, result.stderr
     assert f"entered the model at train.py:{line}" in result.stderr
     assert "To see the ops that made the batch, if torch made it: python -m opwatch --strict train.py" in result.stderr
-    assert "6 optimizer steps ran, 1 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped" in result.stderr
+    assert "6 optimizer steps ran, 1 audited under a full watch, 1 failed (the batch held nan/inf), 1 of them skipped" in result.stderr
 
 
 def test_a_failure_of_finite_inputs_is_not_blamed_on_the_batch(tmp_path):

@@ -156,3 +156,110 @@ def test_leave_on_tells_who_wrote_the_weights(write_at, by_program):
     text = next(str(warning.message) for warning in told if "weights hold" in str(warning.message))
     assert ("written by the program" in text) == by_program
     assert runner.failures[0].cause == "weights" and runner.poisoned_since is not None
+
+
+# -- a nanoGPT-style transformer (AdamW, clip_grad_norm_) through opwatch.guard -------------------
+
+
+def guarded_gpt(*, steps, blow_at=-1):
+    from test_run_ledger import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train_step(ids, targets):
+        loss = model(ids, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    step = opwatch.guard(train_step, model, on_failure="skip", repro=False, max_failed_in_a_row=4)
+    for number in range(steps):
+        ids = torch.randint(0, 48, (4, 16))
+        optimizer.zero_grad(set_to_none=True)
+        step(ids, torch.roll(ids, -1, dims=1))
+        for group in optimizer.param_groups:
+            group["lr"] = 1e30 if number == blow_at else 1e-3
+        optimizer.step()
+    return step
+
+
+def test_a_blown_up_guarded_gpt_run_stops_and_names_its_first_failure():
+    with warnings.catch_warnings(), pytest.raises(RunStuck) as stuck:
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        guarded_gpt(steps=30, blow_at=5)
+    assert stuck.value.failed_in_a_row == 4
+    assert f"4 guarded calls in a row failed (steps {stuck.value.step} to {stuck.value.step + 3})" in str(stuck.value)
+    assert "max_failed_in_a_row=N (None: never stop) sets that limit" in str(stuck.value)  # the Python keyword, not the CLI flag
+
+
+def test_a_healthy_guarded_gpt_run_with_clipping_fails_no_call():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", opwatch.OpwatchWarning)
+        step = guarded_gpt(steps=8)
+    assert step.ledger.clean and step.ledger.steps == 8 and step.skipped == 0
+
+
+# -- what the summary and the messages say --------------------------------------------------------
+
+
+def test_the_summary_names_each_cause_and_never_a_bad_batch_as_gradients():
+    from opwatch.render.leave_on import summary
+
+    assert summary(6, 1, 1, True, 1, causes={"input": 1}).endswith("1 failed (the batch held nan/inf), 1 of them skipped.")
+    mixed = summary(22, 1, 10, True, 1, causes={"input": 1, "weights": 9})
+    assert "10 failed (the batch held nan/inf: 1; the weights already held nan/inf: 9)" in mixed and "in the gradients" not in mixed
+    # gradients alone read as before (the goldens)
+    assert summary(30, 2, 2, True, 2, causes={"gradients": 2}).endswith("2 failed (nan/inf in the gradients), 2 of them skipped.")
+
+
+def test_the_guard_result_types_are_read_by_attribute():
+    from opwatch.render.guard import failure_text
+    from opwatch.render.guard_facts import BadGrads, NotFinite, Returned, Unnamed
+    from opwatch.runners.guarded.check import not_finite
+
+    model = nn.Linear(3, 1)
+    model.weight.grad = torch.full((1, 3), float("nan"))
+    found = not_finite(torch.tensor(float("inf")), list(model.parameters()), {})
+    assert found.returned == (Returned("inf", "returned", "tensor"),)
+    assert found.grads == (BadGrads("nan", (Unnamed(0, ((1, 3), torch.float32, torch.device("cpu"), 0)),)),)
+    assert isinstance(found, NotFinite)
+    assert failure_text(found) == "the check after it found inf in the returned tensor and nan in the .grad of 1 parameter(s): parameter 0 (f32[1, 3] cpu)"
+
+
+# -- gradient clipping's and the optimizer's ops have their own phase ----------------------------
+
+
+def test_clipping_and_the_optimizer_step_have_their_own_phase_in_a_gpt_step():
+    from test_run_ledger import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ids = torch.randint(0, 48, (4, 16))
+    original = torch.nn.utils.clip_grad_norm_
+    with opwatch.watch() as watched:
+        loss = model(ids, torch.roll(ids, -1, dims=1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        model(ids, torch.roll(ids, -1, dims=1))  # the next forward is forward again
+    phases = [record.phase for record in watched.records]
+    assert {"forward", "backward", "clipping", "optimizer"} <= set(phases)
+    assert phases[-1] == "forward" and phases.index("clipping") < phases.index("optimizer")
+    clipping = [record.op for record in watched.records if record.phase == "clipping"]
+    assert any("norm" in op for op in clipping)
+    # nothing of it outlives the watch
+    assert torch.nn.utils.clip_grad_norm_ is original
+
+
+def test_an_inf_the_optimizer_step_makes_is_labelled_optimizer_not_forward():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=3e38)  # the update overflows float32
+    model(torch.randn(8, 4)).pow(2).sum().backward()
+    with opwatch.watch(warn=False) as watched:
+        optimizer.step()
+    made = [anomaly for anomaly in watched.anomalies if anomaly.kind in ("nan", "inf")]
+    assert made and made[0].phase == "optimizer" and "(optimizer)" in str(made[0]).splitlines()[0]

@@ -50,7 +50,7 @@ from .replay import NONFINITE, allow_option, first_line, judge
 from .snapshot import Snapshots, changed_arguments
 from ..ledger import MAX_FAILED_IN_A_ROW
 from ..step_verdict import shared_gradients
-from ..policy import StepPolicy, warn_at
+from .. import policy as step_policy  # the module, not its names: policy imports guarded's rooms too
 
 __all__ = ["guard", "Guarded"]
 
@@ -238,7 +238,7 @@ class Guarded:
         self._check_results = checks is None or "nonfinite" in checks
         self._on_failure = on_failure
         # The one policy of every runner: its ledger holds the facts of the guarded calls.
-        self.policy = StepPolicy(on_failure=on_failure, max_failed_in_a_row=max_failed_in_a_row, scaler=scaler, unit="guarded calls")
+        self.policy = step_policy.StepPolicy(on_failure=on_failure, max_failed_in_a_row=max_failed_in_a_row, scaler=scaler, unit="guarded calls")
         self.ledger = self.policy.ledger
         self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
         self._writes_hook = None  # torch's optimizer step post-hook: which optimizer step left the weights (removed with self)
@@ -356,7 +356,7 @@ class Guarded:
             key = (anomaly.kind, anomaly.filename, anomaly.lineno)
             if key not in self._warned_audit:
                 self._warned_audit.add(key)
-                warn_at(OpwatchWarning(anomaly.message), anomaly)
+                step_policy.warn_at(OpwatchWarning(anomaly.message), anomaly)
 
     # -- the check of a healthy step -----------------------------------------------------------
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import cmath
 import math
-from typing import NamedTuple
-
 import torch
 
 from ...core.finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
+from ...render.guard_facts import BadGrads, FailedElsewhere, NotFinite, Raised, Returned, Unnamed
 from .ranks import local
 from .snapshot import leaves
 from ..step_verdict import CLIP, FUSED_PASS, scalars_finite
@@ -88,46 +87,26 @@ class FiniteCheck:
         return self.tensors(grads, returned)
 
 
-class Raised(NamedTuple):
-    """A failure's facts when the step (or the op a repro runs) raised."""
-
-    how: str  # "raised"
-    error_type: str  # the exception's type name
-    line: str  # the first line of its text
-
-
-class FailedElsewhere(NamedTuple):
-    """A failure's facts on a rank whose own results were finite while another rank's were not
-    (a distributed job decides each step's failure on every rank together)."""
-
-    how: str  # "elsewhere"
-
-
-class NotFinite(NamedTuple):
-    """A failure's facts when the check after the step found nan/inf (see :func:`not_finite`)."""
-
-    how: str  # "not_finite"
-    returned: tuple  # ((kind, path, type), ...)
-    grads: tuple  # ((kind, (name, ...)), ...)
+__all__ = ["ON_FAILURE", "on_failure_option", "FiniteCheck", "not_finite", "kind_of", "Raised", "FailedElsewhere", "NotFinite"]
 
 
 def not_finite(result, params, names) -> NotFinite:
-    """The failure's facts: ``NotFinite("not_finite", ((kind, path, type), ...), ((kind, (name, ...)), ...))``
-    (``path`` is ``"returned"`` for the returned value itself, ``type`` ``"tensor"`` or ``"float"``);
-    ``names``: ``{id(param): name}`` (an unnamed parameter is ``(position, meta)``)."""
+    """The failure's facts (:mod:`opwatch.render.guard_facts`): a :class:`Returned` for each
+    returned value that is not finite, a :class:`BadGrads` for each kind found in the
+    gradients; ``names``: ``{id(param): name}`` (an unnamed parameter is an :class:`Unnamed`)."""
     returned = []
     by_kind: dict = {}
     with torch.no_grad():
         for path, value in leaves(result):
             kind = kind_of(value)
             if kind is not None:
-                returned.append((kind, path, "float" if isinstance(value, float) else "tensor"))
+                returned.append(Returned(kind, path, "float" if isinstance(value, float) else "tensor"))
         for position, param in enumerate(params):
             kind = kind_of(local(param.grad)) if param.grad is not None else None
             if kind is not None:
                 meta = (tuple(param.shape), param.dtype, param.device, 0)
-                by_kind.setdefault(kind, []).append(names.get(id(param)) or (position, meta))
-    return NotFinite("not_finite", tuple(returned), tuple((kind, tuple(found)) for kind, found in by_kind.items()))
+                by_kind.setdefault(kind, []).append(names.get(id(param)) or Unnamed(position, meta))
+    return NotFinite("not_finite", tuple(returned), tuple(BadGrads(kind, tuple(found)) for kind, found in by_kind.items()))
 
 
 def kind_of(value) -> str | None:
