@@ -4,16 +4,18 @@ and a failing step replayed under a full watch, its origin named, with a one-op 
 The way of one guarded call:
 
 1. what the step starts from is kept (:mod:`.snapshot`): the RNG states, a copy of the
-   model's buffers and of the parameters' ``.grad``, the version counters of the parameters
-   and of the tensor arguments;
+   model's buffers, which parameters held a ``.grad`` (no copy of the gradients), the version
+   counters of the parameters and of the tensor arguments;
 2. ``train_step`` runs as it is, with no dispatch mode; or, when the call is audited
    (:mod:`.audit`: the first call, each new signature of the arguments, every N-th call),
    under a full watch with every check, whose findings are kept and warned (or raised);
-3. one fused finiteness check of what it returned and of the gradients (:mod:`.check`);
+3. one finiteness check of what it returned and of the gradients (:mod:`.check`): the clip's
+   total norm when the step clipped every gradient (:mod:`opwatch.runners.step_verdict`), else
+   one fused pass;
 4. a step that raised or failed the check is replayed under a full watch (:mod:`.replay`,
    with :mod:`.repro`'s one-op repro), or judged from its audit's watch when it had one;
-5. the buffers are left as one run of the step left them, the ``.grad`` as the step found
-   them (the optimizer never sees the bad gradients), and :class:`~opwatch.AnomalyError`
+5. the buffers are left as one run of the step left them, the ``.grad`` dropped (the
+   optimizer never sees the bad gradients), and :class:`~opwatch.AnomalyError`
    names the origin; or, with ``on_failure="skip"``, the step is undone and skipped.
 
 Every sentence it says is made in :mod:`opwatch.render.guard`.
@@ -88,11 +90,13 @@ def guard(
             loss = step(batch)                    # train_step(batch): forward and backward
             optimizer.step()
 
-    A healthy step runs ``train_step`` with no dispatch mode, then one fused check that the
-    tensors (and floats) it returned and the parameters' gradients are finite: the check
-    GradScaler runs, one host read (a loss that is a CPU scalar is read where it lies). A step that raised, or whose check found nan/inf, is run
+    A healthy step runs ``train_step`` with no dispatch mode, then one check that the
+    tensors (and floats) it returned and the parameters' gradients are finite, one host read
+    (kept on purpose: the call decides before it returns): a step that clipped every gradient
+    (``clip_grad_norm_``) is judged by the clip's total norm, any other by the fused check
+    GradScaler runs (a loss that is a CPU scalar is read where it lies). A step that raised, or whose check found nan/inf, is run
     again from where it started (RNG states of the CPU and every CUDA device, the model's
-    buffers, the parameters' ``.grad`` restored) on the same arguments, under a watch that
+    buffers, the ``.grad`` it found zeroed: no copy of the gradients is kept) on the same arguments, under a watch that
     checks every op's outputs as it goes. :class:`~opwatch.AnomalyError` then names the op that
     made the first nan/inf, or the anomaly at (or before) the op that raised, with everything a
     strict watch reports; the step's own exception is chained. ``error.anomaly.repro`` is a
@@ -111,7 +115,8 @@ def guard(
     signature, for at most ``max_audits`` signatures.
 
     Afterwards the model's buffers are as one run of the step left them (updated once) and
-    the ``.grad`` as the step found them, so the optimizer never sees the bad gradients.
+    the ``.grad`` dropped (``None``; gradients it accumulated onto are lost with it, as
+    GradScaler loses an overflowing step's), so the optimizer never sees the bad gradients.
 
     ``train_step`` must leave the parameters alone (``optimizer.step()`` goes after the guarded
     call): a step that changes them is refused with a ``ValueError`` at its first call, since
@@ -162,7 +167,7 @@ def guard(
         What a step that made nan/inf does once its replay named the origin (the same words as
         ``python -m opwatch --guard --on-failure`` and the trainers' guard modes): ``"raise"``
         (default) raises :class:`~opwatch.AnomalyError`; ``"skip"`` undoes the step (buffers
-        and ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave
+        as they were before it, ``.grad`` dropped; ``None`` grads make ``optimizer.step()`` leave
         the parameters alone, as a step GradScaler skips), warns once per origin line, keeps
         it in ``.failures``, and the call returns ``None``; ``"apply"`` warns the same way and
         leaves the step's non-finite gradients for the optimizer (the call returns what the
