@@ -128,5 +128,5 @@ def test_apply_every_rank_applies_and_knows_the_weights_hold_nan_on_rank_1():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "opwatch (rank 1): the weights hold nan since optimizer step 3: 0.weight (nan)" in result.stderr
     assert "opwatch (rank 0): the weights hold nan/inf on another rank since optimizer step 3 (this rank's are finite;" in result.stderr
-    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 3 failed (nan/inf in the gradients).") == 2
+    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 3 failed (nan/inf in the gradients: 1; the weights already held nan/inf: 2).") == 2
     assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: False" in result.stdout
