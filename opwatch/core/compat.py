@@ -30,6 +30,8 @@ __all__ = [
     "amp_non_finite_check",
     "foreach_norm",
     "foreach_copy_",
+    "TOTAL_NORM_HOME",
+    "takes_found_inf",
     "version_counter",
     "version_counters",
     "unbox_process_group",
@@ -136,6 +138,18 @@ amp_non_finite_check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale
 # One kernel over a tensor list: norms, and copies into kept tensors. torch >= 2.1.
 foreach_norm = torch._foreach_norm
 foreach_copy_ = torch._foreach_copy_
+
+# Where ``clip_grad_norm_`` and ``get_total_norm`` compute a total norm: the module global
+# ``torch.nn.utils.clip_grad._get_total_norm``, looked up at each call, so a wrap of it sees every
+# clip however the program imported ``clip_grad_norm_``. torch >= 2.6 (the supported floor).
+TOTAL_NORM_HOME = ("torch.nn.utils.clip_grad", "_get_total_norm")
+
+
+def takes_found_inf(optimizer) -> bool:
+    """Whether ``optimizer.step()`` reads a ``found_inf`` attribute and skips its update on the
+    device when it is nonzero (``_step_supports_amp_scaling``: the fused Adam, AdamW, SGD and
+    Adagrad, torch >= 2.0; GradScaler hands its flag over the same way). ``False`` without it."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def version_counter(tensor) -> int:

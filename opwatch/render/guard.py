@@ -496,6 +496,27 @@ def raised_elsewhere(rank, call, name, other, error_type, where, line, more) -> 
     )
 
 
+def returned_here_only(call: int, name: str, rank: int) -> str:
+    """A DDP job: what this rank's step returned is not finite while the reduced gradients, the
+    same on every rank, are: told by this rank, and the step goes on alike on every rank."""
+    return (
+        f"opwatch.guard (rank {rank}): call {call} of {name} returned nan/inf on this rank, while the gradients DDP reduced across "
+        "the ranks are finite: the step goes on alike on every rank (they decide from what they share, so that their weights "
+        "never drift apart)."
+    )
+
+
+def raised_here_shared_note(rank, world) -> str:
+    """The note on the exception of a rank whose step raised, in a DDP job whose healthy steps
+    meet no flag of opwatch's (their reduced gradients decide them alike on every rank)."""
+    return (
+        f"opwatch.guard (rank {rank}): this rank's step raised. The model is DDP's: its reduced gradients decide each healthy step "
+        f"alike on the {world} ranks, so opwatch runs no collective of its own there and the other ranks are not told by opwatch "
+        "(they stop at DDP's next collective, within the process group's timeout). It is not replayed under a full watch in a job "
+        "of several ranks: the replay would run collectives the other ranks do not."
+    )
+
+
 def raised_here_note(rank, decision_raised, world) -> str:
     """The note on the exception of a rank whose step raised, in a distributed job."""
     others = [other for other in decision_raised if other != rank]

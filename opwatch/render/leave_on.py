@@ -128,6 +128,30 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None, by_program: 
     )
 
 
+def failed_late(step: int, now: int | None, on_failure: str, *, loss: str | None = None, gradients: bool = True) -> str:
+    """A fused optimizer's step whose verdict went to it as ``found_inf`` failed: it skipped the
+    update on the device; told at step ``now``'s check (``None``: at the end of the run).
+    ``gradients``: its gradients held nan/inf (else only the loss, ``loss``, did)."""
+    if gradients:
+        what = "its gradients held nan/inf" + (f" (and the loss backward() ran on was {loss})" if loss is not None else "")
+    else:
+        what = _loss_line(loss or "nan/inf")
+    when = f"told at step {now}, before that step runs" if now is not None else "told at the end of the run"
+    head = (f"opwatch: optimizer step {step}: {what}. The fused optimizer got the verdict as found_inf, as GradScaler hands it, "
+            f"and skipped that step on the device: the weights are as they were ({when}, so that a healthy step never waits for the device).")
+    if on_failure == "raise":
+        return head + " Rerun with on_failure='skip' to watch the next step fully and name the op that makes them."
+    return head + (" The next step runs under a full watch to find the op that makes them." if now is not None else "")
+
+
+def loss_here_only(step: int, kind: str | None, rank: int) -> str:
+    """In a DDP job: this rank's loss is not finite while the reduced gradients, the same on
+    every rank, are: told by this rank, applied on every rank alike."""
+    return (f"opwatch (rank {rank}): optimizer step {step}: the loss backward() ran on is {kind or 'nan/inf'} on this rank, while the "
+            "gradients DDP reduced across the ranks are finite: every rank applies the step alike (they decide from what they share, "
+            "so that their weights never drift apart).")
+
+
 def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None) -> str:
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
     ``(kind, op, where, phase)`` of the first nan/inf origin it found, or ``None``."""

@@ -156,11 +156,14 @@ class LeaveOn(LedgerCounts):
         0/0) fails its step too."""
         if self._backward is not None:
             return
+        self.policy.verdict.reductions.__enter__()  # and the clip norms and GradScaler unscales the run computes
         original = self._backward = torch.Tensor.backward
         runner = weakref.ref(self)
 
         def backward(tensor, *args, **kwargs):
             seen = runner()
+            if seen is not None and seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
+                seen._losses = []
             if seen is not None and len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
                 with no_python_dispatch():
                     seen._losses.append(tensor.detach())
@@ -170,8 +173,10 @@ class LeaveOn(LedgerCounts):
         torch.Tensor.backward = backward
 
     def _unsee_losses(self) -> None:
-        if self._backward is not None and getattr(torch.Tensor.backward, "__wrapped__", None) is self._backward:
-            torch.Tensor.backward = self._backward
+        if self._backward is not None:
+            self.policy.verdict.reductions.__exit__(None, None, None)
+            if getattr(torch.Tensor.backward, "__wrapped__", None) is self._backward:
+                torch.Tensor.backward = self._backward
         self._backward = None
         self._losses = []
 
@@ -266,7 +271,7 @@ class LeaveOn(LedgerCounts):
             except AnomalyError as error:  # strict: the step does not run; counted if it failed
                 self.policy.failed_at_check(step, named, gradients(optimizer), losses, error)
                 raise
-        return self.policy.check_step(step, named, gradients(optimizer), losses, self)
+        return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules)
 
     def replayed(self) -> None:
         """The trainer's replay ran: its own ``backward()`` is not the next step's."""
@@ -279,7 +284,7 @@ class LeaveOn(LedgerCounts):
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.policy.writes.stepped(optimizer)
-        self.policy.step_done(self.steps, lambda: _named(optimizer, self._names()), self)
+        self.policy.step_done(self.steps, lambda: _named(optimizer, self._names()), self, optimizer)
         self._watch_inputs()
 
     # -- the batch ----------------------------------------------------------------------------

@@ -184,10 +184,14 @@ class _Hooks(WatchedSteps):
             self._steps.enter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.runner is not None and not self.runner.pre_hook and self.runner.before_step(optimizer):
-            for group in optimizer.param_groups:  # the update after the closure reads no gradient
-                for parameter in group["params"]:
-                    parameter.grad = None
+        if self.runner is None or self.runner.pre_hook:
+            return
+        if pl_module.automatic_optimization and trainer.gradient_clip_val and _by_norm(trainer.gradient_clip_algorithm):
+            # Lightning clips by norm right after this hook: the step is decided on that norm
+            # (no pass of opwatch's over the gradients), before the update.
+            self.runner.policy.decide_at_clip(optimizer, self.runner, lambda: _drop_gradients(optimizer))
+        elif self.runner.before_step(optimizer):
+            _drop_gradients(optimizer)
 
     def _replay(self, pl_module):
         """The failing batch again from its start under a full watch: ``(ran, origin)``."""
@@ -318,3 +322,15 @@ def _load_base():
 
 
 __getattr__ = lazy_callback(__name__, _load_base, _Hooks)
+
+
+def _drop_gradients(optimizer) -> None:
+    """A skipped step: the update after the closure reads no gradient."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
+
+
+def _by_norm(algorithm) -> bool:
+    """Whether Lightning's ``gradient_clip_algorithm`` (an enum, a string or ``None``: norm) clips by norm."""
+    return algorithm is None or getattr(algorithm, "value", algorithm) == "norm"

@@ -38,6 +38,7 @@ from .guarded.replay import NONFINITE as NONFINITE_KINDS, Replayed, ReproNote, S
 from .guarded.snapshot import put_buffers
 from .guarded.ranks import NONFINITE, WATCHED, Agreement, Decision, RankOrigin, local
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, RunLedger
+from .step_verdict import DeviceVerdict, FoundInfHandOff, StepReductions, VerdictFromStep, shared_gradients, trained
 
 __all__ = ["StepPolicy", "StepVerdict", "ProgramWrites", "GradientsNotFinite", "RunStuck", "nonfinite_of", "origin_facts",
            "max_failed_option"]
@@ -97,23 +98,46 @@ class StepVerdict:
     """The verdict of one step: whether its update is finite, and which parameters are bad.
 
     The one seam between a runner and how a step's health is read: :meth:`finite` answers from
-    the step's facts (the gradients about to be applied, the losses ``backward()`` ran on) in one
-    fused pass and one host read; :meth:`bad_gradients` and :meth:`loss_kind` say what failed,
-    read only after a failed verdict. Another source of the same answer (the step's own clip
-    norm, GradScaler's ``found_inf``) replaces this class's :meth:`finite` and nothing else."""
+    the step's facts (the gradients about to be applied, the losses ``backward()`` ran on) from
+    what the step already computed (:class:`~opwatch.runners.step_verdict.VerdictFromStep`:
+    GradScaler's unscale, the clip's total norm kept by :attr:`reductions`) or one fused pass,
+    at most one host read; :meth:`device_flag` gives it on the device, no host read (a fused
+    optimizer's ``found_inf``); :meth:`bad_gradients` and :meth:`loss_kind` say what failed,
+    read only after a failed verdict."""
 
     def __init__(self, scaler=None):
-        self.returned = FiniteCheck(scaler)  # a call wrapper's: what the step returned, and the gradients
+        self.reductions = StepReductions()  # what the step computed; the trigger enters it for its run (or call)
+        self.returned = FiniteCheck(scaler, self.reductions)  # a call wrapper's: what the step returned, and the gradients
         self.check = self.returned.tensors  # one FusedFiniteCheck, its flags kept from step to step
+        self.from_step = VerdictFromStep(self.reductions, self.check)
 
-    def finite(self, gradients, losses=()) -> bool:
+    @property
+    def source(self) -> str | None:
+        """Where the last verdict came from: ``"scaler"``, ``"clip"`` or ``"fused pass"``."""
+        return self.returned.source if self.from_step.source is None else self.from_step.source
+
+    def finite(self, gradients, losses=(), optimizer=None) -> bool:
         """An optimizer step's: the gradients about to be applied and the losses."""
         with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            return self.check(gradients, list(losses))
+            return self.from_step.finite(gradients, list(losses), optimizer)
+
+    def gradients_finite(self, gradients, optimizer=None) -> bool:
+        """The gradients' part alone, read after a failed :meth:`finite` (DDP: a loss that is
+        not finite on this rank only)."""
+        with no_python_dispatch():
+            return self.from_step.gradients_finite(gradients, optimizer)
+
+    def device_flag(self, gradients, losses, optimizer) -> DeviceVerdict | None:
+        with no_python_dispatch():
+            return self.from_step.device_flag(gradients, losses, optimizer)
 
     def step_finite(self, result, params) -> bool:
-        """A guarded call's: what it returned (tensors, floats) and the parameters' gradients."""
-        return self.returned.all_finite(result, params)
+        """A guarded call's: what it returned (tensors, floats) and the parameters' gradients
+        (the clip norms the call computed, when one covers them, read in their place)."""
+        try:
+            return self.returned.all_finite(result, params)
+        finally:
+            self.reductions.forget()  # the norms' ids name this call's gradients only
 
     @staticmethod
     def bad_gradients(named) -> list:
@@ -184,15 +208,30 @@ class OptimizerSteps:
         self.recheck_of = None
         trigger.end_audit()
 
-    def check_step(self, step: int, named, gradients: list, losses: list, trigger) -> bool:
+    def check_step(self, step: int, named, gradients: list, losses: list, trigger, *, optimizer=None, modules=()) -> bool:
         """Decide optimizer step ``step`` (``named()``: its parameters, ``(name, parameter)``,
         made only for a failed step;
         the ``gradients`` it is about to apply, the ``losses`` ``backward()`` ran on since the
-        last step); returns whether the step must not run."""
+        last step; ``optimizer``: the one stepping; ``modules``: the models the run saw, whose
+        DDP wrappers make the gradients the same on every rank); returns whether the step must
+        not run."""
         ledger = self.ledger
         recheck = self.recheck_of
-        finite = self.verdict.finite(gradients, losses)
-        decision = self.agree((0 if finite else NONFINITE) | (WATCHED if trigger.auditing else 0), step, "", "gradients")
+        if optimizer is not None and self.hands_over(optimizer, trigger):
+            self.told_late(optimizer, step, trigger)  # the step before, whose flag the device has set by now
+            self.hand_over(optimizer, gradients, losses, step)
+            ledger.passed(step)
+            return False
+        finite = self.verdict.finite(gradients, losses, optimizer)
+        shared = optimizer is not None and self.agreement is not None and shared_gradients(trained(optimizer), modules)
+        if shared and not finite and self.verdict.gradients_finite(gradients, optimizer):
+            # The reduced gradients are finite on every rank, this rank's loss is not: told
+            # here, and every rank applies the step alike (decided from what they share).
+            _warn(words.loss_here_only(step, self.verdict.loss_kind(losses), self.rank))
+            finite = True
+        # Every rank decides the step together (bounded: NoAnswer); with DDP's reduced
+        # gradients every rank's verdict is the same, and only a failure asks which rank.
+        decision = None if shared and finite else self.agree((0 if finite else NONFINITE) | (WATCHED if trigger.auditing else 0), step, "", "gradients")
         if decision is not None:
             finite = not decision.failed
         if finite and recheck is not None and self.on_failure == "raise":
@@ -228,6 +267,42 @@ class OptimizerSteps:
         if bad_input is not None:  # the batch held them before the model ran: no op of the step made them
             return self._input_failure(failure, bad, bad_input, trigger)
         return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger)
+
+    # -- a fused optimizer: the verdict handed over as found_inf, read at the next step -------
+
+    def hands_over(self, optimizer, trigger) -> bool:
+        """Whether this step's verdict goes to ``optimizer`` as ``found_inf`` (it skips a failing
+        step on the device) and is read at its next step: a fused optimizer that GradScaler did
+        not hand a flag, outside audits and re-checks, in a process of its own, when failing
+        steps are skipped or raised."""
+        return (self.on_failure != "apply" and not trigger.auditing and self.recheck_of is None and self.ledger.poisoned_since is None
+                and self.agreement is None and self.hand_off.takes(optimizer))
+
+    def hand_over(self, optimizer, gradients, losses, step: int) -> None:
+        verdict = self.verdict.device_flag(gradients, losses, optimizer)
+        if verdict is None:  # no gradient, or on several devices: the host read of the other optimizers
+            self.hand_off.forget(optimizer)
+            if not gradients or self.verdict.finite(gradients, losses, optimizer):
+                return
+            first, *_ = gradients
+            verdict = DeviceVerdict(torch.ones((), device=first.device), torch.ones(2, device=first.device))
+        self.hand_off.hand(optimizer, verdict, step, losses)
+
+    def told_late(self, optimizer, now, trigger) -> None:
+        """Read the flag handed to ``optimizer`` at its last step (``None``: every optimizer's,
+        at the end of the run, ``now`` ``None``); a set flag is a failed step the device
+        skipped, told now; the step after this one then runs under the full watch."""
+        for late in self.hand_off.failed(optimizer):
+            loss = self.verdict.loss_kind(late.losses)
+            failure = self.ledger.fail(late.step, [], "loss" if loss is not None and not late.gradients else "gradients", loss=loss)
+            text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients)
+            if self.on_failure == "raise":  # the device skipped it; the run stops here
+                raise self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
+            self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer
+            if self.told():
+                _warn(text)
+                self.audit_next = now is not None  # a failure that recurs is named
+            self.stop_when_stuck(failure, trigger)
 
     def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger) -> bool:
         """A failed step whose origin a full watch may name: the audit's, or a replay's."""
@@ -316,8 +391,39 @@ class OptimizerSteps:
         self.ledger.decide(failure, fact.action or "applied")
         self.stop_when_stuck(failure, trigger)
 
-    def step_done(self, step: int, named, trigger) -> None:
+    def decide_at_clip(self, optimizer, trigger, on_skip) -> None:
+        """Decide ``optimizer``'s step when the program's clip has its total norm (Lightning clips
+        after the callback's hook, right before the update): the norm then stands for the
+        gradients; ``on_skip()`` drops the gradients of a step that must not run. A step whose
+        clip never came is decided after it (:meth:`decide_undecided`, at torch's post-hook)."""
+        trigger_ref = weakref.ref(trigger)
+
+        def decide():
+            seen = trigger_ref()
+            if seen is not None:
+                with torch.enable_grad():  # the clip runs under no_grad; a failing batch's replay runs a backward
+                    if seen.before_step(optimizer):
+                        on_skip()
+
+        self.verdict.reductions.on_norm = decide
+
+    def decide_undecided(self, trigger) -> None:
+        undecided, self.verdict.reductions.on_norm = self.verdict.reductions.on_norm, None
+        if undecided is not None:
+            undecided()
+
+    def step_done(self, step: int, named, trigger, optimizer=None) -> None:
         """After optimizer step ``step``: end an audit or re-check, and start the re-check of a failure."""
+        self.decide_undecided(trigger)  # a step to be decided at a clip that never came (Lightning's)
+        if optimizer is not None:
+            self.hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
+            self.verdict.reductions.after_step(optimizer)
+        self._step_done(step, named, trigger)
+        if self.audit_next:  # a failure told late: the step after this one under the full watch
+            self.audit_next = False
+            trigger.start_audit()
+
+    def _step_done(self, step: int, named, trigger) -> None:
         ledger = self.ledger
         failed_now = bool(ledger.failures) and ledger.latest.step == step
         # A failure of a fully watched (or replayed) step was told with its origin; in a job,
@@ -367,6 +473,8 @@ class OptimizerSteps:
         if error is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
             self._agreement.mark(steps + 1, "", "left", f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}")
         trigger.end_audit(error)
+        if error is None:  # a fused step that failed last: its flag is read now (never over the program's own error)
+            self.told_late(None, None, trigger)
         if pending is not None and error is None and pending.cause != "input":  # a bad batch was told as such
             self.recheck_of = None
             text = words.loop_ended(pending.step, pending.parameters, trigger.rerun, raising=self.on_failure == "raise", loss=pending.loss)
@@ -393,6 +501,22 @@ class GuardedCalls:
     keeps ``failures``, ``last_replay`` and ``last_verdict`` for its user.
 
     """
+
+    def returned_here_only(self, guarded) -> bool:
+        """DDP, a call whose check failed on this rank: whether the reduced gradients (the same
+        on every rank) are finite, so that only what this rank returned is not: then it is told
+        here, and every rank goes on alike (decided from what they share)."""
+        if not self.verdict.returned.all_finite(None, guarded._snapshots.params):
+            return False
+        warnings.warn(OpwatchWarning(guard_words.returned_here_only(guarded.calls, guarded._name(), self.rank)), stacklevel=4)
+        return True
+
+    def raised_shared(self, guarded, error) -> None:
+        """DDP, a call that raised on this rank: no flag to meet (the ranks meet none on a healthy
+        call); its gradients dropped, its error re-raised with a note saying so."""
+        guarded._snapshots.drop_grads()
+        add_note(error, guard_words.raised_here_shared_note(self.rank, self._agreement.world))
+        raise error
 
     def failed_call(self, guarded, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
@@ -441,7 +565,7 @@ class GuardedCalls:
         # the replay, a second run of the step from its start); the buffers are as one run left
         # them, or as they were before it when the step is skipped.
         if go_on != "apply":
-            snapshots.put_grads(start)
+            snapshots.drop_grads()
         if go_on == "skip":
             snapshots.put_start_buffers(start)
         elif after is not None:
@@ -496,7 +620,7 @@ class GuardedCalls:
         """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
         or applied, counted, not replayed."""
         if self.on_failure == "skip":
-            guarded._snapshots.put_grads(start)
+            guarded._snapshots.drop_grads()
             guarded._snapshots.put_start_buffers(start)
         return result
 
@@ -557,6 +681,8 @@ class StepPolicy(OptimizerSteps, GuardedCalls):
         self.unit = unit  # what a step is, in the stuck message: "optimizer steps", "guarded calls"
         self.command_line = False  # the stuck message names --max-failed-steps, not the keyword
         self.writes = ProgramWrites()
+        self.hand_off = FoundInfHandOff()  # a fused optimizer's found_inf, read at its next step
+        self.audit_next = False  # a failure told late: the step after the running one is watched fully
         self._agreement: Agreement | None = None
         self._job_read = False
         # The optimizer-step triggers' state (leave-on): the failed step the running audit

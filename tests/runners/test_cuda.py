@@ -181,3 +181,32 @@ def test_a_compiled_cuda_step_under_guard_stays_compiled_and_syncs_once():
         optimizer.step()
     assert syncs[1:] == [1] * 3
     assert outputs == ["CompiledFunctionBackward"] * 4
+
+
+def test_leave_on_with_a_fused_adamw_and_a_clip_adds_no_sync_to_a_healthy_step_and_still_skips_a_nan_one():
+    """The verdict rides on the clip's norm and goes to the fused AdamW as found_inf (as
+    GradScaler hands it): no host read on a healthy step; a failing one is skipped on the device
+    and told at the next step, from a flag copied to pinned memory without blocking."""
+    torch.manual_seed(0)
+    model = Regressor().to(CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    syncs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LeaveOn(audit="first") as run:
+            for step, (x, y) in enumerate(batches(6), start=1):
+                model.bug = "backward nan" if step == 4 else None
+                if step == 4:
+                    before = [parameter.detach().clone() for parameter in model.parameters()]
+                with SyncCount(CUDA) as counted:
+                    optimizer.zero_grad(set_to_none=True)
+                    ((model(x) - y) ** 2).mean().backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                syncs.append(counted.n)
+                if step == 4:
+                    torch.cuda.synchronize()
+                    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
+    assert syncs[1:4] == [0, 0, 0]  # after the audited first step: nothing added to the program's own syncs
+    assert [failure.step for failure in run.failures] == [4] and run.policy.verdict.source == "clip"
+    assert any("optimizer step 4:" in str(w.message) and "told at step 5" in str(w.message) for w in caught)

@@ -320,15 +320,32 @@ def test_skip_undoes_the_step_warns_once_and_goes_on():
     assert step(x, y) is not None and step.skipped == 2
 
 
-def test_gradients_held_at_the_start_are_restored():
+def test_a_failing_step_drops_the_gradients_it_accumulated_onto_and_its_replay_starts_from_zero():
     model, train_step, step = make()
     x, y = batch()
-    step(x, y)  # accumulate once
-    held = [p.grad.clone() for p in model.parameters()]
+    step(x, y)  # accumulate once: no copy of these gradients is kept
     model.bug = "forward inf"
-    with pytest.raises(opwatch.AnomalyError):
+    with CountingMode() as counted, pytest.raises(opwatch.AnomalyError, match="aten.log"):
         step(x, y)
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), held))
+    assert all(p.grad is None for p in model.parameters())  # dropped, as GradScaler drops an overflowing step
+    copies = [args for op, args in zip(counted.ops, counted.shapes) if op == "aten._foreach_copy_.default"]
+    assert copies and all(tuple(model.fc1.weight.shape) not in shapes for shapes in copies)  # the buffers' copy only
+
+    # on_failure="apply": the optimizer gets the replay's gradients, one run of the step from zeroed ones
+    model, train_step, step = make(on_failure="apply")
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    step(x, y)
+    held = [p.grad for p in model.parameters()]
+    model.bug = reference.bug = "forward inf"
+    torch.manual_seed(6)
+    with pytest.warns(opwatch.OpwatchWarning, match="aten.log"):
+        step(x, y)
+    torch.manual_seed(6)
+    ((reference(x) - y) ** 2).mean().backward()
+    assert all(p.grad is kept for p, kept in zip(model.parameters(), held))  # the same tensors, zeroed in place first
+    assert all(torch.allclose(p.grad, r.grad, equal_nan=True)
+               for p, r in zip(model.parameters(), reference.parameters()))
 
 
 # -- what a replay cannot be faithful to ---------------------------------------------------------

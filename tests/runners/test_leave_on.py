@@ -425,7 +425,7 @@ def steady_data(count=12, width=4):
     return x, x.sum(-1)
 
 
-def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=None):
+def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=None, clip=None):
     lightning = pytest.importorskip("lightning")
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -446,7 +446,7 @@ def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=Non
 
     trainer = lightning.Trainer(
         max_steps=steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[callback],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
     )
     module = Regression()
     trainer.fit(module, DataLoader(TensorDataset(*(data or steady_data(4 * steps))), batch_size=4))
@@ -513,6 +513,27 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 
+def test_lightning_guard_with_gradient_clip_val_decides_on_lightning_s_clip_and_still_replays_a_failing_batch(tmp_path):
+    """Lightning clips after the callback's hook, right before the update: the step is decided
+    there, on the clip's norm (no pass over the gradients), and a failing batch is replayed and
+    skipped as without a clip."""
+    needs("lightning")
+    from opwatch.runners.lightning import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    lightning_guard(tmp_path / "healthy", callback, clip=1.0)
+    assert (callback.runner.steps, callback.runner.failed, callback.runner.policy.verdict.source) == (3, 0, "clip")
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning) as told:
+        module = lightning_guard(tmp_path / "nan", callback, nan_at=2, steps=4, clip=1.0)
+    text = "\n".join(str(warning.message) for warning in told)
+    assert f"inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
+    runner = callback.runner
+    assert (runner.steps, runner.failed, runner.skipped, runner.policy.verdict.source) == (4, 1, 1, "clip")
+    assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
+
+
 def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
     """A Hugging Face train; ``nan_at``: the forward call that makes a backward nan;
     ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is."""
@@ -558,6 +579,23 @@ def test_transformers_guard_audit_reports_the_broadcast_once(tmp_path):
     assert [anomaly.kind for anomaly in callback.anomalies] == ["broadcast"]
     assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (3, 1, 0)
     assert "opwatch guard: 3 optimizer steps ran, 1 audited under a full watch, 0 failed" in out.getvalue()
+
+
+def test_transformers_guard_rides_on_the_trainer_s_own_clip(tmp_path):
+    """The Trainer clips by default (max_grad_norm=1.0): its total norm decides each healthy
+    step, no pass of opwatch's over the gradients; a nan under it still fails its step."""
+    needs("transformers")
+    from opwatch.runners.transformers import OpwatchCallback
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    hf_guard(tmp_path / "healthy", callback)
+    assert (callback.runner.failed, callback.runner.policy.verdict.source) == (0, "clip")
+
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    # Trainer's default optimizer is the fused AdamW where torch has it: the verdict is handed over as found_inf
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 2: (the gradients about to be applied hold|its gradients held) nan/inf"):
+        hf_guard(tmp_path / "nan", callback, nan_at=2)
+    assert [failure.step for failure in callback.runner.failures] == [2] and callback.runner.policy.verdict.source == "clip"
 
 
 def test_transformers_guard_strict_raises_before_the_optimizer(tmp_path):

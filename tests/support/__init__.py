@@ -55,16 +55,40 @@ def assert_golden(name: str, text: str) -> None:
     assert text == expected, f"output differs from golden {name}; rerun with OPWATCH_UPDATE_GOLDENS=1 to update after review"
 
 
+def _tensors_in(value) -> list:
+    """The tensors of a nested value (lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors_in(item)]
+    return []
+
+
 class CountingMode(TorchDispatchMode):
     """Counts every op it sees; entered *outside* a watch it sees the ops opwatch issues too."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
+        self.shapes: list[list] = []  # per op: the shapes of its tensor arguments, lists of them flattened
+        self.elements: list[int] = []  # per op: the elements of its tensor arguments and outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+        tensors = [tensor for tensor in _tensors_in((args, kwargs or {})) if isinstance(tensor, torch.Tensor)]
+        self.shapes.append([tuple(tensor.shape) for tensor in tensors])
+        out = func(*args, **(kwargs or {}))
+        self.elements.append(sum(tensor.numel() for tensor in tensors + _tensors_in(out)))
+        return out
+
+    def elements_by_op(self) -> dict:
+        """``{op: elements}``: the elements each op touched, summed over its calls."""
+        touched: dict = {}
+        for op, count in zip(self.ops, self.elements):
+            touched[op] = touched.get(op, 0) + count
+        return touched
 
     def count(self, name: str) -> int:
         return sum(1 for op in self.ops if op == name)

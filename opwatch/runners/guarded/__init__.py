@@ -4,16 +4,18 @@ and a failing step replayed under a full watch, its origin named, with a one-op 
 The way of one guarded call:
 
 1. what the step starts from is kept (:mod:`.snapshot`): the RNG states, a copy of the
-   model's buffers and of the parameters' ``.grad``, the version counters of the parameters
-   and of the tensor arguments;
+   model's buffers, which parameters held a ``.grad`` (no copy of the gradients), the version
+   counters of the parameters and of the tensor arguments;
 2. ``train_step`` runs as it is, with no dispatch mode; or, when the call is audited
    (:mod:`.audit`: the first call, each new signature of the arguments, every N-th call),
    under a full watch with every check, whose findings are kept and warned (or raised);
-3. one fused finiteness check of what it returned and of the gradients (:mod:`.check`);
+3. one finiteness check of what it returned and of the gradients (:mod:`.check`): the clip's
+   total norm when the step clipped every gradient (:mod:`opwatch.runners.step_verdict`), else
+   one fused pass;
 4. a step that raised or failed the check is replayed under a full watch (:mod:`.replay`,
    with :mod:`.repro`'s one-op repro), or judged from its audit's watch when it had one;
-5. the buffers are left as one run of the step left them, the ``.grad`` as the step found
-   them (the optimizer never sees the bad gradients), and :class:`~opwatch.AnomalyError`
+5. the buffers are left as one run of the step left them, the ``.grad`` dropped (the
+   optimizer never sees the bad gradients), and :class:`~opwatch.AnomalyError`
    names the origin; or, with ``on_failure="skip"``, the step is undone and skipped.
 
 Every sentence it says is made in :mod:`opwatch.render.guard`.
@@ -49,6 +51,7 @@ from . import replay as replays
 from .replay import NONFINITE, allow_option, first_line, judge
 from .snapshot import Snapshots, changed_arguments
 from ..ledger import MAX_FAILED_IN_A_ROW
+from ..step_verdict import shared_gradients
 from .. import policy as step_policy  # the module, not its names: policy imports guarded's rooms too
 
 __all__ = ["guard", "Guarded"]
@@ -87,11 +90,13 @@ def guard(
             loss = step(batch)                    # train_step(batch): forward and backward
             optimizer.step()
 
-    A healthy step runs ``train_step`` with no dispatch mode, then one fused check that the
-    tensors (and floats) it returned and the parameters' gradients are finite: the check
-    GradScaler runs, one host read (a loss that is a CPU scalar is read where it lies). A step that raised, or whose check found nan/inf, is run
+    A healthy step runs ``train_step`` with no dispatch mode, then one check that the
+    tensors (and floats) it returned and the parameters' gradients are finite, one host read
+    (kept on purpose: the call decides before it returns): a step that clipped every gradient
+    (``clip_grad_norm_``) is judged by the clip's total norm, any other by the fused check
+    GradScaler runs (a loss that is a CPU scalar is read where it lies). A step that raised, or whose check found nan/inf, is run
     again from where it started (RNG states of the CPU and every CUDA device, the model's
-    buffers, the parameters' ``.grad`` restored) on the same arguments, under a watch that
+    buffers, the ``.grad`` it found zeroed: no copy of the gradients is kept) on the same arguments, under a watch that
     checks every op's outputs as it goes. :class:`~opwatch.AnomalyError` then names the op that
     made the first nan/inf, or the anomaly at (or before) the op that raised, with everything a
     strict watch reports; the step's own exception is chained. ``error.anomaly.repro`` is a
@@ -110,7 +115,8 @@ def guard(
     signature, for at most ``max_audits`` signatures.
 
     Afterwards the model's buffers are as one run of the step left them (updated once) and
-    the ``.grad`` as the step found them, so the optimizer never sees the bad gradients.
+    the ``.grad`` dropped (``None``; gradients it accumulated onto are lost with it, as
+    GradScaler loses an overflowing step's), so the optimizer never sees the bad gradients.
 
     ``train_step`` must leave the parameters alone (``optimizer.step()`` goes after the guarded
     call): a step that changes them is refused with a ``ValueError`` at its first call, since
@@ -161,7 +167,7 @@ def guard(
         What a step that made nan/inf does once its replay named the origin (the same words as
         ``python -m opwatch --guard --on-failure`` and the trainers' guard modes): ``"raise"``
         (default) raises :class:`~opwatch.AnomalyError`; ``"skip"`` undoes the step (buffers
-        and ``.grad`` as they were before it; ``None`` grads make ``optimizer.step()`` leave
+        as they were before it, ``.grad`` dropped; ``None`` grads make ``optimizer.step()`` leave
         the parameters alone, as a step GradScaler skips), warns once per origin line, keeps
         it in ``.failures``, and the call returns ``None``; ``"apply"`` warns the same way and
         leaves the step's non-finite gradients for the optimizer (the call returns what the
@@ -282,16 +288,19 @@ class Guarded:
             self.policy.verdict.returned.sharded = any(type(param).__name__ == "DTensor" for param in self._snapshots.params)
             self._agreement = Agreement.start() if self._check_results else None
             self.policy.join(self._agreement)
+            # A DDP model: its reduced gradients decide a healthy call alike on every rank.
+            self._shared = self._agreement is not None and shared_gradients(self._snapshots.params, [self._model])
             self._see_writes()
         audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
         self.ledger.step(audited=audit is not None)
         start = self._snapshots.take(args, kwargs)
         try:
             if audit is None:
-                result = self._step(*args, **kwargs)
+                with self.policy.verdict.reductions:  # the clip norms this call computes
+                    result = self._step(*args, **kwargs)
             else:
                 self.last_audit = audit
-                with audit:
+                with audit, self.policy.verdict.reductions:
                     result = self._step(*args, **kwargs)
         except _NOT_REPLAYED as error:
             if self._agreement is not None:
@@ -311,7 +320,7 @@ class Guarded:
         # check that failed once is off on this rank only).
         if (self._check_results or self._agreement is not None) and not self._healthy(result):
             if self._raised_elsewhere is not None:  # another rank's step raised: every rank stops here
-                self._snapshots.put_grads(start)
+                self._snapshots.drop_grads()
                 raise self._raised_elsewhere
             if self._finite_here:
                 failure = FailedElsewhere("elsewhere")
@@ -346,7 +355,7 @@ class Guarded:
             return
         self.anomalies.extend(found)
         if self._strict and may_raise:
-            self._snapshots.put_grads(start)  # the optimizer never sees this step's gradients
+            self._snapshots.drop_grads()  # the optimizer never sees this step's gradients
             raise AnomalyError(found[0])
         for anomaly in found:
             key = (anomaly.kind, anomaly.filename, anomaly.lineno)
@@ -361,10 +370,11 @@ class Guarded:
         one slot per rank), so that every rank replays the same steps with matching collectives;
         a step that raised on another rank leaves its error in ``_raised_elsewhere``."""
         healthy = self._checked(result) if self._check_results else True
+        healthy = healthy or self._shared and self.policy.returned_here_only(self)  # DDP: decided from what the ranks share
         self._finite_here = healthy
         self._raised_elsewhere = None
-        if self._agreement is None:
-            return healthy
+        if self._agreement is None or healthy and self._shared:
+            return healthy  # DDP: every rank read the same reduced gradients; a failure asks the others
         decision = self._agreement.decide(0 if healthy else NONFINITE_CODE, self.calls, self._name())
         if decision.raised:
             self._raised_elsewhere = self._agreement.raised_elsewhere(decision, self.calls, self._name())
@@ -379,8 +389,10 @@ class Guarded:
         line = first_line(error)
         agreement.mark(self.calls, name, "raised", f"{type(error).__name__}: {line}", error_type=type(error).__name__,
                        where=raised_where(error), line=line)
+        if self._shared:  # DDP: the others meet no flag on a healthy step, none to wait at
+            self.policy.raised_shared(self, error)
         decision = agreement.decide(RAISED, self.calls, name)  # NoAnswer (bounded) when another rank never comes
-        self._snapshots.put_grads(start)
+        self._snapshots.drop_grads()
         add_note(error, words.raised_here_note(agreement.rank, decision.raised, agreement.world))
         raise error
 

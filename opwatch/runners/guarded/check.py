@@ -17,6 +17,7 @@ from ...core.finite import CHECKED_DTYPES, FusedFiniteCheck, nonfinite_kind
 from ...render.guard_facts import BadGrads, FailedElsewhere, NotFinite, Raised, Returned, Unnamed
 from .ranks import local
 from .snapshot import leaves
+from ..step_verdict import CLIP, FUSED_PASS, scalars_finite
 
 _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -38,10 +39,14 @@ def on_failure_option(value, default: str) -> str:
 class FiniteCheck:
     """Checks steps' results and gradients (:class:`opwatch.core.finite.FusedFiniteCheck`, its
     flags kept from call to call). ``scaler``: a GradScaler whose overflow steps are its
-    business (gradients left unchecked)."""
+    business (gradients left unchecked). ``reductions``: a
+    :class:`~opwatch.runners.step_verdict.StepReductions` whose clip norm, when it covers every
+    gradient, stands for them (no pass over the gradients)."""
 
-    def __init__(self, scaler=None):
+    def __init__(self, scaler=None, reductions=None):
         self._scaler = scaler
+        self.reductions = reductions
+        self.source = None  # what the last check read: "clip" or "fused pass" (step_verdict's names)
         self.tensors = FusedFiniteCheck()
         self.sharded = False  # the parameters are DTensors (FSDP2, tensor parallel): their local shards are read
 
@@ -71,9 +76,15 @@ class FiniteCheck:
             return self.tensors([], returned)
         # The gradients may be written back (unchanged) by the kernel; what the step returned
         # is the user's, never written.
+        grads = [grad for param in params if (grad := param.grad) is not None]
+        norm = self.reductions.norm_covering(grads) if self.reductions is not None and grads else None
+        if norm is not None:  # the step's clip reduced every gradient to one norm: it stands for them
+            self.source = CLIP
+            return scalars_finite([*returned, norm.total], self.tensors)
+        self.source = FUSED_PASS
         if self.sharded:  # each rank reads its own shard, no collective (the ranks agree after)
-            return self.tensors([local(grad) for param in params if (grad := param.grad) is not None], returned)
-        return self.tensors([grad for param in params if (grad := param.grad) is not None], returned)
+            return self.tensors([local(grad) for grad in grads], returned)
+        return self.tensors(grads, returned)
 
 
 __all__ = ["ON_FAILURE", "on_failure_option", "FiniteCheck", "not_finite", "kind_of", "Raised", "FailedElsewhere", "NotFinite"]

@@ -1,10 +1,15 @@
 """What a guarded step starts from, kept so that a failing step can run again from there.
 
 The RNG states (CPU, and every CUDA device once CUDA is initialized), a copy of the model's
-buffers (BatchNorm running statistics), a copy of the parameters' ``.grad`` when they hold
-values (gradient accumulation), and the version counters of the parameters and of the tensor
-arguments. The copies go into tensors kept from call to call (one ``_foreach_copy_`` once the
-shapes settle).
+buffers (BatchNorm running statistics), the version counters of the parameters and of the
+tensor arguments, and which parameters held a ``.grad`` (references, no copy). The buffers'
+copies go into tensors kept from call to call (one ``_foreach_copy_`` once the shapes settle).
+
+The gradients are never copied: a healthy step would pay a copy of every gradient for the rare
+failing one. A failing step's gradients, those it accumulated onto included, are dropped
+(``.grad`` set to ``None``, as a step GradScaler skips leaves the optimizer nothing to apply),
+and its replay starts from zeroed gradients (the ``.grad`` tensors the step found, zeroed in
+place, so that a view DDP keeps of them stays valid).
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ class Snapshots:
         self.buffer_slots = [] if model is None else [
             (module, name) for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None
         ]
-        self._grads = Copies()
         self._buffers = Copies()
 
     def take(self, args, kwargs) -> Start:
@@ -61,9 +65,7 @@ class Snapshots:
         start.cuda_rng = torch.cuda.get_rng_state_all() if cuda_initialized() else None
         params = self.params
         start.versions = version_counters(params)
-        start.grads = grads = [param.grad for param in params]
-        if grads.count(None) != len(grads):  # gradients from an earlier backward (accumulation)
-            self._grads.save([grad for grad in grads if grad is not None])
+        start.grads = [param.grad for param in params]  # references: which ones held a .grad
         if self.buffer_slots:
             start.buffers = [(module, name, module._buffers.get(name)) for module, name in self.buffer_slots]
             self._buffers.save([buffer for _, _, buffer in start.buffers if buffer is not None])
@@ -89,18 +91,23 @@ class Snapshots:
         _CPU_GENERATOR.set_state(start.cpu_rng)
         if start.cuda_rng is not None:
             torch.cuda.set_rng_state_all(start.cuda_rng)
-        self.put_grads(start)
+        self.zero_grads(start)
         self.put_start_buffers(start)
 
-    def put_grads(self, start) -> None:
-        copies = iter(self._grads.values)
+    def zero_grads(self, start) -> None:
+        """The ``.grad`` the step found, zeroed in place (``None`` where there was none): what a
+        replay starts from."""
         with torch.no_grad():
             for param, grad in zip(self.params, start.grads):
-                if grad is None:
-                    param.grad = None
-                else:
-                    grad.copy_(next(copies))
-                    param.grad = grad
+                if grad is not None:
+                    grad.zero_()
+                param.grad = grad
+
+    def drop_grads(self) -> None:
+        """A failing step's gradients, accumulated ones included, dropped: the optimizer finds
+        no ``.grad`` and leaves the parameters alone."""
+        for param in self.params:
+            param.grad = None
 
     def put_start_buffers(self, start) -> None:
         put_buffers(start.buffers, self._buffers.values)

@@ -1,0 +1,376 @@
+"""A step's verdict from what the step already computed: the clip's total norm, GradScaler's
+``found_inf``, the loss the program backpropagated; one fused pass only where it computed none.
+
+A healthy step of a guarded run asks one question (are the gradients about to be applied, and
+the losses they came from, finite?) and most training loops have answered it already:
+
+- ``clip_grad_norm_`` (nanoGPT's ``grad_clip``, the Hugging Face Trainer's ``max_grad_norm``,
+  Lightning's ``gradient_clip_val``) reduces every gradient it clips to one total norm, and a
+  p-norm (p > 0) is nan or inf whenever one of the values it covers is. :class:`StepReductions`
+  keeps the norms the program computes (a scoped wrap of the function ``clip_grad_norm_`` calls,
+  and of ``torch.nn.utils.get_total_norm``, restored on exit), with the gradients each covered;
+- ``GradScaler.unscale_`` checks every gradient of an optimizer for nan/inf and skips the step
+  itself when it finds one (so the step never reaches opwatch's hooks): a step it unscaled is
+  decided by it, gradients-wise;
+- the losses ``Tensor.backward()`` ran on are kept by the caller (detached views, no copy).
+
+:class:`VerdictFromStep` reads the cheapest source that covers every gradient of the step: a
+scaler's unscale (no read), a clip norm (one scalar read, together with the losses), else the
+fused pass of :class:`opwatch.core.finite.FusedFiniteCheck` (GradScaler's kernel over the
+gradients, one host read). :meth:`VerdictFromStep.device_flag` computes the same verdict as a
+device tensor with no host read, for an optimizer that takes GradScaler's ``found_inf``
+(the fused Adam, AdamW, SGD): it skips a failing step on the device, and :class:`DeferredFlag`
+brings the flag to the host without blocking, read at the next step (:class:`FoundInfHandOff`:
+the hand-off, GradScaler's contract: the flag set on the optimizer for one step).
+
+:func:`shared_gradients` says when the verdict is the same on every rank of a job (DDP's
+reduced gradients), so that a healthy step needs no collective of opwatch's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
+from ..core.finite import FusedFiniteCheck
+
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+
+# Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
+CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
+_MAX_NORMS = 16  # clip norms kept between two optimizer steps (a loop clips once a step)
+
+
+class DeviceVerdict(NamedTuple):
+    """A step's verdict on the device: ``found_inf`` (0-dim float32, 1 when the step must not
+    run) and ``parts``: ``[gradients not finite, losses not finite]`` (two float32 flags)."""
+
+    found_inf: torch.Tensor
+    parts: torch.Tensor
+
+
+class ClipNorm(NamedTuple):
+    """One total norm the program computed: the norm tensor and the ids of the tensors it covered."""
+
+    total: torch.Tensor
+    covered: frozenset
+
+
+class _ScopedWrap:
+    """``owner.name`` replaced by ``wrapper(original, ...)`` until :meth:`undo`; a wrap another
+    one went on top of is left in place, passing calls through."""
+
+    def __init__(self, owner, name: str, make_wrapper):
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self.active = True
+        original = self.original
+        wrap = self
+
+        def wrapped(*args, **kwargs):
+            if not wrap.active:
+                return original(*args, **kwargs)
+            return make_wrapper(original, *args, **kwargs)
+
+        wrapped.__wrapped__ = original
+        self.wrapped = wrapped
+        setattr(owner, name, wrapped)
+
+    def undo(self) -> None:
+        self.active = False
+        if getattr(self.owner, self.name, None) is self.wrapped:
+            setattr(self.owner, self.name, self.original)
+
+
+class StepReductions:
+    """A context manager: while it is entered, the total norms the program computes and the
+    optimizers a GradScaler unscales are kept (references, no copy, no kernel). Entering it
+    forgets what an earlier scope kept; leaving it keeps them, to be read after the scope (a
+    guarded call's check)."""
+
+    _home = None  # the module whose global computes a total norm (imported at the first entry)
+
+    def __init__(self):
+        self.norms: list = []
+        self._unscaled: weakref.WeakSet = weakref.WeakSet()  # optimizers unscaled since their last step
+        self._wraps: list = []
+        self._depth = 0
+        # Called once, right after the next norm is kept (Lightning's guard mode decides its step
+        # there: Lightning clips after the callback's hook, just before the update).
+        self.on_norm = None
+
+    def __enter__(self) -> StepReductions:
+        self._depth += 1
+        if self._depth > 1:
+            return self
+        self.forget()
+        module_name, name = TOTAL_NORM_HOME
+        if StepReductions._home is None:
+            StepReductions._home = importlib.import_module(module_name)
+        home = StepReductions._home
+        kept = weakref.ref(self)
+
+        def total_norm(original, tensors, *args, **kwargs):
+            norm = original(tensors, *args, **kwargs)
+            reductions = kept()
+            if reductions is not None:
+                reductions.saw_norm(norm, tensors, args, kwargs)
+                decide, reductions.on_norm = reductions.on_norm, None
+                if decide is not None:
+                    decide()
+            return norm
+
+        def unscale_(original, scaler, optimizer):
+            result = original(scaler, optimizer)
+            reductions = kept()
+            if reductions is not None and scaler.is_enabled():
+                reductions._unscaled.add(optimizer)
+            return result
+
+        self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
+                       _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_)]
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._depth -= 1
+        if self._depth == 0:
+            for wrap in reversed(self._wraps):
+                wrap.undo()
+            self._wraps = []
+        return False
+
+    def saw_norm(self, norm, tensors, args, kwargs) -> None:
+        """Keep a norm that answers the question: a p-norm with p > 0 (nan and inf carry through
+        it; p = 0 counts nonzeros, p = -inf takes the smallest), of plain tensors."""
+        norm_type = next(iter(args), kwargs.get("norm_type", 2.0))  # get_total_norm(tensors, norm_type, ...)
+        try:
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            return
+        if not norm_type > 0 or len(self.norms) >= _MAX_NORMS:
+            return
+        if type(norm) is not torch.Tensor:
+            dtensor = dtensor_class()
+            if dtensor is None or not isinstance(norm, dtensor):
+                return
+            # FSDP2, tensor parallel: this rank's part of the norm (of its shards), nan or inf
+            # whenever its shards hold one; read with no collective (the ranks agree after).
+            norm, _, _ = dtensor_parts(norm)
+        covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        self.norms.append(ClipNorm(norm, frozenset(map(id, covered))))
+
+    def after_backward(self) -> bool:
+        """A backward ran: a norm computed before it covers gradients that changed since.
+        Returns whether an optimizer unscaled since its last step never stepped (GradScaler
+        skipped it): the step before this backward ended there."""
+        self.norms.clear()
+        skipped = len(self._unscaled) > 0
+        if skipped:
+            self._unscaled = weakref.WeakSet()
+        return skipped
+
+    def after_step(self, optimizer) -> None:
+        self.norms.clear()
+        self._unscaled.discard(optimizer)
+
+    def forget(self) -> None:
+        self.norms.clear()
+        self._unscaled = weakref.WeakSet()
+
+    def unscaled(self, optimizer) -> bool:
+        """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
+        (its kernel checked every one of them; it skips the step itself when one is not finite)."""
+        return optimizer is not None and optimizer in self._unscaled
+
+    def norm_covering(self, grads) -> ClipNorm | None:
+        """The newest kept norm that covered every tensor of ``grads``, or ``None``."""
+        if not self.norms:
+            return None
+        wanted = set(map(id, grads))
+        for norm in reversed(self.norms):
+            if wanted <= norm.covered:
+                return norm
+        return None
+
+
+class VerdictFromStep:
+    """Whether a step's gradients and losses are finite, read from the cheapest source that
+    covers them (the module's docstring); :attr:`source` says which one the last call read."""
+
+    def __init__(self, reductions: StepReductions | None = None, fused: FusedFiniteCheck | None = None):
+        self.reductions = reductions
+        self.fused = fused if fused is not None else FusedFiniteCheck()  # its flags kept from step to step
+        self.source: str | None = None
+
+    def finite(self, grads, losses=(), optimizer=None) -> bool:
+        """One verdict, at most one host read (none when a scaler decided and the losses are CPU scalars)."""
+        reductions = self.reductions
+        if reductions is not None and reductions.unscaled(optimizer):
+            self.source = SCALER  # the scaler skips an overflowing step itself: it never gets here
+            return scalars_finite(losses, self.fused)
+        norm = reductions.norm_covering(grads) if reductions is not None and grads else None
+        if norm is not None:
+            self.source = CLIP
+            return scalars_finite([norm.total, *losses], self.fused)
+        self.source = FUSED_PASS
+        return self.fused(grads, list(losses))
+
+    def gradients_finite(self, grads, optimizer=None) -> bool:
+        """The gradients' part alone (read after a failed :meth:`finite`, to tell a loss that is
+        not finite on this rank from gradients that are not finite on every rank)."""
+        return self.finite(grads, (), optimizer)
+
+    def device_flag(self, grads, losses=(), optimizer=None):
+        """The verdict as a :class:`DeviceVerdict` on the gradients' device, with no host read:
+        ``found_inf`` for the optimizer and the two parts it is made of; ``None`` where it cannot
+        be made that way (no gradient, several devices, DTensors)."""
+        if not grads or dtensor_class() is not None and any(type(grad) is not torch.Tensor for grad in grads):
+            return None
+        first, *_ = grads
+        device = first.device
+        if any(grad.device != device for grad in grads) or any(loss.device != device for loss in losses):
+            return None
+        norm = self.reductions.norm_covering(grads) if self.reductions is not None else None
+        with torch.no_grad():
+            if losses:
+                loss_bad = (~torch.isfinite(torch.cat([loss.detach().reshape(-1).float() for loss in losses]))).any().float()
+            else:
+                loss_bad = torch.zeros((), device=device)
+            if norm is not None and norm.total.device == device:
+                self.source = CLIP
+                grads_bad = (~torch.isfinite(norm.total.detach())).float()
+            elif amp_non_finite_check is None:
+                return None
+            else:
+                self.source = FUSED_PASS
+                grads_bad = torch.zeros((), device=device)
+                writable = [grad for grad in grads if not grad.requires_grad]
+                read_only = [torch.linalg.vector_norm(grad.detach(), math.inf).reshape(1) for grad in grads if grad.requires_grad]
+                amp_non_finite_check(writable + read_only, grads_bad, torch.ones((), device=device))
+            # found_inf must be exactly 0 or 1: the fused step subtracts it from its step counts
+            return DeviceVerdict(torch.maximum(grads_bad, loss_bad), torch.stack((grads_bad, loss_bad)))
+
+
+def scalars_finite(tensors, fused: FusedFiniteCheck) -> bool:
+    """Whether a few small tensors (a norm, losses) hold only finite values: CPU scalars read
+    where they lie, the others in one fused read."""
+    if all(tensor.is_cpu and tensor.numel() == 1 for tensor in tensors):
+        return all(math.isfinite(tensor.item()) for tensor in tensors)
+    return fused([], list(tensors))
+
+
+class DeferredFlag:
+    """A device flag brought to the host without blocking: a pinned buffer and an event (on a
+    CUDA device), read at the next step, when the device has almost always finished it."""
+
+    def __init__(self):
+        self._host = None
+        self._event = None
+        self.pending = False
+
+    def hand(self, flag) -> None:
+        """Start the copy of ``flag`` (a small float32 tensor: a verdict's parts) to the host."""
+        if flag.is_cuda:
+            if self._host is None or self._host.shape != flag.shape:
+                self._host = torch.zeros(flag.shape, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag  # a CPU flag is on the host already: read it when asked
+            self._event = None
+        self.pending = True
+
+    def read(self) -> tuple | None:
+        """The flag handed last, as a tuple of bools (waits for the copy only if it has not
+        ended); ``None`` when none is pending."""
+        if not self.pending:
+            return None
+        self.pending = False
+        if self._event is not None:
+            self._event.synchronize()
+        return tuple(value != 0 for value in self._host.tolist())
+
+
+class LateFailure(NamedTuple):
+    """A step a fused optimizer skipped on the device, its flag read a step later."""
+
+    step: int
+    gradients: bool  # its gradients held nan/inf (else only its losses did)
+    losses: list  # the losses backward() ran on (references), to say which kind
+
+
+class _Handed(NamedTuple):
+    flag: DeferredFlag
+    step: int
+    losses: list
+
+
+class FoundInfHandOff:
+    """The verdict handed to fused optimizers as ``found_inf`` (set on the optimizer for its
+    step, deleted after it, as GradScaler does), each flag read back at that optimizer's next
+    step (or at the end of the run) through a :class:`DeferredFlag`."""
+
+    def __init__(self):
+        self._deferred = weakref.WeakKeyDictionary()  # optimizer -> _Handed
+        self._handed = weakref.WeakSet()  # optimizers holding opwatch's found_inf for the step running now
+
+    @staticmethod
+    def takes(optimizer) -> bool:
+        """Whether ``optimizer`` skips its own update on the device when handed ``found_inf``,
+        and has none from GradScaler for this step."""
+        return takes_found_inf(optimizer) and getattr(optimizer, "found_inf", None) is None
+
+    def hand(self, optimizer, verdict: DeviceVerdict, step: int, losses) -> None:
+        kept = self._deferred.get(optimizer)
+        flag = kept.flag if kept is not None else DeferredFlag()
+        flag.hand(verdict.parts)
+        self._deferred[optimizer] = _Handed(flag, step, losses)  # references: read only if it failed
+        optimizer.found_inf = verdict.found_inf
+        optimizer.grad_scale = None
+        self._handed.add(optimizer)
+
+    def forget(self, optimizer) -> None:
+        self._deferred.pop(optimizer, None)
+
+    def after_step(self, optimizer) -> None:
+        if optimizer in self._handed:
+            self._handed.discard(optimizer)
+            del optimizer.found_inf, optimizer.grad_scale
+
+    def failed(self, optimizer=None) -> list:
+        """The :class:`LateFailure` s among the flags handed to ``optimizer`` (``None``: to every
+        optimizer), each read once."""
+        found = []
+        for handed in [optimizer] if optimizer is not None else list(self._deferred):
+            kept = self._deferred.get(handed)
+            parts = None if kept is None else kept.flag.read()
+            if parts is not None and any(parts):
+                gradients_bad, _ = parts
+                found.append(LateFailure(kept.step, bool(gradients_bad), kept.losses))
+                self._deferred[handed] = kept._replace(losses=[])
+        return found
+
+
+def trained(optimizer) -> list:
+    """The parameters of ``optimizer`` that have a gradient."""
+    return [parameter for group in optimizer.param_groups for parameter in group["params"] if parameter.grad is not None]
+
+
+def shared_gradients(params, modules) -> bool:
+    """Whether every parameter of ``params`` is trained by a ``DistributedDataParallel`` module
+    among ``modules``: its gradient is reduced across the ranks before the optimizer step, so a
+    verdict read from it is the same on every rank (a nan/inf on one rank reaches all of them)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    reduced: set = set()
+    for module in modules:
+        if isinstance(module, ddp):
+            reduced.update(id(parameter) for parameter in module.parameters() if parameter.requires_grad)
+    if not reduced:
+        return False
+    return all(id(parameter) in reduced for parameter in params)

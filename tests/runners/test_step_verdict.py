@@ -1,0 +1,362 @@
+"""The verdict rides on what the step computed (opwatch.runners.step_verdict): counted, never
+timed. On a healthy step that clips, the elements opwatch's own ops touch are at most 1% of the
+gradient elements, no gradient is copied, and a DDP step meets no collective of opwatch's; a
+failing step is still caught and skipped (a clip over nan, a GradScaler overflow, a nan loss
+with finite gradients, a nan on one DDP rank, a fused optimizer handed the verdict)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import opwatch
+from opwatch.runners import leave_on as leave_on_module
+from opwatch.runners import step_verdict
+from opwatch.runners.leave_on import GradientsNotFinite, LeaveOn
+from support import CountingMode
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-shaped model: embeddings, one attention block, an MLP, a tied head."""
+
+    def __init__(self, vocab=64, width=32, context=16):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.attention = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        self.bug = None
+
+    def forward(self, idx, targets):
+        steps = idx.shape[1]
+        h = self.tokens(idx) + self.positions(torch.arange(steps))
+        mask = torch.triu(torch.ones(steps, steps, dtype=torch.bool), 1)
+        a = self.norm1(h)
+        h = h + self.attention(a, a, a, attn_mask=mask, need_weights=False)[0]
+        h = h + self.mlp(self.norm2(h))
+        if self.bug == "nan":
+            h = h + (h[..., :1] - 1e4).sqrt()  # BUG: nan on every token
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def batch(step, *, ignored=False):
+    generator = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 64, (4, 16), generator=generator)
+    targets = torch.randint(0, 64, (4, 16), generator=generator)
+    return idx, torch.full_like(targets, -100) if ignored else targets
+
+
+def gradient_elements(model) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+@contextlib.contextmanager
+def opwatch_ops_visible(monkeypatch):
+    """opwatch runs its own reductions with Python dispatch off (no mode of the program sees
+    them): turned into a no-op here, so that the counting mode sees opwatch's ops too."""
+    monkeypatch.setattr(leave_on_module, "no_python_dispatch", contextlib.nullcontext)
+    yield
+
+
+def added_elements(plain: CountingMode, watched: CountingMode) -> dict:
+    """``{op: elements}`` the watched steps' ops touched beyond the plain steps'."""
+    before, after = plain.elements_by_op(), watched.elements_by_op()
+    return {op: after.get(op, 0) - before.get(op, 0) for op in set(before) | set(after) if after.get(op, 0) != before.get(op, 0)}
+
+
+def nanogpt_steps(model, optimizer, steps, *, first=1, clip=True, ignored_at=None):
+    for step in range(first, first + steps):
+        loss = model(*batch(step, ignored=step == ignored_at))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def fresh(fused=False):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+
+
+# -- counted: what a healthy step adds ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_leave_on_over_a_clipping_loop_touches_at_most_one_percent_of_the_gradients(monkeypatch, fused):
+    model, optimizer = fresh(fused)
+    reference, reference_optimizer = fresh(fused)
+    with opwatch_ops_visible(monkeypatch), LeaveOn(audit="first", warn=False) as run:
+        nanogpt_steps(model, optimizer, 1)  # the audit
+        with CountingMode() as watched:
+            nanogpt_steps(model, optimizer, 3, first=2)
+    nanogpt_steps(reference, reference_optimizer, 1)
+    with CountingMode() as plain:
+        nanogpt_steps(reference, reference_optimizer, 3, first=2)
+    added = added_elements(plain, watched)
+    assert sum(added.values()) / 3 <= 0.01 * gradient_elements(model), added
+    assert "aten._foreach_copy_.default" not in added and "aten._amp_foreach_non_finite_check_and_unscale_.default" not in added
+    assert run.policy.verdict.source == step_verdict.CLIP and run.failed == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))  # bitwise the same training
+
+
+def test_without_a_clip_leave_on_makes_its_own_fused_pass():
+    """The case that keeps its pass: the loop reduced nothing that covers the gradients."""
+    model, optimizer = fresh()
+    with LeaveOn(audit="manual", warn=False) as run:
+        nanogpt_steps(model, optimizer, 1, clip=False)
+        with CountingMode() as watched:
+            nanogpt_steps(model, optimizer, 1, first=2, clip=False)
+    assert run.policy.verdict.source == step_verdict.FUSED_PASS
+    # its ops run with Python dispatch off: the counting mode sees none of them, the program's only
+    assert watched.count("aten._amp_foreach_non_finite_check_and_unscale_.default") == 0
+
+
+def test_a_clip_over_only_some_parameters_does_not_stand_for_the_others():
+    model, optimizer = fresh()
+    with LeaveOn(audit="manual", warn=False) as run:
+        loss = model(*batch(1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.mlp.parameters(), 1.0)  # the MLP's only
+        optimizer.step()
+    assert run.policy.verdict.source == step_verdict.FUSED_PASS
+
+
+def test_the_clip_wrap_is_scoped_and_sees_a_clip_imported_before_the_run():
+    from torch.nn.utils import clip_grad_norm_  # bound before the run: the wrap is of the function it calls
+
+    home = torch.nn.utils.clip_grad._get_total_norm
+    model, optimizer = fresh()
+    with LeaveOn(audit="manual", warn=False) as run:
+        assert torch.nn.utils.clip_grad._get_total_norm is not home
+        model(*batch(1)).backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    assert torch.nn.utils.clip_grad._get_total_norm is home  # restored on exit
+    assert run.policy.verdict.source == step_verdict.CLIP
+
+
+def test_guard_over_a_clipping_step_copies_no_gradient_and_runs_no_pass_over_them():
+    model, optimizer = fresh()
+
+    def train_step(idx, targets):
+        loss = model(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    guarded = opwatch.guard(train_step, model, audit="never")
+    reference, _ = fresh()
+
+    def plain_step(idx, targets):
+        loss = reference(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        return loss
+
+    guarded(*batch(1))
+    model.zero_grad(set_to_none=True)
+    with CountingMode() as watched:
+        for step in (2, 3):
+            guarded(*batch(step))  # accumulating onto the first: no copy of the gradients kept
+    with CountingMode() as plain:
+        plain_step(*batch(1))
+        for step in (2, 3):
+            plain_step(*batch(step))
+    added = added_elements(plain, watched)
+    assert "aten._foreach_copy_.default" not in added
+    assert "aten._amp_foreach_non_finite_check_and_unscale_.default" not in added
+    assert max(added.values(), default=0) <= 0.01 * gradient_elements(model), added
+    assert guarded.policy.verdict.source == step_verdict.CLIP
+
+
+# -- must flag: a failing step is still caught and skipped ---------------------------------------
+
+
+def test_a_clip_over_nan_gradients_fails_the_step_and_skips_it():
+    model, optimizer = fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+            nanogpt_steps(model, optimizer, 2)
+            before = [parameter.detach().clone() for parameter in model.parameters()]
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1, first=3)
+            after_failure = [parameter.detach().clone() for parameter in model.parameters()]
+            model.bug = None
+            nanogpt_steps(model, optimizer, 1, first=4)
+    assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
+    assert run.policy.verdict.source == step_verdict.CLIP
+    assert all(torch.equal(a, b) for a, b in zip(before, after_failure))  # the weights as they were
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+    assert any("optimizer step 3: the gradients about to be applied hold nan/inf" in str(w.message) for w in caught)
+
+
+def test_a_nan_loss_with_finite_gradients_fails_its_step():
+    model, optimizer = fresh()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+            nanogpt_steps(model, optimizer, 3, ignored_at=2)  # every label ignored: 0/0
+    assert [(failure.step, failure.cause, failure.loss) for failure in run.failures] == [(2, "loss", "nan")]
+
+
+def test_a_grad_scaler_overflow_is_the_scaler_s_and_its_unscale_decides_healthy_steps():
+    model, optimizer = fresh()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+        for step in (1, 2, 3):
+            loss = model(*batch(step))
+            scaled = scaler.scale(loss * (1e38 if step == 2 else 1.0))  # step 2 overflows
+            scaled.backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    assert run.steps == 2 and run.failed == 0  # the scaler skipped step 2 itself: it never reached the hooks
+    assert run.policy.verdict.source == step_verdict.SCALER
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_step_on_the_device():
+    model, optimizer = fresh(fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+            nanogpt_steps(model, optimizer, 2)
+            steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
+            before = [parameter.detach().clone() for parameter in model.parameters()]
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1, first=3)
+            assert run.failed == 0  # told one step late: the flag is read at the next step
+            assert not hasattr(optimizer, "found_inf")  # GradScaler's contract: for one step only
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
+            assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
+            model.bug = None
+            nanogpt_steps(model, optimizer, 2, first=4)
+    assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
+    assert any(str(w.message).startswith("opwatch: optimizer step 3: its gradients held nan/inf (and the loss backward() ran on was nan). "
+                                         "The fused optimizer got the verdict as found_inf") and "told at step 4" in str(w.message)
+               for w in caught)
+    assert run.audited == 1  # step 5 ran under the full watch, to name a failure that recurs
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_a_fused_optimizer_s_last_failing_step_is_told_when_the_run_ends_and_raise_raises_before_the_next_step():
+    model, optimizer = fresh(fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1)
+    assert run.failed == 1 and any("told at the end of the run" in str(w.message) for w in caught)
+
+    model, optimizer = fresh(fused=True)
+    with pytest.raises(GradientsNotFinite, match="optimizer step 1: .* held nan/inf") as raised:
+        with LeaveOn(audit="manual", on_failure="raise", warn=False):
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1)
+            start = [parameter.detach().clone() for parameter in model.parameters()]
+            model.bug = None
+            nanogpt_steps(model, optimizer, 1, first=2)
+    assert raised.value.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 2 never ran
+
+
+def test_device_flag_is_the_verdict_without_a_host_read():
+    """The flag handed to a fused optimizer: set by a nan gradient, a nan loss or a nan clip
+    norm, made with no _local_scalar_dense (on CUDA: no sync)."""
+    reductions = step_verdict.StepReductions()
+    verdict = step_verdict.VerdictFromStep(reductions)
+    grads = [torch.ones(3), torch.ones(2, 2)]
+    with CountingMode() as counted:
+        flags = [verdict.device_flag(grads, [torch.tensor(1.0)]), verdict.device_flag(grads, [torch.tensor(math.nan)]),
+                 verdict.device_flag([torch.ones(3), torch.tensor([1.0, math.inf])], [torch.tensor(1.0)])]
+    assert counted.count("aten._local_scalar_dense.default") == 0
+    assert [flag.found_inf.item() for flag in flags] == [0.0, 1.0, 1.0]
+    assert [flag.parts.tolist() for flag in flags] == [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]]  # gradients, losses
+    other = torch.tensor([1.0, math.nan])
+    with reductions:
+        torch.nn.utils.get_total_norm([other])
+    assert verdict.device_flag([torch.ones(1)], []).found_inf.item() == 0.0  # a norm that covers other tensors stands for nothing here
+    assert verdict.device_flag([other], []).found_inf.item() == 1.0 and verdict.source == step_verdict.CLIP
+
+
+def test_norm_types_that_do_not_carry_nan_are_not_kept():
+    reductions = step_verdict.StepReductions()
+    grad = torch.tensor([1.0, math.nan])
+    with reductions:
+        torch.nn.utils.get_total_norm([grad], norm_type=0)
+        torch.nn.utils.get_total_norm([grad], norm_type=-math.inf)
+        assert reductions.norm_covering([grad]) is None
+        torch.nn.utils.get_total_norm([grad], norm_type=math.inf)
+    assert reductions.norm_covering([grad]) is not None
+
+
+# -- DDP on 2 gloo ranks: no collective of opwatch's on a healthy step ------------------------------
+
+ddp = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory):
+    import dist_step_verdict
+    from support.distributed import spawn
+
+    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", "fsdp2_leave_on"],
+                 tmp_path_factory.mktemp("step_verdict_ranks"), timeout=180.0)
+
+
+@ddp
+def test_ddp_healthy_steps_meet_no_collective_of_opwatch_s(ddp_ranks):
+    for rank in (0, 1):
+        healthy = ddp_ranks[rank]["leave_on_healthy"]
+        assert healthy["collectives"][1:] == [0] * 5, healthy  # step 1 makes opwatch's flag group, once
+        assert healthy["failed"] == [] and healthy["source"] == "clip"
+        guarded = ddp_ranks[rank]["guard_healthy"]
+        assert guarded["collectives"][1:] == [0] * 3, guarded
+        assert guarded["source"] == "clip"
+    assert ddp_ranks[0]["guard_healthy"]["weights"] == ddp_ranks[1]["guard_healthy"]["weights"]
+
+
+@ddp
+def test_ddp_a_nan_on_one_rank_is_caught_on_both_and_both_skip_it(ddp_ranks):
+    zero, one = ddp_ranks[0]["leave_on_nan"], ddp_ranks[1]["leave_on_nan"]
+    for result in (zero, one):
+        assert result["failed"] == [3] and result["skipped"] == 1
+        assert result["collectives"][2] >= 1  # the which-rank question, asked after the failure only
+        assert result["collectives"][1] == 0 and result["collectives"][3:] == [0, 0, 0]
+    assert zero["weights"] == one["weights"]  # every rank skipped alike: no drift
+    assert all(math.isfinite(weight) for weight in zero["weights"])
+
+
+@ddp
+def test_ddp_a_nan_loss_on_one_rank_with_finite_reduced_gradients_is_told_there_and_applied_alike(ddp_ranks):
+    zero, one = ddp_ranks[0]["leave_on_loss_nan"], ddp_ranks[1]["leave_on_loss_nan"]
+    assert zero["failed"] == one["failed"] == []
+    assert any(text.startswith("opwatch (rank 1): optimizer step 3: the loss backward() ran on is nan on this rank") for text in one["warned"])
+    assert not any("optimizer step 3" in text for text in zero["warned"])
+    assert zero["weights"] == one["weights"]
+    assert zero["collectives"][1:] == one["collectives"][1:] == [0] * 5
+
+
+@ddp
+def test_fsdp2_the_clip_s_norm_stands_for_each_rank_s_shards_and_one_small_all_reduce_decides(ddp_ranks):
+    zero, one = ddp_ranks[0]["fsdp2_leave_on"], ddp_ranks[1]["fsdp2_leave_on"]
+    for result in (zero, one):
+        assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "clip"
+        assert result["collectives"][1] == 1 and result["collectives"][3:] == [1, 1, 1]  # opwatch's one flag a step
+    assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])
