@@ -44,7 +44,9 @@ def _name(name) -> str:
 
 
 def restored(buffers: int) -> str:
-    return "RNG states, " + (f"{buffers} buffer(s), " if buffers else "") + ".grad"
+    """What a replay starts from: the step's RNG states and buffers put back, and its gradients
+    cleared (never copied: a failing step's are dropped, runners.guarded.snapshot)."""
+    return ("RNG states and " + f"{buffers} buffer(s)" if buffers else "RNG states") + " restored, .grad cleared"
 
 
 def failure_text(failure) -> str:
@@ -66,7 +68,7 @@ def context(call: int, name: str, failure, buffers: int | None, *, audited: bool
     """The ``step:`` line of a replayed (or audited) anomaly."""
     if audited:
         return f"call {call} of {name} failed: {failure_text(failure)}; found by the audit of that call (it ran under a full watch)"
-    return f"call {call} of {name} failed: {failure_text(failure)}; replayed from the same start ({restored(buffers)} restored) under a full watch"
+    return f"call {call} of {name} failed: {failure_text(failure)}; replayed from the same start ({restored(buffers)}) under a full watch"
 
 
 def repro_note(note) -> str | None:
@@ -130,7 +132,7 @@ def replay_raised_note(call, name, buffers, *, again, original, replay_raised, a
             what += "\n" + exception_note(failed_record)
     if repro is not None:
         what += f"\none-op repro of the op that raised: python {display_path(os.path.join(repro, 'repro.py'))}"
-    return f"opwatch.guard: call {call} of {name} was replayed from the same start ({restored(buffers)} restored) under a full watch: {what}"
+    return f"opwatch.guard: call {call} of {name} was replayed from the same start ({restored(buffers)}) under a full watch: {what}"
 
 
 def replay_raised_instead(call, name, failure, replay_raised) -> str:
@@ -144,7 +146,7 @@ def only_allowed(call, name, failure, buffers, count, first_message) -> str:
     first = first_message.split("\n", 1)[0]
     return (
         f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}); its replay from the same start "
-        f"({restored(buffers)} restored) under a full watch found only nan/inf origins that match an allow entry "
+        f"({restored(buffers)}) under a full watch found only nan/inf origins that match an allow entry "
         f"({count}, the first: {first}). Allowed or not, they reached the step's results, "
         "and the optimizer must not see them; Guarded.last_replay.allowed holds them."
     )
@@ -154,7 +156,7 @@ def nothing_found(call, name, failure, buffers, allowed) -> str:
     also = f" ({allowed} finding(s) matched an allow entry)" if allowed else ""
     return (
         f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}), but its replay from the same start "
-        f"({restored(buffers)} restored) under a full watch found no nan/inf origin{also}: the failure did not reproduce" + WHY
+        f"({restored(buffers)}) under a full watch found no nan/inf origin{also}: the failure did not reproduce" + WHY
     )
 
 
@@ -283,7 +285,7 @@ def only_compiled(call, name, failure, buffers, verdict) -> str:
     """The error of a failing step whose eager replay is finite while its compiled run was not."""
     return (
         f"opwatch.guard: call {call} of {name} failed ({failure_text(failure)}) running compiled code "
-        f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)} restored) under "
+        f"({_compiled_names(verdict)}); its replay, run eagerly from the same start ({restored(buffers)}) under "
         f"a full watch, found no nan/inf: eager is finite on the same inputs: only the compiled step makes nan/inf "
         f"(a miscompile, or a fused kernel's precision)." + _stages(verdict) + _narrowed(verdict) + _settings(verdict) + _graph_repro(verdict)
     )
@@ -437,7 +439,7 @@ def failed_elsewhere(call, name, failure, buffers, ranks) -> str:
     """A rank whose own replay found no origin while another rank made the nan/inf."""
     return (
         f"opwatch.guard (rank {ranks.rank}): call {call} of {name} failed on another rank: {_origin_text(ranks.origin)}. "
-        f"Here {failure_text(failure)}; this rank replayed the step with the others ({restored(buffers)} restored) and found no origin"
+        f"Here {failure_text(failure)}; this rank replayed the step with the others ({restored(buffers)}) and found no origin"
         + _missing_text(ranks) + "; the error on that rank names the origin's line, and its repro lives there."
     )
 

@@ -75,7 +75,7 @@ def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, rep
         head = f"{_who(rank)}: optimizer step {step}: the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}." + _ACTIONS[on_failure]
     if rank is not None:
         head += " Every rank does the same."
-    watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch"
+    watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states and buffers restored, .grad cleared) under a full watch"
     if (audited or replayed) and origin is not None:
         then = f"{watched}: {_made(origin)}."
     elif audited or replayed:

@@ -250,7 +250,7 @@ def test_forward_inf_is_replayed_and_named_with_the_model_as_one_run_left_it():
     message = str(caught.value)
     assert "call 1 of make.<locals>.train_step failed: the check after it found nan in the returned tensor" in message
     assert "and nan in the .grad of 6 parameter(s): fc1.weight, fc1.bias, bn.weight, bn.bias, +2 more;" in message
-    assert "replayed from the same start (RNG states, 4 buffer(s), .grad restored) under a full watch" in message
+    assert "replayed from the same start (RNG states and 4 buffer(s) restored, .grad cleared) under a full watch" in message
     assert "repro:    python " in message
     assert "the replay's last 10 ops up to op #" in caught.value.notes[0]
     assert caught.value.notes[0] in message and not getattr(caught.value, "__notes__", None)  # printed once

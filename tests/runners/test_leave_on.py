@@ -507,7 +507,7 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
         module = lightning_guard(tmp_path, callback, nan_at=2, steps=4)
     text = "\n".join(str(warning.message) for warning in told)
     assert "optimizer step 2: the gradients about to be applied hold nan/inf" in text
-    assert f"ran again from its start (RNG states, buffers and .grad restored) under a full watch: inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
+    assert f"ran again from its start (RNG states and buffers restored, .grad cleared) under a full watch: inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
     runner = callback.runner
     assert (runner.steps, runner.audited, runner.failed, runner.skipped) == (4, 1, 1, 1)  # no re-check: the replay named it
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())

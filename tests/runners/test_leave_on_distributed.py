@@ -94,7 +94,7 @@ def test_lightning_guard_every_rank_replays_the_batch_and_names_rank_1():
     the module's training_step, not DDP's forward), and its warning names rank 1's op and line."""
     result = _lightning("skip")
     assert result.returncode == 0, result.stderr[-3000:]
-    made = f"Its batch ran again from its start (RNG states, buffers and .grad restored) under a full watch: nan first made by aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)"
+    made = f"Its batch ran again from its start (RNG states and buffers restored, .grad cleared) under a full watch: nan first made by aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)"
     assert f"opwatch (rank 1): optimizer step 3: the gradients about to be applied hold nan/inf: net.0.weight (nan)" in result.stderr
     assert made + "." in result.stderr and made + " on rank 1." in result.stderr
     assert "rank 0: steps 5 failed 1 skipped 1" in result.stdout and "rank 1: steps 5 failed 1 skipped 1" in result.stdout
