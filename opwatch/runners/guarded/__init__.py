@@ -194,7 +194,7 @@ def guard(
         failures; a loss that is not finite still is. ``guard(step, model, scaler=scaler)``.
     max_failed_in_a_row
         With ``on_failure="skip"`` or ``"apply"``: after that many failed calls in a row the
-        guard raises :class:`~opwatch.runners.policy.RunStuck` naming the first of them and its
+        guard raises :class:`~opwatch.runners.leave_on.RunStuck` naming the first of them and its
         origin (default 10; ``None``: never). ``guard(step, model, on_failure="skip", max_failed_in_a_row=50)``.
 
     ``OPWATCH_DISABLE=1`` makes the guarded step call ``train_step`` and nothing else.
