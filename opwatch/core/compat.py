@@ -496,6 +496,32 @@ def dtensor_class():
     return getattr(module, "DTensor", None)
 
 
+def python_made_collective_wrapper():
+    """``AsyncCollectiveTensor`` where torch wraps a functional collective's output in it from
+    Python, with no op the mode sees (torch 2.6: ``_c10d_functional._wrap_tensor_autograd``,
+    which opwatch follows on newer torch, does not exist there); ``None`` where that op exists
+    or before ``torch.distributed._functional_collectives`` is loaded (no wrapper exists then)."""
+    global _python_made_wrapper
+    if _python_made_wrapper is _NOT_LOADED:
+        module = sys.modules.get("torch.distributed._functional_collectives")
+        wrapper = getattr(module, "AsyncCollectiveTensor", None)
+        if wrapper is None:
+            return None
+        # The module defines the wrap op where torch has it: asked once it is loaded.
+        namespace = getattr(torch.ops, "_c10d_functional", None)
+        _python_made_wrapper = None if hasattr(namespace, "_wrap_tensor_autograd") else wrapper
+    return _python_made_wrapper
+
+
+_NOT_LOADED = object()
+_python_made_wrapper = _NOT_LOADED  # the class or None, once the module is loaded
+
+
+def collective_wrapper_inner(wrapper):
+    """The tensor an ``AsyncCollectiveTensor`` wraps (its ``elem``), or ``None``."""
+    return getattr(wrapper, "elem", None)
+
+
 def dtensor_parts(tensor) -> tuple:
     """``(local shard, placements, device mesh)`` of a DTensor, read without running an op:
     ``DTensor._local_tensor`` and ``DTensor._spec`` (private, torch 2.0+, still in 2.13). The

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .bounded import BoundedCache
-from .compat import dtensor_class
+from .compat import collective_wrapper_inner, dtensor_class, python_made_collective_wrapper
 from .notation import Sharding, TensorMeta, format_meta, sharding_of
 from .sites import Position, location, position_of
 
@@ -329,6 +329,8 @@ def tensor_metas(tensors, log: OpLog, types=()) -> list:
     if types and _sharded(types):
         log.sharded = True
         return _sharded_metas(tensors, shapes)
+    if types and _python_wrapped(types):
+        return _unwrapped_metas(tensors, shapes)
     try:
         metas = []  # a loop: a comprehension costs a frame of its own before Python 3.12
         for tensor in tensors:
@@ -366,6 +368,35 @@ def _sharded_metas(tensors, shapes) -> list:
         except Exception:
             meta = _safe_meta(tensor)
         metas.append(meta)
+    return metas
+
+
+# The op's subclass types -> whether one is an AsyncCollectiveTensor torch made in Python.
+_WRAPPED_TYPES = BoundedCache(256)
+
+
+def _python_wrapped(types) -> bool:
+    known = _WRAPPED_TYPES.get(types)
+    if known is None:
+        wrapper = python_made_collective_wrapper()
+        known = wrapper is not None and any(issubclass(kind, wrapper) for kind in types)
+        if wrapper is not None:  # before the module loads, ask again later
+            _WRAPPED_TYPES.put(types, known)
+    return known
+
+
+def _unwrapped_metas(tensors, shapes) -> list:
+    """``tensor_metas`` of an op on an ``AsyncCollectiveTensor`` that torch made in Python (torch
+    2.6, no wrap op): the wrapper gets the ident of the collective's output it wraps, as the
+    wrap op links the two on newer torch, so the collective's output is followed to its use."""
+    wrapper = python_made_collective_wrapper()
+    metas = []
+    for tensor in tensors:
+        try:
+            inner = collective_wrapper_inner(tensor) if isinstance(tensor, wrapper) else None
+            metas.append((shapes[tensor.shape], tensor.dtype, tensor.device, id(tensor if inner is None else inner)))
+        except Exception:
+            metas.append(_safe_meta(tensor))
     return metas
 
 

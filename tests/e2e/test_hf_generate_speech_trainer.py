@@ -15,6 +15,7 @@ Tiny configs, random weights, no download.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import warnings
@@ -335,7 +336,9 @@ def test_guarded_wav2vec2_steps_are_quiet_until_a_clip_is_shorter_than_its_trans
         step(*speech_batch(3, clip=200, transcript=12))
     anomaly = raised.value.anomaly
     assert (anomaly.kind, anomaly.op, anomaly.module) == ("inf", "aten._ctc_loss.Tensor", "Wav2Vec2ForCTC")
-    assert anomaly.filename.replace(os.sep, "/").endswith("transformers/loss/loss_ctc.py")
+    # Where the installed transformers calls ctc_loss: its loss module, or (older releases, 5.20) the model's file.
+    ctc_file = "loss/loss_ctc.py" if importlib.util.find_spec("transformers.loss.loss_ctc") else "models/wav2vec2/modeling_wav2vec2.py"
+    assert anomaly.filename.replace(os.sep, "/").endswith(f"transformers/{ctc_file}")
 
 
 def test_whisper_generate_is_quiet():
@@ -471,6 +474,21 @@ def test_guard_cli_over_a_trainer_script_is_quiet(tmp_path):
     assert "opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed" in told
 
 
+def _mse_loss_backward_takes_a_wider_target() -> bool:
+    """Whether this torch's mse_loss backward runs for a f32 input and a f64 target (torch 2.6's
+    raises "Found dtype Double but expected Float", with or without opwatch)."""
+    pred = torch.zeros(2, requires_grad=True)
+    try:
+        torch.nn.functional.mse_loss(pred, torch.zeros(2, dtype=torch.float64)).backward()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _mse_loss_backward_takes_a_wider_target(),
+    reason=f"torch {torch.__version__}'s mse_loss backward raises for a f32 input and a f64 target: the float64-labels program fails without opwatch",
+)
 def test_guard_cli_audit_names_float64_regression_labels(tmp_path):
     told = guard_cli(tmp_path, "float64")
     assert "opwatch: 1 anomaly at 1 place" in told, told

@@ -261,9 +261,32 @@ def test_collectives_are_told_apart_per_op():
     assert collective_of(torch.ops.c10d.gather_.default).compare == "last"
     assert collective_of(torch.ops.c10d.send.default).compare is None  # point to point: not compared
     assert collective_of(torch.ops._c10d_functional.wait_tensor.default).kind == "wait"
-    assert collective_of(torch.ops._c10d_functional._wrap_tensor_autograd.default).kind == "wrap"
+    # torch 2.6 has no _wrap_tensor_autograd op (it makes the AsyncCollectiveTensor in Python).
+    if hasattr(torch.ops._c10d_functional, "_wrap_tensor_autograd"):
+        assert collective_of(torch.ops._c10d_functional._wrap_tensor_autograd.default).kind == "wrap"
     assert is_collective_op(torch.ops._c10d_functional.all_reduce.default)
     assert not is_collective_op(torch.ops._c10d_functional.wait_tensor.default)
+
+
+def test_an_async_collective_tensor_made_without_an_op_is_followed_to_its_collective_output():
+    """torch 2.6 wraps a functional collective's output in an AsyncCollectiveTensor from Python,
+    with no op: the ops that use the wrapper name the output it wraps (as the wrap op links the
+    two on newer torch), so the collective's output is read when used and its consumer not blamed."""
+    import torch.distributed._functional_collectives as funcol
+    from opwatch.core.compat import python_made_collective_wrapper
+    from opwatch.core.records import M_IDENT, OpLog, tensor_metas
+
+    output = torch.ones(3)
+    wrapper = funcol.AsyncCollectiveTensor(output)
+    plain = torch.zeros(2)
+    metas = tensor_metas([wrapper, plain], OpLog(4), (type(wrapper),))
+    if hasattr(torch.ops._c10d_functional, "_wrap_tensor_autograd"):  # the op links them (torch 2.13)
+        assert python_made_collective_wrapper() is None
+        assert [meta[M_IDENT] for meta in metas] == [id(wrapper), id(plain)]
+    else:
+        assert python_made_collective_wrapper() is funcol.AsyncCollectiveTensor
+        assert [meta[M_IDENT] for meta in metas] == [id(output), id(plain)]
+    assert [tuple(meta[0]) for meta in metas] == [(3,), (2,)]
 
 
 def _row(rank, kind, op, where, received, time_ns, message=None):

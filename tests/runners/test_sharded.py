@@ -146,6 +146,20 @@ def test_a_dtensor_weight_holding_nan_before_the_watch_is_that_rank_s_weights(tw
     assert first["anomalies"] and all(received for *_, received, _ in first["anomalies"]), first["anomalies"]
 
 
+def _has_wrap_op() -> bool:
+    if not dist.is_available():
+        return False
+    import torch.distributed._functional_collectives  # noqa: F401  (defines the wrap op, where torch has it)
+
+    return hasattr(torch.ops._c10d_functional, "_wrap_tensor_autograd")
+
+
+@needs_columns  # its code column shows each op's sub-expression
+@pytest.mark.skipif(
+    not _has_wrap_op(),
+    reason=f"the golden lists the ops torch 2.13 runs: torch {torch.__version__} has no _c10d_functional._wrap_tensor_autograd op "
+    "(full_tensor()'s AsyncCollectiveTensor is made in Python), so its table has one row fewer",
+)
 def test_table_golden_with_dtensors(two_ranks):
     assert_golden("table_dtensor.txt", two_ranks[0]["dtensor_origin"]["table"] + "\n")
 

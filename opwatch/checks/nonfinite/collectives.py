@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ...core.compat import no_python_dispatch, unbox_work
+from ...core.compat import no_python_dispatch, python_made_collective_wrapper, unbox_work
 from ...core.collective_ops import on_completion
 from ...core.ops import WRAP, collective_of, facts_of
 from ...core.records import E_FUNC, E_INDEX, M_DTYPE, M_IDENT, entry_inputs, entry_outputs
@@ -33,7 +33,7 @@ class _Pending:
     waited inside the subclass, at the next check point (alive) or when it dies, valid when an
     op used it before (``used_at``) the read (``read_at``)."""
 
-    __slots__ = ("index", "position", "ref", "stats", "done", "used", "used_at", "read_at", "work", "aliases")
+    __slots__ = ("index", "position", "ref", "stats", "done", "used", "used_at", "read_at", "work", "aliases", "held")
 
     def __init__(self, index, position, tensor):
         self.index = index
@@ -46,6 +46,7 @@ class _Pending:
         self.read_at = None  # the last op index logged when it was read at its wrapper's death
         self.work = None  # the Work, where it has no future to call back
         self.aliases: list[int] = []  # ops that gave its values another name (its wrapper, views)
+        self.held = None  # the tensor itself, until the next check point, where no wrapper dies for it
 
     def read(self, tensor) -> None:
         with no_python_dispatch():
@@ -116,6 +117,11 @@ class CollectiveReads:
         if work is not None and not on_completion(work, lambda: _read_completed(ready)):
             for pending, _ in ready:
                 pending.work = work  # no future: read at a check point once the Work says it completed
+        elif work is None and python_made_collective_wrapper() is not None:
+            # torch 2.6 wraps a functional output in Python (no wrap op, no death to read it at):
+            # it is kept until the next check point, read there once an op used it.
+            for pending, tensor in ready:
+                pending.held = tensor
 
     def observe_wait(self, entry, inputs, outputs, metas) -> None:
         """``wait_tensor``: the collective behind its argument has completed; read it now."""
@@ -156,6 +162,7 @@ class CollectiveReads:
         late = []
         for key, pending in list(self.pending.items()):
             self._read_if_complete(pending)
+            pending.held = None
             if pending.done or final or pending.ref() is None:
                 del self.pending[key]
             if not pending.done or pending.stats is None:
