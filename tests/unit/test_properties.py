@@ -42,7 +42,7 @@ THOROUGH = os.environ.get("OPWATCH_THOROUGH_PROPERTIES") == "1"
 
 
 def examples(thorough: int) -> int:
-    return thorough if THOROUGH else max(25, thorough // 3)
+    return thorough if THOROUGH else max(10, thorough // 3)
 
 
 # ============================================================================================
@@ -333,7 +333,7 @@ def run_chain(case, *, keep):
     return w, candidates[0], kind, final, expected_op, line
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
 @given(chain_strategy(list(range(len(INJECT))), AFTER))
 def test_first_anomaly_is_the_injected_op(case):
     """All intermediates stay alive, so the injected origin matters whatever follows it."""
@@ -345,7 +345,7 @@ def test_first_anomaly_is_the_injected_op(case):
     assert kind in injected.flags
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
 @given(chain_strategy(list(range(len(INJECT))), AFTER))
 def test_first_anomaly_is_the_injected_op_when_intermediates_die(case):
     """The plain training-loop shape: ``x = op(x)``, only the result survives. Whatever the later
@@ -370,7 +370,7 @@ def test_first_anomaly_is_the_injected_op_when_intermediates_die(case):
         )
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=examples(25), **SETTINGS)
 @given(chain_strategy(NAN_INJECT, SAFE))
 def test_nan_carried_to_the_result_is_one_anomaly_at_its_origin(case):
     """Intermediates die; the nan reaches the final value through nan-propagating ops: exactly
@@ -397,7 +397,7 @@ def first_log(x):
     return (x * 0).log()  # an early -inf, absorbed later on purpose
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=examples(40), **SETTINGS)
 @given(
     shape=st.sampled_from([(), (3,), (2, 3)]),
     absorb=st.integers(0, len(ABSORB) - 1),
@@ -520,7 +520,7 @@ def run_program(program, grad):
     return {"registers": registers, "trace": trace, "backward": backward, "grads": grads}
 
 
-@settings(max_examples=50, **SETTINGS)
+@settings(max_examples=examples(50), **SETTINGS)
 @given(
     program=st.lists(st.tuples(st.sampled_from(ALL_OPS), st.integers(0, 63), st.integers(0, 63)), min_size=1, max_size=12),
     grad=st.booleans(),
