@@ -288,14 +288,15 @@ class OptimizerSteps:
             verdict = DeviceVerdict(torch.ones((), device=first.device), torch.ones(2, device=first.device))
         self.hand_off.hand(optimizer, verdict, step, losses)
 
-    def told_late(self, optimizer, now, trigger) -> None:
+    def told_late(self, optimizer, now, trigger, *, logged: bool = False) -> None:
         """Read the flag handed to ``optimizer`` at its last step (``None``: every optimizer's,
-        at the end of the run, ``now`` ``None``); a set flag is a failed step the device
-        skipped, told now; the step after this one then runs under the full watch."""
+        at the end of the run, ``now`` ``None``, or before a trainer logs its counts,
+        ``logged``); a set flag is a failed step the device skipped, told now; the step after
+        this one then runs under the full watch."""
         for late in self.hand_off.failed(optimizer):
             loss = self.verdict.loss_kind(late.losses)
             failure = self.ledger.fail(late.step, [], "loss" if loss is not None and not late.gradients else "gradients", loss=loss)
-            text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients)
+            text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients, logged=logged)
             if self.on_failure == "raise":  # the device skipped it; the run stops here
                 raise self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
             self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer

@@ -113,6 +113,8 @@ class _Hooks(WatchedSteps):
             self._steps.exit()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.runner is not None:
+            self.runner.settle()  # a fused step's verdict still on the device is counted in this log
         counts = metrics(self)
         if logs is not None:
             logs.update(counts)
