@@ -236,13 +236,6 @@ class LeaveOn(LedgerCounts):
         """Name the parameters after ``module`` (the trainer's model) before any other."""
         self._modules.setdefault(module, None)
 
-    def settle(self) -> None:
-        """Read now the verdicts still on the device (a fused optimizer's ``found_inf``, read at
-        the next step's check): the trainers call it before they log the counts, so that a
-        step that failed is counted in the log that follows it (one wait, at a log)."""
-        if self.watch.enabled:
-            self.policy.told_late(None, self.steps, self, logged=True)
-
     def end_batch(self) -> None:
         """A trainer's batch ended: end an audit that saw no optimizer step (gradient
         accumulation); a re-check armed after a failed step goes on to the next step."""

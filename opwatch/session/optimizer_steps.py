@@ -37,7 +37,7 @@ class OptimizerCheckPoints:
         self._watches: list = []  # (watch, the thread it is active on), innermost last
         self._handle = None
         # optimizer -> its step post-hook (the step's ops end their phase span there): one per
-        # optimizer that stepped under a watch, removed with the last watch. Not a global hook:
+        # optimizer that stepped under a watch, kept for the optimizer's life. Not a global hook:
         # a watch entered inside a global post-hook (leave-on's audits) must not add to the
         # hooks torch is running.
         self._after = weakref.WeakKeyDictionary()
@@ -59,9 +59,9 @@ class OptimizerCheckPoints:
             if not self._watches and self._handle is not None:
                 self._handle.remove()
                 self._handle = None
-                for after in list(self._after.values()):
-                    after.remove()
-                self._after.clear()
+                # The optimizers' own post-hooks stay (they end no span while no watch is
+                # active): removing one changes the hooks dict a compiled step's guards read
+                # (torch 2.14's Dynamo then fails building them with a KeyError).
                 self._unwrap_clipping()
 
     def _wrap_clipping(self) -> None:
