@@ -7,8 +7,10 @@ fallback exists in every such torch.
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
+import os
 import sys
 import types
 
@@ -104,19 +106,19 @@ take_function_mode_off = torch._C._pop_torch_function_stack
 put_function_mode_back = torch._C._push_on_torch_function_stack
 
 
-def optimizer_step_runs_only(optimizer, pre_hook_id: int, *, own_post_hook_id: int | None = None) -> bool:
+def optimizer_step_runs_only(optimizer, pre_hook_id: int, *, own_post_hook_ids=frozenset()) -> bool:
     """Whether a step of ``optimizer`` runs no optimizer step hook besides the global pre-hook
-    ``pre_hook_id``, the last global pre-hook, and opwatch's own per-optimizer post-hook
-    ``own_post_hook_id`` (which only ends a phase span): then nothing but the optimizer's own
-    code runs from that hook to the end of the step. The global hooks are the ordered dicts
+    ``pre_hook_id``, the last global pre-hook, and opwatch's own post-hooks ``own_post_hook_ids``
+    (the per-optimizer one ends a phase span, the global one reads version counters): then
+    nothing but torch's and opwatch's own code runs from that hook to the end of the step. The global hooks are the ordered dicts
     ``torch.optim.optimizer._global_optimizer_pre_hooks`` and ``_global_optimizer_post_hooks``,
     the optimizer's own ``_optimizer_step_pre_hooks`` and ``_optimizer_step_post_hooks`` (torch
     >= 2.0). Fallback: ``False`` (other hooks may run)."""
     try:
         from torch.optim import optimizer as optim
 
-        post = [key for key in optimizer._optimizer_step_post_hooks if key != own_post_hook_id]
-        if optimizer._optimizer_step_pre_hooks or post or optim._global_optimizer_post_hooks:
+        others = [key for hooks in (optimizer._optimizer_step_post_hooks, optim._global_optimizer_post_hooks) for key in hooks if key not in own_post_hook_ids]
+        if optimizer._optimizer_step_pre_hooks or others:
             return False
         return next(reversed(optim._global_optimizer_pre_hooks), None) == pre_hook_id
     except Exception:
@@ -238,6 +240,55 @@ def dynamo_loaded() -> bool:
     """Whether TorchDynamo has been imported: ``torch.compile`` imports it, so without it no
     compiled function exists yet (and opwatch does not pay its ~1 s import)."""
     return "torch._dynamo.eval_frame" in sys.modules
+
+
+def run_uncompiled(function):
+    """``function``, wrapped so that TorchDynamo never traces it: a compiled frame that calls it
+    (an optimizer step hook of opwatch's, inside a compiled training step) breaks its graph
+    there and runs it as Python (``torch._dynamo.disable``), rather than tracing opwatch's
+    bookkeeping into the graph and guarding its dicts. Dynamo is imported only where the
+    program loaded it already (``torch.compile`` does)."""
+    disabled = None
+
+    @functools.wraps(function)
+    def uncompiled(*args, **kwargs):
+        nonlocal disabled
+        if not dynamo_loaded():
+            return function(*args, **kwargs)
+        if disabled is None:
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(function)
+        return disabled(*args, **kwargs)
+
+    return uncompiled
+
+
+# Dynamo's wrapper around a torch.compile'd call saves the thread's dispatch keys when called and
+# puts them back when it returns (torch >= 2.13: ``compile_wrapper``): code objects seen, judged.
+_KEYS_RESTORED_BY: dict = {}
+_EVAL_FRAME_FILE = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def compiled_call_frame(frame):
+    """The outermost frame, ``frame`` or above it, of a ``torch.compile``d call whose wrapper puts
+    the thread's dispatch keys back as they were when it was called: a dispatch mode pushed or
+    popped inside such a call is undone where it returns (a popped mode leaves the Python key
+    on with no mode on the stack, and the next factory op fails torch's internal assert).
+    ``None`` where no such call is running (and on torch versions whose wrapper keeps no keys)."""
+    if not dynamo_loaded():
+        return None
+    outermost = None
+    while frame is not None:
+        code = frame.f_code
+        restores = _KEYS_RESTORED_BY.get(code)
+        if restores is None:
+            restores = _KEYS_RESTORED_BY[code] = code.co_filename.endswith(_EVAL_FRAME_FILE) and (
+                "_ForceDispatchKeyGuard" in code.co_names or "_dynamo_save_local_dispatch_key_set" in code.co_names)
+        if restores:
+            outermost = frame
+        frame = frame.f_back
+    return outermost
 
 
 def force_eager_stance():

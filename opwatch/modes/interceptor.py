@@ -67,6 +67,7 @@ from ..core.records import BACKWARD, E_INDEX, FORWARD, M_DEVICE, M_IDENT, OpLog,
 from ..core.records import tensor_metas as _metas  # a module global: bench.ablate stubs it
 from ..findings.pipeline import FindingPipeline
 from ..core.sites import user_frame
+from .compiled_returns import when_compiled_call_returns
 
 __all__ = ["OpInterceptor", "keep_dynamo_out"]
 
@@ -188,12 +189,16 @@ class OpInterceptor(TorchDispatchMode):
         self._detour = value or self.findings.waiting
 
     def __enter__(self):
-        result = super().__enter__()
         _active.add(self)
-        return result
+        # Inside a compiled call, on the stack where it returns (see opwatch.modes.compiled_returns).
+        if when_compiled_call_returns(super().__enter__, sys._getframe(1)):
+            return self
+        return super().__enter__()
 
     def __exit__(self, exc_type, exc, traceback_):
         _active.discard(self)
+        if when_compiled_call_returns(lambda: super(OpInterceptor, self).__exit__(None, None, None), sys._getframe(1)):
+            return False
         return super().__exit__(exc_type, exc, traceback_)
 
     # -- the hot path -------------------------------------------------------------------

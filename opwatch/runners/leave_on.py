@@ -40,7 +40,7 @@ import weakref
 
 import torch
 
-from ..core.compat import no_python_dispatch
+from ..core.compat import no_python_dispatch, run_uncompiled
 from ..core.finite import nonfinite_kind, tensors_in
 from ..core.sites import display_path, position_of, user_frame
 from ..findings.anomaly import AnomalyError
@@ -127,10 +127,10 @@ class LeaveOn(LedgerCounts):
         self._handles = []
         if not self.watch.enabled:  # OPWATCH_DISABLE: the run goes on untouched
             return self
-        self._handles = [register_optimizer_step_post_hook(self._after_step)]
+        self._handles = [register_optimizer_step_post_hook(run_uncompiled(self._after_step))]
         self._see_losses()
         if self.pre_hook:
-            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+            self._handles.append(register_optimizer_step_pre_hook(run_uncompiled(self._before_step)))
         if self._audit_first:
             self.start_audit()
         return self
@@ -296,7 +296,7 @@ class LeaveOn(LedgerCounts):
         if self._inputs_hook is not None or not self._modules:
             return
         model = next(iter(self._modules))  # outermost first
-        self._inputs_hook = model.register_forward_pre_hook(self._fed, with_kwargs=True)
+        self._inputs_hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True)
 
     def _fed(self, module, args, kwargs) -> None:
         self._forward_after_step = True

@@ -33,6 +33,7 @@ from ..findings.anomaly import AnomalyError, OpwatchWarning, add_note
 from ..findings.ranks import RankAnomaly
 from ..render import guard as guard_words
 from ..render import leave_on as words
+from ..session.optimizer_steps import steps_followed
 from .guarded.check import FiniteCheck, on_failure_option
 from .guarded.replay import NONFINITE as NONFINITE_KINDS, Replayed, ReproNote, StepContext, explaining, record_at
 from .guarded.snapshot import put_buffers
@@ -159,6 +160,11 @@ class ProgramWrites:
 
     def __init__(self):
         self._left = weakref.WeakKeyDictionary()  # optimizer -> (its parameters, their counters after its step)
+
+    def follow_steps(self) -> None:
+        """Be told of every optimizer step from now on, for as long as this lives (the one
+        global post-hook of :data:`~opwatch.session.optimizer_steps.steps_followed`)."""
+        steps_followed.follow(self)
 
     def stepped(self, optimizer) -> None:
         """``optimizer`` finished a step (torch's optimizer step post-hook)."""

@@ -17,6 +17,7 @@ package) is imported only by :class:`OptimizerStepCounts`, never by ``import opw
 from __future__ import annotations
 
 
+from ..core.compat import run_uncompiled
 from ..core.sites import warn_at_user
 from ..findings.anomaly import OpwatchWarning
 from ..render.notices import counts_not_written
@@ -76,7 +77,7 @@ class OptimizerStepCounts:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         if self._handle is None:
-            self._handle = register_optimizer_step_post_hook(self._after_step)
+            self._handle = register_optimizer_step_post_hook(run_uncompiled(self._after_step))
         return self
 
     def __exit__(self, exc_type, exc, traceback_) -> bool:

@@ -12,10 +12,10 @@ import weakref
 
 import torch
 
-from ..core.compat import optimizer_step_runs_only
+from ..core.compat import optimizer_step_runs_only, run_uncompiled
 from ..core.records import CLIPPING, OPTIMIZER
 
-__all__ = ["OptimizerCheckPoints", "steps_checked"]
+__all__ = ["OptimizerCheckPoints", "StepFollowers", "steps_checked", "steps_followed"]
 
 
 class OptimizerCheckPoints:
@@ -37,7 +37,7 @@ class OptimizerCheckPoints:
         self._watches: list = []  # (watch, the thread it is active on), innermost last
         self._handle = None
         # optimizer -> its step post-hook (the step's ops end their phase span there): one per
-        # optimizer that stepped under a watch, kept for the optimizer's life. Not a global hook:
+        # optimizer that stepped under a watch, removed with the last watch. Not a global hook:
         # a watch entered inside a global post-hook (leave-on's audits) must not add to the
         # hooks torch is running.
         self._after = weakref.WeakKeyDictionary()
@@ -50,7 +50,7 @@ class OptimizerCheckPoints:
         with self._lock:
             self._watches.append((w, threading.get_ident()))
             if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(self._before_step)
+                self._handle = register_optimizer_step_pre_hook(run_uncompiled(self._before_step))
                 self._wrap_clipping()
 
     def release(self, w) -> None:
@@ -59,9 +59,9 @@ class OptimizerCheckPoints:
             if not self._watches and self._handle is not None:
                 self._handle.remove()
                 self._handle = None
-                # The optimizers' own post-hooks stay (they end no span while no watch is
-                # active): removing one changes the hooks dict a compiled step's guards read
-                # (torch 2.14's Dynamo then fails building them with a KeyError).
+                for after in list(self._after.values()):
+                    after.remove()
+                self._after.clear()
                 self._unwrap_clipping()
 
     def _wrap_clipping(self) -> None:
@@ -118,7 +118,7 @@ class OptimizerCheckPoints:
         if not watches:
             return None
         if optimizer not in self._after:
-            self._after[optimizer] = optimizer.register_step_post_hook(self._after_step)
+            self._after[optimizer] = optimizer.register_step_post_hook(run_uncompiled(self._after_step))
         if len(watches) == 1:
             (only,) = watches
             try:
@@ -137,8 +137,34 @@ class OptimizerCheckPoints:
         _, *step_args = args
         if any(value is not None for value in (*step_args, *kwargs.values())):
             return False
-        own_after = self._after.get(optimizer)
-        return optimizer_step_runs_only(optimizer, self._handle.id, own_post_hook_id=None if own_after is None else own_after.id)
+        own = {handle.id for handle in (self._after.get(optimizer), steps_followed.handle) if handle is not None}
+        return optimizer_step_runs_only(optimizer, self._handle.id, own_post_hook_ids=own)
+
+
+class StepFollowers:
+    """Objects told of every optimizer step (``follower.stepped(optimizer)``) for as long as
+    they live: one global optimizer step post-hook for the whole process, added with the first
+    follower and never removed. (Not a hook removed when its follower is collected: the
+    collector runs at any moment, a compilation included, and TorchDynamo, which guards the
+    keys of the hooks dict a compiled step iterates, then failed building that step's guards
+    with a KeyError.) The hook runs as Python where a compiled frame calls it."""
+
+    def __init__(self):
+        self._followers = weakref.WeakSet()
+        self.handle = None
+        self._lock = threading.Lock()
+
+    def follow(self, follower) -> None:
+        self._followers.add(follower)
+        with self._lock:
+            if self.handle is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                self.handle = register_optimizer_step_post_hook(run_uncompiled(self._stepped))
+
+    def _stepped(self, optimizer, args, kwargs) -> None:
+        for follower in list(self._followers):
+            follower.stepped(optimizer)
 
 
 def _closure_unspanned(args, kwargs, watches):
@@ -166,3 +192,4 @@ def _closure_unspanned(args, kwargs, watches):
 
 
 steps_checked = OptimizerCheckPoints()
+steps_followed = StepFollowers()

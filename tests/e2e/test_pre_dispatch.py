@@ -509,6 +509,19 @@ def test_a_torch_optimizer_step_runs_without_the_function_mode(monkeypatch, make
         assert len([name for name in seen if "ecord" not in name]) >= 3 * 8, (other_hook, seen)
 
 
+def test_a_torch_optimizer_step_still_runs_without_the_function_mode_after_a_guard(monkeypatch):
+    # A guard adds opwatch's one global step post-hook for the process (who last wrote the
+    # weights): opwatch's own, which calls nothing the mode judges, so the mode still stands aside.
+    model = Classifier()
+    step = opwatch.guard(lambda x: model(x).sum().backward(), model, repro=False)
+    step(torch.randn(8, 6))
+    from opwatch.session.optimizer_steps import steps_followed
+
+    assert steps_followed.handle is not None
+    seen = _calls_seen_inside_steps(monkeypatch, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert seen and all("record_function" in name or "RecordFunction" in name for name in seen), seen
+
+
 def test_the_same_records_with_the_function_mode_aside_or_not(monkeypatch):
     """The function mode judges calls, the dispatch mode logs ops: standing aside changes no
     record (index, op, site, module, phase, arguments, tensors)."""

@@ -256,6 +256,89 @@ def test_a_watch_with_warn_off_keeps_the_facts_and_says_nothing(counted):
     assert not [warning for warning in caught if "compiled" in str(warning.message)]
 
 
+# -- leave-on with the optimizer step inside compiled code ---------------------------------------
+# The audit ends in the optimizer step's post-hook, which runs inside the compiled call; Dynamo's
+# wrapper puts the thread's dispatch keys back where that call returns (torch >= 2.13), so the
+# watch's mode leaves the stack there (opwatch.modes.compiled_returns), not inside.
+
+
+def leave_on_run(*, compile_what, nan_at=-1, steps=8):
+    """A leave-on run (the CLI's ``--guard``) of an SGD loop whose optimizer step is compiled:
+    ``"step"``, the whole training step (forward, backward, optimizer step), or
+    ``"optimizer"``, ``torch.compile(optimizer.step)``. Returns the runner and the backend."""
+    from opwatch.runners.leave_on import LeaveOn
+
+    torch.manual_seed(0)
+    backend = Counting()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    update = torch.compile(optimizer.step, backend=backend) if compile_what == "optimizer" else optimizer.step
+
+    def train_step(x):
+        optimizer.zero_grad()
+        loss = ((model(x) - x.sum(-1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        update()
+
+    step = torch.compile(train_step, backend=backend) if compile_what == "step" else train_step
+    runner = LeaveOn(on_failure="skip", max_failed_in_a_row=None)
+    with runner:
+        for number in range(steps):
+            x = torch.randn(16, 6)  # a factory op: torch's internal assert where a mode left the keys behind
+            if number == nan_at:
+                x[3, 2] = float("nan")
+            step(x)
+    return runner, backend, model
+
+
+@pytest.mark.parametrize("compile_what", ["step", "optimizer"])
+def test_leave_on_over_a_compiled_optimizer_step_audits_it_and_leaves_the_rest_compiled(compile_what):
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        runner, backend, _ = leave_on_run(compile_what=compile_what)
+    assert not runner.failures and runner.ledger.steps == 8
+    assert backend.runs >= 7  # every step after the audit ran compiled code
+    said = [str(warning.message) for warning in told if issubclass(warning.category, opwatch.OpwatchWarning)]
+    assert len(said) == 1 and "opwatch ran compiled code uncompiled under this watch" in said[0]  # the audit's step
+    assert not [warning for warning in told if "sys._getframe" in str(warning.message)]  # Dynamo traced none of opwatch's hooks
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack() == [] and not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python)
+
+
+@pytest.mark.parametrize("compile_what", ["step", "optimizer"])
+def test_leave_on_over_a_compiled_optimizer_step_names_the_bad_batch_and_skips_its_step(compile_what):
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 5: the gradients about to be applied hold nan/inf"):
+        runner, _, model = leave_on_run(compile_what=compile_what, nan_at=4)
+    assert [(failure.step, failure.cause) for failure in runner.failures] == [(5, "input")]
+    assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+def test_a_watch_ended_inside_a_compiled_call_keeps_the_programs_profile_function():
+    from opwatch.modes.compiled_returns import when_compiled_call_returns
+
+    seen = []
+
+    def profiler(frame, event, arg):
+        seen.append(event)
+
+    done = []
+
+    def inner():
+        return when_compiled_call_returns(lambda: done.append(sys.getprofile() is profiler), sys._getframe())
+
+    compiled = torch.compile(inner, backend=Counting())
+    torch._dynamo.config.suppress_errors = False
+    sys.setprofile(profiler)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            waited = compiled()
+    finally:
+        sys.setprofile(None)
+    assert waited is True and done == [True] and "return" in seen  # run once, where the call returned, the program's profiler back
+    assert when_compiled_call_returns(lambda: None, sys._getframe()) is False  # outside a compiled call: the caller runs it
+
+
 # -- the runners in a subprocess ---------------------------------------------------------------
 
 # The same backend, as source for the scripts the runners run in a subprocess.

@@ -178,11 +178,6 @@ def test_saved_logs_and_the_command_line(tmp_path, capsys):
     assert opwatch.diff(opwatch.load(tmp_path / "compiled.jsonl"), str(tmp_path / "eager.jsonl")).first.a.op == "aten.gelu.default"
 
 
-@pytest.mark.xfail(
-    tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14), strict=False,
-    reason="known fault on torch 2.14 (docs/guarantees.md): after a watch whose optimizer phase added a step "
-           "post-hook, Dynamo may fail building the guards of the compiled optimizer step (KeyError), depending on "
-           "what ran before in the process")
 def test_after_the_watch_compiled_code_and_plain_watches_are_as_before():
     model, x, y = _setup()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -4,6 +4,7 @@ leave-on (optimizer hooks), on a numpy-fed training loop."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import numpy as np
@@ -41,8 +42,9 @@ def numpy_loop(*, steps=30, blow_at=-1, blow_lr=1e38, write_at=-1, nan_at=-1):
     return model, optimizer, batches, after_step
 
 
-def guarded_run(**loop):
+def guarded_run(*, compiled_update=False, **loop):
     model, optimizer, batches, after_step = numpy_loop(**loop)
+    update = torch.compile(optimizer.step) if compiled_update else optimizer.step
 
     def train_step(x):
         loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
@@ -53,7 +55,7 @@ def guarded_run(**loop):
     for number, x in batches():
         optimizer.zero_grad()
         step(x)
-        optimizer.step()
+        update()
         after_step(number)
     return step
 
@@ -126,6 +128,33 @@ def test_guard_names_weights_the_optimizer_wrote():
         guarded_run(blow_at=5, blow_lr=3e38)
     text = next(str(warning.message) for warning in told if "weights already hold" in str(warning.message))
     assert "written by the program" not in text and "learning rate too large" in text
+
+
+@pytest.mark.parametrize("write_at, blow_at, by_program", [(4, -1, True), (-1, 5, False)])
+def test_a_compiled_optimizer_step_still_tells_who_wrote_the_weights(write_at, blow_at, by_program):
+    # torch.compile(optimizer.step): Dynamo traces torch's step wrapper and its hooks; opwatch's
+    # hook runs as Python there (a graph break), so each step's counters are read for real.
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck):
+        guarded_run(write_at=write_at, blow_at=blow_at, blow_lr=3e38, compiled_update=True)
+    text = next(str(warning.message) for warning in told if "weights already hold" in str(warning.message))
+    assert ("written by the program" in text) == by_program
+
+
+def test_guards_that_come_and_go_leave_torchs_optimizer_hooks_as_the_first_one_left_them():
+    # One hook for the process, never one a guard removes when collected: the collector runs at
+    # any moment, a compilation included, and Dynamo guards the keys of the hooks dict a
+    # compiled step iterates (torch 2.14 failed building those guards: KeyError).
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    step = guarded_run(steps=3)
+    hooks = list(_global_optimizer_post_hooks)
+    del step
+    gc.collect()
+    assert list(_global_optimizer_post_hooks) == hooks
+    with pytest.warns(opwatch.OpwatchWarning) as told, pytest.raises(RunStuck):
+        guarded_run(write_at=4)  # a later guard still follows the steps
+    assert list(_global_optimizer_post_hooks) == hooks
+    assert any("written by the program" in str(warning.message) for warning in told)
 
 
 def test_guard_runs_on_after_one_bad_batch():

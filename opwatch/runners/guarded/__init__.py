@@ -34,7 +34,6 @@ __tracebackhide__ = True
 
 import functools
 import os
-import weakref
 import warnings
 from collections import deque
 
@@ -246,7 +245,6 @@ class Guarded:
         self.policy = step_policy.StepPolicy(on_failure=on_failure, max_failed_in_a_row=max_failed_in_a_row, scaler=scaler, unit="guarded calls")
         self.ledger = self.policy.ledger
         self._applied_at: int | None = None  # the latest call whose failing gradients were left for the optimizer
-        self._writes_hook = None  # torch's optimizer step post-hook: which optimizer step left the weights (removed with self)
         self._repro = repro
         self._repro_dir = None if repro_dir is None else os.fspath(repro_dir)
         self._repro_max_bytes = repro_max_bytes
@@ -411,15 +409,10 @@ class Guarded:
     # -- a failing step ------------------------------------------------------------------------
 
     def _see_writes(self) -> None:
-        """Which optimizer step left the weights (torch's global optimizer step post-hook, a
-        Python read of each parameter's version counter per step; removed when this guard
-        goes): weights that turn nan/inf with no optimizer step writing them were written by
-        the program."""
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        writes = self.policy.writes
-        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: writes.stepped(optimizer))
-        self._writes_hook = weakref.finalize(self, handle.remove)
+        """Which optimizer step left the weights (one global optimizer step post-hook for the
+        process, a Python read of each parameter's version counter per step): weights that
+        turn nan/inf with no optimizer step writing them were written by the program."""
+        self.policy.writes.follow_steps()
 
     def replayed(self, args, kwargs, error):
         """The step run again under a full watch on ``args``/``kwargs`` (its start restored by
