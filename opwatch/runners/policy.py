@@ -216,6 +216,7 @@ class OptimizerSteps:
         DDP wrappers make the gradients the same on every rank); returns whether the step must
         not run."""
         ledger = self.ledger
+        self.raise_held(trigger)  # a late failure a read of the counts took in, raised at this check
         recheck = self.recheck_of
         if optimizer is not None and self.hands_over(optimizer, trigger):
             self.told_late(optimizer, step, trigger)  # the step before, whose flag the device has set by now
@@ -223,9 +224,12 @@ class OptimizerSteps:
             ledger.passed(step)
             return False
         finite = self.verdict.finite(gradients, losses, optimizer)
-        shared = optimizer is not None and self.agreement is not None and shared_gradients(trained(optimizer), modules)
+        # What every rank shares: DDP's reduced gradients, or FSDP2's clip norm reduced across
+        # the ranks (the clip's own all-reduce): their verdict is the same on every rank.
+        shared = optimizer is not None and self.agreement is not None and (
+            self.verdict.from_step.shared or shared_gradients(trained(optimizer), modules))
         if shared and not finite and self.verdict.gradients_finite(gradients, optimizer):
-            # The reduced gradients are finite on every rank, this rank's loss is not: told
+            # The shared gradients are finite on every rank, this rank's loss is not: told
             # here, and every rank applies the step alike (decided from what they share).
             _warn(words.loss_here_only(step, self.verdict.loss_kind(losses), self.rank))
             finite = True
@@ -288,22 +292,44 @@ class OptimizerSteps:
             verdict = DeviceVerdict(torch.ones((), device=first.device), torch.ones(2, device=first.device))
         self.hand_off.hand(optimizer, verdict, step, losses)
 
-    def told_late(self, optimizer, now, trigger, *, logged: bool = False) -> None:
+    def told_late(self, optimizer, now, trigger, *, wait: bool = True, read: bool = False) -> None:
         """Read the flag handed to ``optimizer`` at its last step (``None``: every optimizer's,
-        at the end of the run, ``now`` ``None``, or before a trainer logs its counts,
-        ``logged``); a set flag is a failed step the device skipped, told now; the step after
-        this one then runs under the full watch."""
-        for late in self.hand_off.failed(optimizer):
+        at the end of the run, ``now`` ``None``, or at a read of the counts after step ``now``,
+        ``read``: only the flags the device finished unless ``wait``); a set flag is a failed
+        step the device skipped, counted and told now; the step after this one then runs under
+        the full watch. A read never raises: what ``on_failure="raise"`` or a stuck run raises
+        is held until the next check (:meth:`raise_held`)."""
+        for late in self.hand_off.failed(optimizer, wait=wait):
             loss = self.verdict.loss_kind(late.losses)
             failure = self.ledger.fail(late.step, [], "loss" if loss is not None and not late.gradients else "gradients", loss=loss)
-            text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients, logged=logged)
-            if self.on_failure == "raise":  # the device skipped it; the run stops here
-                raise self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
+            text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients, read=read)
             self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer
-            if self.told():
-                _warn(text)
-                self.audit_next = now is not None  # a failure that recurs is named
-            self.stop_when_stuck(failure, trigger)
+            if self.on_failure == "raise":  # the device skipped it; the run stops here
+                self._held = self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
+            else:
+                if self.told():
+                    _warn(text)
+                    self.audit_next = now is not None  # a failure that recurs is named
+                try:
+                    self.stop_when_stuck(failure, trigger)
+                except RunStuck as stuck:
+                    self._held = stuck
+            if not read:
+                self.raise_held(trigger)
+
+    def settle(self, wait: bool = True) -> None:
+        """The ledger's :attr:`~opwatch.runners.ledger.RunLedger.unsettled`: before its counts
+        are read (a log, a summary, the run's end), the verdicts still on the device are taken in."""
+        if self.hand_off.pending():
+            self.told_late(None, self.ledger.steps, None, wait=wait, read=True)
+
+    def raise_held(self, trigger=None) -> None:
+        """Raise what a read of the counts held (a late failure under ``on_failure="raise"``, a stuck run)."""
+        held, self._held = self._held, None
+        if held is not None:
+            if trigger is not None:
+                self.stop_rechecking(trigger)
+            raise held
 
     def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger) -> bool:
         """A failed step whose origin a full watch may name: the audit's, or a replay's."""
@@ -476,6 +502,7 @@ class OptimizerSteps:
         trigger.end_audit(error)
         if error is None:  # a fused step that failed last: its flag is read now (never over the program's own error)
             self.told_late(None, None, trigger)
+            self.raise_held(trigger)
         if pending is not None and error is None and pending.cause != "input":  # a bad batch was told as such
             self.recheck_of = None
             text = words.loop_ended(pending.step, pending.parameters, trigger.rerun, raising=self.on_failure == "raise", loss=pending.loss)
@@ -684,6 +711,8 @@ class StepPolicy(OptimizerSteps, GuardedCalls):
         self.writes = ProgramWrites()
         self.hand_off = FoundInfHandOff()  # a fused optimizer's found_inf, read at its next step
         self.audit_next = False  # a failure told late: the step after the running one is watched fully
+        self._held: BaseException | None = None  # what a read of the counts found to raise, raised at the next check
+        self.ledger.unsettled = self.settle
         self._agreement: Agreement | None = None
         self._job_read = False
         # The optimizer-step triggers' state (leave-on): the failed step the running audit
