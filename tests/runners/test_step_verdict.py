@@ -366,7 +366,7 @@ def test_a_read_during_the_run_never_waits_for_the_device_the_run_s_end_does():
     assert flag.read() == (True, False) and event.waited == 1 and not flag.pending
 
 
-def test_lightning_guard_with_a_fused_adamw_counts_a_failing_last_step_in_its_logged_metrics_and_summary(tmp_path):
+def test_lightning_guard_with_a_fused_adamw_counts_a_failing_last_step_in_its_logged_metrics_and_summary(tmp_path, monkeypatch):
     import csv
 
     lightning = needs("lightning")
@@ -404,8 +404,13 @@ def test_lightning_guard_with_a_fused_adamw_counts_a_failing_last_step_in_its_lo
     # The last batch's own log (Lightning's step 3) holds it, as the final counts at the end of fit (step 4) do.
     assert logged[-2:] == [(3, 1.0), (4, 1.0)] and all(value == 0.0 for _, value in logged[:-2])
     assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in out
+    handed, reads = [], []
+    hand, read = step_verdict.DeferredFlag.hand, step_verdict.DeferredFlag.read
+    monkeypatch.setattr(step_verdict.DeferredFlag, "hand", lambda flag, value: (handed.append(1), hand(flag, value))[1])
+    monkeypatch.setattr(step_verdict.DeferredFlag, "read", lambda flag, *, wait=True: (reads.append(flag.pending), read(flag, wait=wait))[1])
     callback, logged, out = fit(tmp_path / "healthy", nan_at=0)
     assert callback.runner.failed == 0 and {value for _, value in logged} == {0.0} and ", 0 failed" in out
+    assert len(handed) == 3 and reads.count(True) == 3  # steps 2 to 4 (1 is audited): each flag read once, however often logged
 
 
 def test_device_flag_is_the_verdict_without_a_host_read():
@@ -495,6 +500,7 @@ def test_fsdp2_the_clip_s_own_all_reduce_of_the_norm_carries_the_verdict_no_coll
         assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "clip"
         assert result["collectives"][1] == plain[1] and result["collectives"][3:] == plain[3:]  # none added on a healthy step
         assert result["collectives"][2] > plain[2]  # the which-rank question, after the failure only
+        assert result["norms"][:2] == ddp_ranks[0]["fsdp2_plain"]["norms"][:2]  # the same norms, bit for bit, before the nan
     assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])
 
 

@@ -99,7 +99,7 @@ def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None, clip=True
     ``guarded=False``: the same loop with no opwatch (its own collectives counted alike)."""
     model = _model() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    per_step = []
+    per_step, norms = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with LeaveOn(audit="manual", on_failure="skip", warn=False) if guarded else contextlib.nullcontext(_Plain()) as run:
@@ -111,13 +111,14 @@ def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None, clip=True
                 with Collectives() as counted:
                     loss = _forward(model, x, y, rank == 1 and step == nan_at)
                     loss.backward()
-                    if clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if clip else None
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 per_step.append(counted.calls)
+                norms.append(None if norm is None else float(_full(norm)))  # outside the count: a partial norm's full_tensor() reduces
     return {
         "collectives": per_step,
+        "norms": norms,
         "failed": [failure.step for failure in run.failures],
         "skipped": run.skipped,
         "source": run.policy.verdict.source if guarded else None,
