@@ -39,7 +39,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateVerdict", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -327,12 +327,13 @@ class DeferredFlag:
         return tuple(value != 0 for value in self._host.tolist())
 
 
-class LateFailure(NamedTuple):
-    """A step a fused optimizer skipped on the device, its flag read a step later."""
+class LateVerdict(NamedTuple):
+    """The verdict of a step handed to a fused optimizer, its flag read a step later."""
 
     step: int
-    gradients: bool  # its gradients held nan/inf (else only its losses did)
-    losses: list  # the losses backward() ran on (references), to say which kind
+    failed: bool  # the optimizer skipped it on the device
+    gradients: bool  # its gradients held nan/inf (else only its losses did, if it failed)
+    losses: list  # the losses backward() ran on (references, kept for a failed step), to say which kind
 
 
 class _Handed(NamedTuple):
@@ -377,16 +378,17 @@ class FoundInfHandOff:
             self._handed.discard(optimizer)
             del optimizer.found_inf, optimizer.grad_scale
 
-    def failed(self, optimizer=None, *, wait: bool = True) -> list:
-        """The :class:`LateFailure` s among the flags handed to ``optimizer`` (``None``: to every
-        optimizer), each read once; ``wait=False``: only the flags the device has finished."""
+    def read(self, optimizer=None, *, wait: bool = True) -> list:
+        """The :class:`LateVerdict` s of the flags handed to ``optimizer`` (``None``: to every
+        optimizer) and not read yet, each read once; ``wait=False``: only the flags the device
+        has finished."""
         found = []
         for handed in [optimizer] if optimizer is not None else list(self._deferred):
             kept = self._deferred.get(handed)
             parts = None if kept is None else kept.flag.read(wait=wait)
-            if parts is not None and any(parts):
+            if parts is not None:
                 gradients_bad, _ = parts
-                found.append(LateFailure(kept.step, bool(gradients_bad), kept.losses))
+                found.append(LateVerdict(kept.step, any(parts), bool(gradients_bad), kept.losses))
                 self._deferred[handed] = kept._replace(losses=[])
         return found
 

@@ -326,6 +326,25 @@ def test_a_read_of_the_counts_never_raises_the_step_after_it_does_before_it_runs
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 2 never ran
 
 
+def test_a_stuck_run_found_at_a_read_stops_at_the_next_step_s_check():
+    from opwatch.runners.leave_on import RunStuck
+
+    model, optimizer = fresh(fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        with pytest.raises(RunStuck) as stuck:
+            with LeaveOn(audit="manual", on_failure="skip", warn=False, max_failed_in_a_row=2) as run:
+                model.bug = "nan"
+                for step in (1, 2):
+                    nanogpt_steps(model, optimizer, 1, first=step)
+                    assert run.failed == step  # each read counts the step just skipped on the device; none raises
+                start = [parameter.detach().clone() for parameter in model.parameters()]
+                model.bug = None
+                nanogpt_steps(model, optimizer, 1, first=3)
+    assert stuck.value.step == 1 and stuck.value.failed_in_a_row == 2
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 3 never ran
+
+
 def test_a_healthy_fused_run_reads_each_step_s_flag_once_however_often_its_counts_are_read(monkeypatch):
     from opwatch.runners.trainers import metrics
 

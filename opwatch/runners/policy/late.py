@@ -33,6 +33,7 @@ class LateVerdicts:
         if verdict is None:  # no gradient, or on several devices: the host read of the other optimizers
             self.hand_off.forget(optimizer)
             if not gradients or self.verdict.finite(gradients, losses, optimizer):
+                self.ledger.passed(step)
                 return
             first, *_ = gradients
             verdict = DeviceVerdict(torch.ones((), device=first.device), torch.ones(2, device=first.device))
@@ -45,13 +46,17 @@ class LateVerdicts:
         step the device skipped, counted and told now; the step after this one then runs under
         the full watch. A read never raises: what ``on_failure="raise"`` or a stuck run raises
         is held until the next check (:meth:`raise_held`)."""
-        for late in self.hand_off.failed(optimizer, wait=wait):
+        for late in self.hand_off.read(optimizer, wait=wait):
+            if not late.failed:
+                self.ledger.passed(late.step)  # the streak of failed steps ends (in step order: read before the next)
+                continue
             loss = self.verdict.loss_kind(late.losses)
             failure = self.ledger.fail(late.step, [], "loss" if loss is not None and not late.gradients else "gradients", loss=loss)
             text = words.failed_late(late.step, now, self.on_failure, loss=loss, gradients=late.gradients, read=read)
             self.ledger.decide(failure, "skipped")  # on the device, by the fused optimizer
-            if self.on_failure == "raise":  # the device skipped it; the run stops here
-                self._held = self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
+            if self.on_failure == "raise":  # the device skipped it; the run stops here (the first such step)
+                error = self.raised(failure, GradientsNotFinite(text, step=late.step, parameters=[]))
+                self._held = self._held or error
             else:
                 if self.told():
                     warn(text)
@@ -59,7 +64,7 @@ class LateVerdicts:
                 try:
                     self.stop_when_stuck(failure, trigger)
                 except RunStuck as stuck:
-                    self._held = stuck
+                    self._held = self._held or stuck
             if not read:
                 self.raise_held(trigger)
 

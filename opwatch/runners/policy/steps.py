@@ -51,8 +51,7 @@ class OptimizerSteps:
         recheck = self.recheck_of
         if optimizer is not None and self.hands_over(optimizer, trigger):
             self.told_late(optimizer, step, trigger)  # the step before, whose flag the device has set by now
-            self.hand_over(optimizer, gradients, losses, step)
-            ledger.passed(step)
+            self.hand_over(optimizer, gradients, losses, step)  # passed or failed when its flag is read
             return False
         finite = self.verdict.finite(gradients, losses, optimizer)
         # What every rank shares: DDP's reduced gradients, or FSDP2's clip norm reduced across
