@@ -7,10 +7,13 @@ reversed every other round), as paired ratios (the median over rounds of the sam
   model): ``plain``; ``leave-on`` (after its audited first step: the verdict rides on the clip's
   norm); ``leave-on, own pass`` (the same with the verdict made by opwatch's fused pass over the
   gradients, what a loop without a clip pays); ``guard`` (``opwatch.guard`` over forward,
-  backward and clip; the optimizer step after it).
+  backward and clip; the optimizer step after it); then the same step with a fused AdamW
+  (``fused=True``): ``plain`` and ``leave-on`` (the verdict handed to the optimizer as
+  ``found_inf``, read a step late).
 - ``hf``: ``transformers.Trainer.train`` of the same model, its default step (AdamW,
-  ``max_grad_norm=1.0``), without and with ``OpwatchCallback(mode="guard")``; eager, and with
-  ``torch_compile=True`` unless ``--no-compiled``.
+  ``max_grad_norm=1.0``), without and with ``OpwatchCallback(mode="guard")`` (``guard mode``),
+  and with ``guard_trainer`` as well (``guard``: ``opwatch.guard`` over the Trainer's training
+  step); eager, and with ``torch_compile=True`` unless ``--no-compiled``.
 - ``ddp``: the nanoGPT step in ``DistributedDataParallel`` on 2 gloo ranks (127.0.0.1):
   ``plain``, ``leave-on``, ``guard`` (no collective of opwatch's on a healthy step).
 
@@ -71,10 +74,10 @@ def _batch(seed=0, size=8, context=64, vocab=256):
     return torch.randint(0, vocab, (size, context), generator=generator), torch.randint(0, vocab, (size, context), generator=generator)
 
 
-def _fresh(compiled: bool):
+def _fresh(compiled: bool, fused: bool = False):
     torch.manual_seed(0)
     model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused)
     return model, (torch.compile(model) if compiled else model), optimizer
 
 
@@ -82,8 +85,9 @@ def _clock(wall: bool):
     return time.perf_counter if wall else time.process_time
 
 
-def _nanogpt_lanes(compiled: bool, wall: bool = False, ddp: bool = False) -> dict:
-    """``{name: block(steps) -> seconds per step}`` of one model each."""
+def _nanogpt_lanes(compiled: bool, wall: bool = False, ddp: bool = False, fused: bool = False) -> dict:
+    """``{name: block(steps) -> seconds per step}`` of one model each (``fused``: a fused AdamW,
+    the plain and leave-on lanes only)."""
     import opwatch
     from opwatch.runners.leave_on import LeaveOn
 
@@ -92,7 +96,7 @@ def _nanogpt_lanes(compiled: bool, wall: bool = False, ddp: bool = False) -> dic
     lanes = {}
 
     def make():
-        model, forward, optimizer = _fresh(compiled)
+        model, forward, optimizer = _fresh(compiled, fused)
         if ddp:
             model = forward = nn.parallel.DistributedDataParallel(model)
             forward = torch.compile(model) if compiled else model
@@ -122,7 +126,7 @@ def _nanogpt_lanes(compiled: bool, wall: bool = False, ddp: bool = False) -> dic
     model, forward, optimizer = make()
     lanes["plain"] = stepping(forward, model, optimizer)
     for name, own_pass in (("leave-on", False), ("leave-on, own pass", True)):
-        if ddp and own_pass:
+        if (ddp or fused) and own_pass:
             continue
         model, forward, optimizer = make()
         run = LeaveOn(audit="manual", warn=False)
@@ -134,6 +138,8 @@ def _nanogpt_lanes(compiled: bool, wall: bool = False, ddp: bool = False) -> dic
         if own_pass:
             run.policy.verdict.from_step.reductions = None  # the fused pass over the gradients, as a loop without a clip pays
         lanes[name] = stepping(forward, model, optimizer, around=lambda run=run: run)
+    if fused:
+        return lanes
     model, forward, optimizer = make()
 
     def forward_backward_clip(idx, labels, forward=forward, model=model):
@@ -188,8 +194,11 @@ def bench_nanogpt(rounds: int, steps: int, compiled_too: bool) -> list[str]:
     torch.set_num_threads(1)
     lines = []
     for compiled in (False, True) if compiled_too else (False,):
+        mode = "compiled" if compiled else "eager"
         times = _rounds(_nanogpt_lanes(compiled), rounds, steps)
-        lines += _report(f"nanogpt, {'compiled' if compiled else 'eager'}: {rounds} rounds x {steps} steps", times, "plain", "CPU")
+        lines += _report(f"nanogpt, {mode}: {rounds} rounds x {steps} steps", times, "plain", "CPU")
+        times = _rounds(_nanogpt_lanes(compiled, fused=True), rounds, steps)
+        lines += _report(f"nanogpt, {mode}, fused AdamW: {rounds} rounds x {steps} steps", times, "plain", "CPU")
     return lines
 
 
@@ -198,7 +207,7 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
         import transformers
     except ImportError:
         return ["hf: skipped (transformers is not installed)"]
-    from opwatch.runners.transformers import OpwatchCallback
+    from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -208,7 +217,7 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
     for compiled in (False, True) if compiled_too else (False,):
         folder = tempfile.mkdtemp(prefix="bench_step_verdict_")
 
-        def lane(guarded: bool):
+        def lane(guarded: bool, call_guard: bool = False):
             def block(count: int) -> float:
                 torch.manual_seed(0)
                 args = transformers.TrainingArguments(output_dir=folder, max_steps=count, per_device_train_batch_size=8, save_strategy="no",
@@ -217,6 +226,8 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
                 callbacks = [OpwatchCallback(mode="guard", warn=False, file=open(os.devnull, "w"))] if guarded else []
                 trainer = transformers.Trainer(model=TinyGPT(), args=args, train_dataset=data, callbacks=callbacks)
                 trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no log lines between the figures
+                if call_guard:
+                    guard_trainer(trainer)
                 start = time.process_time()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -229,7 +240,7 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
 
             return block
 
-        times = _rounds({"plain": lane(False), "guard mode": lane(True)}, rounds, steps)
+        times = _rounds({"plain": lane(False), "guard mode": lane(True), "guard": lane(True, call_guard=True)}, rounds, steps)
         lines += _report(f"hf Trainer, {'torch_compile' if compiled else 'eager'}: {rounds} rounds x {steps} steps (train() included: "
                          "the guard mode's audited first step is amortised over them)", times, "plain", "CPU")
     return lines

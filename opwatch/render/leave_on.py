@@ -129,17 +129,17 @@ def poisoned(step: int, bad: list, *, from_finite: bool, rank=None, by_program: 
 
 
 def failed_late(step: int, now: int | None, on_failure: str, *, loss: str | None = None, gradients: bool = True,
-                logged: bool = False) -> str:
+                read: bool = False) -> str:
     """A fused optimizer's step whose verdict went to it as ``found_inf`` failed: it skipped the
     update on the device; told at step ``now``'s check (``None``: at the end of the run), or,
-    ``logged``, when the trainer logged its counts after step ``now``.
+    ``read``, when the run's counts were read after step ``now`` (a log, a summary).
     ``gradients``: its gradients held nan/inf (else only the loss, ``loss``, did)."""
     if gradients:
         what = "its gradients held nan/inf" + (f" (and the loss backward() ran on was {loss})" if loss is not None else "")
     else:
         what = _loss_line(loss or "nan/inf")
-    if logged:
-        when = f"told when the trainer logged its counts after step {now}"
+    if read:
+        when = f"told when the run's counts were read after step {now}"
     else:
         when = f"told at step {now}, before that step runs" if now is not None else "told at the end of the run"
     head = (f"opwatch: optimizer step {step}: {what}. The fused optimizer got the verdict as found_inf, as GradScaler hands it, "

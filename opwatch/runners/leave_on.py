@@ -37,6 +37,7 @@ __tracebackhide__ = True
 
 import sys
 import weakref
+from functools import partial
 
 import torch
 
@@ -146,7 +147,7 @@ class LeaveOn(LedgerCounts):
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
         self.ledger.unjudged_end = self._forward_after_step and not self._auditing
-        self.policy.run_ended(self.steps, exc, self)
+        self.policy.run_ended(self.ledger.steps, exc, self)
         return False
 
     def _see_losses(self) -> None:
@@ -207,7 +208,7 @@ class LeaveOn(LedgerCounts):
 
     def start_audit(self) -> None:
         """Run under the full watch until the next optimizer step has run."""
-        if self._auditing or not self.watch.enabled or self.poisoned_since is not None:
+        if self._auditing or not self.watch.enabled or self.ledger.poisoned_since is not None:
             return  # weights that hold nan/inf would make every op that reads them look like an origin
         self._before_audit = {id(anomaly) for anomaly in self.watch.anomalies}
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_seen)
@@ -262,9 +263,7 @@ class LeaveOn(LedgerCounts):
         step = self.ledger.step(audited=self._auditing)
         self._forward_after_step = False  # what ran since the last step is judged here
         losses, self._losses = self._losses, []
-        def named():
-            return _named(optimizer, self._names())
-
+        named = partial(_named, optimizer, self._names)
         if self._auditing:
             try:
                 self.watch.check()  # the watch's own check point: names the origin, raises in strict
@@ -284,7 +283,7 @@ class LeaveOn(LedgerCounts):
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.policy.writes.stepped(optimizer)
-        self.policy.step_done(self.steps, lambda: _named(optimizer, self._names()), self, optimizer)
+        self.policy.step_done(self.ledger.steps, lambda: _named(optimizer, self._names()), self, optimizer)
         self._watch_inputs()
 
     # -- the batch ----------------------------------------------------------------------------
@@ -338,9 +337,10 @@ class LeaveOn(LedgerCounts):
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a
         line saying so, with ``rerun``, the command that checks every op."""
         ledger = self.ledger
-        text = words.summary(ledger.steps, ledger.audited, ledger.failed, self.watch.enabled, ledger.skipped, causes=ledger.causes())
-        if self.unjudged_end:
-            text += "\n" + words.unjudged_end(self.steps, rerun)
+        steps, audited, failed, skipped = ledger.counts().values()  # settled: every step that ran
+        text = words.summary(steps, audited, failed, self.watch.enabled, skipped, causes=ledger.causes())
+        if ledger.unjudged_end:
+            text += "\n" + words.unjudged_end(steps, rerun)
         return text
 
     def watch_summary(self) -> str:
@@ -359,9 +359,11 @@ class LeaveOn(LedgerCounts):
         print(text, file=self._file if self._file is not None else sys.stderr)
 
 
-def _named(optimizer, names: dict) -> list:
+def _named(optimizer, names) -> list:
     """``(name, parameter)`` of each parameter of ``optimizer``; one the audit did not see in a
-    module is named by its place in ``optimizer.param_groups``."""
+    module is named by its place in ``optimizer.param_groups``. ``names``: ``{id: name}``, or
+    what makes it (called only here: the names are made for a failed step only)."""
+    names = names() if callable(names) else names
     return [(names.get(id(parameter), f"param_groups[{number}]['params'][{position}]"), parameter)
             for number, group in enumerate(optimizer.param_groups) for position, parameter in enumerate(group["params"])]
 

@@ -60,6 +60,9 @@ class RunLedger:
         self.first_in_a_row: Failure | None = None  # the first failure of the running streak
         self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
         self.unjudged_end = False  # the run ended with ops that nothing checked
+        # Set by the policy: reads the verdicts still on the device (a fused optimizer's
+        # found_inf, read a step late) into this ledger; called with whether to wait for them.
+        self.unsettled = None
 
     # -- written by the runners ----------------------------------------------------------------
 
@@ -113,10 +116,19 @@ class RunLedger:
 
     # -- read ----------------------------------------------------------------------------------
 
+    def settle(self, *, wait: bool = True) -> None:
+        """Take in the verdicts still on the device before the counts are read, so that a read
+        holds every step that ran: ``wait``, the run's end, a summary, a saved log and a
+        trainer's log wait for the device; a count read during the run (``wait=False``) takes
+        those the device has finished (on the CPU, all of them), never a wait."""
+        if self.unsettled is not None:
+            self.unsettled(wait)
+
     @property
     def clean(self) -> bool:
         """Whether nothing failed and every op was judged: only then may a summary say
-        "no anomalies" alone."""
+        "no anomalies" alone (settled first)."""
+        self.settle()
         return not self.failed and not self.unjudged_end
 
     def causes(self) -> dict:
@@ -135,13 +147,19 @@ class RunLedger:
             return self.first_in_a_row.origin
         return next((failure.origin for failure in self.failures if failure.origin is not None), None)
 
+    def counts(self, *, wait: bool = True) -> dict:
+        """``steps``, ``audited``, ``failed``, ``skipped``: every count a summary, a metric or a
+        log shows (the trainers' ``opwatch/<count>``), settled first (:meth:`settle`)."""
+        self.settle(wait=wait)
+        return {"steps": self.steps, "audited": self.audited, "failed": self.failed, "skipped": self.skipped}
+
     def log(self) -> dict:
-        """The counts and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
-        return {"steps": self.steps, "audited": self.audited, "failed": self.failed, "skipped": self.skipped,
-                "failures": self.rows()}
+        """:meth:`counts` and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
+        return {**self.counts(), "failures": self.rows()}
 
     def rows(self) -> list[dict]:
-        """The failures as plain rows (the JSON Lines log and the HTML report)."""
+        """The failures as plain rows (the JSON Lines log and the HTML report), settled first."""
+        self.settle()
         rows = []
         for failure in self.failures:
             origin = failure.origin
@@ -155,46 +173,52 @@ class RunLedger:
 
 
 class LedgerCounts:
-    """The counts a runner shows, each read from its ``self.ledger`` (never kept beside it)."""
+    """The counts a runner shows, each read from its ``self.ledger`` (never kept beside it),
+    after the verdicts the device has finished are taken in (:meth:`RunLedger.settle`, no wait)."""
 
     ledger: RunLedger
 
     @property
+    def _read(self) -> RunLedger:
+        self.ledger.settle(wait=False)
+        return self.ledger
+
+    @property
     def steps(self) -> int:
         """Optimizer steps called (GradScaler's skipped ones never call it)."""
-        return self.ledger.steps
+        return self._read.steps
 
     @property
     def audited(self) -> int:
         """Of them, run under the full watch."""
-        return self.ledger.audited
+        return self._read.audited
 
     @property
     def failed(self) -> int:
         """Of them, failed: nan/inf in the gradients about to be applied, a loss not finite, weights already bad, a bad batch."""
-        return self.ledger.failed
+        return self._read.failed
 
     @property
     def skipped(self) -> int:
         """Of the failed ones, not run (``on_failure`` ``"skip"`` or ``"raise"``)."""
-        return self.ledger.skipped
+        return self._read.skipped
 
     @property
     def failures(self) -> list:
         """The failed steps (:class:`Failure`: step, parameters, cause, origin, action)."""
-        return self.ledger.failures
+        return self._read.failures
 
     @property
     def origins(self) -> list:
         """The nan/inf origins full watches named (audits, re-checks, replays), as Anomaly objects."""
-        return self.ledger.origins
+        return self._read.origins
 
     @property
     def poisoned_since(self) -> int | None:
         """The step after which the weights held nan/inf, or ``None``."""
-        return self.ledger.poisoned_since
+        return self._read.poisoned_since
 
     @property
     def unjudged_end(self) -> bool:
         """The run ended with ops that nothing checked."""
-        return self.ledger.unjudged_end
+        return self._read.unjudged_end

@@ -39,7 +39,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateFailure", "DeferredFlag", "DeviceVerdict", "ClipNorm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateVerdict", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -55,10 +55,12 @@ class DeviceVerdict(NamedTuple):
 
 
 class ClipNorm(NamedTuple):
-    """One total norm the program computed: the norm tensor and the ids of the tensors it covered."""
+    """One total norm the program computed: the norm tensor, the ids of the tensors it covered,
+    and whether it is the same on every rank (FSDP2's norm, reduced across the ranks)."""
 
     total: torch.Tensor
     covered: frozenset
+    shared: bool = False
 
 
 class _ScopedWrap:
@@ -119,7 +121,7 @@ class StepReductions:
             norm = original(tensors, *args, **kwargs)
             reductions = kept()
             if reductions is not None:
-                reductions.saw_norm(norm, tensors, args, kwargs)
+                norm = reductions.saw_norm(norm, tensors, args, kwargs)
                 decide, reductions.on_norm = reductions.on_norm, None
                 if decide is not None:
                     decide()
@@ -144,25 +146,31 @@ class StepReductions:
             self._wraps = []
         return False
 
-    def saw_norm(self, norm, tensors, args, kwargs) -> None:
+    def saw_norm(self, norm, tensors, args, kwargs):
         """Keep a norm that answers the question: a p-norm with p > 0 (nan and inf carry through
-        it; p = 0 counts nonzeros, p = -inf takes the smallest), of plain tensors."""
+        it; p = 0 counts nonzeros, p = -inf takes the smallest), of plain tensors or DTensors.
+        Returns the norm the program gets back: itself, or for a DTensor norm still partial
+        across the ranks (FSDP2: each rank's part of it, of its shards), the same norm reduced
+        now (:func:`reduced_norm`) rather than in the clip's next op, so that the clip's own
+        all-reduce carries the verdict: the same on every rank, no collective of opwatch's."""
         norm_type = next(iter(args), kwargs.get("norm_type", 2.0))  # get_total_norm(tensors, norm_type, ...)
         try:
             norm_type = float(norm_type)
         except (TypeError, ValueError):
-            return
+            return norm
         if not norm_type > 0 or len(self.norms) >= _MAX_NORMS:
-            return
+            return norm
+        total, shared = norm, False
         if type(norm) is not torch.Tensor:
             dtensor = dtensor_class()
             if dtensor is None or not isinstance(norm, dtensor):
-                return
-            # FSDP2, tensor parallel: this rank's part of the norm (of its shards), nan or inf
-            # whenever its shards hold one; read with no collective (the ranks agree after).
-            norm, _, _ = dtensor_parts(norm)
+                return norm
+            norm = reduced_norm(norm)
+            total, placements, _ = dtensor_parts(norm)
+            shared = all(placement.is_replicate() for placement in placements)
         covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        self.norms.append(ClipNorm(norm, frozenset(map(id, covered))))
+        self.norms.append(ClipNorm(total, frozenset(map(id, covered)), shared))
+        return norm
 
     def after_backward(self) -> bool:
         """A backward ran: a norm computed before it covers gradients that changed since.
@@ -206,16 +214,18 @@ class VerdictFromStep:
         self.reductions = reductions
         self.fused = fused if fused is not None else FusedFiniteCheck()  # its flags kept from step to step
         self.source: str | None = None
+        self.shared = False  # whether the last verdict's gradients part is the same on every rank (a reduced norm)
 
     def finite(self, grads, losses=(), optimizer=None) -> bool:
         """One verdict, at most one host read (none when a scaler decided and the losses are CPU scalars)."""
         reductions = self.reductions
+        self.shared = False
         if reductions is not None and reductions.unscaled(optimizer):
             self.source = SCALER  # the scaler skips an overflowing step itself: it never gets here
             return scalars_finite(losses, self.fused)
         norm = reductions.norm_covering(grads) if reductions is not None and grads else None
         if norm is not None:
-            self.source = CLIP
+            self.source, self.shared = CLIP, norm.shared
             return scalars_finite([norm.total, *losses], self.fused)
         self.source = FUSED_PASS
         return self.fused(grads, list(losses))
@@ -256,6 +266,23 @@ class VerdictFromStep:
             return DeviceVerdict(torch.maximum(grads_bad, loss_bad), torch.stack((grads_bad, loss_bad)))
 
 
+def reduced_norm(norm):
+    """A DTensor total norm with its partial placements reduced (``Replicate`` on every mesh
+    dimension): the all-reduce the clip's next op (``total_norm + eps``) makes anyway, made
+    here instead, with the same values (the clip then meets a reduced norm and makes none). A
+    norm that cannot be redistributed is returned as it is (its local part still stands for
+    this rank's shards)."""
+    _, placements, mesh = dtensor_parts(norm)
+    if not any(placement.is_partial() for placement in placements):
+        return norm
+    try:
+        from torch.distributed.tensor import Replicate
+
+        return norm.redistribute(mesh, [Replicate()] * len(placements))
+    except Exception:  # an older DTensor API: the norm as the program made it
+        return norm
+
+
 def scalars_finite(tensors, fused: FusedFiniteCheck) -> bool:
     """Whether a few small tensors (a norm, losses) hold only finite values: CPU scalars read
     where they lie, the others in one fused read."""
@@ -286,23 +313,27 @@ class DeferredFlag:
             self._event = None
         self.pending = True
 
-    def read(self) -> tuple | None:
+    def read(self, *, wait: bool = True) -> tuple | None:
         """The flag handed last, as a tuple of bools (waits for the copy only if it has not
-        ended); ``None`` when none is pending."""
+        ended); ``None`` when none is pending, or, ``wait=False``, when the device has not
+        finished it yet (it stays pending: no wait)."""
         if not self.pending:
             return None
-        self.pending = False
         if self._event is not None:
+            if not wait and not self._event.query():
+                return None
             self._event.synchronize()
+        self.pending = False
         return tuple(value != 0 for value in self._host.tolist())
 
 
-class LateFailure(NamedTuple):
-    """A step a fused optimizer skipped on the device, its flag read a step later."""
+class LateVerdict(NamedTuple):
+    """The verdict of a step handed to a fused optimizer, its flag read a step later."""
 
     step: int
-    gradients: bool  # its gradients held nan/inf (else only its losses did)
-    losses: list  # the losses backward() ran on (references), to say which kind
+    failed: bool  # the optimizer skipped it on the device
+    gradients: bool  # its gradients held nan/inf (else only its losses did, if it failed)
+    losses: list  # the losses backward() ran on (references, kept for a failed step), to say which kind
 
 
 class _Handed(NamedTuple):
@@ -338,21 +369,26 @@ class FoundInfHandOff:
     def forget(self, optimizer) -> None:
         self._deferred.pop(optimizer, None)
 
+    def pending(self) -> bool:
+        """Whether a flag handed is still to be read."""
+        return any(kept.flag.pending for kept in list(self._deferred.values()))
+
     def after_step(self, optimizer) -> None:
         if optimizer in self._handed:
             self._handed.discard(optimizer)
             del optimizer.found_inf, optimizer.grad_scale
 
-    def failed(self, optimizer=None) -> list:
-        """The :class:`LateFailure` s among the flags handed to ``optimizer`` (``None``: to every
-        optimizer), each read once."""
+    def read(self, optimizer=None, *, wait: bool = True) -> list:
+        """The :class:`LateVerdict` s of the flags handed to ``optimizer`` (``None``: to every
+        optimizer) and not read yet, each read once; ``wait=False``: only the flags the device
+        has finished."""
         found = []
         for handed in [optimizer] if optimizer is not None else list(self._deferred):
             kept = self._deferred.get(handed)
-            parts = None if kept is None else kept.flag.read()
-            if parts is not None and any(parts):
+            parts = None if kept is None else kept.flag.read(wait=wait)
+            if parts is not None:
                 gradients_bad, _ = parts
-                found.append(LateFailure(kept.step, bool(gradients_bad), kept.losses))
+                found.append(LateVerdict(kept.step, any(parts), bool(gradients_bad), kept.losses))
                 self._deferred[handed] = kept._replace(losses=[])
         return found
 

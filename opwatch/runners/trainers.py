@@ -172,8 +172,8 @@ def metrics(source) -> dict[str, int]:
     values.update((f"opwatch/anomalies/{kind}", count) for kind, count in counts.items() if count)
     values["opwatch/contained"] = contained
     if isinstance(source, LeaveOn):
-        values.update({"opwatch/steps": source.steps, "opwatch/audited": source.audited, "opwatch/failed": source.failed,
-                       "opwatch/skipped": source.skipped})
+        # the ledger's counts as the device finished them (no wait: a trainer logs every batch)
+        values.update((f"opwatch/{name}", count) for name, count in source.ledger.counts(wait=False).items())
     return values
 
 

@@ -306,8 +306,21 @@ def test_leave_on_over_a_compiled_optimizer_step_audits_it_and_leaves_the_rest_c
     assert _get_current_dispatch_mode_stack() == [] and not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python)
 
 
+def compiled_calls_restore_dispatch_keys() -> bool:
+    """Whether Dynamo's wrapper around a compiled call puts the dispatch keys back where it
+    returns (torch 2.13 and 2.14; not 2.6), as opwatch.core.compat sees it from inside one."""
+    from opwatch.core.compat import compiled_call_frame
+
+    probe = torch.compile(lambda: compiled_call_frame(sys._getframe()) is not None, backend=Counting())
+    with torch.compiler.set_stance("force_eager"):
+        return probe()
+
+
 @pytest.mark.parametrize("compile_what", ["step", "optimizer"])
 def test_leave_on_over_a_compiled_optimizer_step_names_the_bad_batch_and_skips_its_step(compile_what):
+    if not compiled_calls_restore_dispatch_keys():
+        pytest.xfail("known fault on torch 2.6 (docs/guarantees.md): a compiled optimizer step runs on the optimizer itself "
+                     "although leave-on's pre-hook hands it the stand-in that skips it")
     with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 5: the gradients about to be applied hold nan/inf"):
         runner, _, model = leave_on_run(compile_what=compile_what, nan_at=4)
     assert [(failure.step, failure.cause) for failure in runner.failures] == [(5, "input")]
@@ -315,6 +328,8 @@ def test_leave_on_over_a_compiled_optimizer_step_names_the_bad_batch_and_skips_i
 
 
 def test_a_watch_ended_inside_a_compiled_call_keeps_the_programs_profile_function():
+    if not compiled_calls_restore_dispatch_keys():
+        pytest.skip("this torch's compiled calls leave the dispatch keys as they find them: nothing waits")
     from opwatch.modes.compiled_returns import when_compiled_call_returns
 
     seen = []

@@ -210,3 +210,28 @@ def test_leave_on_with_a_fused_adamw_and_a_clip_adds_no_sync_to_a_healthy_step_a
     assert syncs[1:4] == [0, 0, 0]  # after the audited first step: nothing added to the program's own syncs
     assert [failure.step for failure in run.failures] == [4] and run.policy.verdict.source == "clip"
     assert any("optimizer step 4:" in str(w.message) and "told at step 5" in str(w.message) for w in caught)
+
+
+def test_reading_the_counts_every_step_of_a_fused_run_adds_no_sync_and_the_run_s_end_counts_its_last_step():
+    """A log of the counts after every step (a trainer's) takes in the flags the device has
+    finished, never waiting for it; the run's end waits for the last one."""
+    from opwatch.runners.trainers import metrics
+
+    torch.manual_seed(0)
+    model = Regressor().to(CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    syncs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        with LeaveOn(audit="first") as run:
+            for step, (x, y) in enumerate(batches(6), start=1):
+                model.bug = "backward nan" if step == 6 else None  # the last step fails
+                with SyncCount(CUDA) as counted:
+                    optimizer.zero_grad(set_to_none=True)
+                    ((model(x) - y) ** 2).mean().backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    metrics(run)  # a log of every step
+                syncs.append(counted.n)
+    assert syncs[1:] == [0] * 5  # after the audited first step
+    assert [failure.step for failure in run.failures] == [6] and "1 failed" in run.summary()

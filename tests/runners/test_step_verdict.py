@@ -7,6 +7,7 @@ with finite gradients, a nan on one DDP rank, a fused optimizer handed the verdi
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import warnings
 
@@ -20,7 +21,7 @@ import opwatch
 from opwatch.runners import leave_on as leave_on_module
 from opwatch.runners import step_verdict
 from opwatch.runners.leave_on import GradientsNotFinite, LeaveOn
-from support import CountingMode
+from support import CountingMode, needs
 
 
 class TinyGPT(nn.Module):
@@ -241,7 +242,7 @@ def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_s
             before = [parameter.detach().clone() for parameter in model.parameters()]
             model.bug = "nan"
             nanogpt_steps(model, optimizer, 1, first=3)
-            assert run.failed == 0  # told one step late: the flag is read at the next step
+            assert run.ledger.failed == 0  # the flag is read at the next step (or at a read of the counts)
             assert not hasattr(optimizer, "found_inf")  # GradScaler's contract: for one step only
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
             assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
@@ -274,6 +275,161 @@ def test_a_fused_optimizer_s_last_failing_step_is_told_when_the_run_ends_and_rai
             nanogpt_steps(model, optimizer, 1, first=2)
     assert raised.value.step == 1
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 2 never ran
+
+
+# -- a late verdict is settled before anything reads the counts ---------------------------------
+
+
+class Scalars:
+    """A SummaryWriter's ``add_scalar``, kept: ``{tag: [(step, value)]}``."""
+
+    def __init__(self):
+        self.written: dict = {}
+
+    def add_scalar(self, tag, value, step):
+        self.written.setdefault(tag, []).append((step, value))
+
+    def close(self):
+        pass
+
+
+def test_a_fused_optimizer_s_failing_last_step_is_in_the_counts_logged_after_it_and_in_the_run_s_summary():
+    from opwatch.runners.tensorboard import OptimizerStepCounts
+
+    model, optimizer = fresh(fused=True)
+    scalars, out = Scalars(), io.StringIO()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LeaveOn(audit="manual", on_failure="skip", warn=False, file=out) as run, OptimizerStepCounts(scalars, run) as counts:
+            nanogpt_steps(model, optimizer, 2)
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1, first=3)  # the last step fails; its flag is on the device
+        counts.close()
+    assert scalars.written["opwatch/failed"] == [(1, 0), (2, 0), (3, 1)]  # the counts logged after step 3 hold it
+    assert scalars.written["opwatch/skipped"][-1] == (3, 1)
+    assert [failure.step for failure in run.failures] == [3] and "3 optimizer steps ran, 0 audited under a full watch, 1 failed" in run.summary()
+    told = [str(w.message) for w in caught if "optimizer step 3" in str(w.message)]
+    assert len(told) == 1 and "told when the run's counts were read after step 3" in told[0]  # once, at the first read
+
+
+def test_a_read_of_the_counts_never_raises_the_step_after_it_does_before_it_runs():
+    model, optimizer = fresh(fused=True)
+    with pytest.raises(GradientsNotFinite, match="optimizer step 1: its gradients held nan/inf") as raised:
+        with LeaveOn(audit="manual", on_failure="raise", warn=False) as run:
+            model.bug = "nan"
+            nanogpt_steps(model, optimizer, 1)
+            assert (run.failed, run.skipped) == (1, 1)  # counted at the read, raised at the next check
+            start = [parameter.detach().clone() for parameter in model.parameters()]
+            model.bug = None
+            nanogpt_steps(model, optimizer, 1, first=2)
+    assert raised.value.step == 1 and run.failures[0].action == "raised"
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 2 never ran
+
+
+def test_a_stuck_run_found_at_a_read_stops_at_the_next_step_s_check():
+    from opwatch.runners.leave_on import RunStuck
+
+    model, optimizer = fresh(fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        with pytest.raises(RunStuck) as stuck:
+            with LeaveOn(audit="manual", on_failure="skip", warn=False, max_failed_in_a_row=2) as run:
+                model.bug = "nan"
+                for step in (1, 2):
+                    nanogpt_steps(model, optimizer, 1, first=step)
+                    assert run.failed == step  # each read counts the step just skipped on the device; none raises
+                start = [parameter.detach().clone() for parameter in model.parameters()]
+                model.bug = None
+                nanogpt_steps(model, optimizer, 1, first=3)
+    assert stuck.value.step == 1 and stuck.value.failed_in_a_row == 2
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 3 never ran
+
+
+def test_a_healthy_fused_run_reads_each_step_s_flag_once_however_often_its_counts_are_read(monkeypatch):
+    from opwatch.runners.trainers import metrics
+
+    reads = []
+    original = step_verdict.DeferredFlag.read
+
+    def counted(flag, *, wait=True):
+        reads.append(flag.pending)
+        return original(flag, wait=wait)
+
+    monkeypatch.setattr(step_verdict.DeferredFlag, "read", counted)
+    model, optimizer = fresh(fused=True)
+    with LeaveOn(audit="manual", warn=False) as run:
+        for step in range(1, 6):
+            nanogpt_steps(model, optimizer, 1, first=step)
+            assert metrics(run)["opwatch/failed"] == 0 and run.failed == 0  # a log and a read after every step
+    assert reads.count(True) == 5 and run.steps == 5  # one flag read a step: at the first read after it
+
+
+class _Unfinished:
+    """A CUDA event the device has not reached: ``query()`` is false until ``synchronize()``."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def test_a_read_during_the_run_never_waits_for_the_device_the_run_s_end_does():
+    flag = step_verdict.DeferredFlag()
+    flag.hand(torch.tensor([1.0, 0.0]))
+    flag._event = event = _Unfinished()  # as on a GPU whose step is still running
+    assert flag.read(wait=False) is None and flag.pending and event.waited == 0
+    assert flag.read() == (True, False) and event.waited == 1 and not flag.pending
+
+
+def test_lightning_guard_with_a_fused_adamw_counts_a_failing_last_step_in_its_logged_metrics_and_summary(tmp_path, monkeypatch):
+    import csv
+
+    lightning = needs("lightning")
+    from torch.utils.data import DataLoader
+
+    from opwatch.runners.lightning import OpwatchCallback
+    from support.trainers import lightning_trainer
+
+    class GPT(lightning.LightningModule):
+        def __init__(self, nan_at):
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt, self.nan_at = TinyGPT(), nan_at
+
+        def training_step(self, batch, batch_idx):
+            self.gpt.bug = "nan" if self.global_step + 1 == self.nan_at else None
+            return self.gpt(*batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    def fit(folder, nan_at):
+        out = io.StringIO()
+        callback = OpwatchCallback(mode="guard", warn=False, file=out)
+        trainer = lightning_trainer(folder, callback, 4, gradient_clip_val=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+            trainer.fit(GPT(nan_at), DataLoader([batch(step) for step in range(1, 5)], batch_size=None))
+        with open(next(folder.rglob("metrics.csv"))) as rows:
+            logged = [(int(row["step"]), float(row["opwatch/failed"])) for row in csv.DictReader(rows) if row.get("opwatch/failed")]
+        return callback, logged, out.getvalue()
+
+    callback, logged, out = fit(tmp_path / "last", nan_at=4)
+    assert callback.runner.policy.verdict.source == step_verdict.CLIP and [failure.step for failure in callback.runner.failures] == [4]
+    # The last batch's own log (Lightning's step 3) holds it, as the final counts at the end of fit (step 4) do.
+    assert logged[-2:] == [(3, 1.0), (4, 1.0)] and all(value == 0.0 for _, value in logged[:-2])
+    assert "4 optimizer steps ran, 1 audited under a full watch, 1 failed" in out
+    handed, reads = [], []
+    hand, read = step_verdict.DeferredFlag.hand, step_verdict.DeferredFlag.read
+    monkeypatch.setattr(step_verdict.DeferredFlag, "hand", lambda flag, value: (handed.append(1), hand(flag, value))[1])
+    monkeypatch.setattr(step_verdict.DeferredFlag, "read", lambda flag, *, wait=True: (reads.append(flag.pending), read(flag, wait=wait))[1])
+    callback, logged, out = fit(tmp_path / "healthy", nan_at=0)
+    assert callback.runner.failed == 0 and {value for _, value in logged} == {0.0} and ", 0 failed" in out
+    assert len(handed) == 3 and reads.count(True) == 3  # steps 2 to 4 (1 is audited): each flag read once, however often logged
 
 
 def test_device_flag_is_the_verdict_without_a_host_read():
@@ -316,7 +472,8 @@ def ddp_ranks(tmp_path_factory):
     import dist_step_verdict
     from support.distributed import spawn
 
-    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", "fsdp2_leave_on"],
+    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", "fsdp2_leave_on",
+                                              "fsdp2_plain", "fsdp2_no_clip"],
                  tmp_path_factory.mktemp("step_verdict_ranks"), timeout=180.0)
 
 
@@ -354,9 +511,22 @@ def test_ddp_a_nan_loss_on_one_rank_with_finite_reduced_gradients_is_told_there_
 
 
 @ddp
-def test_fsdp2_the_clip_s_norm_stands_for_each_rank_s_shards_and_one_small_all_reduce_decides(ddp_ranks):
+def test_fsdp2_the_clip_s_own_all_reduce_of_the_norm_carries_the_verdict_no_collective_of_opwatch_s(ddp_ranks):
+    plain = ddp_ranks[0]["fsdp2_plain"]["collectives"]
+    assert plain[1:] == [1] * 5  # the program's own: the clip reduces its norm across the ranks once a step
     zero, one = ddp_ranks[0]["fsdp2_leave_on"], ddp_ranks[1]["fsdp2_leave_on"]
     for result in (zero, one):
         assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "clip"
+        assert result["collectives"][1] == plain[1] and result["collectives"][3:] == plain[3:]  # none added on a healthy step
+        assert result["collectives"][2] > plain[2]  # the which-rank question, after the failure only
+        assert result["norms"][:2] == ddp_ranks[0]["fsdp2_plain"]["norms"][:2]  # the same norms, bit for bit, before the nan
+    assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])
+
+
+@ddp
+def test_fsdp2_without_a_clip_one_small_all_reduce_a_step_decides(ddp_ranks):
+    zero, one = ddp_ranks[0]["fsdp2_no_clip"], ddp_ranks[1]["fsdp2_no_clip"]
+    for result in (zero, one):
+        assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "fused pass"
         assert result["collectives"][1] == 1 and result["collectives"][3:] == [1, 1, 1]  # opwatch's one flag a step
     assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])

@@ -310,3 +310,28 @@ def test_cli_without_tensorboard_installed_is_a_usage_error(tmp_path, monkeypatc
     assert exited.value.code == 2
     assert "--tensorboard needs the tensorboard package: pip install tensorboard" in capsys.readouterr().err
     assert not (tmp_path / "tb").exists()
+
+
+FUSED_SCRIPT = """\
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+for step in range(1, 4):
+    x, target = torch.randn(4, 2), torch.randn(4)
+    loss = ((target - model(x).squeeze(-1)) ** 2).mean()
+    if step == 3:
+        loss = loss * float("nan")  # the last step fails: its verdict goes to the fused AdamW as found_inf
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_cli_guard_counts_a_fused_optimizer_s_failing_last_step_in_the_logged_counts_and_the_summary(tmp_path, capsys):
+    scalars, stderr = run_cli(tmp_path, FUSED_SCRIPT, "--guard", capsys=capsys)
+    assert values(scalars, "opwatch/failed") == [0.0, 0.0, 1.0]  # the counts written after step 3 hold it
+    assert values(scalars, "opwatch/skipped")[-1] == 1.0
+    assert "3 optimizer steps ran, 1 audited under a full watch, 1 failed" in stderr

@@ -9,6 +9,7 @@ opwatch's), and writes the counts, the steps' fates and the weights.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -24,27 +25,43 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast
 
 
 class Collectives:
-    """Counts the Python-level collectives called while it is entered (torch.distributed's)."""
+    """Counts the Python-level collectives called while it is entered: torch.distributed's, and
+    the functional all-reduce DTensor reduces a partial value with (FSDP2's clip norm)."""
 
     def __init__(self):
         self.calls = 0
-        self._saved = {}
+        self._saved = []
 
     def __enter__(self):
-        for name in _COLLECTIVES:
-            original = self._saved[name] = getattr(dist, name)
+        import torch.distributed._functional_collectives as funcol
+
+        for module, name in [(dist, name) for name in _COLLECTIVES] + [(funcol, "all_reduce")]:
+            original = getattr(module, name)
+            self._saved.append((module, name, original))
 
             def counted(*args, _original=original, **kwargs):
                 self.calls += 1
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
+            setattr(module, name, counted)
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
         return False
+
+
+class _Plain:
+    """What ``_loop`` reads of a run with no opwatch."""
+
+    failures, skipped, policy = [], 0, None
+
+    def know(self, model):
+        pass
+
+    def start_audit(self):
+        pass
 
 
 def _model():
@@ -76,15 +93,16 @@ def _forward(model, x, y, make_nan):
     return F.cross_entropy(logits, y)
 
 
-def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None):
+def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None, clip=True, guarded=True):
     """Leave-on over a DDP loop (or ``model``'s): rank 1 makes nan at ``nan_at``; its batch has
-    every label ignored at ``loss_nan_at`` (its loss is 0/0 = nan, its gradients zero)."""
+    every label ignored at ``loss_nan_at`` (its loss is 0/0 = nan, its gradients zero).
+    ``guarded=False``: the same loop with no opwatch (its own collectives counted alike)."""
     model = _model() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    per_step = []
+    per_step, norms = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
+        with LeaveOn(audit="manual", on_failure="skip", warn=False) if guarded else contextlib.nullcontext(_Plain()) as run:
             run.know(model)
             for step in range(1, steps + 1):
                 if step == 1:
@@ -93,15 +111,17 @@ def _loop(rank, *, steps=6, nan_at=None, loss_nan_at=None, model=None):
                 with Collectives() as counted:
                     loss = _forward(model, x, y, rank == 1 and step == nan_at)
                     loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if clip else None
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 per_step.append(counted.calls)
+                norms.append(None if norm is None else float(_full(norm)))  # outside the count: a partial norm's full_tensor() reduces
     return {
         "collectives": per_step,
+        "norms": norms,
         "failed": [failure.step for failure in run.failures],
         "skipped": run.skipped,
-        "source": run.policy.verdict.source,
+        "source": run.policy.verdict.source if guarded else None,
         "weights": [float(_full(parameter).double().sum()) for parameter in model.parameters()],
         "warned": [str(w.message) for w in caught if isinstance(w.message, opwatch.OpwatchWarning)],
     }
@@ -113,9 +133,20 @@ def _full(parameter):
 
 
 def fsdp2_leave_on(rank, world):
-    """FSDP2: each rank holds its own shards; the clip's norm (this rank's part of it) stands for
-    them, and the ranks decide together with one small all-reduce a step."""
+    """FSDP2: each rank holds its own shards; the clip's norm, reduced across the ranks by the
+    clip's own all-reduce, stands for all of them: the same verdict on every rank."""
     return _loop(rank, nan_at=3, model=_fsdp2(world))
+
+
+def fsdp2_plain(rank, world):
+    """The same FSDP2 loop with no opwatch: the collectives the program makes itself."""
+    return _loop(rank, model=_fsdp2(world), guarded=False)
+
+
+def fsdp2_no_clip(rank, world):
+    """FSDP2 without a clip: opwatch's one small all-reduce a step decides (each rank's fused
+    pass over its shards)."""
+    return _loop(rank, nan_at=3, model=_fsdp2(world), clip=False)
 
 
 def leave_on_healthy(rank, world):
@@ -154,7 +185,7 @@ def guard_healthy(rank, world):
             "weights": [float(parameter.detach().double().sum()) for parameter in model.parameters()]}
 
 
-CASES = {"fsdp2_leave_on": fsdp2_leave_on, "leave_on_healthy": leave_on_healthy, "leave_on_nan": leave_on_nan, "leave_on_loss_nan": leave_on_loss_nan, "guard_healthy": guard_healthy}
+CASES = {"fsdp2_leave_on": fsdp2_leave_on, "fsdp2_plain": fsdp2_plain, "fsdp2_no_clip": fsdp2_no_clip, "leave_on_healthy": leave_on_healthy, "leave_on_nan": leave_on_nan, "leave_on_loss_nan": leave_on_loss_nan, "guard_healthy": guard_healthy}
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:

@@ -297,7 +297,7 @@ CONSTANT_SUBSCRIPTS_ALLOWED = {
     "opwatch.storage.jsonl": 3,  # the first/last line, a version string's part
     "opwatch.storage.chrome_trace": 2,  # the first record: the trace's time origin
     "opwatch.runners.guarded": 1,
-    "opwatch.runners.policy": 1,  # the first allowed nan/inf anomaly
+    "opwatch.runners.policy.calls": 1,  # the first allowed nan/inf anomaly
     "opwatch.core.finite": 1,  # the first checked tensor: the device of the flags
     "opwatch.runners.guarded.replay": 3,
     "opwatch.runners.guarded.repro": 5,

@@ -1,0 +1,282 @@
+"""An optimizer step (leave-on: torch's optimizer hooks and the trainers' callbacks), the
+policy's side of those triggers, mixed into :class:`~opwatch.runners.policy.StepPolicy`: the
+check before each update, the full watch that names a failure's origin (the audit, a
+replay, the re-check of the next step), and the run's end."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ...findings.anomaly import AnomalyError
+from ...render import guard as guard_words
+from ...render import leave_on as words
+from ..guarded.ranks import NONFINITE, WATCHED
+from ..step_verdict import shared_gradients, trained
+from .outcomes import GradientsNotFinite, elsewhere_anomaly, origin_facts, warn
+
+__all__ = ["OptimizerSteps"]
+
+_TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
+
+
+class OptimizerSteps:
+    """The policy's side of a trigger that sees optimizer steps (mixed into :class:`StepPolicy`).
+
+    The trigger (``LeaveOn``) hands each step's facts to :meth:`check_step` before the update and
+    calls :meth:`step_done` after it; it answers, for the policy: ``auditing``,
+    ``start_audit()``, ``end_audit()``, ``audit_origin()`` (the first nan/inf origin the running
+    audit found), ``replay`` (``None`` or a callable that runs the batch again under a full
+    watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (``(module, argument,
+    kind, where)`` of a batch that held nan/inf when it entered the model) and ``rerun``."""
+
+    def told(self) -> bool:
+        """Whether the newest failure is one of those warned and re-checked one by one."""
+        return len(self.ledger.failures) <= _TOLD_FAILURES
+
+    def stop_rechecking(self, trigger) -> None:
+        self.recheck_of = None
+        trigger.end_audit()
+
+    def check_step(self, step: int, named, gradients: list, losses: list, trigger, *, optimizer=None, modules=()) -> bool:
+        """Decide optimizer step ``step`` (``named()``: its parameters, ``(name, parameter)``,
+        made only for a failed step;
+        the ``gradients`` it is about to apply, the ``losses`` ``backward()`` ran on since the
+        last step; ``optimizer``: the one stepping; ``modules``: the models the run saw, whose
+        DDP wrappers make the gradients the same on every rank); returns whether the step must
+        not run."""
+        ledger = self.ledger
+        self.raise_held(trigger)  # a late failure a read of the counts took in, raised at this check
+        recheck = self.recheck_of
+        if optimizer is not None and self.hands_over(optimizer, trigger):
+            self.told_late(optimizer, step, trigger)  # the step before, whose flag the device has set by now
+            self.hand_over(optimizer, gradients, losses, step)  # passed or failed when its flag is read
+            return False
+        finite = self.verdict.finite(gradients, losses, optimizer)
+        # What every rank shares: DDP's reduced gradients, or FSDP2's clip norm reduced across
+        # the ranks (the clip's own all-reduce): their verdict is the same on every rank.
+        shared = optimizer is not None and self.agreement is not None and (
+            self.verdict.from_step.shared or shared_gradients(trained(optimizer), modules))
+        if shared and not finite and self.verdict.gradients_finite(gradients, optimizer):
+            # The shared gradients are finite on every rank, this rank's loss is not: told
+            # here, and every rank applies the step alike (decided from what they share).
+            warn(words.loss_here_only(step, self.verdict.loss_kind(losses), self.rank))
+            finite = True
+        # Every rank decides the step together (bounded: NoAnswer); with DDP's reduced
+        # gradients every rank's verdict is the same, and only a failure asks which rank.
+        decision = None if shared and finite else self.agree((0 if finite else NONFINITE) | (WATCHED if trigger.auditing else 0), step, "", "gradients")
+        if decision is not None:
+            finite = not decision.failed
+        if finite and recheck is not None and self.on_failure == "raise":
+            failed = ledger.latest
+            self.stop_rechecking(trigger)
+            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss),
+                                     step=failed.step, parameters=failed.parameters)
+        if finite:
+            ledger.passed(step)
+            return False
+        named = named()
+        bad = self.verdict.bad_gradients(named)
+        loss = None if bad else self.verdict.loss_kind(losses)
+        elsewhere = () if decision is None or bad else decision.nonfinite
+        failure = ledger.fail(step, bad, "loss" if loss is not None and not elsewhere else "gradients", loss=loss)
+        if failure.action:  # another trigger (guard_trainer's step) failed this step and told it already
+            return failure.action != "applied"
+        if ledger.poisoned_since is not None:  # told once; every later step fails: only counted
+            failure.cause = "weights"
+        self.stop_when_stuck(failure, trigger)
+        if ledger.poisoned_since is not None:
+            return self.act(failure)
+        weights = self.poisoned(named, step)
+        if weights is not None:  # written between two optimizer steps: by the last one (from finite gradients) or by the program
+            failure.cause = "weights"
+            self.stop_rechecking(trigger)
+            text = words.poisoned(step - 1, weights, from_finite=True, rank=self.rank, by_program=self.by_program(named, weights))
+            if self.on_failure == "raise":
+                raise self.raised(failure, GradientsNotFinite(text, step=step, parameters=bad))
+            warn(text)
+            return self.act(failure)
+        bad_input = None if trigger.auditing or decision is not None else trigger.bad_input()
+        if bad_input is not None:  # the batch held them before the model ran: no op of the step made them
+            return self._input_failure(failure, bad, bad_input, trigger)
+        return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger)
+
+    def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger) -> bool:
+        """A failed step whose origin a full watch may name: the audit's, or a replay's."""
+        ledger, step = self.ledger, failure.step
+        watched = audited = trigger.auditing
+        origin = trigger.audit_origin() if watched else None
+        found = [origin] if origin is not None else []
+        # In a job every rank replays the batch, or none (its collectives, if any, must match):
+        # unless every rank ran this step under a full watch.
+        replay = not (decision.all_watched if decision is not None else watched) and trigger.replay is not None and self.told()
+        if replay:
+            if watched:  # this rank audited it, another did not: the audit ends, the replay runs here too
+                found = [anomaly for anomaly in trigger.end_audit() if anomaly.kind in ("nan", "inf")]
+                audited = False
+            trigger.compiled_verdict = None
+            ran, replayed = trigger.replay()  # the batch again, from its start, under a full watch
+            trigger.replayed()
+            watched = ran or watched
+            origin = replayed if replayed is not None else origin
+            found = [replayed] if replayed is not None else found
+            if ran or decision is not None:
+                self._replayed_at = step
+        verdict, trigger.compiled_verdict = trigger.compiled_verdict, None
+        if verdict is not None:
+            ledger.verdicts.append(verdict)
+        if decision is not None:  # watched means: on every rank (what the ranks do next must be the same)
+            watched = decision.all_watched or replay
+        if decision is not None and watched and self.told():
+            self._watched_all_at = step
+            ranks, first = self.exchange(str(step), found)  # every rank's findings: the first origin anywhere
+            if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
+                origin = elsewhere_anomaly(first, ranks, step, bad)
+        ledger.explain(failure, origin, replayed=replay and watched)
+        self._decided_origin = origin
+        if self.on_failure == "raise" and watched:
+            # The step ran under the full watch: its origin is known now, or no op made them.
+            self.stop_rechecking(trigger)
+            if origin is not None:
+                error = AnomalyError(origin)
+                if verdict is not None:
+                    error.add_note(guard_words.replayed_verdict(verdict))
+                raise self.raised(failure, error)
+            if verdict is not None:
+                text = guard_words.leave_on_only_compiled(step, words.parameters(bad), verdict)
+            else:
+                text = words.no_origin(step, bad, recheck, elsewhere=elsewhere, loss=loss)
+            raise self.raised(failure, GradientsNotFinite(text, step=step, parameters=bad))
+        if recheck is None and self.told():
+            last = len(ledger.failures) == _TOLD_FAILURES
+            text = words.failure(step, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
+                                 origin=origin_facts(origin), last=last, elsewhere=elsewhere, rank=self.rank, loss=loss)
+            warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
+        return self.act(failure)
+
+    def _input_failure(self, failure, bad, bad_input, trigger) -> bool:
+        """A failed step whose batch held nan/inf when it entered the model: told (or raised)
+        with the line that fed it, cause ``input``; the next step is re-checked as after any
+        failure (a batch torch made recurs there with the op and line that made it)."""
+        raising = self.on_failure == "raise"
+        if raising:
+            self.stop_rechecking(trigger)
+        failure.cause = "input"
+        text = words.bad_input(failure.step, bad, self.on_failure, *bad_input, rerun=trigger.rerun if raising else None)
+        if raising:
+            raise self.raised(failure, GradientsNotFinite(text, step=failure.step, parameters=bad))
+        if self.told():
+            warn(text)
+        return self.act(failure)
+
+    def failed_at_check(self, step: int, named, gradients: list, losses: list, error: AnomalyError) -> None:
+        """A strict audit raised at this step's check point: the ledger counts the step as
+        failed (with the origin the error names) when its gradients or loss are not finite."""
+        if self.verdict.finite(gradients, losses):
+            return
+        bad = self.verdict.bad_gradients(named())
+        failure = self.ledger.fail(step, bad, "gradients" if bad else "loss", loss=None if bad else self.verdict.loss_kind(losses))
+        self.ledger.explain(failure, error.anomaly)
+        self.ledger.decide(failure, "raised")
+
+    def failed_in_batch(self, fact, trigger) -> None:
+        """A trigger that runs inside the batch (``guard_trainer``'s guarded training step)
+        failed it: the optimizer step that follows counts as failed, with ``fact``'s origin and
+        action (a :class:`~opwatch.runners.ledger.Failure` of that trigger's own ledger)."""
+        failure = self.ledger.fail(self.ledger.steps + 1, fact.parameters, fact.cause, loss=fact.loss)
+        self.ledger.explain(failure, fact.origin, replayed=fact.origin is not None)
+        self.ledger.decide(failure, fact.action or "applied")
+        self.stop_when_stuck(failure, trigger)
+
+    def decide_at_clip(self, optimizer, trigger, on_skip) -> None:
+        """Decide ``optimizer``'s step when the program's clip has its total norm (Lightning clips
+        after the callback's hook, right before the update): the norm then stands for the
+        gradients; ``on_skip()`` drops the gradients of a step that must not run. A step whose
+        clip never came is decided after it (:meth:`decide_undecided`, at torch's post-hook)."""
+        trigger_ref = weakref.ref(trigger)
+
+        def decide():
+            seen = trigger_ref()
+            if seen is not None:
+                with torch.enable_grad():  # the clip runs under no_grad; a failing batch's replay runs a backward
+                    if seen.before_step(optimizer):
+                        on_skip()
+
+        self.verdict.reductions.on_norm = decide
+
+    def decide_undecided(self, trigger) -> None:
+        undecided, self.verdict.reductions.on_norm = self.verdict.reductions.on_norm, None
+        if undecided is not None:
+            undecided()
+
+    def step_done(self, step: int, named, trigger, optimizer=None) -> None:
+        """After optimizer step ``step``: end an audit or re-check, and start the re-check of a failure."""
+        self.decide_undecided(trigger)  # a step to be decided at a clip that never came (Lightning's)
+        if optimizer is not None:
+            self.hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
+            self.verdict.reductions.after_step(optimizer)
+        self._step_done(step, named, trigger)
+        if self.audit_next:  # a failure told late: the step after this one under the full watch
+            self.audit_next = False
+            trigger.start_audit()
+
+    def _step_done(self, step: int, named, trigger) -> None:
+        ledger = self.ledger
+        failed_now = bool(ledger.failures) and ledger.latest.step == step
+        # A failure of a fully watched (or replayed) step was told with its origin; in a job,
+        # only when every rank watched it (the ranks re-check the next step together).
+        audited_now = trigger.auditing or self._replayed_at == step
+        if self._agreement is not None:
+            audited_now = self._watched_all_at == step
+        if trigger.auditing:
+            self._rechecked(step, failed_now, trigger)
+        if not failed_now or ledger.poisoned_since is not None:
+            return
+        if self.on_failure == "apply":
+            weights = self.poisoned(named(), step, since=step)
+            if weights is not None:  # from now on every step carries them: no op of a later step is the origin
+                warn(words.poisoned(step, weights, from_finite=False, rank=self.rank))
+                return
+        if self.told() and not audited_now and ledger.latest.origin is None:  # guard_trainer's replay may have named it
+            self.recheck_of = step
+            trigger.start_audit()
+
+    def _rechecked(self, step: int, failed_now: bool, trigger) -> None:
+        """The audit of ``step`` ends; when it re-checked a failure, what it found is told."""
+        recheck, self.recheck_of = self.recheck_of, None
+        origin = trigger.audit_origin() if recheck is not None else None
+        if recheck is not None and self._agreement is not None:  # every rank re-checked this step
+            if failed_now:  # found and exchanged at the check before it
+                origin = self._decided_origin
+            else:
+                ranks, first = self.exchange(f"{step}/recheck", [origin] if origin is not None else [])
+                if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
+                    origin = elsewhere_anomaly(first, ranks, step, [])
+        rechecked = next((failure for failure in self.ledger.failures if failure.step == recheck), None)
+        if origin is not None and not failed_now:  # a failing re-check kept it already
+            self.ledger.explain(rechecked, origin)
+        trigger.end_audit()
+        # A bad batch told as such needs no "did not recur": only an origin the re-check found is news.
+        quiet = rechecked is not None and rechecked.cause == "input" and origin is None
+        if recheck is not None and not quiet:
+            warn(words.recheck(recheck, step, origin_facts(origin), failed_again=failed_now, rank=self.rank))
+
+    def run_ended(self, steps: int, error, trigger) -> None:
+        """The run ended (``error``: what ended it): a failure whose re-check never saw another
+        optimizer step is told (or raised) as such."""
+        ledger = self.ledger
+        latest = ledger.latest
+        pending = latest if self.recheck_of is not None and latest is not None and latest.step == self.recheck_of == steps else None
+        if error is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
+            self._agreement.mark(steps + 1, "", "left", f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}")
+        trigger.end_audit(error)
+        if error is None:  # a fused step that failed last: its flag is read now (never over the program's own error)
+            self.told_late(None, None, trigger)
+            self.raise_held(trigger)
+        if pending is not None and error is None and pending.cause != "input":  # a bad batch was told as such
+            self.recheck_of = None
+            text = words.loop_ended(pending.step, pending.parameters, trigger.rerun, raising=self.on_failure == "raise", loss=pending.loss)
+            if self.on_failure == "raise":
+                raise GradientsNotFinite(text, step=pending.step, parameters=pending.parameters)
+            warn(text)
