@@ -341,26 +341,33 @@ class NonFiniteTracker:
         """Check point: read all queued flags at once and return the origins judged now, oldest
         first, each with ``matters`` set.
 
-        ``window`` is every log entry since the previous check point, oldest first.
+        ``window`` is every log entry since the previous check point, oldest first, or a
+        function that returns them: called only when they are needed (rarely: a flag, a float16
+        output, a collective's output), so that a healthy check point builds no list.
         ``reading`` are the idents of tensors the program is about to read on the host.
         ``final``: the program chose this point (the end of the block, ``Watch.check()``), so
         what is still alive is the program's state: judge it now.
         """
         carriers, self._carriers = self._carriers, {}
         written_bases, self._written_bases = self._written_bases, {}
+        if callable(window):
+            window = _once(window)
+        else:
+            window = _once(lambda entries=window: entries)
         if self._reads.pending:
-            window = self._reads.settle(window, final, self._queue)
+            settled = self._reads.settle(window(), final, self._queue)
+            window = _once(lambda: settled)
         half, self._half = self._half, set()
         flags = self._take_flags(half)
         flags.carriers, flags.written_bases = carriers, written_bases
         flags.first_seen, self._first_seen = self._first_seen, {}
         origins = self._origins
-        risks = headroom_risks(window, half, flags.ranges, self._log) if half and flags.ranges else []
+        risks = headroom_risks(window(), half, flags.ranges, self._log) if half and flags.ranges else []
         if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
             origins.remember_sentinels(flags.sentinels)
             origins.forget_ranges()  # this window's ops were not followed
             return risks
-        new = origins.replay(window, flags, reading)
+        new = origins.replay(window(), flags, reading)
         if new:
             decide_causes(new, self._log)
             new, folded = fold_same_source(new)
@@ -439,6 +446,18 @@ class NonFiniteTracker:
                 free.append(buffer)
         self._buffers, self._filling, self._opened = [], {}, 0
         self._stats = self._stats_key = None
+
+
+def _once(make):
+    """``make``, called at most once: its result kept for the calls after."""
+    made = []
+
+    def call():
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return call
 
 
 def _new_buffer(size: int, dtype, device) -> _Buffer:
