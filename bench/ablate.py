@@ -129,10 +129,10 @@ def timed_calls_per_step(step, steps: int) -> dict[str, float]:
     spent = {"aminmax kernels": 0.0, "opening buffers for their results": 0.0}
 
     def timed(function, name):
-        def call(*args):
+        def call(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return function(*args)
+                return function(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
         return call
