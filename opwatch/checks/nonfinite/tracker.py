@@ -450,12 +450,13 @@ class NonFiniteTracker:
 
 def _once(make):
     """``make``, called at most once: its result kept for the calls after."""
-    made = []
+    entries = None
 
     def call():
-        if not made:
-            made.append(make())
-        return made[0]
+        nonlocal entries
+        if entries is None:
+            entries = make()
+        return entries
 
     return call
 
