@@ -92,7 +92,7 @@ PARTS = {
     "device + dtype checks": ("device + dtype only", "no checks"),
     "broadcast check + size-1 provenance": ("broadcast only", "no checks"),
     "nan/inf check (all of it)": ("nonfinite only", "no checks"),
-    "  .. of which its reductions (kernels, stacking, bookkeeping)": ("watch()", "watch(), no reductions"),
+    "  .. of which its reductions (kernels, buffers, bookkeeping)": ("watch()", "watch(), no reductions"),
     "pre-dispatch function mode (every torch function call)": ("watch()", "watch() without pre_dispatch"),
     "everything": ("watch()", "passthrough"),
 }
@@ -124,22 +124,22 @@ def gc_per_step(make, step, steps: int) -> tuple[float, list[float]]:
 
 
 def timed_calls_per_step(step, steps: int) -> dict[str, float]:
-    """Seconds per step inside the nan/inf reductions' kernels and their stacking, timed
+    """Seconds per step inside the nan/inf reductions' kernels and opening their buffers, timed
     around each call under watch() (the timer adds about 0.1 us a call)."""
-    spent = {"aminmax kernels": 0.0, "stacking their results": 0.0}
+    spent = {"aminmax kernels": 0.0, "opening buffers for their results": 0.0}
 
     def timed(function, name):
-        def call(*args):
+        def call(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return function(*args)
+                return function(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
         return call
 
     timed_aminmax = timed(nonfinite._aminmax, "aminmax kernels")
-    timed_stack = timed(nonfinite.NonFiniteTracker._stack, "stacking their results")
-    with _patched([(nonfinite, "_aminmax", timed_aminmax), (nonfinite.NonFiniteTracker, "_stack", timed_stack)]):
+    timed_open = timed(nonfinite.NonFiniteTracker._buffer_for, "opening buffers for their results")
+    with _patched([(nonfinite, "_aminmax", timed_aminmax), (nonfinite.NonFiniteTracker, "_buffer_for", timed_open)]):
         for _ in range(steps):
             step()
     return {name: seconds / steps for name, seconds in spent.items()}

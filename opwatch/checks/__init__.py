@@ -32,6 +32,8 @@ origin's containment (:mod:`.nonfinite`).
 
 from __future__ import annotations
 
+from functools import partial
+
 from ..core.records import E_PHASE, E_SITE, M_IDENT, entry_inputs, entry_outputs
 from . import accumulation, broadcast, collectives, device, dtype, fingerprints, module_calls, nonfinite, pre_dispatch, promotions
 from .finding import Finding, Place
@@ -160,7 +162,7 @@ class ActiveChecks:
         if not (self.values.pending or self.values.carrying or self.values.keep_ranges):
             self.values.forget_ranges()  # its ops were not followed
             return []
-        return self.values.resolve(log.since(since), reading=reading, final=final)
+        return self.values.resolve(partial(log.since, since), reading=reading, final=final)
 
 
 def fingerprints_tracker(log, store: dict | None):

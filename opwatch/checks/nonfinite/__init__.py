@@ -1,9 +1,10 @@
 """nan / inf origins, found with batched, sync-free checks.
 
 On a GPU, ``bool(t.isnan().any())`` after every op stalls the pipeline at every op. Instead,
-each floating output gets one reduction, ``torch.aminmax``, whose two 0-dim results stay on the
-tensor's device: nan shows as a nan min/max, inf as an infinite max or min. The results are
-read back in one batch (one ``torch.stack`` and one transfer per device) at a *check point*:
+each floating output gets one reduction, ``torch.aminmax``, whose two results stay on the
+tensor's device (written into two slots of a small buffer of that device and dtype): nan shows
+as a nan min/max, inf as an infinite max or min. The results are read back in one batch (one
+transfer per device) at a *check point*:
 the end of the block, ``Watch.check()``/``Watch.step()``, a value the program itself reads on
 the host from a device where flags wait (``.item()``, ``bool(t)``, ``torch.equal``, and a copy
 of a device tensor to the CPU, which printing a CUDA tensor does), and at the latest every

@@ -1,10 +1,11 @@
 """The flag tracker, on the hot path: one sync-free reduction per checked output, read back in
 one batch at a check point, then handed to the replay (:mod:`.replay`).
 
-Each floating output gets one reduction, ``torch.aminmax``, whose two 0-dim results stay on
-the tensor's device: nan shows as a nan min/max, inf as an infinite max or min. They are
-stacked per device (one ``torch.stack`` per ``_CHUNK`` pairs) and read back with one transfer
-per device at a check point. Observers are bound per op (:meth:`NonFiniteTracker.for_op`), so
+Each floating output gets one reduction, ``torch.aminmax``, whose two results stay on the
+tensor's device: nan shows as a nan min/max, inf as an infinite max or min. The kernel writes
+them (``out=``) into two slots of a small buffer of its device and dtype (:class:`_Buffer`),
+so that an output allocates no tensor and nothing is stacked on the hot path; the buffers are
+read back with one transfer per device at a check point, and used again after it. Observers are bound per op (:meth:`NonFiniteTracker.for_op`), so
 the interceptor calls the one that fits without asking what the op is.
 
 A tensor made before the watch (a batch from a DataLoader worker, a parameter, a buffer) has no
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from itertools import islice
 
 import torch
 
@@ -41,19 +41,40 @@ _KNOWN_START = 256  # tensors remembered as accounted for before the dead ones a
 _aminmax = torch.aminmax  # the one reduction per output (bench.ablate times it here)
 
 
+class _Buffer:
+    """Slots for (min, max) pairs of one device and dtype: a 1-D tensor and its 0-dim views,
+    made once (the views are what ``aminmax(out=...)`` writes into). ``base``: where its slots
+    start in the check point's numbering (:meth:`NonFiniteTracker._read_flags`)."""
+
+    __slots__ = ("values", "views", "used", "base")
+
+    def __init__(self, values):
+        self.values = values
+        self.views = values.unbind()
+        self.used = 0
+        self.base = 0
+
+
 class NonFiniteTracker:
     """Keeps per-output finiteness flags on device and resolves them at check points."""
 
-    _CHUNK = 64  # 0-dim results stacked into one tensor at a time: fewer objects to keep
+    _CHUNK = 64  # slots of one buffer (32 pairs)
+    _POOL = 64  # buffers kept per device and dtype for the next check point's window
 
     def __init__(self, log, *, keep_ranges: bool = False) -> None:
         self._log = log
         # Every op is a check point (guard's replay: ``check_every=1``), so every output's range
         # is read anyway: keep them all, so that an origin's inputs' ranges are known.
         self.keep_ranges = keep_ranges
-        self._stats: list[torch.Tensor] = []  # (min, max) pairs: 0-dim tensors on _stats_device
-        self._stats_device = None
-        self._chunks: list[torch.Tensor] = []  # earlier pairs, stacked
+        # The window's buffers, in the order they were opened; the one being filled per
+        # (device, dtype); the one filled last (its device and dtype) and the slots opened so far.
+        self._buffers: list[_Buffer] = []
+        self._filling: dict = {}
+        self._stats = None
+        self._stats_key = None
+        self._opened = 0
+        self._pool: dict = {}  # (device, dtype) -> buffers read and free again
+        self._slots: list[int] = []  # per queued pair: its min's slot (its max's is the next)
         # Per queued pair, in parallel lists (ints and one weakref: few objects for the
         # garbage collector to count): the op index, the output's position, the output.
         self._indices: list[int] = []
@@ -269,39 +290,50 @@ class NonFiniteTracker:
             checked = readable(checked)  # no reduction takes float8: a float16 copy, nan and inf kept
         # No autograd graph: below the autograd layer, where __torch_dispatch__ runs, the
         # autograd keys are excluded for everything it calls.
-        low, high = _aminmax(checked)
-        stats = self._stats
-        if device != self._stats_device:
-            self._stack()  # one chunk per device
-            stats = self._stats
-            self._stats_device = device
-            self._devices.add(device)
-        stats += (low, high)
+        buffer = self._stats
+        if buffer is None or self._stats_key != (device, checked.dtype) or buffer.used == self._CHUNK:
+            buffer = self._buffer_for(device, checked.dtype)
+        slot = buffer.used
+        views = buffer.views
+        _aminmax(checked, out=(views[slot], views[slot + 1]))
+        buffer.used = slot + 2
+        self._slots.append(buffer.base + slot)
         self._indices.append(index)
         self._positions.append(position)
         ref = weakref.ref(tensor)
         self._refs.append(ref)
         if dtype is FLOAT16 and position < FIRST_SEEN:
             self._half.add(index << 32 | position)  # judged for headroom
-        if len(stats) >= self._CHUNK:
-            self._stack()
         return ref
+
+    def _buffer_for(self, device, dtype) -> _Buffer:
+        """The buffer of ``device`` and ``dtype`` with a free pair of slots: the one being
+        filled, else one from the pool (or a new one), opened now."""
+        key = (device, dtype)
+        buffer = self._filling.get(key)
+        if buffer is None or buffer.used == self._CHUNK:
+            free = self._pool.get(key)
+            buffer = free.pop() if free else _new_buffer(self._CHUNK, dtype, device)
+            buffer.used = 0
+            buffer.base = self._opened
+            self._opened += self._CHUNK
+            self._buffers.append(buffer)
+            self._filling[key] = buffer
+            self._devices.add(device)
+        self._stats, self._stats_key = buffer, key
+        return buffer
 
     def _queue(self, low, high, index, position, ref) -> None:
         """Queue a pair read elsewhere (a collective's output, once it completed)."""
-        if self._stats_device != low.device:
-            self._stack()
-            self._stats_device = low.device
-            self._devices.add(low.device)
-        self._stats += (low, high)
+        buffer = self._buffer_for(low.device, low.dtype)
+        slot = buffer.used
+        buffer.views[slot].copy_(low)
+        buffer.views[slot + 1].copy_(high)
+        buffer.used = slot + 2
+        self._slots.append(buffer.base + slot)
         self._indices.append(index)
         self._positions.append(position)
         self._refs.append(ref)
-
-    def _stack(self) -> None:
-        if self._stats:
-            self._chunks.append(torch.stack(self._stats))
-            self._stats = []
 
     # -- the check point ----------------------------------------------------------------------
 
@@ -309,26 +341,33 @@ class NonFiniteTracker:
         """Check point: read all queued flags at once and return the origins judged now, oldest
         first, each with ``matters`` set.
 
-        ``window`` is every log entry since the previous check point, oldest first.
+        ``window`` is every log entry since the previous check point, oldest first, or a
+        function that returns them: called only when they are needed (rarely: a flag, a float16
+        output, a collective's output), so that a healthy check point builds no list.
         ``reading`` are the idents of tensors the program is about to read on the host.
         ``final``: the program chose this point (the end of the block, ``Watch.check()``), so
         what is still alive is the program's state: judge it now.
         """
         carriers, self._carriers = self._carriers, {}
         written_bases, self._written_bases = self._written_bases, {}
+        if callable(window):
+            window = _once(window)
+        else:
+            window = _once(lambda entries=window: entries)
         if self._reads.pending:
-            window = self._reads.settle(window, final, self._queue)
+            settled = self._reads.settle(window(), final, self._queue)
+            window = _once(lambda: settled)
         half, self._half = self._half, set()
         flags = self._take_flags(half)
         flags.carriers, flags.written_bases = carriers, written_bases
         flags.first_seen, self._first_seen = self._first_seen, {}
         origins = self._origins
-        risks = headroom_risks(window, half, flags.ranges, self._log) if half and flags.ranges else []
+        risks = headroom_risks(window(), half, flags.ranges, self._log) if half and flags.ranges else []
         if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
             origins.remember_sentinels(flags.sentinels)
             origins.forget_ranges()  # this window's ops were not followed
             return risks
-        new = origins.replay(window, flags, reading)
+        new = origins.replay(window(), flags, reading)
         if new:
             decide_causes(new, self._log)
             new, folded = fold_same_source(new)
@@ -342,9 +381,9 @@ class NonFiniteTracker:
         """Read the queued pairs (one host read per device) into :class:`Flags`, and empty the queue."""
         kinds, values = self._read_flags(check_headroom=bool(half), keep_values=self.keep_ranges) if self._indices else ([], None)
         queued = list(zip(self._indices, self._positions, self._refs, kinds))
-        self._chunks, self._indices, self._positions, self._refs = [], [], [], []
+        self._indices, self._positions, self._refs, self._slots = [], [], [], []
         self._devices = set()
-        self._stats_device = None
+        self._release_buffers()
         flags = Flags({}, {}, set())
         # (op index, output position) -> (min, max): read only when something is not finite,
         # to tell the inputs' health at an origin.
@@ -367,28 +406,66 @@ class NonFiniteTracker:
         ``finfo.max`` or ``finfo.min`` of a floating dtype: a deliberate mask value); and the
         values read (min, max, min, max, ...), or ``None`` when all were finite (unless
         ``keep_values``)."""
-        self._stack()
-        by_device: dict = {}
-        for chunk in self._chunks:
-            by_device.setdefault(chunk.device, []).append(chunk)
-        if len(by_device) == 1:
-            # The one host read of this check point.
-            chunks = self._chunks
-            values = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).tolist()
-            if not keep_values and math.isfinite(sum(values)) and (not check_headroom or HEADROOM_LIMIT > max(map(abs, values))):
-                # The usual case: all finite, no float16 near its limit. Masks holding
-                # finfo.min (every Hugging Face model) only mark their outputs.
-                kinds = [None] * (len(values) // 2)
-                if not SENTINELS.isdisjoint(values):
-                    for position, value in enumerate(values):
-                        if value in SENTINELS:
-                            kinds[position >> 1] = SENTINEL
-                return kinds, None
-        else:
-            # One host read per device; chunks are read back in their queued order.
-            read = {device: iter(torch.cat(chunks).tolist()) for device, chunks in by_device.items()}
-            values = [value for chunk in self._chunks for value in islice(read[chunk.device], len(chunk))]
+        values = self._read_slots()
+        if not keep_values and math.isfinite(sum(values)) and (not check_headroom or HEADROOM_LIMIT > max(map(abs, values))):
+            # The usual case: all finite, no float16 near its limit. Masks holding
+            # finfo.min (every Hugging Face model) only mark their outputs.
+            kinds = [None] * (len(values) // 2)
+            if not SENTINELS.isdisjoint(values):
+                for position, value in enumerate(values):
+                    if value in SENTINELS:
+                        kinds[position >> 1] = SENTINEL
+            return kinds, None
         return [_kind(values[i], values[i + 1]) for i in range(0, len(values), 2)], values
+
+
+    def _read_slots(self) -> list:
+        """The queued pairs' values (min, max, min, max, ...), in their queued order: one host
+        read per device (its buffers joined in one tensor, in the widest of their dtypes)."""
+        by_device: dict = {}
+        for buffer in self._buffers:
+            by_device.setdefault(buffer.values.device, []).append(buffer)
+        slots_read: list = [0.0] * self._opened
+        for buffers in by_device.values():
+            joined = torch.cat([buffer.values for buffer in buffers]) if len(buffers) > 1 else buffers[0].values
+            read = joined.tolist()  # the host read
+            for number, buffer in enumerate(buffers):
+                start = number * self._CHUNK
+                slots_read[buffer.base : buffer.base + buffer.used] = read[start : start + buffer.used]
+        values = []
+        for slot in self._slots:
+            values += slots_read[slot : slot + 2]
+        return values
+
+    def _release_buffers(self) -> None:
+        """After a check point: the window's buffers go back to the pool (a few per device and
+        dtype), to be filled again."""
+        for buffer in self._buffers:
+            free = self._pool.setdefault((buffer.values.device, buffer.values.dtype), [])
+            if len(free) < self._POOL:
+                free.append(buffer)
+        self._buffers, self._filling, self._opened = [], {}, 0
+        self._stats = self._stats_key = None
+
+
+def _once(make):
+    """``make``, called at most once: its result kept for the calls after."""
+    entries = None
+
+    def call():
+        nonlocal entries
+        if entries is None:
+            entries = make()
+        return entries
+
+    return call
+
+
+def _new_buffer(size: int, dtype, device) -> _Buffer:
+    # Never an inference tensor, also when first made in inference mode: it is written again
+    # outside it (writing an inference tensor there raises).
+    with torch.inference_mode(False):
+        return _Buffer(torch.empty(size, dtype=dtype, device=device))
 
 
 def _kind(low, high):
