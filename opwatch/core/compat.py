@@ -245,21 +245,22 @@ def dynamo_loaded() -> bool:
 def run_uncompiled(function):
     """``function``, wrapped so that TorchDynamo never traces it: a compiled frame that calls it
     (an optimizer step hook of opwatch's, inside a compiled training step) breaks its graph
-    there and runs it as Python (``torch._dynamo.disable``), rather than tracing opwatch's
-    bookkeeping into the graph and guarding its dicts. Dynamo is imported only where the
-    program loaded it already (``torch.compile`` does)."""
-    disabled = None
+    there and runs it as Python, rather than tracing opwatch's bookkeeping into the graph and
+    guarding its dicts. Through ``torch._disable_dynamo``, torch's own wrapper for its hooks
+    (``Optimizer.zero_grad``): it lives in a file Dynamo never inlines, so Dynamo calls it as it
+    is, and it imports Dynamo only when called. Called where Dynamo is not loaded, ``function``
+    runs directly (a program that never compiles never imports it)."""
+
+    def call(*args, **kwargs):  # a plain function: torch's wrapper keeps an attribute on it
+        return function(*args, **kwargs)
+
+    skipped = torch._disable_dynamo(call)
 
     @functools.wraps(function)
     def uncompiled(*args, **kwargs):
-        nonlocal disabled
-        if not dynamo_loaded():
-            return function(*args, **kwargs)
-        if disabled is None:
-            import torch._dynamo
-
-            disabled = torch._dynamo.disable(function)
-        return disabled(*args, **kwargs)
+        if dynamo_loaded():
+            return skipped(*args, **kwargs)
+        return function(*args, **kwargs)
 
     return uncompiled
 

@@ -306,6 +306,56 @@ def test_leave_on_over_a_compiled_optimizer_step_audits_it_and_leaves_the_rest_c
     assert _get_current_dispatch_mode_stack() == [] and not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python)
 
 
+def test_leave_on_with_its_forward_hook_on_a_model_inside_compiled_code_names_the_bad_batch():
+    # The trainers name their model (LeaveOn.know); a compiled wrapper of it (Trainer(torch_compile=True))
+    # runs that model's forward pre-hook inside the compiled call: Dynamo meets opwatch's hook there.
+    from opwatch.runners.leave_on import LeaveOn
+
+    torch.manual_seed(0)
+    backend = Counting()
+    model = Net()
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    runner = LeaveOn(on_failure="skip", max_failed_in_a_row=None)
+    runner.know(model)
+    with pytest.warns(opwatch.OpwatchWarning, match="optimizer step 5: the gradients about to be applied hold nan/inf") as told, runner:
+        for number in range(8):
+            x = torch.randn(16, 6)
+            if number == 4:
+                x[3, 2] = float("nan")
+            optimizer.zero_grad()
+            ((compiled(x) - x.sum(-1, keepdim=True)) ** 2).mean().backward()
+            optimizer.step()
+    assert [(failure.step, failure.cause) for failure in runner.failures] == [(5, "input")]  # the hook kept the batch
+    assert all(torch.isfinite(param).all() for param in model.parameters()) and backend.runs >= 5
+    assert not [warning for warning in told if "sys._getframe" in str(warning.message)]
+
+
+@pytest.mark.parametrize("first_call", ["eager", "compiled"])
+def test_opwatchs_hooks_run_as_python_each_time_a_compiled_frame_calls_them(first_call):
+    from opwatch.core.compat import run_uncompiled
+
+    ran = []
+
+    class Hooks:
+        def seen(self, module, args, kwargs):  # a bound method, as opwatch's hooks are
+            ran.append((torch.compiler.is_compiling(), sorted(kwargs)))
+
+    hook = run_uncompiled(Hooks().seen)
+    model = Net()
+
+    def forward(x):
+        hook(model, (x,), {"scale": 2})
+        return model(x) * 2
+
+    compiled = torch.compile(forward, backend=Counting())
+    if first_call == "eager":
+        hook(model, (), {})
+    for _ in range(3):
+        compiled(torch.randn(4, 6))
+    assert ran[-3:] == [(False, ["scale"])] * 3  # run as Python at every call, never traced into a graph
+
+
 def compiled_calls_restore_dispatch_keys() -> bool:
     """Whether Dynamo's wrapper around a compiled call puts the dispatch keys back where it
     returns (torch 2.13 and 2.14; not 2.6), as opwatch.core.compat sees it from inside one."""
