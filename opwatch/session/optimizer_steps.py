@@ -44,13 +44,15 @@ class OptimizerCheckPoints:
         self._clip = None  # torch.nn.utils' clipping functions as they were, while wrapped
         self._lock = threading.Lock()
 
+    # Its hooks run plain, never through compat.run_uncompiled: they act only while a watch is
+    # active, and a watch holds Dynamo in its force_eager stance, where no compiled frame traces.
     def hold(self, w) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         with self._lock:
             self._watches.append((w, threading.get_ident()))
             if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(run_uncompiled(self._before_step))
+                self._handle = register_optimizer_step_pre_hook(self._before_step)
                 self._wrap_clipping()
 
     def release(self, w) -> None:
@@ -118,7 +120,7 @@ class OptimizerCheckPoints:
         if not watches:
             return None
         if optimizer not in self._after:
-            self._after[optimizer] = optimizer.register_step_post_hook(run_uncompiled(self._after_step))
+            self._after[optimizer] = optimizer.register_step_post_hook(self._after_step)
         if len(watches) == 1:
             (only,) = watches
             try:
