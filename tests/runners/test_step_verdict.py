@@ -186,18 +186,26 @@ def test_guard_over_a_clipping_step_copies_no_gradient_and_runs_no_pass_over_the
 # -- must flag: a failing step is still caught and skipped ---------------------------------------
 
 
-def test_a_clip_over_nan_gradients_fails_the_step_and_skips_it():
-    model, optimizer = fresh()
+@contextlib.contextmanager
+def told_run():
+    """A manual-audit leave-on run that skips failing steps, with every warning it gives
+    recorded: ``(run, caught)``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
-            nanogpt_steps(model, optimizer, 2)
-            before = [parameter.detach().clone() for parameter in model.parameters()]
-            model.bug = "nan"
-            nanogpt_steps(model, optimizer, 1, first=3)
-            after_failure = [parameter.detach().clone() for parameter in model.parameters()]
-            model.bug = None
-            nanogpt_steps(model, optimizer, 1, first=4)
+            yield run, caught
+
+
+def test_a_clip_over_nan_gradients_fails_the_step_and_skips_it():
+    model, optimizer = fresh()
+    with told_run() as (run, caught):
+        nanogpt_steps(model, optimizer, 2)
+        before = [parameter.detach().clone() for parameter in model.parameters()]
+        model.bug = "nan"
+        nanogpt_steps(model, optimizer, 1, first=3)
+        after_failure = [parameter.detach().clone() for parameter in model.parameters()]
+        model.bug = None
+        nanogpt_steps(model, optimizer, 1, first=4)
     assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
     assert run.policy.verdict.source == step_verdict.CLIP
     assert all(torch.equal(a, b) for a, b in zip(before, after_failure))  # the weights as they were
@@ -234,20 +242,18 @@ def test_a_grad_scaler_overflow_is_the_scaler_s_and_its_unscale_decides_healthy_
 
 def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_step_on_the_device():
     model, optimizer = fresh(fused=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
-            nanogpt_steps(model, optimizer, 2)
-            steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
-            before = [parameter.detach().clone() for parameter in model.parameters()]
-            model.bug = "nan"
-            nanogpt_steps(model, optimizer, 1, first=3)
-            assert run.ledger.failed == 0  # the flag is read at the next step (or at a read of the counts)
-            assert not hasattr(optimizer, "found_inf")  # GradScaler's contract: for one step only
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
-            assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
-            model.bug = None
-            nanogpt_steps(model, optimizer, 2, first=4)
+    with told_run() as (run, caught):
+        nanogpt_steps(model, optimizer, 2)
+        steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
+        before = [parameter.detach().clone() for parameter in model.parameters()]
+        model.bug = "nan"
+        nanogpt_steps(model, optimizer, 1, first=3)
+        assert run.ledger.failed == 0  # the flag is read at the next step (or at a read of the counts)
+        assert not hasattr(optimizer, "found_inf")  # GradScaler's contract: for one step only
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
+        assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
+        model.bug = None
+        nanogpt_steps(model, optimizer, 2, first=4)
     assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
     assert any(str(w.message).startswith("opwatch: optimizer step 3: its gradients held nan/inf (and the loss backward() ran on was nan). "
                                          "The fused optimizer got the verdict as found_inf") and "told at step 4" in str(w.message)
@@ -258,11 +264,9 @@ def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_s
 
 def test_a_fused_optimizer_s_last_failing_step_is_told_when_the_run_ends_and_raise_raises_before_the_next_step():
     model, optimizer = fresh(fused=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with LeaveOn(audit="manual", on_failure="skip", warn=False) as run:
-            model.bug = "nan"
-            nanogpt_steps(model, optimizer, 1)
+    with told_run() as (run, caught):
+        model.bug = "nan"
+        nanogpt_steps(model, optimizer, 1)
     assert run.failed == 1 and any("told at the end of the run" in str(w.message) for w in caught)
 
     model, optimizer = fresh(fused=True)
