@@ -13,7 +13,10 @@ reversed every other round), as paired ratios (the median over rounds of the sam
 - ``hf``: ``transformers.Trainer.train`` of the same model, its default step (AdamW,
   ``max_grad_norm=1.0``), without and with ``OpwatchCallback(mode="guard")`` (``guard mode``),
   and with ``guard_trainer`` as well (``guard``: ``opwatch.guard`` over the Trainer's training
-  step); eager, and with ``torch_compile=True`` unless ``--no-compiled``.
+  step); eager, and with ``torch_compile=True`` unless ``--no-compiled``. Two tables of the same
+  runs: ``train()`` as a whole (its one-off costs, the guard mode's audited first step among
+  them, amortised over the steps), and a healthy step (the median step once the first ones ran,
+  timed from one step's start to the next by a callback ahead of opwatch's).
 - ``ddp``: the nanoGPT step in ``DistributedDataParallel`` on 2 gloo ranks (127.0.0.1):
   ``plain``, ``leave-on``, ``guard`` (no collective of opwatch's on a healthy step).
 
@@ -209,6 +212,16 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
         return ["hf: skipped (transformers is not installed)"]
     from opwatch.runners.transformers import OpwatchCallback, guard_trainer
 
+    class StepClock(transformers.TrainerCallback):
+        """The CPU time at each step's start (the first callback: before opwatch's), so that a
+        step's time is the whole of it, the callbacks' work included."""
+
+        def __init__(self):
+            self.starts = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.starts.append(time.process_time())
+
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     x, y = _batch()
@@ -216,14 +229,16 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
     lines = []
     for compiled in (False, True) if compiled_too else (False,):
         folder = tempfile.mkdtemp(prefix="bench_step_verdict_")
+        healthy = {}  # lane -> the median time of its steps after the first _SETTLED ones, per round
 
-        def lane(guarded: bool, call_guard: bool = False):
+        def lane(name: str, guarded: bool, call_guard: bool = False):
             def block(count: int) -> float:
                 torch.manual_seed(0)
                 args = transformers.TrainingArguments(output_dir=folder, max_steps=count, per_device_train_batch_size=8, save_strategy="no",
                                                       report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no",
                                                       dataloader_num_workers=0, torch_compile=compiled)
-                callbacks = [OpwatchCallback(mode="guard", warn=False, file=open(os.devnull, "w"))] if guarded else []
+                clock = StepClock()
+                callbacks = [clock] + ([OpwatchCallback(mode="guard", warn=False, file=open(os.devnull, "w"))] if guarded else [])
                 trainer = transformers.Trainer(model=TinyGPT(), args=args, train_dataset=data, callbacks=callbacks)
                 trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no log lines between the figures
                 if call_guard:
@@ -232,18 +247,32 @@ def bench_hf(rounds: int, steps: int, compiled_too: bool) -> list[str]:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if guarded:
-                        with callbacks[0]:
+                        with callbacks[1]:
                             trainer.train()
                     else:
                         trainer.train()
-                return (time.process_time() - start) / count
+                total = time.process_time() - start
+                settled = [later - earlier for earlier, later in zip(clock.starts, clock.starts[1:])][_SETTLED:]
+                if settled:
+                    healthy.setdefault(name, []).append(statistics.median(settled))
+                return total / count
 
             return block
 
-        times = _rounds({"plain": lane(False), "guard mode": lane(True), "guard": lane(True, call_guard=True)}, rounds, steps)
-        lines += _report(f"hf Trainer, {'torch_compile' if compiled else 'eager'}: {rounds} rounds x {steps} steps (train() included: "
+        lanes = {"plain": lane("plain", False), "guard mode": lane("guard mode", True), "guard": lane("guard", True, call_guard=True)}
+        times = _rounds(lanes, rounds, steps)
+        mode = "torch_compile" if compiled else "eager"
+        lines += _report(f"hf Trainer, {mode}: {rounds} rounds x {steps} steps (train() included: "
                          "the guard mode's audited first step is amortised over them)", times, "plain", "CPU")
+        # The warm-up blocks of _rounds are left out: the same rounds as the table above.
+        lines += _report(f"hf Trainer, {mode}: the same runs, a healthy step (the median step after the first {_SETTLED}, "
+                         "the audited one among them)", {name: found[-rounds:] for name, found in healthy.items()}, "plain", "CPU")
     return lines
+
+
+# The Trainer's first steps left out of its healthy-step figure: the guard mode's audited first
+# step, and the step after it (the allocator and the caches settle).
+_SETTLED = 3
 
 
 def _ddp_worker(rank: int, world: int, port: int, rounds: int, steps: int, compiled_too: bool) -> None:

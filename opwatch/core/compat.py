@@ -246,23 +246,46 @@ def run_uncompiled(function):
     """``function``, wrapped so that TorchDynamo never traces it: a compiled frame that calls it
     (an optimizer step hook of opwatch's, inside a compiled training step) breaks its graph
     there and runs it as Python, rather than tracing opwatch's bookkeeping into the graph and
-    guarding its dicts. Through ``torch._disable_dynamo``, torch's own wrapper for its hooks
-    (``Optimizer.zero_grad``): it lives in a file Dynamo never inlines, so Dynamo calls it as it
-    is, and it imports Dynamo only when called. Called where Dynamo is not loaded, ``function``
-    runs directly (a program that never compiles never imports it)."""
+    guarding its dicts.
+
+    Two ways in, one per place Dynamo meets the hook. While Dynamo traces a frame that calls it
+    (``torch.compiler.is_dynamo_compiling()``, folded to true in tracing), the call goes through
+    ``torch._disable_dynamo``, torch's own wrapper for its hooks (``Optimizer.zero_grad``): it
+    lives in a file Dynamo never inlines, so the graph breaks there. Run as Python (eagerly,
+    or from a compiled frame's resumed bytecode), the hook is called directly: the wrapper's code
+    object is marked for Dynamo's frame callback to skip it and everything it calls
+    (:func:`skip_dynamo_for_code`), which costs nothing per call, where torch's wrapper enters
+    and leaves a disabled region at every call of every step. On a torch without that marking,
+    torch's wrapper is taken wherever Dynamo is loaded."""
 
     def call(*args, **kwargs):  # a plain function: torch's wrapper keeps an attribute on it
         return function(*args, **kwargs)
 
     skipped = torch._disable_dynamo(call)
+    if SKIPS_DYNAMO_PER_CODE:
+        tracing = _dynamo_tracing
+
+        @functools.wraps(function)
+        def uncompiled(*args, **kwargs):
+            if tracing():
+                return skipped(*args, **kwargs)
+            return function(*args, **kwargs)
+
+        # Marked at each wrap: torch._dynamo.reset() may clear the marks.
+        skip_dynamo_for_code(uncompiled.__code__)
+        return uncompiled
 
     @functools.wraps(function)
-    def uncompiled(*args, **kwargs):
+    def loaded_uncompiled(*args, **kwargs):
         if dynamo_loaded():
             return skipped(*args, **kwargs)
         return function(*args, **kwargs)
 
-    return uncompiled
+    return loaded_uncompiled
+
+
+# False when called, true where TorchDynamo traces the call (it folds the call to a constant).
+_dynamo_tracing = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
 # Dynamo's wrapper around a torch.compile'd call saves the thread's dispatch keys when called and
