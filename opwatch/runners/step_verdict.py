@@ -99,7 +99,9 @@ class StepReductions:
 
     def __init__(self):
         self.norms: list = []
-        self._unscaled: weakref.WeakSet = weakref.WeakSet()  # optimizers unscaled since their last step
+        # Optimizers unscaled since their last step, {id: weak reference}: a dict, whose reads on
+        # every step (empty, but for GradScaler's) cost no Python call as a WeakSet's do.
+        self._unscaled: dict = {}
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -131,7 +133,7 @@ class StepReductions:
             result = original(scaler, optimizer)
             reductions = kept()
             if reductions is not None and scaler.is_enabled():
-                reductions._unscaled.add(optimizer)
+                reductions._unscaled[id(optimizer)] = weakref.ref(optimizer)
             return result
 
         self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
@@ -177,23 +179,24 @@ class StepReductions:
         Returns whether an optimizer unscaled since its last step never stepped (GradScaler
         skipped it): the step before this backward ended there."""
         self.norms.clear()
-        skipped = len(self._unscaled) > 0
-        if skipped:
-            self._unscaled = weakref.WeakSet()
+        skipped = any(unscaled() is not None for unscaled in self._unscaled.values())
+        self._unscaled.clear()
         return skipped
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
-        self._unscaled.discard(optimizer)
+        if self._unscaled:
+            self._unscaled.pop(id(optimizer), None)
 
     def forget(self) -> None:
         self.norms.clear()
-        self._unscaled = weakref.WeakSet()
+        self._unscaled.clear()
 
     def unscaled(self, optimizer) -> bool:
         """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
         (its kernel checked every one of them; it skips the step itself when one is not finite)."""
-        return optimizer is not None and optimizer in self._unscaled
+        unscaled = self._unscaled.get(id(optimizer)) if self._unscaled else None
+        return unscaled is not None and unscaled() is optimizer
 
     def norm_covering(self, grads) -> ClipNorm | None:
         """The newest kept norm that covered every tensor of ``grads``, or ``None``."""
@@ -286,9 +289,13 @@ def reduced_norm(norm):
 def scalars_finite(tensors, fused: FusedFiniteCheck) -> bool:
     """Whether a few small tensors (a norm, losses) hold only finite values: CPU scalars read
     where they lie, the others in one fused read."""
-    if all(tensor.is_cpu and tensor.numel() == 1 for tensor in tensors):
-        return all(math.isfinite(tensor.item()) for tensor in tensors)
-    return fused([], list(tensors))
+    for tensor in tensors:  # loops, not generators: this runs once a step, with cold caches
+        if not tensor.is_cpu or tensor.numel() != 1:
+            return fused([], list(tensors))
+    for tensor in tensors:
+        if not math.isfinite(tensor.item()):
+            return False
+    return True
 
 
 class DeferredFlag:
@@ -349,7 +356,9 @@ class FoundInfHandOff:
 
     def __init__(self):
         self._deferred = weakref.WeakKeyDictionary()  # optimizer -> _Handed
-        self._handed = weakref.WeakSet()  # optimizers holding opwatch's found_inf for the step running now
+        # Optimizers holding opwatch's found_inf for the step running now, {id: weak reference}
+        # (read after every step: a dict, no Python call).
+        self._handed: dict = {}
 
     @staticmethod
     def takes(optimizer) -> bool:
@@ -364,7 +373,7 @@ class FoundInfHandOff:
         self._deferred[optimizer] = _Handed(flag, step, losses)  # references: read only if it failed
         optimizer.found_inf = verdict.found_inf
         optimizer.grad_scale = None
-        self._handed.add(optimizer)
+        self._handed[id(optimizer)] = weakref.ref(optimizer)
 
     def forget(self, optimizer) -> None:
         self._deferred.pop(optimizer, None)
@@ -374,8 +383,8 @@ class FoundInfHandOff:
         return any(kept.flag.pending for kept in list(self._deferred.values()))
 
     def after_step(self, optimizer) -> None:
-        if optimizer in self._handed:
-            self._handed.discard(optimizer)
+        handed = self._handed.pop(id(optimizer), None) if self._handed else None
+        if handed is not None and handed() is optimizer:
             del optimizer.found_inf, optimizer.grad_scale
 
     def read(self, optimizer=None, *, wait: bool = True) -> list:

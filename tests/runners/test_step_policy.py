@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -85,6 +86,28 @@ def test_program_writes_tell_the_program_from_the_optimizer():
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
     assert writes.by_program([model.weight])
+
+
+def test_program_writes_keep_no_model_alive_once_its_optimizer_is_gone():
+    # A long run makes optimizers and drops them (a trainer per fold, a restart): what the
+    # steps left behind goes with each optimizer, its parameters with it.
+    writes = ProgramWrites()
+    models = []
+    for _ in range(3):
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        optimizer.step()
+        writes.stepped(optimizer)
+        writes.stepped(optimizer)  # the next step: the same entry, written again
+        models.append(weakref.ref(model.weight))
+        del model, optimizer
+    gc.collect()
+    assert [weight() for weight in models] == [None] * 3
+    survivor = nn.Linear(4, 2)
+    kept = torch.optim.SGD(survivor.parameters(), lr=0.1)
+    writes.stepped(kept)
+    assert not writes.by_program([survivor.weight])
 
 
 def test_the_policy_stops_a_stuck_run_and_names_its_first_failure():

@@ -25,8 +25,9 @@ class LateVerdicts:
         step on the device) and is read at its next step: a fused optimizer that GradScaler did
         not hand a flag, outside audits and re-checks, in a process of its own, when failing
         steps are skipped or raised."""
-        return (self.on_failure != "apply" and not trigger.auditing and self.recheck_of is None and self.ledger.poisoned_since is None
-                and self.agreement is None and self.hand_off.takes(optimizer))
+        # The optimizer's own answer first: most optimizers take no flag (the step's hot path).
+        return (self.hand_off.takes(optimizer) and self.on_failure != "apply" and not trigger.auditing and self.recheck_of is None
+                and self.ledger.poisoned_since is None and self.agreement is None)
 
     def hand_over(self, optimizer, gradients, losses, step: int) -> None:
         verdict = self.verdict.device_flag(gradients, losses, optimizer)

@@ -47,13 +47,17 @@ class OptimizerSteps:
         DDP wrappers make the gradients the same on every rank); returns whether the step must
         not run."""
         ledger = self.ledger
-        self.raise_held(trigger)  # a late failure a read of the counts took in, raised at this check
+        if self._held is not None:
+            self.raise_held(trigger)  # a late failure a read of the counts took in, raised at this check
         recheck = self.recheck_of
         if optimizer is not None and self.hands_over(optimizer, trigger):
             self.told_late(optimizer, step, trigger)  # the step before, whose flag the device has set by now
             self.hand_over(optimizer, gradients, losses, step)  # passed or failed when its flag is read
             return False
         finite = self.verdict.finite(gradients, losses, optimizer)
+        if finite and recheck is None and self.agreement is None:  # a healthy step of a process on its own
+            ledger.passed(step)
+            return False
         # What every rank shares: DDP's reduced gradients, or FSDP2's clip norm reduced across
         # the ranks (the clip's own all-reduce): their verdict is the same on every rank.
         shared = optimizer is not None and self.agreement is not None and (

@@ -4,6 +4,7 @@ and whether weights that hold nan/inf were written by the program (:class:`Progr
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -100,7 +101,10 @@ class ProgramWrites:
     was written by the program (an assignment such as ``w[i] = ...``, a state-dict load, an init)."""
 
     def __init__(self):
-        self._left = weakref.WeakKeyDictionary()  # optimizer -> (its parameters, their counters after its step)
+        # id(optimizer) -> (a weak reference to it, its parameters, their counters after its
+        # step); the entry goes with the optimizer. A dict, not a WeakKeyDictionary: written at
+        # every step, it makes no weak reference and no Python call there.
+        self._left: dict = {}
 
     def follow_steps(self) -> None:
         """Be told of every optimizer step from now on, for as long as this lives (the one
@@ -110,7 +114,11 @@ class ProgramWrites:
     def stepped(self, optimizer) -> None:
         """``optimizer`` finished a step (torch's optimizer step post-hook)."""
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        self._left[optimizer] = (parameters, version_counters(parameters))
+        key = id(optimizer)
+        left = self._left.get(key)
+        if left is None or left[0]() is not optimizer:
+            left = (weakref.ref(optimizer, functools.partial(_forget_optimizer, self._left, key)),)
+        self._left[key] = (left[0], parameters, version_counters(parameters))
 
     def by_program(self, parameters) -> bool:
         """Whether one of ``parameters`` (those that hold nan/inf) was written after the last
@@ -118,10 +126,17 @@ class ProgramWrites:
         wanted = list(parameters)
         now = dict(zip(map(id, wanted), version_counters(wanted)))
         seen = set()
-        for held, counters in list(self._left.values()):
+        for _, held, counters in list(self._left.values()):
             for parameter, then in zip(held, counters):
                 if id(parameter) in now:
                     seen.add(id(parameter))
                     if now[id(parameter)] != then:
                         return True
         return len(seen) < len(now)
+
+
+def _forget_optimizer(left: dict, key: int, reference) -> None:
+    """An optimizer ``ProgramWrites`` followed is gone: its entry goes (unless another optimizer
+    took its id since)."""
+    if left.get(key, (None,))[0] is reference:
+        del left[key]
