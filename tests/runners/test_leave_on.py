@@ -534,9 +534,10 @@ def test_lightning_guard_with_gradient_clip_val_decides_on_lightning_s_clip_and_
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 
-def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None):
+def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad_sample=None, compile_backend=None):
     """A Hugging Face train; ``nan_at``: the forward call that makes a backward nan;
-    ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is."""
+    ``bad_sample``: the sample (a huge value) whose batch makes it, whichever step that is;
+    ``compile_backend``: the Trainer's ``torch_compile`` with that backend."""
     transformers = needs("transformers")
     needs("accelerate")
 
@@ -559,6 +560,7 @@ def hf_guard(tmp_path, callback, *, bug=None, steps=3, guard=None, nan_at=0, bad
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=0.01, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        **({} if compile_backend is None else {"torch_compile": True, "torch_compile_backend": compile_backend}),
     )
     model = Regression()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)], callbacks=[callback])
@@ -633,6 +635,24 @@ def test_guard_trainer_skip_goes_on_and_keeps_the_weights_finite(tmp_path):
     # One ledger: the batch guard skipped is the callback's failed and skipped step too (its metrics say so)
     assert (callback.runner.failed, callback.runner.skipped) == (1, 1)
     assert callback.runner.failures[0].origin is guarded[0].failures[0]
+
+
+def test_guard_trainer_over_a_compiled_trainer_skips_the_bad_batch_and_the_rest_runs(tmp_path):
+    # Trainer(torch_compile=True) compiles the model it calls: the callback's forward pre-hook on
+    # that model and the guarded training step run inside and around compiled frames. Dynamo's
+    # eager backend: the compiled model computes what the eager one does (the bad batch's nan).
+    needs("transformers")
+    from opwatch.runners.transformers import OpwatchCallback, guard_trainer
+
+    guarded = []
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning, match="opwatch.guard skipped a step") as told:
+        model = hf_guard(tmp_path, callback, steps=5, bad_sample=13, compile_backend="eager",
+                         guard=lambda t: guarded.append(guard_trainer(t, on_failure="skip")))
+    assert len(told) == 1 and "call 4 of guard_trainer" in str(told[0].message)  # samples 12-15: the fourth batch
+    assert [failure.step for failure in callback.runner.failures] == [4]
+    assert (callback.runner.failed, callback.runner.skipped) == (1, 1) and callback.runner.ledger.steps == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_a_bad_mode_is_a_value_error_naming_the_modes():
