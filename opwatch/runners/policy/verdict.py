@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -94,6 +95,15 @@ class StepVerdict:
             return next((kind for kind in map(nonfinite_kind, losses) if kind is not None), None)
 
 
+class _StepLeft(NamedTuple):
+    """What an optimizer's latest step left: the optimizer (a weak reference), its parameters and
+    their version counters then."""
+
+    optimizer: weakref.ref
+    parameters: list
+    counters: list
+
+
 class ProgramWrites:
     """Whether weights that hold nan/inf were written by the program rather than by an optimizer
     step: the parameters' version counters as each optimizer step left them (a Python read
@@ -116,9 +126,10 @@ class ProgramWrites:
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         key = id(optimizer)
         left = self._left.get(key)
-        if left is None or left[0]() is not optimizer:
-            left = (weakref.ref(optimizer, functools.partial(_forget_optimizer, self._left, key)),)
-        self._left[key] = (left[0], parameters, version_counters(parameters))
+        reference = left.optimizer if left is not None and left.optimizer() is optimizer else None
+        if reference is None:
+            reference = weakref.ref(optimizer, functools.partial(_forget_optimizer, self._left, key))
+        self._left[key] = _StepLeft(reference, parameters, version_counters(parameters))
 
     def by_program(self, parameters) -> bool:
         """Whether one of ``parameters`` (those that hold nan/inf) was written after the last
@@ -126,8 +137,8 @@ class ProgramWrites:
         wanted = list(parameters)
         now = dict(zip(map(id, wanted), version_counters(wanted)))
         seen = set()
-        for _, held, counters in list(self._left.values()):
-            for parameter, then in zip(held, counters):
+        for left in list(self._left.values()):
+            for parameter, then in zip(left.parameters, left.counters):
                 if id(parameter) in now:
                     seen.add(id(parameter))
                     if now[id(parameter)] != then:
@@ -138,5 +149,6 @@ class ProgramWrites:
 def _forget_optimizer(left: dict, key: int, reference) -> None:
     """An optimizer ``ProgramWrites`` followed is gone: its entry goes (unless another optimizer
     took its id since)."""
-    if left.get(key, (None,))[0] is reference:
+    kept = left.get(key)
+    if kept is not None and kept.optimizer is reference:
         del left[key]
