@@ -24,6 +24,7 @@ __all__ = [
     "no_torch_function",
     "dispatch_modes_outside",
     "function_mode_alone",
+    "sole_function_mode",
     "take_function_mode_off",
     "put_function_mode_back",
     "optimizer_step_runs_only",
@@ -98,6 +99,11 @@ def function_mode_alone(mode) -> bool:
     """Whether ``mode`` is the one function mode on the thread's stack (torch >= 2.0:
     ``_len_torch_function_stack``, ``_get_function_stack_at``)."""
     return torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is mode
+
+
+def sole_function_mode():
+    """The function mode on the thread's stack when it is the only one, else ``None``."""
+    return torch._C._get_function_stack_at(0) if torch._C._len_torch_function_stack() == 1 else None
 
 
 # Take the innermost function mode off the thread's stack, and put one back on top (what

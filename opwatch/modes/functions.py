@@ -20,7 +20,11 @@ The mode stands aside (off the thread's stack) while one of torch's own optimize
 step (:meth:`FunctionWatch.stand_aside`): the step reads and writes tensor attributes (``.grad``)
 that would each cost a call here, and calls no function of the table. It steps back in where
 the step's profiler region ends (the dispatch mode sees that op, also where the step raised),
-or when the watch ends.
+or when the watch ends. It stands aside in torch's own ``Optimizer.zero_grad`` and
+``Module.zero_grad`` too (:class:`_GradientResets`): they read and write ``.grad`` of every
+parameter (two thirds of the mode's calls on a small training step) and call no function of the
+table; torch tells of no hook there, so for as long as a watch has the mode entered those two
+methods are wrapped, and each call takes the mode off for its length.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 # __tracebackhide__ in each frame's globals): opwatch's frames are not the user's story.
 __tracebackhide__ = True
 
+import functools
 import sys
+import threading
 import traceback
 from time import perf_counter_ns
 
@@ -37,7 +43,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
-from ..core.compat import current_autograd_node, function_mode_alone, put_function_mode_back, skip_dynamo_for_code, take_function_mode_off
+from ..core.compat import (
+    current_autograd_node, function_mode_alone, put_function_mode_back, run_uncompiled, skip_dynamo_for_code, sole_function_mode,
+    take_function_mode_off,
+)
 from ..core.records import BACKWARD, FORWARD, ModuleCall
 from ..core.sites import user_frame
 
@@ -71,10 +80,12 @@ class FunctionWatch(TorchFunctionMode):
     def __enter__(self):
         skip_dynamo_for_code(FunctionWatch.__torch_function__.__code__)
         self._interceptor.on_region = self._region
+        gradient_resets.enter()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, traceback_):
         self._interceptor.on_region = None
+        gradient_resets.exit()
         if self._aside_below:  # off the stack already (the interceptor went inert in the step)
             self._aside_below = 0
             return None
@@ -141,3 +152,58 @@ class FunctionWatch(TorchFunctionMode):
         phase = FORWARD if current_autograd_node() is None else BACKWARD
         entry = log.log_call(callee, log.site_id(code, lasti), modules.current, phase, finding.operands, start_ns=perf_counter_ns())
         return log.view(entry)
+
+
+class _GradientResets:
+    """torch's own ``Optimizer.zero_grad`` and ``Module.zero_grad``, wrapped while a
+    :class:`FunctionWatch` is entered (on any thread; counted, the last exit puts torch's methods
+    back) so that each call runs with the thread's function mode off its stack when that mode is
+    a watch's and the only one. Both only read and write ``.grad`` (and zero it through ATen ops,
+    which the dispatch mode sees as ever); a subclass's own ``zero_grad`` runs as it is, with the
+    mode on."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entered = 0
+        self._wrapped: list = []  # (class, its method as it was, the wrapper)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._entered += 1
+            if self._entered > 1:
+                return
+            for owner in (torch.optim.Optimizer, torch.nn.Module):
+                original = owner.__dict__["zero_grad"]
+                wrapper = run_uncompiled(_without_the_watch(original))
+                self._wrapped.append((owner, original, wrapper))
+                owner.zero_grad = wrapper
+
+    def exit(self) -> None:
+        with self._lock:
+            self._entered -= 1
+            if self._entered > 0:
+                return
+            for owner, original, wrapper in self._wrapped:
+                if owner.__dict__.get("zero_grad") is wrapper:  # a wrap put on top of it since stays
+                    owner.zero_grad = original
+            self._wrapped = []
+
+
+def _without_the_watch(method):
+    """``method``, run with a watch's function mode off the thread's stack for its length."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        mode = sole_function_mode()
+        if type(mode) is not FunctionWatch:
+            return method(self, *args, **kwargs)
+        take_function_mode_off()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            put_function_mode_back(mode)
+
+    return run
+
+
+gradient_resets = _GradientResets()

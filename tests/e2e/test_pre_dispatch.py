@@ -606,3 +606,84 @@ def test_after_a_step_that_raised_the_function_mode_is_back_and_flags():
     assert isinstance(error, RuntimeError), error
     assert _only(w, "pre_dispatch.dtype").finding.facts["function"] == "F.one_hot"
     assert torch._C._len_torch_function_stack() == depth
+
+
+# -- and while torch's own zero_grad resets the gradients ------------------------------------------
+
+
+def _calls_seen_inside_zero_grad(monkeypatch, reset):
+    """Train a few steps under watch(), resetting the gradients with ``reset(model, optimizer)``;
+    return the names of the function mode's calls made during the resets."""
+    from opwatch.modes.functions import FunctionWatch
+
+    seen, inside = [], [False]
+    original = FunctionWatch.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        if inside[0]:
+            seen.append(getattr(func, "__qualname__", repr(func)))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(FunctionWatch, "__torch_function__", counting)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    depth = torch._C._len_torch_function_stack()
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(3):
+            F.cross_entropy(model(x), labels).backward()
+            optimizer.step()
+            inside[0] = True
+            reset(model, optimizer)
+            inside[0] = False
+            assert torch._C._len_torch_function_stack() == depth + 1  # back on the stack
+            assert all(p.grad is None for p in model.parameters())
+    assert torch._C._len_torch_function_stack() == depth and not w.anomalies
+    return seen
+
+
+@pytest.mark.parametrize("reset", [lambda model, optimizer: optimizer.zero_grad(), lambda model, optimizer: model.zero_grad()],
+                         ids=["optimizer", "module"])
+def test_torchs_zero_grad_runs_without_the_function_mode_and_is_torchs_own_again_after(monkeypatch, reset):
+    optimizer_reset, module_reset = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
+    seen = _calls_seen_inside_zero_grad(monkeypatch, reset)
+    assert seen == [], seen  # 8 parameters: 16 reads and writes of .grad passed the mode before
+    assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad) == (optimizer_reset, module_reset)
+
+
+def test_a_zero_grad_of_the_programs_own_runs_with_the_function_mode_and_a_table_function_in_it_flags():
+    class CheckedSGD(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            first = self.param_groups[0]["params"][0]
+            torch.isclose(first, first.double())  # raises in torch before any op: float32 against float64
+            super().zero_grad(set_to_none)
+
+    model = Classifier()
+    optimizer = CheckedSGD(model.parameters(), lr=0.1)
+
+    def train_step():
+        F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    w, error = _watched(train_step)
+    assert isinstance(error, RuntimeError)
+    assert _only(w, "pre_dispatch.dtype").finding.facts["function"] == "torch.isclose"
+
+
+def test_zero_grad_inside_nested_watches_and_after_a_raise_leaves_torchs_methods_and_the_stack_as_they_were():
+    optimizer_reset, module_reset = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    depth = torch._C._len_torch_function_stack()
+    with opwatch.watch(warn=False) as w:
+        with opwatch.watch(warn=False):
+            F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        assert torch.optim.Optimizer.zero_grad is not optimizer_reset  # the outer watch still has it
+        optimizer.zero_grad(set_to_none=False)  # zeroed by ATen ops, which the watch logs
+        assert w.records[-1].op == "aten.zero_.default" and all((p.grad == 0).all() for p in model.parameters())
+        with pytest.raises(TypeError):
+            optimizer.zero_grad(set_to_none=False, unknown=True)
+        assert torch._C._len_torch_function_stack() == depth + 1
+    assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad) == (optimizer_reset, module_reset)
+    assert torch._C._len_torch_function_stack() == depth
