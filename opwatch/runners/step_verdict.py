@@ -21,7 +21,9 @@ gradients, one host read). :meth:`VerdictFromStep.device_flag` computes the same
 device tensor with no host read, for an optimizer that takes GradScaler's ``found_inf``
 (the fused Adam, AdamW, SGD): it skips a failing step on the device, and :class:`DeferredFlag`
 brings the flag to the host without blocking, read at the next step (:class:`FoundInfHandOff`:
-the hand-off, GradScaler's contract: the flag set on the optimizer for one step).
+the hand-off, GradScaler's contract: the flag set on the optimizer for one step). Only where a
+host read would wait for the device: on the CPU (``HOST_DEVICES``) the read costs less than
+the flag's kernels, and a fused optimizer's step is decided before it runs, as any other's.
 
 :func:`shared_gradients` says when the verdict is the same on every rank of a job (DDP's
 reduced gradients), so that a healthy step needs no collective of opwatch's.
@@ -39,7 +41,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "LateVerdict", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -349,6 +351,11 @@ class _Handed(NamedTuple):
     losses: list
 
 
+# Devices whose values the host reads without waiting for queued work: a verdict is read there
+# before the step, never handed to a fused optimizer to be read a step late.
+HOST_DEVICES = frozenset({"cpu"})
+
+
 class FoundInfHandOff:
     """The verdict handed to fused optimizers as ``found_inf`` (set on the optimizer for its
     step, deleted after it, as GradScaler does), each flag read back at that optimizer's next
@@ -363,8 +370,13 @@ class FoundInfHandOff:
     @staticmethod
     def takes(optimizer) -> bool:
         """Whether ``optimizer`` skips its own update on the device when handed ``found_inf``,
-        and has none from GradScaler for this step."""
-        return takes_found_inf(optimizer) and getattr(optimizer, "found_inf", None) is None
+        has none from GradScaler for this step, and trains parameters whose values a host read
+        would wait for (not on the CPU: there a read costs less than the flag's kernels, and
+        the step is decided before it runs, with no verdict told late)."""
+        if not takes_found_inf(optimizer) or getattr(optimizer, "found_inf", None) is not None:
+            return False
+        first = next((group["params"][0] for group in optimizer.param_groups if group["params"]), None)
+        return first is not None and first.device.type not in HOST_DEVICES
 
     def hand(self, optimizer, verdict: DeviceVerdict, step: int, losses) -> None:
         kept = self._deferred.get(optimizer)

@@ -92,6 +92,41 @@ def fresh(fused=False):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
 
 
+@pytest.fixture
+def handed_off_on_the_cpu(monkeypatch):
+    """The hand-off of a fused optimizer's verdict (``found_inf``, read a step late), which runs
+    where a host read waits for the device (CUDA), exercised here on the CPU: no device counts
+    as one whose reads cost nothing."""
+    monkeypatch.setattr(step_verdict, "HOST_DEVICES", frozenset())
+
+
+def test_on_the_cpu_a_fused_optimizer_s_step_is_decided_before_it_runs_with_no_flag_handed_over(monkeypatch):
+    # A host read costs nothing on the CPU: the fused AdamW's failing step is told at its own
+    # check and skipped by it (weights and step counts as they were), with no found_inf set
+    # and no flag made to be read a step late.
+    made = []
+    original = step_verdict.DeferredFlag.__init__
+    monkeypatch.setattr(step_verdict.DeferredFlag, "__init__", lambda flag: (made.append(flag), original(flag))[1])
+    model, optimizer = fresh(fused=True)
+    seen_found_inf = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen_found_inf.append(getattr(opt, "found_inf", None)))
+    with told_run() as (run, caught):
+        nanogpt_steps(model, optimizer, 2)
+        steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
+        before = [parameter.detach().clone() for parameter in model.parameters()]
+        model.bug = "nan"
+        nanogpt_steps(model, optimizer, 1, first=3)
+        assert [failure.step for failure in run.failures] == [3] and run.skipped == 1  # decided at its own check
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
+        model.bug = None
+        nanogpt_steps(model, optimizer, 2, first=4)
+    assert made == [] and seen_found_inf == [None] * 5  # no step, the skipped one included, had a found_inf
+    told = [str(w.message) for w in caught if "optimizer step 3" in str(w.message)]
+    assert told and "told at step" not in told[0] and "found_inf" not in told[0]
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
 # -- counted: what a healthy step adds ------------------------------------------------------------
 
 
@@ -240,6 +275,7 @@ def test_a_grad_scaler_overflow_is_the_scaler_s_and_its_unscale_decides_healthy_
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_step_on_the_device():
     model, optimizer = fresh(fused=True)
     with told_run() as (run, caught):
@@ -262,6 +298,7 @@ def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_s
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_fused_optimizer_s_last_failing_step_is_told_when_the_run_ends_and_raise_raises_before_the_next_step():
     model, optimizer = fresh(fused=True)
     with told_run() as (run, caught):
@@ -297,6 +334,7 @@ class Scalars:
         pass
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_fused_optimizer_s_failing_last_step_is_in_the_counts_logged_after_it_and_in_the_run_s_summary():
     from opwatch.runners.tensorboard import OptimizerStepCounts
 
@@ -316,6 +354,7 @@ def test_a_fused_optimizer_s_failing_last_step_is_in_the_counts_logged_after_it_
     assert len(told) == 1 and "told when the run's counts were read after step 3" in told[0]  # once, at the first read
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_read_of_the_counts_never_raises_the_step_after_it_does_before_it_runs():
     model, optimizer = fresh(fused=True)
     with pytest.raises(GradientsNotFinite, match="optimizer step 1: its gradients held nan/inf") as raised:
@@ -330,6 +369,7 @@ def test_a_read_of_the_counts_never_raises_the_step_after_it_does_before_it_runs
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 2 never ran
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_stuck_run_found_at_a_read_stops_at_the_next_step_s_check():
     from opwatch.runners.leave_on import RunStuck
 
@@ -349,6 +389,7 @@ def test_a_stuck_run_found_at_a_read_stops_at_the_next_step_s_check():
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # step 3 never ran
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_healthy_fused_run_reads_each_step_s_flag_once_however_often_its_counts_are_read(monkeypatch):
     from opwatch.runners.trainers import metrics
 
@@ -389,6 +430,7 @@ def test_a_read_during_the_run_never_waits_for_the_device_the_run_s_end_does():
     assert flag.read() == (True, False) and event.waited == 1 and not flag.pending
 
 
+@pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_lightning_guard_with_a_fused_adamw_counts_a_failing_last_step_in_its_logged_metrics_and_summary(tmp_path, monkeypatch):
     import csv
 
