@@ -41,7 +41,7 @@ from functools import partial
 
 import torch
 
-from ..core.compat import no_python_dispatch, run_uncompiled
+from ..core.compat import no_python_dispatch, run_uncompiled, unseen_by_dispatch_modes
 from ..core.finite import nonfinite_kind, tensors_in
 from ..core.sites import display_path, position_of, user_frame
 from ..findings.anomaly import AnomalyError
@@ -166,8 +166,7 @@ class LeaveOn(LedgerCounts):
             if seen is not None and seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
                 seen._losses = []
             if seen is not None and len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
-                with no_python_dispatch():
-                    seen._losses.append(tensor.detach())
+                seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
             return original(tensor, *args, **kwargs)
 
         backward.__wrapped__ = original

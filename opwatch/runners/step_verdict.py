@@ -181,6 +181,8 @@ class StepReductions:
         Returns whether an optimizer unscaled since its last step never stepped (GradScaler
         skipped it): the step before this backward ended there."""
         self.norms.clear()
+        if not self._unscaled:  # no GradScaler in the loop: every step
+            return False
         skipped = any(unscaled() is not None for unscaled in self._unscaled.values())
         self._unscaled.clear()
         return skipped

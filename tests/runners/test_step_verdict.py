@@ -64,9 +64,17 @@ def gradient_elements(model) -> int:
 
 @contextlib.contextmanager
 def opwatch_ops_visible(monkeypatch):
-    """opwatch runs its own reductions with Python dispatch off (no mode of the program sees
-    them): turned into a no-op here, so that the counting mode sees opwatch's ops too."""
+    """opwatch runs its own reads and reductions unseen by the program's dispatch modes: made
+    visible here (the loss kept at backward(), the verdict's reads), so that the counting mode
+    sees opwatch's ops too."""
+    from opwatch.runners.policy import verdict as verdict_module
+
+    def seen(function, *args):
+        return function(*args)
+
     monkeypatch.setattr(leave_on_module, "no_python_dispatch", contextlib.nullcontext)
+    monkeypatch.setattr(leave_on_module, "unseen_by_dispatch_modes", seen)
+    monkeypatch.setattr(verdict_module, "unseen_by_dispatch_modes", seen)
     yield
 
 
@@ -146,6 +154,31 @@ def test_leave_on_over_a_clipping_loop_touches_at_most_one_percent_of_the_gradie
     assert "aten._foreach_copy_.default" not in added and "aten._amp_foreach_non_finite_check_and_unscale_.default" not in added
     assert run.policy.verdict.source == step_verdict.CLIP and run.failed == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))  # bitwise the same training
+
+
+def test_the_programs_own_dispatch_mode_sees_none_of_leave_on_s_ops_on_a_healthy_step(monkeypatch):
+    # A profiler or FLOP counter of the program's (a dispatch mode around the loop) sees the
+    # program's ops only: the loss kept at backward() and the verdict's reads stay out of it.
+    def counted(visible: bool) -> CountingMode:
+        model, optimizer = fresh()
+        with contextlib.ExitStack() as stack:
+            if visible:
+                stack.enter_context(opwatch_ops_visible(monkeypatch))
+            run = stack.enter_context(LeaveOn(audit="first", warn=False))
+            nanogpt_steps(model, optimizer, 1)  # the audit
+            with CountingMode() as counting:
+                nanogpt_steps(model, optimizer, 2, first=2)
+        assert run.ledger.steps == 3 and run.failed == 0
+        return counting
+
+    reference, reference_optimizer = fresh()
+    nanogpt_steps(reference, reference_optimizer, 1)
+    with CountingMode() as plain:
+        nanogpt_steps(reference, reference_optimizer, 2, first=2)
+    assert counted(visible=False).ops == plain.ops
+    extra = counted(visible=True).ops  # the same count, with opwatch's own ops made visible: there they are
+    assert extra.count("aten.detach.default") == plain.ops.count("aten.detach.default") + 2  # a loss a step
+    assert extra.count("aten._local_scalar_dense.default") >= plain.ops.count("aten._local_scalar_dense.default") + 4  # norm, loss
 
 
 def test_without_a_clip_leave_on_makes_its_own_fused_pass():

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...core.compat import no_python_dispatch, version_counters
+from ...core.compat import no_python_dispatch, unseen_by_dispatch_modes, version_counters
 from ...core.finite import nonfinite_kind
 from ...session.optimizer_steps import steps_followed
 from ..guarded.check import FiniteCheck
@@ -62,18 +62,16 @@ class StepVerdict:
 
     def finite(self, gradients, losses=(), optimizer=None) -> bool:
         """An optimizer step's: the gradients about to be applied and the losses."""
-        with no_python_dispatch():  # an audit's watch may be open: the check is not the program's
-            return self.from_step.finite(gradients, list(losses), optimizer)
+        # An audit's watch may be open: the check is not the program's.
+        return unseen_by_dispatch_modes(self.from_step.finite, gradients, list(losses), optimizer)
 
     def gradients_finite(self, gradients, optimizer=None) -> bool:
         """The gradients' part alone, read after a failed :meth:`finite` (DDP: a loss that is
         not finite on this rank only)."""
-        with no_python_dispatch():
-            return self.from_step.gradients_finite(gradients, optimizer)
+        return unseen_by_dispatch_modes(self.from_step.gradients_finite, gradients, optimizer)
 
     def device_flag(self, gradients, losses, optimizer) -> DeviceVerdict | None:
-        with no_python_dispatch():
-            return self.from_step.device_flag(gradients, losses, optimizer)
+        return unseen_by_dispatch_modes(self.from_step.device_flag, gradients, losses, optimizer)
 
     def step_finite(self, result, params) -> bool:
         """A guarded call's: what it returned (tensors, floats) and the parameters' gradients
