@@ -271,11 +271,16 @@ class NonFiniteTracker:
         """For ops whose outputs are not checked: remember them weakly, so that a non-finite
         value they carry counts as alive at the check point. Not needed for views that keep a
         link to their base (see ``OpFacts.needs_carrier``)."""
-        index = entry[E_INDEX]
-        for position, tensor in enumerate(outputs):
+        carriers, known = self._carriers, self._known
+        shifted = entry[E_INDEX] << 32
+        position = -1
+        for tensor in outputs:
+            position += 1
             if metas[position][M_DTYPE] in CHECKED_DTYPES:
-                self._carriers[index << 32 | position] = ref = weakref.ref(tensor)
-                self._remember(tensor, ref)
+                carriers[shifted | position] = known[id(tensor)] = weakref.ref(tensor)  # remembered
+                if len(known) > self._known_limit:
+                    self._drop_dead_known()
+                    known = self._known
 
     def _reduce(self, index, outputs, metas) -> None:
         """Queue each checked output's (min, max) and remember it. One function for the usual
