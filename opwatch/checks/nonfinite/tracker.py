@@ -307,8 +307,9 @@ class NonFiniteTracker:
             buffer = self._stats
             if buffer is None or buffer.used == self._CHUNK or self._stats_key != (device, dtype):
                 buffer = self._buffer_for(device, dtype)
-            self._slots.append(buffer.base + buffer.used)
+            slot = buffer.base + buffer.used
             buffer.write(tensor, count)
+            self._slots.append(slot)
             self._indices.append(index)
             self._positions.append(position)
             ref = weakref.ref(tensor)
@@ -365,8 +366,9 @@ class NonFiniteTracker:
         buffer = self._stats
         if buffer is None or self._stats_key != (device, checked.dtype) or buffer.used == self._CHUNK:
             buffer = self._buffer_for(device, checked.dtype)
-        self._slots.append(buffer.base + buffer.used)
+        slot = buffer.base + buffer.used
         buffer.write(checked, checked.numel())
+        self._slots.append(slot)
         self._indices.append(index)
         self._positions.append(position)
         ref = weakref.ref(tensor)
