@@ -429,10 +429,10 @@ class NonFiniteTracker:
             settled = self._reads.settle(window(), final, self._queue)
             window = _once(lambda: settled)
         half, self._half = self._half, set()
-        flags = self._take_flags(half)
+        origins = self._origins
+        flags = self._take_flags(half, replaying=bool(origins.carry or origins.unjudged or self.keep_ranges))
         flags.carriers, flags.written_bases = carriers, written_bases
         flags.first_seen, self._first_seen = self._first_seen, {}
-        origins = self._origins
         risks = headroom_risks(window(), half, flags.ranges, self._log) if half and flags.ranges else []
         if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
             origins.remember_sentinels(flags.sentinels)
@@ -448,14 +448,19 @@ class NonFiniteTracker:
         judged.sort(key=lambda found: found.record.index)
         return judged
 
-    def _take_flags(self, half) -> Flags:
-        """Read the queued pairs (one host read per device) into :class:`Flags`, and empty the queue."""
+    def _take_flags(self, half, *, replaying: bool) -> Flags:
+        """Read the queued pairs (one host read per device) into :class:`Flags`, and empty the
+        queue. ``replaying``: origins wait, or every range is kept, so the window is replayed
+        whatever it holds; else a window all finite (no mask value either) needs no per-pair
+        facts: its flags are empty, as the replay would not run."""
         kinds, values = self._read_flags(check_headroom=bool(half), keep_values=self.keep_ranges) if self._indices else ([], None)
-        queued = list(zip(self._indices, self._positions, self._refs, kinds))
+        queued = zip(self._indices, self._positions, self._refs, kinds)
         self._indices, self._positions, self._refs, self._slots = [], [], [], []
         self._devices = set()
         self._release_buffers()
         flags = Flags({}, {}, set())
+        if values is None and not replaying and kinds.count(None) == len(kinds):
+            return flags  # the usual healthy check point
         # (op index, output position) -> (min, max): read only when something is not finite,
         # to tell the inputs' health at an origin.
         for number, (index, position, ref, kind) in enumerate(queued):
