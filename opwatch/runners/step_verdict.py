@@ -377,7 +377,7 @@ class FoundInfHandOff:
         the step is decided before it runs, with no verdict told late)."""
         if not takes_found_inf(optimizer) or getattr(optimizer, "found_inf", None) is not None:
             return False
-        first = next((group["params"][0] for group in optimizer.param_groups if group["params"]), None)
+        first = next((parameter for group in optimizer.param_groups for parameter in group["params"]), None)
         return first is not None and first.device.type not in HOST_DEVICES
 
     def hand(self, optimizer, verdict: DeviceVerdict, step: int, losses) -> None:
