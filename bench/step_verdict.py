@@ -30,7 +30,7 @@ per-round ratios, not one number.
 
     python -m bench.step_verdict                  # every lane, 7 rounds
     python -m bench.step_verdict --quick          # 3 rounds of fewer steps
-    python -m bench.step_verdict --only nanogpt --no-compiled
+    python -m bench.step_verdict --only nanogpt --no-compiled --rounds 41   # one lane, a finer median
 """
 
 from __future__ import annotations
@@ -316,8 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 rounds of fewer steps")
     parser.add_argument("--only", action="append", choices=("nanogpt", "hf", "ddp"), help="one lane (repeatable)")
     parser.add_argument("--no-compiled", action="store_true", help="eager lanes only")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; 3 with --quick): more rounds, a finer median")
     options = parser.parse_args(argv)
     rounds, steps = (3, 10) if options.quick else (7, 40)
+    if options.rounds is not None:
+        if options.rounds < 1:
+            parser.error(f"--rounds must be a positive number of rounds, got {options.rounds}")
+        rounds = options.rounds
     only = set(options.only or ("nanogpt", "hf", "ddp"))
     compiled_too = not options.no_compiled
     print(f"torch {torch.__version__}; paired ratios within this run; a shared machine makes them noisy")
