@@ -457,12 +457,9 @@ class Classifier(nn.Module):
         return self.body(x)
 
 
-def _calls_seen_inside_steps(monkeypatch, make_optimizer, *, other_hook=None):
-    """Train a few steps under watch(); return the names of the function mode's calls made
-    while ``optimizer.step()`` ran (``other_hook``: with a global step hook of the program's,
-    ``"pre"`` or ``"post"``)."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
+def _function_mode_calls(monkeypatch):
+    """``(seen, inside)``: the names of the function mode's calls are appended to ``seen`` while
+    ``inside[0]`` is true."""
     from opwatch.modes.functions import FunctionWatch
 
     seen, inside = [], [False]
@@ -474,6 +471,16 @@ def _calls_seen_inside_steps(monkeypatch, make_optimizer, *, other_hook=None):
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(FunctionWatch, "__torch_function__", counting)
+    return seen, inside
+
+
+def _calls_seen_inside_steps(monkeypatch, make_optimizer, *, other_hook=None):
+    """Train a few steps under watch(); return the names of the function mode's calls made
+    while ``optimizer.step()`` ran (``other_hook``: with a global step hook of the program's,
+    ``"pre"`` or ``"post"``)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    seen, inside = _function_mode_calls(monkeypatch)
     model = Classifier()
     optimizer = make_optimizer(model.parameters())
     x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
@@ -614,17 +621,7 @@ def test_after_a_step_that_raised_the_function_mode_is_back_and_flags():
 def _calls_seen_inside_zero_grad(monkeypatch, reset):
     """Train a few steps under watch(), resetting the gradients with ``reset(model, optimizer)``;
     return the names of the function mode's calls made during the resets."""
-    from opwatch.modes.functions import FunctionWatch
-
-    seen, inside = [], [False]
-    original = FunctionWatch.__torch_function__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        if inside[0]:
-            seen.append(getattr(func, "__qualname__", repr(func)))
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(FunctionWatch, "__torch_function__", counting)
+    seen, inside = _function_mode_calls(monkeypatch)
     model = Classifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))

@@ -94,6 +94,16 @@ def nanogpt_steps(model, optimizer, steps, *, first=1, clip=True, ignored_at=Non
         optimizer.zero_grad(set_to_none=True)
 
 
+def training_state(model, optimizer) -> tuple:
+    """The weights (copies) and each parameter's optimizer step count, as they are now."""
+    return [parameter.detach().clone() for parameter in model.parameters()], [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
+
+
+def same_training_state(now: tuple, before: tuple) -> bool:
+    (weights, steps), (weights_before, steps_before) = now, before
+    return all(torch.equal(a, b) for a, b in zip(weights, weights_before)) and steps == steps_before
+
+
 def fresh(fused=False):
     torch.manual_seed(0)
     model = TinyGPT()
@@ -120,13 +130,11 @@ def test_on_the_cpu_a_fused_optimizer_s_step_is_decided_before_it_runs_with_no_f
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen_found_inf.append(getattr(opt, "found_inf", None)))
     with told_run() as (run, caught):
         nanogpt_steps(model, optimizer, 2)
-        steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
-        before = [parameter.detach().clone() for parameter in model.parameters()]
+        before = training_state(model, optimizer)
         model.bug = "nan"
         nanogpt_steps(model, optimizer, 1, first=3)
         assert [failure.step for failure in run.failures] == [3] and run.skipped == 1  # decided at its own check
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
+        assert same_training_state(training_state(model, optimizer), before)
         model.bug = None
         nanogpt_steps(model, optimizer, 2, first=4)
     assert made == [] and seen_found_inf == [None] * 5  # no step, the skipped one included, had a found_inf
@@ -313,14 +321,12 @@ def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_s
     model, optimizer = fresh(fused=True)
     with told_run() as (run, caught):
         nanogpt_steps(model, optimizer, 2)
-        steps_before = [optimizer.state[parameter]["step"].item() for parameter in model.parameters()]
-        before = [parameter.detach().clone() for parameter in model.parameters()]
+        before = training_state(model, optimizer)
         model.bug = "nan"
         nanogpt_steps(model, optimizer, 1, first=3)
         assert run.ledger.failed == 0  # the flag is read at the next step (or at a read of the counts)
         assert not hasattr(optimizer, "found_inf")  # GradScaler's contract: for one step only
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped on the device
-        assert [optimizer.state[parameter]["step"].item() for parameter in model.parameters()] == steps_before
+        assert same_training_state(training_state(model, optimizer), before)  # skipped on the device
         model.bug = None
         nanogpt_steps(model, optimizer, 2, first=4)
     assert [failure.step for failure in run.failures] == [3] and run.skipped == 1
