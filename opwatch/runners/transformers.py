@@ -109,6 +109,8 @@ class _Hooks(WatchedSteps):
     def on_step_end(self, args, state, control, **kwargs):
         if self.runner is not None:
             self.runner.end_batch()
+            if state.max_steps and state.global_step >= state.max_steps:
+                self.runner.last_step_ran()
         else:
             self._steps.exit()
 
