@@ -242,13 +242,6 @@ class LeaveOn(LedgerCounts):
         if self.policy.recheck_of is None:
             self.end_audit()
 
-    def last_step_ran(self) -> None:
-        """The trainer's last optimizer step ran: an audit armed after it (the re-check of a
-        failure) has no step left to watch; it ends here rather than watch the trainer's
-        wrap-up, which would name the failed step's carried nan (the loss it averages) as an
-        origin. The run's end tells the failure as one the loop ended on."""
-        self.end_audit()
-
     def _module_seen(self, module, args) -> None:
         self._modules.setdefault(module, None)
 

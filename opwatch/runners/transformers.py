@@ -110,7 +110,10 @@ class _Hooks(WatchedSteps):
         if self.runner is not None:
             self.runner.end_batch()
             if state.max_steps and state.global_step >= state.max_steps:
-                self.runner.last_step_ran()
+                # The last step: an audit armed after it (a failure's re-check) has no step left
+                # to watch, and would watch the Trainer's wrap-up, naming the mean of the failed
+                # step's nan loss as an origin; the run's end tells the failure as one the loop ended on.
+                self.runner.end_audit()
         else:
             self._steps.exit()
 
