@@ -53,7 +53,8 @@ Skips (counted and printed in the summary at the end of the module):
   was proven nondeterministic, else it fails as "intermittent".  The only op
   seen here is linalg.lstsq / linalg.lstsq.grad_oriented with
   driver="gelsy", whose results depend on where its buffers land in memory
-  (~40% of identical eager runs differ, in bursts).
+  (~40% of identical eager runs differ, in bursts): its intermittent samples
+  count as nondeterministic (a watched rerun reproduced the reference).
 * "sample-generation": the OpInfo's sample generator itself raised (counted
   per (op, dtype) pass; never seen with torch 2.13).
 * Ops whose outputs are uninitialized memory (``UNINITIALIZED_OUTPUT_OPS``:
@@ -291,6 +292,12 @@ def _check_sample(report: OpReport, op, fn, variant: str, dtype, idx: int, sampl
             reruns = k + FLAKY_RERUNS
             intermittent = True
     text = f"{where}: {d}\n    sample: {_sample_repr(sample)}"
+    if intermittent and alignment_dependent:
+        # gelsy's results follow where its buffers land (identical eager runs differ in bursts):
+        # one watched run that differed, then matched, says nothing about the watch. A watch
+        # that changed the result every time would never match, and fails below.
+        report.skipped["nondeterministic"] += 1
+        return
     if intermittent:
         report.intermittent.append(
             f"{where}: intermittent (a watched rerun matched the reference; {FLAKY_RERUNS} shifted-heap "
