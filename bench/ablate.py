@@ -3,7 +3,9 @@
     python -m bench.ablate                 # tfm32, 15 rounds
     python -m bench.ablate --workload gpt2 --rounds 21
 
-Each variant is ``watch()`` with one part switched off or stubbed; the cost of a part is the
+Each variant is ``watch()`` with one part switched off or stubbed, or one of the floors of
+:mod:`bench.floor` (the least per-op work a watch written in Python with the same records and
+nan/inf reads does); the cost of a part is the
 median over rounds of (full variant - variant without it), paired within a round, like the
 ratios of ``bench.run``. Stubbing a part means patching opwatch's private internals for the
 duration of a block (``_head``, ``_metas``, ``nonfinite.tracker.NonFiniteTracker._reduce``): this harness is
@@ -20,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +33,11 @@ from tabulate import tabulate
 import opwatch
 from opwatch.checks import DEFAULT_CHECK_NAMES
 from opwatch.checks.nonfinite import tracker as nonfinite
+from opwatch.checks.nonfinite.rules import CHECKED_DTYPES
+from opwatch.core.records import M_DTYPE
 from opwatch.modes import interceptor
 from bench.contenders import Contender, Passthrough
+from bench.floor import ReadsFloor, RecordsFloor
 from bench.timing import measure, paired_difference, paired_ratio
 from bench.workloads import WORKLOADS
 
@@ -64,7 +70,11 @@ def _constant_metas(tensors, log, types=()):
 
 
 def _no_reduction(self, index, outputs, metas):
-    return None
+    """_reduce with no reduction queued: its outputs are still remembered, else every op that
+    reads them would check them as tensors made before the watch (a reduction each)."""
+    for position, tensor in enumerate(outputs):
+        if metas[position][M_DTYPE] in CHECKED_DTYPES:
+            self._remember(tensor, weakref.ref(tensor))
 
 
 NO_CHECKS = ()
@@ -73,6 +83,8 @@ NO_CHECKS = ()
 WITHOUT_PRE_DISPATCH = tuple(name for name in DEFAULT_CHECK_NAMES if name != "pre_dispatch")
 VARIANTS = {
     "passthrough": Passthrough,
+    "floor: records": RecordsFloor,
+    "floor: records + nan/inf reads": ReadsFloor,
     "watch()": lambda: opwatch.watch(),
     "no checks": lambda: opwatch.watch(checks=NO_CHECKS),
     "no checks, constant _head": lambda: _patched([(interceptor.OpInterceptor, "_head", _constant_head)], checks=NO_CHECKS),
@@ -92,7 +104,7 @@ PARTS = {
     "device + dtype checks": ("device + dtype only", "no checks"),
     "broadcast check + size-1 provenance": ("broadcast only", "no checks"),
     "nan/inf check (all of it)": ("nonfinite only", "no checks"),
-    "  .. of which its reductions (kernels, buffers, bookkeeping)": ("watch()", "watch(), no reductions"),
+    "  .. of which its reductions (kernels, buffers, queue; no flags, no replay)": ("watch()", "watch(), no reductions"),
     "pre-dispatch function mode (every torch function call)": ("watch()", "watch() without pre_dispatch"),
     "everything": ("watch()", "passthrough"),
 }
@@ -123,11 +135,14 @@ def gc_per_step(make, step, steps: int) -> tuple[float, list[float]]:
     return spent[0] / steps, [count / steps for count in counts]
 
 
+CHECK_POINTS = "its check points (reading the flags, replaying a window with a flag)"
+
+
 def timed_calls_per_step(step, steps: int) -> dict[str, float]:
     """Seconds per step inside the nan/inf reductions' kernels (aminmax, or amin and amax for a
-    large CPU tensor) and opening their buffers, timed
+    large CPU tensor), opening their buffers and the nan/inf check points, timed
     around each call under watch() (the timer adds about 0.1 us a call)."""
-    spent = {"aminmax kernels": 0.0, "opening buffers for their results": 0.0}
+    spent = {"aminmax kernels": 0.0, "opening buffers for their results": 0.0, CHECK_POINTS: 0.0}
 
     def timed(function, name):
         def call(*args, **kwargs):
@@ -140,7 +155,8 @@ def timed_calls_per_step(step, steps: int) -> dict[str, float]:
 
     kernels = [(nonfinite, name, timed(getattr(nonfinite, name), "aminmax kernels")) for name in ("_aminmax", "_amin", "_amax")]
     timed_open = timed(nonfinite.NonFiniteTracker._buffer_for, "opening buffers for their results")
-    with _patched([*kernels, (nonfinite.NonFiniteTracker, "_buffer_for", timed_open)]):
+    timed_resolve = timed(nonfinite.NonFiniteTracker.resolve, CHECK_POINTS)
+    with _patched([*kernels, (nonfinite.NonFiniteTracker, "_buffer_for", timed_open), (nonfinite.NonFiniteTracker, "resolve", timed_resolve)]):
         for _ in range(steps):
             step()
     return {name: seconds / steps for name, seconds in spent.items()}
@@ -168,8 +184,11 @@ def main(argv=None) -> int:
         difference = paired_difference(results[with_it], results[without_it])
         parts.append([part, "-" if difference is None else f"{difference * 1e3:+.3f}"])
         if part.startswith("  .. of which its reductions"):
-            for name, seconds in timed_calls_per_step(step, steps=50).items():
+            in_place = timed_calls_per_step(step, steps=50)
+            check_points = in_place.pop(CHECK_POINTS)
+            for name, seconds in in_place.items():
                 parts.append([f".... of which {name} (timed in place)", f"{seconds * 1e3:.3f}"])
+            parts.append([f"  .. of which {CHECK_POINTS} (timed in place)", f"{check_points * 1e3:.3f}"])
     print(tabulate(parts, headers=["part", "ms/step"], disable_numparse=True))
     print("(differences: medians of same-round pairs; \"of which\" rows are shares of the row above)")
     print()

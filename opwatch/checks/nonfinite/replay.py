@@ -61,9 +61,9 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "aliases")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "aliases", "flagged_at", "facts")
 
-    def __init__(self, log, flags, carry, sentinels, known_ranges, aliases):
+    def __init__(self, log, flags, carry, sentinels, known_ranges, aliases, facts):
         self.log = log
         self.flags = flags
         # ident -> (kind, origin). Carried tensors count even if they died since: ops in this
@@ -91,6 +91,10 @@ class _Window:
         self.entered: set = set()
         # Which tensors share storage (views), for the ranges a write in place makes stale.
         self.aliases = aliases
+        # Op indices with a non-finite output (or input first seen): the others of an op that
+        # no followed tensor feeds take the quiet way (see Origins._step).
+        self.flagged_at = {index for index, _ in flags.flagged}
+        self.facts = facts  # op id -> its OpFacts (None for a ModuleCall), see Origins.replay
 
 
 class Origins:
@@ -122,6 +126,9 @@ class Origins:
         # first replayed: one read once it completed is replayed again in a later window, when
         # an input that died since (a redistribution's temporary shard) is no longer carried.
         self._collective_inputs: dict = {}
+        # op id in the log -> its OpFacts (None for a ModuleCall): facts_of hashes an OpOverload
+        # in Python, and the replay asks for every entry.
+        self._facts: list = []
 
     _MAX_RANGES = 1 << 16
     _MAX_COLLECTIVES = 4096
@@ -150,7 +157,10 @@ class Origins:
 
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
-        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases)
+        funcs, facts = self._log.funcs, self._facts
+        if len(facts) < len(funcs):  # the log's table of ops only grows
+            facts += [None if isinstance(func, ModuleCall) else facts_of(func) for func in funcs[len(facts):]]
+        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, facts)
         sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
             outputs = entry_outputs(entry)
@@ -192,7 +202,7 @@ class Origins:
 
     def _step(self, state, entry, outputs) -> None:
         """One entry, by kind."""
-        facts = facts_of(state.log.funcs[entry[E_FUNC]])
+        facts = state.facts[entry[E_FUNC]]
         status = state.status
         if facts.is_view:
             viewed = entry_inputs(entry)
@@ -219,10 +229,19 @@ class Origins:
         state.accumulates = entry[E_PHASE] == BACKWARD and code is None and entry[E_FORWARD_FUNC] < 0
         if facts.preserves_values:
             _carry_range(state, entry, facts, outputs)
+            if not fed:  # nothing followed moves here: its outputs are new tensors, finite
+                for meta in outputs:
+                    status.pop(meta[M_IDENT], None)
+                return
             _step_carrier(state, entry, facts, outputs, fed)
-            origin = status[fed[0]][ST_ORIGIN] if state.accumulates and fed else None  # the first input's
+            origin = status[fed[0]][ST_ORIGIN] if state.accumulates else None  # the first input's
             if origin is not None:  # accumulated into a .grad
                 origin.reached_gradient = True
+            return
+        if not fed and state.received is None and not facts.is_collective and entry[E_INDEX] not in state.flagged_at:
+            # The usual op of a replayed window (a mask's -inf was flagged in it): no followed
+            # tensor feeds it and its outputs are finite. Only its ranges, sentinels and writes.
+            _step_quiet(state, entry, facts, outputs)
             return
         self._step_checked(state, entry, facts, outputs, fed)
         if facts.is_collective:
@@ -660,6 +679,21 @@ def _note_first_seen(state, entry, seen) -> None:
         state.status[ident] = (kind, origin)
         state.live[ident] = flags.refs[key]
         state.entered.add(ident)
+
+
+def _step_quiet(state, entry, facts, outputs) -> None:
+    """``Origins._step_checked`` of an op that no followed tensor feeds, with no non-finite
+    output: what its writes make stale, its outputs' ranges and sentinels; they are new
+    tensors, followed by nothing."""
+    if facts.mutated_args:
+        _written_in_place(state, entry, outputs)
+    index = entry[E_INDEX]
+    status = state.status
+    position = 0
+    for meta in outputs:
+        _note_sentinel_and_range(state, meta, (index, position))
+        status.pop(meta[M_IDENT], None)
+        position += 1
 
 
 def _note_sentinel_and_range(state, meta, key) -> None:
