@@ -29,6 +29,7 @@ class Program:
         self.flagged, self.refs, self.checked = {}, {}, set()
         self.written_bases = {}
         self.index = 0
+        self.shapes = {}  # name -> shape, where not (1,)
 
     def op(self, func, inputs=(), outputs=("out",), kind=None, args=(), phase=FORWARD, site=0, forward_func=-1, unchecked=False, inplace=False):
         """One op: ``inputs``/``outputs`` name tensors (``inplace``: the outputs are existing
@@ -53,7 +54,7 @@ class Program:
         return entry
 
     def _meta(self, name):
-        return ((1,), F32, CPU, id(self.keep[name]))
+        return (self.shapes.get(name, (1,)), F32, CPU, id(self.keep[name]))
 
     def drop(self, *names):
         for name in names:
@@ -258,3 +259,77 @@ def test_a_view_to_another_dtype_carries_no_range():
     origins = p.tracker._origins
     origins.replay(list(p.log.entries), _ranges_flags(p, {0: (0.0, 0.5)}))
     assert id(p.keep["bits"]) not in origins.ranges and id(p.keep["a"]) in origins.ranges
+
+
+# -- a window whose only non-finite values are a mask's constants, absorbed ----------------------
+
+
+def _only_constants(p) -> bool:
+    flags = Flags(p.flagged, p.refs, p.checked, written_bases=p.written_bases)
+    return p.tracker._origins.only_absorbed_constants(list(p.log.entries), flags)
+
+
+def _masked_attention(p):
+    """An attention mask's -inf in forward, the way Hugging Face's SDPA path builds it: a
+    constant, a where, an add into the scores, a softmax that absorbs it; a view on the way."""
+    p.op(aten.scalar_tensor.default, (), ("neg_inf",), kind="inf", args=(0, float("-inf")))
+    p.op(aten.where.self, ("neg_inf",), ("mask",), kind="inf")
+    p.op(aten.unsqueeze.default, ("mask",), ("mask4d",), unchecked=True)
+    p.op(aten.mm.default, (), ("scores",))
+    p.op(aten.add.Tensor, ("scores", "mask4d"), ("masked",), kind="inf")
+    p.op(aten._softmax.default, ("masked",), ("probs",))
+
+
+def test_a_mask_absorbed_by_its_softmax_needs_no_replay():
+    p = Program()
+    _masked_attention(p)
+    p.op(aten.mean.default, ("probs",), ("loss",))
+    p.drop("neg_inf", "mask", "mask4d", "masked")  # the forward is over: the mask is gone
+    assert _only_constants(p)
+    assert p.resolve(final=True) == []  # what the replay finds in the same window: nothing
+
+
+def test_a_mask_still_alive_at_the_check_point_is_replayed():
+    p = Program()
+    _masked_attention(p)
+    p.drop("neg_inf", "masked")  # the module keeps its mask: carried to the next window
+    assert not _only_constants(p)
+
+
+def test_an_overflow_beside_a_mask_is_replayed_and_is_an_origin():
+    p = Program()
+    _masked_attention(p)
+    p.op(aten.exp.default, ("probs",), ("big",), kind="inf")  # inf from finite inputs
+    p.drop("neg_inf", "mask", "mask4d", "masked")
+    assert not _only_constants(p)
+    (origin,) = p.resolve(final=True)
+    assert origin.record.index == 6
+
+
+def test_a_reduction_of_the_mask_and_a_nan_made_of_it_are_replayed():
+    p = Program()
+    p.shapes["masked"] = (4, 4)
+    _masked_attention(p)
+    p.op(aten.sum.default, ("masked",), ("total",), kind="inf")  # -inf summed into one value
+    p.drop("neg_inf", "mask", "mask4d", "masked", "total")
+    assert not _only_constants(p)
+    q = Program()
+    _masked_attention(q)
+    q.op(aten.mul.Tensor, ("masked",), ("zeroed",), kind="nan")  # -inf * 0
+    q.drop("neg_inf", "mask", "mask4d", "masked", "zeroed")
+    assert not _only_constants(q)
+
+
+def test_a_mask_constant_in_backward_or_a_window_with_something_carried_is_replayed():
+    p = Program()
+    p.op(aten.scalar_tensor.default, (), ("neg_inf",), kind="inf", args=(0, float("-inf")), phase=BACKWARD)
+    p.drop("neg_inf")
+    assert not _only_constants(p)
+    q = Program()
+    _masked_attention(q)  # the mask alive: replayed, and carried on
+    q.resolve()
+    q.log.entries.clear()
+    q.flagged.clear()
+    q.drop("neg_inf", "mask", "mask4d", "masked")
+    q.op(aten.relu.default, (), ("h",))
+    assert q.tracker._origins.carry and not _only_constants(q)

@@ -157,10 +157,7 @@ class Origins:
 
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
-        funcs, facts = self._log.funcs, self._facts
-        if len(facts) < len(funcs):  # the log's table of ops only grows
-            facts += [None if isinstance(func, ModuleCall) else facts_of(func) for func in funcs[len(facts):]]
-        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, facts)
+        state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, self._facts_for_log())
         sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
             outputs = entry_outputs(entry)
@@ -189,6 +186,83 @@ class Origins:
         self.sentinels = {ident: refs[ident] for ident in state.holds_sentinel if refs[ident]() is not None}
         self._keep_ranges(state)
         return state.origins
+
+    def only_absorbed_constants(self, window, flags: Flags) -> bool:
+        """Whether replaying ``window`` could find nothing: with nothing carried in, its only
+        non-finite values were infs the program wrote on purpose (an attention mask's
+        ``-inf``: a constant, a ``where``/``masked_fill`` with one, a value over a ``finfo.min``
+        mask) and ops that carried them on in forward, none reduced into fewer values, and
+        none alive now (a softmax took them in). Followed over tensor identities like
+        :meth:`replay`, with no ranges, views or records: every Hugging Face model's step has a
+        mask, and its check point is then judged as a window with no flag is."""
+        if self.carry or self.unjudged or self._log.sharded or _entered_nonfinite(flags):
+            return False
+        flagged, checked, sentinels, first_seen = flags.flagged, flags.checked, flags.sentinels, flags.first_seen
+        holding: set = set()  # idents holding a constant's infs now (the replay's status)
+        sentinel_holders = set(self.sentinels)
+        facts_table = self._facts_for_log()
+        for entry in window:
+            outputs = entry_outputs(entry)
+            if not outputs:
+                continue  # a kernel that raised, a judged call, a write returning nothing
+            facts = facts_table[entry[E_FUNC]]
+            if facts.is_collective:
+                return False
+            index = entry[E_INDEX]
+            for position, ident in first_seen.get(index, ()):  # made before the watch
+                if (index, position) in sentinels:
+                    sentinel_holders.add(ident)
+            inputs = entry_inputs(entry)
+            fed = bool(holding) and any(meta[M_IDENT] in holding for meta in inputs)
+            if fed and facts.is_grad_scaler_check:
+                return False
+            if facts.is_lift or facts.preserves_values:
+                for position, meta in enumerate(outputs):
+                    ident = meta[M_IDENT]
+                    kind = flagged.get((index, position))
+                    if kind == "nan":
+                        return False
+                    carried = facts.preserves_values and fed and (meta[M_DTYPE] in CHECKED_DTYPES or facts.is_view)
+                    if kind is not None or carried:
+                        holding.add(ident)
+                    else:
+                        holding.discard(ident)
+                continue
+            for position, meta in enumerate(outputs):
+                ident = meta[M_IDENT]
+                key = (index, position)
+                if key in sentinels:
+                    sentinel_holders.add(ident)
+                else:
+                    sentinel_holders.discard(ident)
+                kind = flagged.get(key)
+                if kind is None:
+                    if fed and key not in checked and meta[M_DTYPE] in CHECKED_DTYPES:
+                        holding.add(ident)  # not checked: it holds what its inputs held
+                    else:
+                        holding.discard(ident)
+                    continue
+                if kind != "inf" or entry[E_PHASE] == BACKWARD or (index << 32 | position) in flags.written_bases:
+                    return False
+                if fed:
+                    if _reduces(entry, meta, holding):
+                        return False  # a reduction of the constants: followed to the loss
+                elif has_sentinel_constant(entry) or any(other[M_IDENT] in sentinel_holders for other in inputs):
+                    if _reduces(entry, meta, sentinel_holders):
+                        return False
+                else:
+                    return False  # an inf from finite inputs: an origin
+                holding.add(ident)
+        return not any(ref() is not None for ref in flags.refs.values()) and not any(
+            id(tensor) in holding for tensor in (ref() for ref in flags.carriers.values()) if tensor is not None
+        )
+
+    def _facts_for_log(self) -> list:
+        """op id in the log -> its OpFacts (None for a ModuleCall), grown with the log's table."""
+        funcs, facts = self._log.funcs, self._facts
+        if len(facts) < len(funcs):  # the log's table of ops only grows
+            facts += [None if isinstance(func, ModuleCall) else facts_of(func) for func in funcs[len(facts):]]
+        return facts
 
     def _keep_ranges(self, state) -> None:
         ranges = self.ranges
@@ -569,6 +643,12 @@ def _forget_aliases(state, ident) -> None:
         if other != ident:
             state.value_ranges[other] = None
             state.recipes.pop(other, None)
+
+
+def _entered_nonfinite(flags) -> bool:
+    """Whether a tensor made before the watch held nan/inf when an op of the window first read it."""
+    flagged = flags.flagged
+    return any((index, position) in flagged for index, seen in flags.first_seen.items() for position, _ in seen)
 
 
 def _step_grad_scaler(status, fed) -> None:

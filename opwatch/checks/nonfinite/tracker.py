@@ -438,6 +438,11 @@ class NonFiniteTracker:
             origins.remember_sentinels(flags.sentinels)
             origins.forget_ranges()  # this window's ops were not followed
             return risks
+        if not self.keep_ranges and origins.only_absorbed_constants(window(), flags):
+            # A mask's infs, absorbed: judged as a window with no flag (the usual Hugging Face step).
+            origins.remember_sentinels(flags.sentinels)
+            origins.forget_ranges()
+            return risks
         new = origins.replay(window(), flags, reading)
         if new:
             decide_causes(new, self._log)
