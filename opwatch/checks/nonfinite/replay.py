@@ -198,6 +198,7 @@ class Origins:
         if self.carry or self.unjudged or self._log.sharded or _entered_nonfinite(flags):
             return False
         flagged, checked, sentinels, first_seen = flags.flagged, flags.checked, flags.sentinels, flags.first_seen
+        flagged_at = {index for index, _ in flagged}
         holding: set = set()  # idents holding a constant's infs now (the replay's status)
         sentinel_holders = set(self.sentinels)
         facts_table = self._facts_for_log()
@@ -210,7 +211,7 @@ class Origins:
                 return False
             index = entry[E_INDEX]
             for position, ident in first_seen.get(index, ()):  # made before the watch
-                if (index, position) in sentinels:
+                if (index, position) in sentinels and ident not in holding:
                     sentinel_holders.add(ident)
             inputs = entry_inputs(entry)
             fed = bool(holding) and any(meta[M_IDENT] in holding for meta in inputs)
@@ -228,6 +229,8 @@ class Origins:
                     else:
                         holding.discard(ident)
                 continue
+            # as the replay judges it: before this op's outputs are noted (an in-place op's are its input)
+            deliberate = index in flagged_at and (has_sentinel_constant(entry) or any(meta[M_IDENT] in sentinel_holders for meta in inputs))
             for position, meta in enumerate(outputs):
                 ident = meta[M_IDENT]
                 key = (index, position)
@@ -247,7 +250,7 @@ class Origins:
                 if fed:
                     if _reduces(entry, meta, holding):
                         return False  # a reduction of the constants: followed to the loss
-                elif has_sentinel_constant(entry) or any(other[M_IDENT] in sentinel_holders for other in inputs):
+                elif deliberate:
                     if _reduces(entry, meta, sentinel_holders):
                         return False
                 else:
