@@ -214,7 +214,12 @@ class Origins:
                 if (index, position) in sentinels and ident not in holding:
                     sentinel_holders.add(ident)
             inputs = entry_inputs(entry)
-            fed = bool(holding) and any(meta[M_IDENT] in holding for meta in inputs)
+            fed = False
+            if holding:  # a loop, not any(): a generator per op costs more than the lookups
+                for meta in inputs:
+                    if meta[M_IDENT] in holding:
+                        fed = True
+                        break
             if fed and facts.is_grad_scaler_check:
                 return False
             if facts.is_lift or facts.preserves_values:
