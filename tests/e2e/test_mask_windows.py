@@ -24,12 +24,18 @@ HERE = os.path.abspath(__file__)
 
 @pytest.fixture
 def replays(monkeypatch):
-    """Counts of the check points judged without a replay, and of the replays."""
+    """Counts of the check points judged without a replay, and of the replays. Every window
+    judged without one is replayed all the same, apart (a fresh ``Origins`` on the same log and
+    sentinels): that replay must find no origin and carry nothing on."""
     counts = {"absorbed": 0, "replayed": 0}
     absorbed, replay = Origins.only_absorbed_constants, Origins.replay
 
     def counting_absorbed(self, window, flags):
         found = absorbed(self, window, flags)
+        if found:
+            apart = Origins(self._log)
+            apart.sentinels = dict(self.sentinels)
+            assert replay(apart, window, flags) == [] and apart.carry == {}, "a window judged without a replay held an origin"
         counts["absorbed"] += found
         return found
 

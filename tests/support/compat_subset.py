@@ -41,7 +41,7 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "checks/module_calls": ("e2e/test_dtype_device_rules.py",),
     "checks/owners": ("e2e/test_finding_path.py",),
     "checks/provenance": ("e2e/test_finding_path.py", "e2e/test_attribution.py"),
-    "checks/nonfinite": ("e2e/test_nonfinite_inplace.py", "unit/test_nonfinite_replay.py",
+    "checks/nonfinite": ("e2e/test_nonfinite_inplace.py", "unit/test_nonfinite_replay.py", "e2e/test_mask_windows.py",
                          "e2e/test_training_numerics.py::test_gradscaler_overflow_that_reaches_the_parameters_is_an_anomaly"),
     "checks/pipeline": ("e2e/test_checks_e2e.py",),
     "checks/pre_dispatch": ("e2e/test_pre_dispatch.py",),

@@ -57,6 +57,10 @@ class Flags:
         self.written_bases = written_bases or {}
         self.first_seen = {}
 
+    def flagged_indices(self) -> set:
+        """The op indices with a non-finite output (or input first seen there)."""
+        return {index for index, _ in self.flagged}
+
 
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
@@ -93,7 +97,7 @@ class _Window:
         self.aliases = aliases
         # Op indices with a non-finite output (or input first seen): the others of an op that
         # no followed tensor feeds take the quiet way (see Origins._step).
-        self.flagged_at = {index for index, _ in flags.flagged}
+        self.flagged_at = flags.flagged_indices()
         self.facts = facts  # op id -> its OpFacts (None for a ModuleCall), see Origins.replay
 
 
@@ -198,7 +202,7 @@ class Origins:
         if self.carry or self.unjudged or self._log.sharded or _entered_nonfinite(flags):
             return False
         flagged, checked, sentinels, first_seen = flags.flagged, flags.checked, flags.sentinels, flags.first_seen
-        flagged_at = {index for index, _ in flagged}
+        flagged_at = flags.flagged_indices()
         holding: set = set()  # idents holding a constant's infs now (the replay's status)
         sentinel_holders = set(self.sentinels)
         facts_table = self._facts_for_log()

@@ -434,14 +434,11 @@ class NonFiniteTracker:
         flags.carriers, flags.written_bases = carriers, written_bases
         flags.first_seen, self._first_seen = self._first_seen, {}
         risks = headroom_risks(window(), half, flags.ranges, self._log) if half and flags.ranges else []
-        if not flags.flagged and not origins.carry and not origins.unjudged and not self.keep_ranges:
+        nothing_to_follow = not flags.flagged and not origins.carry and not origins.unjudged
+        # Nothing to follow, or only a mask's infs, absorbed (the usual Hugging Face step): no replay.
+        if not self.keep_ranges and (nothing_to_follow or origins.only_absorbed_constants(window(), flags)):
             origins.remember_sentinels(flags.sentinels)
             origins.forget_ranges()  # this window's ops were not followed
-            return risks
-        if not self.keep_ranges and origins.only_absorbed_constants(window(), flags):
-            # A mask's infs, absorbed: judged as a window with no flag (the usual Hugging Face step).
-            origins.remember_sentinels(flags.sentinels)
-            origins.forget_ranges()
             return risks
         new = origins.replay(window(), flags, reading)
         if new:
