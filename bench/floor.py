@@ -15,7 +15,7 @@ a lower bound, not a competitor: it checks nothing, keeps no module path, finds 
   view, a move or new memory), one ``aminmax`` of its first floating result into two slots of
   a reusable buffer and a weak reference to it.
 
-Both skip ``OpOverload.__call__`` (they call the C++ op) and keep Dynamo out by code object, not
+Both skip ``OpOverload.__call__`` (they call the C++ op, ``compat.op_kernel``) and keep Dynamo out by code object, not
 with torch's per-call wrapper, as opwatch does.
 """
 
@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opwatch.core.ops import facts_of
-from opwatch.core.compat import current_autograd_node, get_sequence_nr, skip_dynamo_for_code
+from opwatch.core.compat import SKIPS_DYNAMO_PER_CODE, current_autograd_node, get_sequence_nr, op_kernel, skip_dynamo_for_code
 
 __all__ = ["RecordsFloor", "ReadsFloor"]
 
@@ -47,7 +47,8 @@ class RecordsFloor(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # no torch._dynamo.disable wrapper per op: the code object is marked instead
+        # no torch._dynamo.disable wrapper per op where the code object can be marked instead
+        return not SKIPS_DYNAMO_PER_CODE
 
     def __init__(self, max_records: int = 10_000):
         super().__init__()
@@ -57,7 +58,8 @@ class RecordsFloor(TorchDispatchMode):
         self.shapes: dict = {}
         self.slots = torch.empty(2 * _SLOTS).unbind()
         self.used = 0
-        self.reading: dict = {}  # id(OpOverload) -> whether the nan/inf check reads its results
+        # id(OpOverload) -> (its C++ op, whether the nan/inf check reads its results), as opwatch's plan
+        self.plans: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # One function, as opwatch's: a call per op is a cost a floor must not add.
@@ -73,10 +75,11 @@ class RecordsFloor(TorchDispatchMode):
                 if shape is None:
                     shape = shapes[size] = tuple(size)
                 metas.append((shape, value.dtype, value.device, id(value)))
-        out = func._op(*args, **kwargs)
-        reads = self.reading.get(id(func))
-        if reads is None:
-            reads = self.reading[id(func)] = self.reads and _read_by_the_check(func)
+        plan = self.plans.get(id(func))
+        if plan is None:
+            plan = self.plans[id(func)] = (op_kernel(func), self.reads and _read_by_the_check(func))
+        kernel, reads = plan
+        out = kernel(*args, **kwargs)
         results = (out,) if isinstance(out, _Tensor) else out if type(out) is tuple or type(out) is list else ()
         first = True
         for value in results:
