@@ -9,7 +9,7 @@ import torch
 
 from opwatch.checks.nonfinite import NonFiniteTracker
 from opwatch.checks.nonfinite.origin import LeafRecipe, MovedRecipe
-from opwatch.checks.nonfinite.replay import Flags
+from opwatch.checks.nonfinite.replay import DELIBERATE, NAN_CONSTANT, ORIGIN, REDUCES_DELIBERATE, SPREAD, Flags, flagged_verdict
 from opwatch.checks.nonfinite.rules import ValueRange
 from opwatch.render.messages import explain
 from opwatch.core.records import BACKWARD, FORWARD, M_IDENT, OpLog
@@ -333,3 +333,36 @@ def test_a_mask_constant_in_backward_or_a_window_with_something_carried_is_repla
     q.drop("neg_inf", "mask", "mask4d", "masked")
     q.op(aten.relu.default, (), ("h",))
     assert q.tracker._origins.carry and not _only_constants(q)
+
+
+# -- the one set of rules for a non-finite output (flagged_verdict) ------------------------------
+
+
+def test_the_verdict_on_a_non_finite_output_follows_what_fed_it():
+    p = Program()
+    p.shapes.update(masked=(4, 4), shifted=(4, 4), zeroed=(4, 4))
+    fill = p.op(aten.masked_fill.Scalar, (), ("masked",), kind="inf", args=(2, float("-inf")))
+    total = p.op(aten.sum.default, ("masked",), ("total",), kind="inf")
+    shifted = p.op(aten.add.Tensor, ("masked",), ("shifted",), kind="inf")
+    zeroed = p.op(aten.mul.Tensor, ("masked",), ("zeroed",), kind="nan")
+    masked = {id(p.keep["masked"])}
+
+    def verdict(entry, kind, *, spread=False, fed_kinds=(), deliberate=False, sentinels=frozenset()):
+        *_, output = entry  # its one output's metadata
+        return flagged_verdict(kind, entry, output, spread=spread, fed_kinds=fed_kinds, deliberate=deliberate, fed_holders=masked, sentinel_holders=sentinels)
+
+    # fed by an origin's values: spread, whatever it made
+    assert verdict(zeroed, "nan", spread=True, fed_kinds=("inf",)) is SPREAD
+    # fed by deliberate infs: carried on, unless a forward reduction took them in, or a nan was made of them
+    assert verdict(shifted, "inf", fed_kinds=("inf",)) is DELIBERATE
+    assert verdict(total, "inf", fed_kinds=("inf",)) is REDUCES_DELIBERATE
+    assert verdict(zeroed, "nan", fed_kinds=("inf",)) is ORIGIN
+    assert verdict(zeroed, "nan", fed_kinds=("nan",)) is DELIBERATE  # a written nan, carried
+    # nothing followed fed it: a constant written on purpose, or an origin
+    assert verdict(fill, "inf", deliberate=True) is DELIBERATE
+    assert verdict(fill, "nan", deliberate=True) is NAN_CONSTANT
+    assert verdict(total, "inf", deliberate=True, sentinels=masked) is REDUCES_DELIBERATE  # overflowed a finfo.min
+    assert verdict(shifted, "inf") is ORIGIN
+    backward = p.op(aten.sum.default, ("masked",), ("g",), kind="inf", phase=BACKWARD)
+    assert verdict(backward, "inf", fed_kinds=("inf",)) is DELIBERATE  # gradients are not followed to a loss
+    assert verdict(backward, "nan", deliberate=True) is DELIBERATE

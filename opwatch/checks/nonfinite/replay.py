@@ -36,6 +36,15 @@ __all__ = ["Flags", "Origins"]
 ST_KIND = 0
 ST_ORIGIN = 1
 
+# What a checked op's non-finite output is (flagged_verdict): the one set of rules that both
+# the replay and the check that a window needs none (Origins.only_absorbed_constants) follow.
+SPREAD = "spread"  # fed by an origin's values
+DELIBERATE = "deliberate"  # a constant the program wrote on purpose, or carried on from one
+REDUCES_DELIBERATE = "reduces deliberate"  # a forward reduction that took deliberate infs in
+NAN_CONSTANT = "nan constant"  # a nan the program wrote itself, in forward
+ORIGIN = "origin"  # non-finite from finite inputs (or nan from deliberate infs)
+_HELD_INFS = ("inf",)  # what only_absorbed_constants follows: the infs of deliberate constants
+
 
 class Flags:
     """What a check point read, by (op index, output position): the non-finite ``flagged``
@@ -197,8 +206,9 @@ class Origins:
         ``-inf``: a constant, a ``where``/``masked_fill`` with one, a value over a ``finfo.min``
         mask) and ops that carried them on in forward, none reduced into fewer values, and
         none alive now (a softmax took them in). Followed over tensor identities like
-        :meth:`replay`, with no ranges, views or records: every Hugging Face model's step has a
-        mask, and its check point is then judged as a window with no flag is."""
+        :meth:`replay`, each non-finite output judged by the replay's own rules
+        (:func:`flagged_verdict`), with no ranges, views or records: every Hugging Face model's
+        step has a mask, and its check point is then judged as a window with no flag is."""
         if self.carry or self.unjudged or self._log.sharded or _entered_nonfinite(flags):
             return False
         flagged, checked, sentinels, first_seen = flags.flagged, flags.checked, flags.sentinels, flags.first_seen
@@ -239,7 +249,7 @@ class Origins:
                         holding.discard(ident)
                 continue
             # as the replay judges it: before this op's outputs are noted (an in-place op's are its input)
-            deliberate = index in flagged_at and (has_sentinel_constant(entry) or any(meta[M_IDENT] in sentinel_holders for meta in inputs))
+            deliberate = index in flagged_at and _writes_sentinel(entry, sentinel_holders)
             for position, meta in enumerate(outputs):
                 ident = meta[M_IDENT]
                 key = (index, position)
@@ -256,14 +266,12 @@ class Origins:
                     continue
                 if kind != "inf" or entry[E_PHASE] == BACKWARD or (index << 32 | position) in flags.written_bases:
                     return False
-                if fed:
-                    if _reduces(entry, meta, holding):
-                        return False  # a reduction of the constants: followed to the loss
-                elif deliberate:
-                    if _reduces(entry, meta, sentinel_holders):
-                        return False
-                else:
-                    return False  # an inf from finite inputs: an origin
+                verdict = flagged_verdict(
+                    kind, entry, meta, spread=False, fed_kinds=_HELD_INFS if fed else (), deliberate=deliberate,
+                    fed_holders=holding, sentinel_holders=sentinel_holders,
+                )
+                if verdict is not DELIBERATE:
+                    return False  # an origin, or a reduction of the constants followed to the loss
                 holding.add(ident)
         return not any(ref() is not None for ref in flags.refs.values()) and not any(
             id(tensor) in holding for tensor in (ref() for ref in flags.carriers.values()) if tensor is not None
@@ -360,7 +368,8 @@ class Origins:
         # A reduction of deliberate infs: deliberate still (a nan made of it is an origin), but
         # followed to the loss (see Origins.judge).
         reduced = None if input_origin is not None else next((found[ST_ORIGIN] for found in input_states if found[ST_ORIGIN] is not None), None)
-        deliberate = has_sentinel_constant(entry) or any(meta[M_IDENT] in state.holds_sentinel for meta in entry_inputs(entry))
+        deliberate = _writes_sentinel(entry, state.holds_sentinel)
+        fed_kinds = [found[ST_KIND] for found in input_states]
         record = None
         before = _written_in_place(state, entry, outputs) if facts.mutated_args else None
         if facts.picks_indices and entry[E_PHASE] != BACKWARD:
@@ -374,37 +383,25 @@ class Origins:
                 record = _step_finite(state, entry, facts, meta, key, input_states, input_origin, record)
                 continue
             state.live[ident] = flags.refs[key]
-            if input_origin is not None:
-                # Fed by non-finite inputs: spread, even where inf turns into nan (inf - inf).
-                origin = input_origin
+            verdict = flagged_verdict(
+                kind, entry, meta, spread=input_origin is not None, fed_kinds=fed_kinds, deliberate=deliberate,
+                fed_holders=state.status, sentinel_holders=state.holds_sentinel,
+            )
+            if verdict is SPREAD or (verdict is not ORIGIN and reduced is not None):
+                # The values of an origin, or of a followed reduction of deliberate infs (an
+                # input's, or this op's own made by an earlier output), carried on.
+                origin = input_origin or reduced
                 if origin.last.index != index:
                     record = record or state.log.view(entry)
                     origin.carried_by(record, kind)
-            elif input_states and not (kind == "nan" and all(found[ST_KIND] != "nan" for found in input_states)):
-                # Carries deliberate constants on, and made nothing new; a forward reduction
-                # that takes them into its result is followed: it may make the loss inf.
-                origin = reduced
-                if origin is not None:
-                    if origin.last.index != index:
-                        record = record or state.log.view(entry)
-                        origin.carried_by(record, kind)
-                elif kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.status):
-                    record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
-            elif deliberate and not input_states:
-                # A deliberate constant: masked_fill(mask, -inf), finfo.min; or a forward
-                # reduction that overflowed finfo.min held by an input, followed like the above.
-                origin = reduced  # set by an earlier output of this op
-                if origin is None and kind == "inf" and entry[E_PHASE] != BACKWARD and _reduces(entry, meta, state.holds_sentinel):
-                    record = record or state.log.view(entry)
-                    origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
-                elif origin is None and kind == "nan" and entry[E_PHASE] != BACKWARD:
-                    # A nan the program wrote (a placeholder, a missing value): no mask needs
-                    # one, so it is followed as an origin to be (a check point between forward
-                    # and backward must not leave its values to look made by a backward op),
-                    # and reported once it becomes the loss.
-                    record = record or state.log.view(entry)
-                    origin = reduced = self._nan_constant(state, entry, record, before)
+            elif verdict is DELIBERATE:
+                origin = None
+            elif verdict is REDUCES_DELIBERATE:
+                record = record or state.log.view(entry)
+                origin = reduced = self._reduction_of_deliberate(state, entry, record, kind, before)
+            elif verdict is NAN_CONSTANT:
+                record = record or state.log.view(entry)
+                origin = reduced = self._nan_constant(state, entry, record, before)
             elif facts.is_copy and _copied_from_storage(state, entry):
                 # Loaded values (torch.load's tensors, filled with no op) copied into place
                 # (load_state_dict): no op made them; left unknown, as if made before the watch,
@@ -530,6 +527,41 @@ class Origins:
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def flagged_verdict(kind, entry, output, *, spread, fed_kinds, deliberate, fed_holders, sentinel_holders) -> str:
+    """What the non-finite ``output`` (``kind``: ``"nan"`` or ``"inf"``) of a checked op is:
+    one of ``SPREAD``, ``DELIBERATE``, ``REDUCES_DELIBERATE``, ``NAN_CONSTANT``, ``ORIGIN``.
+    ``spread``: an input held an origin's values; ``fed_kinds``: the kinds of the followed
+    inputs it read (deliberate constants and what carried them on), ``fed_holders`` their idents;
+    ``deliberate``: the op wrote a sentinel constant or read a tensor holding one, whose idents
+    are ``sentinel_holders``. A forward reduction of deliberate infs is followed: it may make
+    the loss inf (see :meth:`Origins.judge`)."""
+    if spread:
+        return SPREAD  # even where inf turns into nan (inf - inf)
+    forward = entry[E_PHASE] != BACKWARD
+    if fed_kinds:
+        if kind == "nan" and "nan" not in fed_kinds:
+            return ORIGIN  # nan made of deliberate infs (a softmax over a fully masked row)
+        return REDUCES_DELIBERATE if kind == "inf" and forward and _reduces(entry, output, fed_holders) else DELIBERATE
+    if not deliberate:
+        return ORIGIN
+    # masked_fill(mask, -inf), finfo.min; or a forward reduction that overflowed a finfo.min
+    # an input held
+    if kind == "inf" and forward and _reduces(entry, output, sentinel_holders):
+        return REDUCES_DELIBERATE
+    if kind == "nan" and forward:
+        # A placeholder, a missing value: no mask needs a nan, so it is followed as an origin
+        # to be (a check point between forward and backward must not leave its values to look
+        # made by a backward op), and reported once it becomes the loss.
+        return NAN_CONSTANT
+    return DELIBERATE
+
+
+def _writes_sentinel(entry, sentinel_holders) -> bool:
+    """Whether the op wrote a sentinel constant (``masked_fill(mask, -inf)``) or read a tensor
+    holding one (a ``finfo.min`` mask)."""
+    return has_sentinel_constant(entry) or any(meta[M_IDENT] in sentinel_holders for meta in entry_inputs(entry))
 
 
 def _input_ranges(state, entry) -> list:
