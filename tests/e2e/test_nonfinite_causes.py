@@ -216,6 +216,35 @@ def test_an_in_place_op_is_not_taken_for_an_input_that_already_held_its_result()
     assert cause.kind == PRECISION and cause.went.op == "aten._softmax.default" and cause.went_to == "0", anomaly.message
 
 
+def test_the_causes_of_one_check_point_walk_the_live_objects_once(monkeypatch):
+    """Finding a cause looks its tensors up among the live objects (the origin's inputs, then
+    the ops before it that run again, then the module holding a weight): one walk of every
+    object of the process serves them all."""
+    import gc
+    import types
+
+    from opwatch.checks.nonfinite import cause as causes
+
+    walks = []
+    monkeypatch.setattr(causes, "gc", types.SimpleNamespace(get_objects=lambda: walks.append(1) or gc.get_objects()))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    head = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[1] *= 400
+        head.weight[0, 1] = float("nan")  # loaded from a broken checkpoint
+
+    def step(x):
+        probs = model(x).softmax(-1)
+        underflowed = probs.log_().mean()  # the softmax's underflow: a chain run again
+        return underflowed, head(torch.ones(3))  # a weight holding nan: its module named
+
+    w, _ = watched(step, torch.randn(6, 8))
+    kinds = sorted(anomaly.finding.facts["cause"].kind for anomaly in nonfinite(w))
+    assert kinds == sorted([PRECISION, WEIGHTS]), [a.message for a in nonfinite(w)]
+    assert len(walks) == 1
+
+
 # --------------------------------------------------------------------------------------------
 # an input, a parameter
 # --------------------------------------------------------------------------------------------

@@ -144,7 +144,8 @@ def decide_causes(origins, log) -> None:
                 # Not written by the op itself either (``x.log_()``): it holds the result now.
                 if (meta[M_DTYPE] in CHECKED_DTYPES or meta[M_IDENT] == target) and not writes.after(meta[M_IDENT], index - 1):
                     wanted[meta[M_IDENT]] = meta
-    found, modules = _live(wanted)
+    live = _LiveObjects()
+    found = live.tensors(wanted)
     health = {ident: _health(tensor) for ident, tensor in found.items() if tensor.dtype in CHECKED_DTYPES}
     for origin in origins:
         recipes = origin.input_ranges
@@ -152,7 +153,7 @@ def decide_causes(origins, log) -> None:
         origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes, log)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
-            origin.cause = _decide(origin, recipes, found, health, writes, modules)
+            origin.cause = _decide(origin, recipes, found, health, writes, live)
 
 
 def _where_made(origin, recipes, found, wanted, writes, log) -> None:
@@ -271,26 +272,53 @@ def _want(value, wanted, writes) -> None:
         wanted[value.meta[M_IDENT]] = value.meta
 
 
-def _live(wanted) -> tuple[dict, list]:
-    """ident -> tensor, for the ``wanted`` tensors still alive with the shape, dtype and device
-    they had; and the live modules (to name a parameter or buffer), from the same walk."""
-    found: dict = {}
-    modules: list = []
-    if wanted:
-        is_module: dict = {}
+class _LiveObjects:
+    """The tensors and modules alive now, from one walk of the garbage collector's list, made
+    when first asked. The causes of one check point ask several times (the origins' inputs, then
+    the ops before an origin that :class:`_Chain` runs again), and a walk visits every object of
+    the process: 50-100 ms with torch loaded, more in a large program."""
+
+    def __init__(self):
+        self._tensors: dict | None = None  # ident -> tensor
+        self._modules: list = []
+
+    def tensors(self, wanted) -> dict:
+        """ident -> tensor, for the ``wanted`` tensors (ident -> metadata) still alive with the
+        shape, dtype and device they had."""
+        if not wanted:
+            return {}
+        if self._tensors is None:
+            self._walk()
+        found = {}
+        for ident, meta in wanted.items():
+            candidate = self._tensors.get(ident)
+            if candidate is not None and tuple(candidate.shape) == tuple(meta[M_SHAPE]) and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
+                found[ident] = candidate
+        return found
+
+    @property
+    def modules(self) -> list:
+        """The live modules (to name a parameter or buffer)."""
+        if self._tensors is None:
+            self._walk()
+        return self._modules
+
+    def _walk(self) -> None:
+        tensors: dict = {}
+        modules = self._modules
+        # type -> what it is: 1 a tensor, 2 a module, 0 neither. Types, not isinstance: no
+        # __class__ lookups (deprecated objects warn).
+        kinds: dict = {}
         for candidate in gc.get_objects():
-            if id(candidate) in wanted and isinstance(candidate, torch.Tensor):
-                meta = wanted[id(candidate)]
-                if tuple(candidate.shape) == tuple(meta[M_SHAPE]) and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
-                    found[id(candidate)] = candidate
-                continue
-            kind = type(candidate)  # not isinstance: no __class__ lookups (deprecated objects warn)
-            known = is_module.get(kind)
-            if known is None:
-                known = is_module[kind] = issubclass(kind, torch.nn.Module)
-            if known:
+            kind = type(candidate)
+            what = kinds.get(kind)
+            if what is None:
+                what = kinds[kind] = 1 if issubclass(kind, torch.Tensor) else 2 if issubclass(kind, torch.nn.Module) else 0
+            if what == 1:
+                tensors[id(candidate)] = candidate
+            elif what == 2:
                 modules.append(candidate)
-    return found, modules
+        self._tensors = tensors
 
 
 def fold_same_source(origins) -> tuple[list, dict]:
@@ -361,10 +389,10 @@ def _leaves(value):
 # -- the decision ---------------------------------------------------------------------------
 
 
-def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
+def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
     record = origin.record
     index = record.index
-    held = _held_input(origin, recipes, found, health, writes, modules)
+    held = _held_input(origin, recipes, found, health, writes, live)
     # Made of deliberate infs: an input holding inf is the masking constant itself, the math
     # is the cause (a nan an input held is never deliberate).
     if held is not None and not (origin.from_deliberate and held.held == "inf"):
@@ -386,10 +414,10 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
     if rerun is not None:
         wider, largest = rerun
         if wider is None:
-            return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
+            return _chain_cause(origin, writes, detail, live) or Cause(MATH, detail)
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
     if detail is not None and detail not in OVERFLOWS:
-        return _chain_cause(origin, writes, detail) or Cause(MATH, detail)
+        return _chain_cause(origin, writes, detail, live) or Cause(MATH, detail)
     bound = _bound(record, origin.kind, read_ranges(name, ranges))
     if bound is not None:
         dtype = _dtype_of(record)
@@ -397,7 +425,7 @@ def _decide(origin, recipes, found, health, writes, modules) -> Cause | None:
             if _rank(wider) > _rank(dtype) and bound < torch.finfo(wider).max:
                 return Cause(PRECISION, detail, dtype, wider, bound, bound=True)
         # A bound beyond float64 tells nothing: the exact result may still be far below it.
-    chain = _chain_cause(origin, writes, detail)
+    chain = _chain_cause(origin, writes, detail, live)
     if chain is not None:
         return chain
     if detail is not None:
@@ -468,7 +496,7 @@ def _unread(name, recipes):
     return None
 
 
-def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None:
+def _held_input(origin, recipes, found, health, writes, live) -> Cause | None:
     """An input (or a tensor an input was viewed or copied from) that held nan/inf when the op
     ran: alive now, unwritten since, and not finite."""
     index = origin.record.index
@@ -478,20 +506,20 @@ def _held_input(origin, recipes, found, health, writes, modules) -> Cause | None
         if through[M_IDENT] in written:
             continue  # it holds the op's result now, and so may the tensor it was viewed from
         for meta in [through, *_leaves(recipes.get(through[M_IDENT]))]:
-            found_held = _held(meta, through, index, found, health, writes, origin.record.module, modules)
+            found_held = _held(meta, through, index, found, health, writes, origin.record.module, live)
             if found_held is not None:
                 return found_held
     return None
 
 
-def _held(meta, through, index, found, health, writes, path, modules) -> Cause | None:
+def _held(meta, through, index, found, health, writes, path, live) -> Cause | None:
     ident = meta[M_IDENT]
     known = health.get(ident)
     if known is None or known.held is None:
         return None
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
-    owner = _owner(tensor, path, modules)
+    owner = _owner(tensor, path, live.modules)
     loaded = _loaded_by(writes, ident, index)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
@@ -620,8 +648,9 @@ class _Chain:
     in float64 on such inputs. Slow: asked only where the origin's op alone tells undefined math
     (or nothing)."""
 
-    def __init__(self, writes):
+    def __init__(self, writes, objects):
         self._writes = writes
+        self._objects = objects  # the check point's _LiveObjects
         self._plan: dict = {}  # (ident, before) -> the producing record, or None for a leaf
         self._live: dict = {}
         self._values: dict = {}  # (ident, before) -> (narrow, wide) or None
@@ -644,7 +673,7 @@ class _Chain:
             self._plan[key] = producer
             if producer is not None:
                 frontier.extend((inner, producer.index, depth + 1) for inner in producer.inputs)
-        self._live, _ = _live(wanted)
+        self._live = self._objects.tensors(wanted)
         return any(producer is not None for producer in self._plan.values())
 
     def value(self, meta, before):
@@ -748,7 +777,7 @@ def run_call(record, narrow, wide):
     return list(zip(narrow_outs, wide_outs))
 
 
-def _chain_cause(origin, writes, detail) -> Cause | None:
+def _chain_cause(origin, writes, detail, live) -> Cause | None:
     """PRECISION when the ops that made the origin's inputs, run again in float64 from finite
     inputs, keep the origin's op finite, and one of them went to 0 or inf in its own dtype
     (the first in the program is named): a float32 ``exp`` that underflowed to 0 before
@@ -757,7 +786,7 @@ def _chain_cause(origin, writes, detail) -> Cause | None:
     dtype = _dtype_of(record)
     if dtype is None or dtype == torch.float64 or dtype in COMPLEX or facts_of(record.func).is_collective:
         return None
-    chain = _Chain(writes)
+    chain = _Chain(writes, live)
     if not chain.plan(record):
         return None
     values = [chain.value(meta, record.index) for meta in record.inputs]
