@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import math
+from itertools import compress
 from typing import Any, NamedTuple
 
 import torch
@@ -304,21 +305,22 @@ class _LiveObjects:
         return self._modules
 
     def _walk(self) -> None:
-        tensors: dict = {}
-        modules = self._modules
-        # type -> what it is: 1 a tensor, 2 a module, 0 neither. Types, not isinstance: no
-        # __class__ lookups (deprecated objects warn).
-        kinds: dict = {}
-        for candidate in gc.get_objects():
-            kind = type(candidate)
-            what = kinds.get(kind)
-            if what is None:
-                what = kinds[kind] = 1 if issubclass(kind, torch.Tensor) else 2 if issubclass(kind, torch.nn.Module) else 0
-            if what == 1:
-                tensors[id(candidate)] = candidate
-            elif what == 2:
-                modules.append(candidate)
-        self._tensors = tensors
+        # One pass in C (map, compress) over every object, choosing by type (no isinstance:
+        # no __class__ lookups, which deprecated objects answer with a warning): a Python loop
+        # over them costs twice the walk itself.
+        objects = gc.get_objects()
+        chosen = list(compress(objects, map(_TensorOrModule().__getitem__, map(type, objects))))
+        del objects
+        self._tensors = {id(candidate): candidate for candidate in chosen if isinstance(candidate, torch.Tensor)}
+        self._modules = [candidate for candidate in chosen if not isinstance(candidate, torch.Tensor)]
+
+
+class _TensorOrModule(dict):
+    """type -> whether it is a tensor's or a module's type, worked out once per type."""
+
+    def __missing__(self, kind) -> bool:
+        chosen = self[kind] = issubclass(kind, (torch.Tensor, torch.nn.Module))
+        return chosen
 
 
 def fold_same_source(origins) -> tuple[list, dict]:
