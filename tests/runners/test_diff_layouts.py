@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import opwatch
 from opwatch.runners.cli_diff import run_diff
 from support import fsdp2_on_cpu
+from support.distributed import run_ranks
 from support.helpers import line_of
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -119,7 +119,7 @@ def _free_port() -> int:
 def _record(tmp_path, plant: bool, layout: str) -> tuple[Path, Path]:
     script = tmp_path / "tp_train.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
+    done = run_ranks(
         [sys.executable, str(script), str(tmp_path), str(_free_port()), "plant" if plant else "clean", layout],
         env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from opwatch.render.messages import explain
 from support.helpers import line_of
 
 from support import SCENARIOS, fsdp2_on_cpu
-from support.distributed import spawn
+from support.distributed import run_ranks, spawn
 import dist_cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
@@ -229,7 +228,7 @@ def test_collective_mismatch_check(two_ranks):
 
 def test_torchrun_prints_each_rank_and_the_combined_summary():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "dist_ddp.py"]
-    result = subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120)
+    result = run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     line = line_of("# nan on one rank", str(SCENARIOS / "dist_ddp.py"))
     assert "opwatch (rank 0): 1 anomaly at 1 place:" in result.stderr

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import time
-import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
 
 from support import SCENARIOS
+from support.distributed import run_ranks
 from support.helpers import line_of
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
@@ -28,7 +28,7 @@ def _torchrun(*options, nan_steps="3,4", ranks=2):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "opwatch", "--guard",
                *options, "dist_leave_on.py"]
     environment = {**os.environ, "NAN_STEPS": nan_steps, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+    return run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
 
 
 def test_skip_every_rank_skips_the_same_steps_and_names_rank_1():
@@ -86,7 +86,7 @@ PL_LINE = line_of("# nan on rank 1, batch 3", str(SCENARIOS / "dist_lightning_gu
 def _lightning(on_failure):
     pytest.importorskip("lightning")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "dist_lightning_guard.py", ".", on_failure]
-    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_lightning_guard_every_rank_replays_the_batch_and_names_rank_1():
@@ -114,7 +114,7 @@ def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
     started = time.monotonic()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard", "dist_leave_on.py"]
     environment = {**os.environ, "NAN_STEPS": "", "STOP_AT": "2", "OPWATCH_COLLECTIVE_TIMEOUT": "2", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+    result = run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
     assert result.returncode != 0
     assert ("[rank0]: opwatch.runners.guarded.ranks.NoAnswer: opwatch.guard (rank 0): rank 1 did not answer within 2 s: this rank waited "
             "at the check of the gradients before optimizer step 2 (every rank decides each optimizer step together); rank 1 said nothing") in result.stderr

@@ -27,6 +27,7 @@ from opwatch.render.notices import rank_files
 from opwatch.storage.chrome_trace import chrome_trace, merge_chrome_traces, merged_chrome_trace
 from opwatch.storage.per_rank import rank_folder, rank_path
 from support import SCENARIOS
+from support.distributed import run_ranks
 from support.helpers import MLP, line_of
 from support.traces import validate_trace_events
 
@@ -45,7 +46,7 @@ def _opwatch(args: list[str], cwd, *, torchrun: bool = False, **env) -> subproce
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not a rank of the test's own job
         environment.pop(name, None)
     command = [sys.executable, *launcher, "-m", "opwatch", *args]
-    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=TIMEOUT)
+    return run_ranks(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def _lines(path) -> list[dict]:

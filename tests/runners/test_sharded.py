@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +23,7 @@ from opwatch.core.records import M_SHARDING, entry_inputs, entry_outputs
 from opwatch.storage.codec import decode, encode, meta_fields, meta_from_fields
 
 from support import SCENARIOS, assert_golden, fsdp2_on_cpu, needs_columns
-from support.distributed import spawn
+from support.distributed import run_ranks, spawn
 from support.helpers import line_of
 import dist_sharded  # noqa: E402
 
@@ -209,7 +208,7 @@ def _torchrun_guard(**env):
     import os
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard", "dist_sharded_script.py"]
-    return subprocess.run(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
+    return run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
 
 
 @fsdp2_on_cpu
