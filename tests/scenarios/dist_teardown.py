@@ -4,6 +4,7 @@ holds ``support.distributed`` to running such a job once more, and only such a j
 import json
 import os
 import sys
+import time
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
@@ -12,6 +13,10 @@ def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> 
         json.dump({"rank": rank}, stream)
     marker = os.path.join(out_dir, "aborted")
     if rank == 0 and (case == "always" or (case == "once" and not os.path.exists(marker))):
+        # As at a real teardown: every rank has written its results (run_cases waits for them).
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(os.path.join(out_dir, f"rank{other}.json")) for other in range(world)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         open(marker, "w").close()
         sys.stderr.write("terminate called without an active exception\n")
         sys.stderr.flush()
