@@ -650,9 +650,9 @@ class _Chain:
     in float64 on such inputs. Slow: asked only where the origin's op alone tells undefined math
     (or nothing)."""
 
-    def __init__(self, writes, objects):
+    def __init__(self, writes, live):
         self._writes = writes
-        self._objects = objects  # the check point's _LiveObjects
+        self._objects = live  # the check point's _LiveObjects
         self._plan: dict = {}  # (ident, before) -> the producing record, or None for a leaf
         self._live: dict = {}
         self._values: dict = {}  # (ident, before) -> (narrow, wide) or None

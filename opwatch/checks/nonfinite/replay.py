@@ -242,7 +242,7 @@ class Origins:
                     kind = flagged.get((index, position))
                     if kind == "nan":
                         return False
-                    carried = facts.preserves_values and fed and (meta[M_DTYPE] in CHECKED_DTYPES or facts.is_view)
+                    carried = facts.preserves_values and fed and _holds_what_it_moved(facts, meta)
                     if kind is not None or carried:
                         holding.add(ident)
                     else:
@@ -259,8 +259,8 @@ class Origins:
                     sentinel_holders.discard(ident)
                 kind = flagged.get(key)
                 if kind is None:
-                    if fed and key not in checked and meta[M_DTYPE] in CHECKED_DTYPES:
-                        holding.add(ident)  # not checked: it holds what its inputs held
+                    if fed and _holds_unread(key, meta, checked):
+                        holding.add(ident)
                     else:
                         holding.discard(ident)
                     continue
@@ -390,7 +390,7 @@ class Origins:
             if verdict is SPREAD or (verdict is not ORIGIN and reduced is not None):
                 # The values of an origin, or of a followed reduction of deliberate infs (an
                 # input's, or this op's own made by an earlier output), carried on.
-                origin = input_origin or reduced
+                origin = input_origin if input_origin is not None else reduced
                 if origin.last.index != index:
                     record = record or state.log.view(entry)
                     origin.carried_by(record, kind)
@@ -562,6 +562,18 @@ def _writes_sentinel(entry, sentinel_holders) -> bool:
     """Whether the op wrote a sentinel constant (``masked_fill(mask, -inf)``) or read a tensor
     holding one (a ``finfo.min`` mask)."""
     return has_sentinel_constant(entry) or any(meta[M_IDENT] in sentinel_holders for meta in entry_inputs(entry))
+
+
+def _holds_what_it_moved(facts, output) -> bool:
+    """Whether an output of an op that only moves values holds what its input held: a floating
+    one, or a view to another dtype (``x.view(torch.int32)`` still holds the bits)."""
+    return output[M_DTYPE] in CHECKED_DTYPES or facts.is_view
+
+
+def _holds_unread(key, output, checked) -> bool:
+    """Whether a floating output whose values the check did not read (sparse, nested,
+    subclasses) is taken to hold what its inputs held."""
+    return key not in checked and output[M_DTYPE] in CHECKED_DTYPES
 
 
 def _input_ranges(state, entry) -> list:
@@ -760,8 +772,7 @@ def _step_carrier(state, entry, facts, outputs, fed) -> None:
     if carrier is not None and carrier[ST_ORIGIN] is not None and carrier[ST_ORIGIN].last.index != index:
         carrier[ST_ORIGIN].carried_by(state.log.view(entry))
     for position, meta in enumerate(outputs):
-        # A view to an integer dtype still holds the bits (x.view(torch.int32)).
-        if carrier is not None and (meta[M_DTYPE] in CHECKED_DTYPES or facts.is_view):
+        if carrier is not None and _holds_what_it_moved(facts, meta):
             status[meta[M_IDENT]] = carrier
             # A view holds its base alive: the base's reference stands in for it.
             ref = state.flags.carriers.get(index << 32 | position) or live.get(source)
@@ -854,8 +865,7 @@ def _step_finite(state, entry, facts, meta, key, input_states, input_origin, rec
             if found[ST_ORIGIN] is not None and found[ST_ORIGIN].masked_by is None:
                 record = record or state.log.view(entry)
                 found[ST_ORIGIN].masked_by = record
-    if key not in flags.checked and meta[M_DTYPE] in CHECKED_DTYPES and input_states:
-        # Not checked (sparse, nested, subclasses): it holds what its inputs held.
+    if input_states and _holds_unread(key, meta, flags.checked):
         state.status[ident] = input_states[0]
         index, position = key
         ref = flags.carriers.get(index << 32 | position)
