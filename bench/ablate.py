@@ -2,6 +2,7 @@
 
     python -m bench.ablate                 # tfm32, 15 rounds
     python -m bench.ablate --workload gpt2 --rounds 21
+    python -m bench.ablate --native        # and the floors in native code (bench.native)
 
 Each variant is ``watch()`` with one part switched off or stubbed, or one of the floors of
 :mod:`bench.floor` (the least per-op work a watch written in Python with the same records and
@@ -96,6 +97,23 @@ VARIANTS = {
     "watch() without pre_dispatch": lambda: opwatch.watch(checks=WITHOUT_PRE_DISPATCH),
 }
 
+def native_variants() -> dict:
+    """The floors in native code, built here first (a build that fails stops the run, saying why)."""
+    from bench import native
+
+    for torch_api in (False, True):
+        try:
+            native.load(torch_api)
+        except native.NativeUnavailable as error:
+            raise SystemExit(f"--native: {error}") from None
+    return {
+        "native floor, CPython API: records": native.NativeRecordsFloor,
+        "native floor, CPython API: records + nan/inf reads": native.NativeReadsFloor,
+        "native floor, torch C++ API: records": native.TorchApiRecordsFloor,
+        "native floor, torch C++ API: records + nan/inf reads": native.TorchApiReadsFloor,
+    }
+
+
 # part -> (variant with it, variant without it)
 PARTS = {
     "recording (all of it)": ("no checks", "passthrough"),
@@ -166,10 +184,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="tfm32", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--native", action="store_true", help="also the floors in native code (bench.native; builds them on first use)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     step = WORKLOADS[args.workload].factory()
-    contenders = [Contender(name, make) for name, make in VARIANTS.items()]
+    variants = dict(VARIANTS)
+    if args.native:
+        variants.update(native_variants())
+    contenders = [Contender(name, make) for name, make in variants.items()]
     results = measure(step, contenders, args.rounds, target_seconds=0.1)
     floor = results["passthrough"]
     rows = [

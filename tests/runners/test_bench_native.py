@@ -1,0 +1,80 @@
+"""``bench.native``: the floors of ``bench.floor`` in native code (the CPython API; torch's C++
+API), which ``python -m bench.ablate --native`` prints beside the Python floors. A native floor
+that did less than its Python twin would flatter native code; these tests hold each to the same
+work, op for op. No timing here.
+
+Building the two modules takes about 15 s on two cores, so the README's test command skips this
+file; ``.ci/run``'s thorough pass runs it with ``OPWATCH_NATIVE_FLOORS=1``, where a build that
+fails is a failure."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from bench.floor import ReadsFloor, RecordsFloor  # noqa: E402
+from bench.workloads import transformer32_step  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.environ.get("OPWATCH_NATIVE_FLOORS"), reason="builds two native modules (~15 s): .ci/run's thorough pass runs it (OPWATCH_NATIVE_FLOORS=1)")
+
+NATIVE_PAIRS = [("NativeRecordsFloor", RecordsFloor), ("NativeReadsFloor", ReadsFloor), ("TorchApiRecordsFloor", RecordsFloor), ("TorchApiReadsFloor", ReadsFloor)]
+
+
+def _same_work(entry) -> tuple:
+    """An entry without what differs from run to run: tensor identities, sequence numbers."""
+    func, code, lasti, forward, _, *metas = entry
+    return (func, code, lasti, forward, tuple(meta[:3] for meta in metas))
+
+
+@pytest.mark.parametrize("native_name, python_floor", NATIVE_PAIRS, ids=[name for name, _ in NATIVE_PAIRS])
+def test_a_native_floor_logs_and_reads_what_its_python_twin_does(native_name, python_floor):
+    from bench import native
+
+    native_floor = getattr(native, native_name)
+    torch.manual_seed(0)
+    step = transformer32_step()
+    step()
+    with python_floor() as twin:
+        step()
+        step()
+    with native_floor() as floor:
+        step()
+        step()
+    entries = [entry for entry in floor.entries if entry is not None]
+    assert len(entries) == len(twin.entries) > 500
+    assert [_same_work(entry) for entry in entries] == [_same_work(entry) for entry in twin.entries]
+    # a sequence number per entry, as torch counts: the same steps from the same start
+    assert [entry[4] - entries[0][4] for entry in entries] == [entry[4] - twin.entries[0][4] for entry in twin.entries]
+    # the same outputs read: one weak reference each
+    refs = [ref for ref in floor.refs if ref is not None]
+    assert len(refs) == len(twin.refs)
+    assert (len(refs) > 100) == native_floor.reads
+
+
+def test_a_native_floor_reads_the_same_values():
+    from bench import native
+
+    x = torch.tensor([[1.0, -3.0], [float("inf"), 2.0]])
+    for floor_class in (native.NativeReadsFloor, native.TorchApiReadsFloor):
+        with floor_class(max_records=4) as floor:
+            (x * 2).sum()
+        # the first pair of slots holds the min and max of x * 2
+        assert [float(value) for value in floor.slots[:2]] == [-6.0, float("inf")]
+        # the ring keeps max_records entries: older ones are written over
+        assert len(floor.entries) == 4
+
+
+def test_a_native_floor_lets_a_kernel_error_through():
+    from bench import native
+
+    for floor_class in (native.NativeRecordsFloor, native.TorchApiReadsFloor):
+        with floor_class() as floor, pytest.raises(RuntimeError, match="size of tensor"):
+            torch.ones(3) + torch.ones(4)
+        with floor:
+            assert (torch.ones(2) + 1).tolist() == [2.0, 2.0]
