@@ -11,7 +11,6 @@ op whose combined values differ, at its line.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -73,8 +72,9 @@ SCRIPT = textwrap.dedent(
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+        timeout = datetime.timedelta(seconds=30)
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout)  # served by the parent
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
         try:
             model, x, y = data()
             mesh = init_device_mesh("cpu", (2,))
@@ -97,9 +97,11 @@ SCRIPT = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        out, port, plant, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plant", sys.argv[4]
+        out, plant, layout = sys.argv[1], sys.argv[2] == "plant", sys.argv[3]
         os.makedirs(os.path.join(out, "ranks"))
-        mp.spawn(rank_main, args=(port, os.path.join(out, "ranks"), plant, layout), nprocs=2, join=True)
+        # The ranks meet at a store this process serves, on a port the system picks as it binds.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+        mp.spawn(rank_main, args=(store.port, os.path.join(out, "ranks"), plant, layout), nprocs=2, join=True)
         model, x, y = data()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with opwatch.watch(fingerprints=True) as w:
@@ -110,17 +112,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _record(tmp_path, plant: bool, layout: str) -> tuple[Path, Path]:
     script = tmp_path / "tp_train.py"
     script.write_text(SCRIPT)
     done = run_ranks(
-        [sys.executable, str(script), str(tmp_path), str(_free_port()), "plant" if plant else "clean", layout],
+        [sys.executable, str(script), str(tmp_path), "plant" if plant else "clean", layout],
         env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]

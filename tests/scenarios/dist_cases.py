@@ -1,6 +1,7 @@
 """Distributed scenarios for tests/runners/test_distributed.py, run on gloo by torch.multiprocessing.
 
-``worker(rank, world, port, out_dir, cases)`` joins a process group on 127.0.0.1, runs each named
+``worker(rank, world, port, out_dir, cases)`` joins a process group on 127.0.0.1 (at the store the
+test serves on ``port``: ``support.distributed.spawn``), runs each named
 case and writes what it saw to ``out_dir/rank<r>.json``: ``{case: result}``. Every wait is
 bounded (the process group's timeout, the exchange's timeout), so a bug fails instead of hanging.
 """
@@ -26,7 +27,7 @@ def run_cases(table: dict, rank: int, world: int, port: int, out_dir: str, cases
     (also when a case raised), and leave only once every rank has written."""
     from opwatch.core.collective_ops import group_store
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    join_group(rank, world, port, timeout_s)
     store = group_store()
     results = {}
     try:
@@ -35,10 +36,19 @@ def run_cases(table: dict, rank: int, world: int, port: int, out_dir: str, cases
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as stream:
             json.dump(results, stream)
-        store.set(f"left/{rank}", "1")  # rank 0 holds the store: it leaves last
+        store.set(f"left/{rank}", "1")  # rank 0 leaves last, once every rank has written
         if rank == 0:
             store.wait([f"left/{other}" for other in range(world)], timedelta(seconds=timeout_s))
         dist.destroy_process_group()
+
+
+def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join the gloo group of ``world`` ranks through the store served on 127.0.0.1:``port``
+    (by the test's process, which picked the port when it bound it: no port can be taken in
+    between), bounded by ``timeout_s``."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:

@@ -8,13 +8,16 @@ had printed everything, and in spawned ranks that had written their results), ne
 of the same jobs alone; torch leaves a ``Store`` of its own alive at exit with or without opwatch.
 Such a run is run once more (:func:`run_ranks`, :func:`spawn`), with a warning: an abort that
 comes again fails the test, as does any other failure.
+
+Spawned ranks meet at a ``TCPStore`` the test's own process serves on a port the system picks
+(:func:`rendezvous_store`), for as long as the ranks run: a port picked free, closed, and handed
+to the ranks to bind could be taken in between by a rank of a test running beside it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import warnings
@@ -26,10 +29,14 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 from . import SCENARIOS
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def rendezvous_store(timeout: float):
+    """A ``TCPStore`` served by this process on 127.0.0.1, on a port the system picks (its
+    ``port``): the ranks join it as clients (``scenarios/dist_cases.join_group``)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def run_ranks(command, **options) -> subprocess.CompletedProcess:
@@ -45,7 +52,8 @@ def run_ranks(command, **options) -> subprocess.CompletedProcess:
 
 def spawn(worker, world: int, cases: list[str], out_dir, *, timeout: float = 120.0) -> list[dict]:
     """Run ``worker(rank, world, port, out_dir, cases)`` on ``world`` processes (spawned, in the
-    scenarios folder); every rank's ``out_dir/rank<r>.json``. Killed after ``timeout``. Run once
+    scenarios folder), ``port`` that of the store they meet at (:func:`rendezvous_store`);
+    every rank's ``out_dir/rank<r>.json``. Killed after ``timeout``. Run once
     more when a rank died of SIGABRT after every rank had written its results (its teardown)."""
     import torch.multiprocessing as mp
 
@@ -62,10 +70,11 @@ def spawn(worker, world: int, cases: list[str], out_dir, *, timeout: float = 120
 
 
 def _spawn_once(mp, worker, world, cases, out_dir, timeout) -> list[dict]:
+    store = rendezvous_store(timeout)
     saved = os.getcwd()
     os.chdir(SCENARIOS)  # the children's paths in messages: relative to the scenarios folder
     try:
-        context = mp.start_processes(worker, args=(world, free_port(), str(out_dir), cases), nprocs=world, join=False, start_method="spawn")
+        context = mp.start_processes(worker, args=(world, store.port, str(out_dir), cases), nprocs=world, join=False, start_method="spawn")
     finally:
         os.chdir(saved)
     deadline = time.monotonic() + timeout
