@@ -207,10 +207,26 @@ static int read_dtype(Floor *self, PyObject *dtype) {
 
 static PyObject *s_state;  /* "_native_state": the mode's attribute holding its Floor */
 
+#define STACK_METAS 32
+
+/* Twice the room in *metas (a heap copy of the stack array the first time); -1 when out of
+ * memory, *metas then as it was. */
+static int grow(PyObject ***metas, PyObject **stack_metas, Py_ssize_t *capacity) {
+    Py_ssize_t larger = 2 * *capacity;
+    PyObject **more = *metas == stack_metas ? (PyObject **)PyMem_Malloc(larger * sizeof(PyObject *))
+                                            : (PyObject **)PyMem_Realloc(*metas, larger * sizeof(PyObject *));
+    if (more == NULL) { PyErr_NoMemory(); return -1; }
+    if (*metas == stack_metas) memcpy(more, stack_metas, *capacity * sizeof(PyObject *));
+    *metas = more;
+    *capacity = larger;
+    return 0;
+}
+
 static PyObject *dispatch(PyObject *mode, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Every local declared here: the exits below jump to fail. */
-    PyObject *metas[64], *single[1], **results = NULL;
-    Py_ssize_t nmetas = 0, nresults = 0, count, i;
+    /* The op's tensors' metadata: on the stack, or on the heap past STACK_METAS tensors. */
+    PyObject *stack_metas[STACK_METAS], **metas = stack_metas, *single[1], **results = NULL;
+    Py_ssize_t nmetas = 0, capacity = STACK_METAS, nresults = 0, count, i;
     PyObject *state, *func, *op_args, *op_kwargs, *kernel, *value, *meta;
     PyObject *out = NULL, *entry = NULL, *seq = NULL, *plan = NULL, *key = NULL;
     PyFrameObject *caller;
@@ -236,9 +252,10 @@ static PyObject *dispatch(PyObject *mode, PyObject *const *args, Py_ssize_t narg
 #endif
     forward = in_forward(self);
     if (forward < 0) goto fail;
-    for (i = 0; i < PyTuple_GET_SIZE(op_args) && nmetas < 64; i++) {
+    for (i = 0; i < PyTuple_GET_SIZE(op_args); i++) {
         value = PyTuple_GET_ITEM(op_args, i);
         if (!is_tensor(self, value)) continue;
+        if (nmetas == capacity && grow(&metas, stack_metas, &capacity) < 0) goto fail;
         if ((metas[nmetas] = meta_of(self, value, NULL)) == NULL) goto fail;
         nmetas++;
     }
@@ -264,10 +281,11 @@ static PyObject *dispatch(PyObject *mode, PyObject *const *args, Py_ssize_t narg
     if (is_tensor(self, out)) { results = single; nresults = 1; }
     else if (PyTuple_CheckExact(out)) { results = &PyTuple_GET_ITEM(out, 0); nresults = PyTuple_GET_SIZE(out); }
     else if (PyList_CheckExact(out)) { results = &PyList_GET_ITEM(out, 0); nresults = PyList_GET_SIZE(out); }
-    for (i = 0; i < nresults && nmetas < 64; i++) {
+    for (i = 0; i < nresults; i++) {
         value = results[i];
         if (!is_tensor(self, value)) continue;
         count = 0;
+        if (nmetas == capacity && grow(&metas, stack_metas, &capacity) < 0) goto fail;
         meta = meta_of(self, value, &count);
         if (meta == NULL) goto fail;
         metas[nmetas++] = meta;
@@ -290,10 +308,12 @@ static PyObject *dispatch(PyObject *mode, PyObject *const *args, Py_ssize_t narg
     PyList_SetItem(self->entries, self->next_entry, entry);  /* steals entry */
     self->next_entry = (self->next_entry + 1) % self->capacity;
     Py_DECREF(plan); Py_DECREF(key);
+    if (metas != stack_metas) PyMem_Free(metas);
     return out;
 
 fail:
     for (i = 0; i < nmetas; i++) Py_DECREF(metas[i]);
+    if (metas != stack_metas) PyMem_Free(metas);
     Py_XDECREF(code); Py_XDECREF(seq); Py_XDECREF(plan); Py_XDECREF(key); Py_XDECREF(out);
     return NULL;
 }

@@ -57,6 +57,24 @@ def test_a_native_floor_logs_and_reads_what_its_python_twin_does(native_name, py
     assert (len(refs) > 100) == native_floor.reads
 
 
+def test_a_native_floor_logs_every_tensor_of_an_op_with_many():
+    from bench import native
+
+    tensors = [torch.full((2,), float(number)) for number in range(40)]
+
+    def add_one():
+        torch._foreach_add(tensors, 1.0)  # 40 tensors out: more than the native floor's stack holds
+
+    for native_floor, python_floor in ((native.NativeRecordsFloor, RecordsFloor), (native.TorchApiReadsFloor, ReadsFloor)):
+        with python_floor() as twin:
+            add_one()
+        with native_floor() as floor:
+            add_one()
+        entries = [entry for entry in floor.entries if entry is not None]
+        assert [_same_work(entry) for entry in entries] == [_same_work(entry) for entry in twin.entries]
+        assert len(entries[-1]) == 5 + 40
+
+
 def test_a_native_floor_reads_the_same_values():
     from bench import native
 
