@@ -21,7 +21,7 @@ import opwatch
 from opwatch.runners import leave_on as leave_on_module
 from opwatch.runners import step_verdict
 from opwatch.runners.leave_on import GradientsNotFinite, LeaveOn
-from support import CountingMode, needs
+from support import CountingMode, fsdp2_on_cpu, needs
 
 
 class TinyGPT(nn.Module):
@@ -557,8 +557,10 @@ def ddp_ranks(tmp_path_factory):
     import dist_step_verdict
     from support.distributed import spawn
 
-    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", "fsdp2_leave_on",
-                                              "fsdp2_plain", "fsdp2_no_clip"],
+    # torch 2.6 cannot run FSDP2 on the CPU (support.fsdp2_on_cpu): one FSDP2 case failing would
+    # fail the DDP tests too, so its FSDP2 cases are neither run nor tested there.
+    fsdp2 = [] if fsdp2_on_cpu.args[0] else ["fsdp2_leave_on", "fsdp2_plain", "fsdp2_no_clip"]
+    return spawn(dist_step_verdict.worker, 2, ["leave_on_healthy", "leave_on_nan", "leave_on_loss_nan", "guard_healthy", *fsdp2],
                  tmp_path_factory.mktemp("step_verdict_ranks"), timeout=180.0)
 
 
@@ -596,6 +598,7 @@ def test_ddp_a_nan_loss_on_one_rank_with_finite_reduced_gradients_is_told_there_
 
 
 @ddp
+@fsdp2_on_cpu
 def test_fsdp2_the_clip_s_own_all_reduce_of_the_norm_carries_the_verdict_no_collective_of_opwatch_s(ddp_ranks):
     plain = ddp_ranks[0]["fsdp2_plain"]["collectives"]
     assert plain[1:] == [1] * 5  # the program's own: the clip reduces its norm across the ranks once a step
@@ -609,6 +612,7 @@ def test_fsdp2_the_clip_s_own_all_reduce_of_the_norm_carries_the_verdict_no_coll
 
 
 @ddp
+@fsdp2_on_cpu
 def test_fsdp2_without_a_clip_one_small_all_reduce_a_step_decides(ddp_ranks):
     zero, one = ddp_ranks[0]["fsdp2_no_clip"], ddp_ranks[1]["fsdp2_no_clip"]
     for result in (zero, one):
