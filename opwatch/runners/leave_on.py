@@ -110,6 +110,7 @@ class LeaveOn(LedgerCounts):
         self._inputs_hook = None  # the model's forward pre-hook, after the first audit
         self._inputs = None  # (model, args, kwargs, user frame) of the model's latest call outside a watch: references
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
+        self._backward_of = None  # the tensor whose backward() runs now (see _see_losses)
         self._backward = None  # torch.Tensor.backward as it was before the run
         self._forward_after_step = False
 
@@ -163,11 +164,20 @@ class LeaveOn(LedgerCounts):
 
         def backward(tensor, *args, **kwargs):
             seen = runner()
-            if seen is not None and seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
+            # Under a function mode (the program's, or the watch's in an audit) torch's
+            # Tensor.backward hands the call to the mode as Tensor.backward, which is this
+            # wrapper again, for the same tensor: its loss is kept once.
+            if seen is None or seen._backward_of is tensor:
+                return original(tensor, *args, **kwargs)
+            if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
                 seen._losses = []
-            if seen is not None and len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
+            if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
                 seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
-            return original(tensor, *args, **kwargs)
+            seen._backward_of = tensor
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                seen._backward_of = None
 
         backward.__wrapped__ = original
         torch.Tensor.backward = backward

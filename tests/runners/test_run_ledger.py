@@ -188,6 +188,30 @@ def test_a_nan_loss_with_finite_gradients_fails_its_step_and_the_step_is_skipped
     assert "1 failed (nan/inf in the gradients, or in the loss for 1 of them), 1 of them skipped" in runner.summary()
 
 
+class _ProgramsFunctionMode(torch.overrides.TorchFunctionMode):
+    """A function mode of the program's own (a tracer, a FLOP counter) around its loop."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_the_program_s_own_function_mode_each_backward_keeps_its_loss_once():
+    # torch's Tensor.backward hands the call to a function mode as Tensor.backward, which is
+    # leave-on's wrapper again: the loss was kept twice (and the cap on kept losses halved).
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ids = torch.randint(0, 48, (4, 16))
+    runner = LeaveOn(warn=False, file=io.StringIO(), audit="manual")
+    with runner, _ProgramsFunctionMode():
+        for _ in range(2):  # two backward() calls before one step: gradient accumulation
+            model(ids, torch.roll(ids, -1, dims=1)).backward()
+        assert len(runner._losses) == 2
+    runner = LeaveOn(warn=False, file=io.StringIO(), audit="manual")
+    with pytest.warns(opwatch.OpwatchWarning, match=r"optimizer step 4: the loss backward\(\) ran on is nan"), _ProgramsFunctionMode():
+        gpt_run(runner, ignored_at=3)  # and a nan loss still fails its step there
+    assert (runner.failed, runner.skipped) == (1, 1)
+
+
 def test_a_healthy_gpt_run_with_clipping_fails_no_step():
     runner = LeaveOn(warn=False, file=io.StringIO(), audit="manual")
     with warnings.catch_warnings():
