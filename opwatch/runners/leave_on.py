@@ -110,7 +110,6 @@ class LeaveOn(LedgerCounts):
         self._inputs_hook = None  # the model's forward pre-hook, after the first audit
         self._inputs = None  # (model, args, kwargs, user frame) of the model's latest call outside a watch: references
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
-        self._backward_of = None  # the tensor whose backward() runs now (see _see_losses)
         self._backward = None  # torch.Tensor.backward as it was before the run
         self._forward_after_step = False
 
@@ -160,27 +159,7 @@ class LeaveOn(LedgerCounts):
             return
         self.policy.verdict.reductions.__enter__()  # and the clip norms and GradScaler unscales the run computes
         original = self._backward = torch.Tensor.backward
-        runner = weakref.ref(self)
-
-        def backward(tensor, *args, **kwargs):
-            seen = runner()
-            # Under a function mode (the program's, or the watch's in an audit) torch's
-            # Tensor.backward hands the call to the mode as Tensor.backward, which is this
-            # wrapper again, for the same tensor: its loss is kept once.
-            if seen is None or seen._backward_of is tensor:
-                return original(tensor, *args, **kwargs)
-            if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
-                seen._losses = []
-            if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
-                seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
-            seen._backward_of = tensor
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                seen._backward_of = None
-
-        backward.__wrapped__ = original
-        torch.Tensor.backward = backward
+        torch.Tensor.backward = _keeping_losses(weakref.ref(self), original)
 
     def _unsee_losses(self) -> None:
         if self._backward is not None:
@@ -366,6 +345,33 @@ class LeaveOn(LedgerCounts):
         if watch_summary:
             text = prefix + self.watch_summary() + "\n" + text
         print(text, file=self._file if self._file is not None else sys.stderr)
+
+
+def _keeping_losses(runner, original):
+    """``Tensor.backward`` (``original``) wrapped to keep each loss it runs on in the
+    ``runner``'s (a weak reference to a :class:`LeaveOn`) ``_losses``."""
+    running = None  # the tensor whose backward() runs now
+
+    def backward(tensor, *args, **kwargs):
+        nonlocal running
+        seen = runner()
+        # Under a function mode (the program's, or the watch's in an audit) torch's
+        # Tensor.backward hands the call to the mode as Tensor.backward, which is this wrapper
+        # again, for the same tensor: its loss is kept once.
+        if seen is None or running is tensor:
+            return original(tensor, *args, **kwargs)
+        if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
+            seen._losses = []
+        if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
+            seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
+        running = tensor
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            running = None
+
+    backward.__wrapped__ = original
+    return backward
 
 
 def _named(optimizer, names) -> list:
