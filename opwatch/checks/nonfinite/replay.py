@@ -213,6 +213,9 @@ class Origins:
             return False
         flagged, checked, sentinels, first_seen = flags.flagged, flags.checked, flags.sentinels, flags.first_seen
         flagged_at = flags.flagged_indices()
+        # Ops with a flagged output or one holding a mask value: the others, when no input holds
+        # a constant's infs, only make their outputs' idents hold nothing (most of a window).
+        marked_at = flagged_at.union([index for index, _ in sentinels])
         holding: set = set()  # idents holding a constant's infs now (the replay's status)
         sentinel_holders = set(self.sentinels)
         facts_table = self._facts_for_log()
@@ -227,13 +230,23 @@ class Origins:
             for position, ident in first_seen.get(index, ()):  # made before the watch
                 if (index, position) in sentinels and ident not in holding:
                     sentinel_holders.add(ident)
-            inputs = entry_inputs(entry)
             fed = False
             if holding:  # a loop, not any(): a generator per op costs more than the lookups
-                for meta in inputs:
+                for meta in entry_inputs(entry):
                     if meta[M_IDENT] in holding:
                         fed = True
                         break
+            if not fed and index not in marked_at:
+                # What the branches below do for an op fed nothing and with nothing flagged.
+                if facts.is_lift or facts.preserves_values:
+                    for meta in outputs:
+                        holding.discard(meta[M_IDENT])
+                else:
+                    for meta in outputs:
+                        ident = meta[M_IDENT]
+                        sentinel_holders.discard(ident)
+                        holding.discard(ident)
+                continue
             if fed and facts.is_grad_scaler_check:
                 return False
             if facts.is_lift or facts.preserves_values:

@@ -83,8 +83,11 @@ class _Buffer:
 class NonFiniteTracker:
     """Keeps per-output finiteness flags on device and resolves them at check points."""
 
-    _CHUNK = 64  # slots of one buffer (32 pairs)
-    _POOL = 64  # buffers kept per device and dtype for the next check point's window
+    # Slots of one buffer (256 pairs): a small model's step fills one, so its check point reads
+    # one buffer and joins none (torch.cat of a Hugging Face step's 7 buffers of 64 slots cost
+    # 10 us, its tolist as much again).
+    _CHUNK = 512
+    _POOL = 16  # buffers kept per device and dtype for the next check point's window
 
     def __init__(self, log, *, keep_ranges: bool = False) -> None:
         self._log = log
@@ -455,28 +458,28 @@ class NonFiniteTracker:
         queue. ``replaying``: origins wait, or every range is kept, so the window is replayed
         whatever it holds; else a window all finite (no mask value either) needs no per-pair
         facts: its flags are empty, as the replay would not run."""
-        kinds, values = self._read_flags(check_headroom=bool(half), keep_values=self.keep_ranges) if self._indices else ([], None)
-        queued = zip(self._indices, self._positions, self._refs, kinds)
+        indices, positions, refs = self._indices, self._positions, self._refs
+        kinds, values = self._read_flags(check_headroom=bool(half), keep_values=self.keep_ranges) if indices else ([], None)
         self._indices, self._positions, self._refs, self._slots = [], [], [], []
         self._devices = set()
         self._release_buffers()
         flags = Flags({}, {}, set())
         if values is None and not replaying and kinds.count(None) == len(kinds):
             return flags  # the usual healthy check point
-        # (op index, output position) -> (min, max): read only when something is not finite,
+        # Per pair, built whole (a Hugging Face step queues hundreds, a few of them a mask's):
+        # (op index, output position) -> (min, max), read only when something is not finite,
         # to tell the inputs' health at an origin.
-        for number, (index, position, ref, kind) in enumerate(queued):
-            key = (index, position)
-            flags.checked.add(key)
-            if values is not None:
-                flags.ranges[key] = (values[2 * number], values[2 * number + 1])
-            if kind is None:
-                continue
+        keys = list(zip(indices, positions))
+        flags.checked.update(keys)
+        if values is not None:
+            flags.ranges = dict(zip(keys, zip(values[::2], values[1::2])))
+        for number in [number for number, kind in enumerate(kinds) if kind is not None]:
+            kind, key = kinds[number], keys[number]
             if kind == SENTINEL:
-                flags.sentinels[key] = ref
+                flags.sentinels[key] = refs[number]
                 continue
             flags.flagged[key] = kind
-            flags.refs[key] = ref
+            flags.refs[key] = refs[number]
         return flags
 
     def _read_flags(self, check_headroom: bool = False, keep_values: bool = False) -> tuple[list, list | None]:
@@ -490,18 +493,35 @@ class NonFiniteTracker:
             # finfo.min (every Hugging Face model) only mark their outputs.
             kinds = [None] * (len(values) // 2)
             if not SENTINELS.isdisjoint(values):
-                for position, value in enumerate(values):
-                    if value in SENTINELS:
-                        kinds[position >> 1] = SENTINEL
+                _mark_sentinels(values, kinds)
             return kinds, None
-        return [_kind(values[i], values[i + 1]) for i in range(0, len(values), 2)], values
-
+        kinds = [None] * (len(values) // 2)
+        # The pairs holding a non-finite value, found by list.index (C) rather than a test per
+        # value in Python: a few among hundreds on a masked step.
+        finite = list(map(math.isfinite, values))
+        at = -1
+        try:
+            while True:
+                at = finite.index(False, at + 1)
+                pair = at >> 1
+                kinds[pair] = _kind(values[2 * pair], values[2 * pair + 1])
+        except ValueError:
+            pass  # no more
+        if not SENTINELS.isdisjoint(values):
+            _mark_sentinels(values, kinds)  # where a pair is finite: nan and inf come first
+        return kinds, values
 
     def _read_slots(self) -> list:
         """The queued pairs' values (min, max, min, max, ...), in their queued order: one host
         read per device (its buffers joined in one tensor, in the widest of their dtypes)."""
+        buffers = self._buffers
+        if len(buffers) == 1:
+            # The usual window (a small model's step): one device and dtype, its pairs queued
+            # one after the other from the first slot on.
+            (only,) = buffers
+            return only.values[: 2 * len(self._slots)].tolist()  # the host read
         by_device: dict = {}
-        for buffer in self._buffers:
+        for buffer in buffers:
             by_device.setdefault(buffer.values.device, []).append(buffer)
         slots_read: list = [0.0] * self._opened
         for buffers in by_device.values():
@@ -544,6 +564,19 @@ def _new_buffer(size: int, dtype, device) -> _Buffer:
     # outside it (writing an inference tensor there raises).
     with torch.inference_mode(False):
         return _Buffer(torch.empty(size, dtype=dtype, device=device))
+
+
+def _mark_sentinels(values, kinds) -> None:
+    """Mark SENTINEL on each pair of ``values`` holding a mask value whose kind is still None."""
+    for sentinel in SENTINELS.intersection(values):
+        at = -1
+        try:
+            while True:
+                at = values.index(sentinel, at + 1)
+                if kinds[at >> 1] is None:
+                    kinds[at >> 1] = SENTINEL
+        except ValueError:
+            pass  # no more
 
 
 def _kind(low, high):
