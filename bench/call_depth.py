@@ -17,16 +17,14 @@ less).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
-import time
 import warnings
 
 import torch
 
 from .contenders import Contender
-from .timing import measure, paired_ratio
+from .timing import measure, quick_or_full, paired_ratio
 from .workloads import WORKLOADS, Step
 
 
@@ -54,13 +52,8 @@ def contenders() -> list[Contender]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.call_depth", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the MLP and the conv net, depths 0 and 30, few rounds")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    options = parser.parse_args(argv)
-    torch.set_num_threads(1)  # the machine is shared: one thread keeps the rounds comparable
+    options, clock = quick_or_full("python -m bench.call_depth", __doc__.splitlines()[0], "the MLP and the conv net, depths 0 and 30, few rounds", argv)
     warnings.simplefilter("ignore")  # detect_anomaly warns on every entry
-    clock = time.process_time if options.clock == "cpu" else time.perf_counter
     rounds, target = (7, 0.15) if options.quick else (15, 0.3)
     names = ("mlp", "conv") if options.quick else tuple(WORKLOADS)
     depths = (0, 30) if options.quick else (0, 10, 20, 30)

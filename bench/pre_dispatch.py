@@ -14,16 +14,14 @@ they do not pay it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
-import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .contenders import Contender
-from .timing import measure, paired_difference, paired_ratio
+from .timing import measure, quick_or_full, paired_difference, paired_ratio
 from .workloads import WORKLOADS
 
 
@@ -50,12 +48,7 @@ def contenders() -> list[Contender]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.pre_dispatch", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two workloads, few rounds")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    options = parser.parse_args(argv)
-    torch.set_num_threads(1)  # the machine is shared: one thread keeps the rounds comparable
-    clock = time.process_time if options.clock == "cpu" else time.perf_counter
+    options, clock = quick_or_full("python -m bench.pre_dispatch", __doc__.splitlines()[0], "two workloads, few rounds", argv)
     rounds, target = (7, 0.15) if options.quick else (15, 0.5)
     workloads = [WORKLOADS[name] for name in (("tfm32", "mlp") if options.quick else WORKLOADS)]
     print(f"torch {torch.__version__}, {options.clock} clock, {rounds} rounds")

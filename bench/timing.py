@@ -20,6 +20,7 @@ absolute times across runs.  Instead, within one run:
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -54,6 +55,19 @@ class Measurement:
         """Median absolute deviation as a fraction of the median (noise gauge)."""
         med = self.median
         return statistics.median(abs(s - med) for s in self.seconds) / med if med else 0.0
+
+
+def quick_or_full(prog: str, description: str, quick_help: str, argv: list[str] | None) -> tuple[argparse.Namespace, Clock]:
+    """The options of a side-by-side benchmark (``--quick``, ``--clock``) and its clock; torch
+    set to one thread, so that rounds on a shared machine stay comparable."""
+    import torch
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu")
+    options = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    return options, CLOCKS[options.clock]
 
 
 def run_block(contender: Contender, step: Step, n: int, m: Measurement | None = None,
