@@ -87,7 +87,7 @@ class NonFiniteTracker:
     # one buffer and joins none (torch.cat of a Hugging Face step's 7 buffers of 64 slots cost
     # 10 us, its tolist as much again).
     _CHUNK = 512
-    _POOL = 16  # buffers kept per device and dtype for the next check point's window
+    _POOL = 8  # buffers kept per device and dtype for the next window (2,048 pairs, as before)
 
     def __init__(self, log, *, keep_ranges: bool = False) -> None:
         self._log = log
