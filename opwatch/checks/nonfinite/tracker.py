@@ -498,15 +498,9 @@ class NonFiniteTracker:
         kinds = [None] * (len(values) // 2)
         # The pairs holding a non-finite value, found by list.index (C) rather than a test per
         # value in Python: a few among hundreds on a masked step.
-        finite = list(map(math.isfinite, values))
-        at = -1
-        try:
-            while True:
-                at = finite.index(False, at + 1)
-                pair = at >> 1
-                kinds[pair] = _kind(values[2 * pair], values[2 * pair + 1])
-        except ValueError:
-            pass  # no more
+        for at in _indices_of(list(map(math.isfinite, values)), False):
+            pair = at >> 1
+            kinds[pair] = _kind(values[2 * pair], values[2 * pair + 1])
         if not SENTINELS.isdisjoint(values):
             _mark_sentinels(values, kinds)  # where a pair is finite: nan and inf come first
         return kinds, values
@@ -569,14 +563,21 @@ def _new_buffer(size: int, dtype, device) -> _Buffer:
 def _mark_sentinels(values, kinds) -> None:
     """Mark SENTINEL on each pair of ``values`` holding a mask value whose kind is still None."""
     for sentinel in SENTINELS.intersection(values):
-        at = -1
+        for at in _indices_of(values, sentinel):
+            if kinds[at >> 1] is None:
+                kinds[at >> 1] = SENTINEL
+
+
+def _indices_of(values: list, value):
+    """The positions in ``values`` of the items equal to ``value``, each found by ``list.index``
+    (a search in C): cheap where they are few among many."""
+    at = -1
+    while True:
         try:
-            while True:
-                at = values.index(sentinel, at + 1)
-                if kinds[at >> 1] is None:
-                    kinds[at >> 1] = SENTINEL
+            at = values.index(value, at + 1)
         except ValueError:
-            pass  # no more
+            return
+        yield at
 
 
 def _kind(low, high):
