@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 from bench.contenders import Passthrough  # noqa: E402
 from bench.floor import ReadsFloor, RecordsFloor  # noqa: E402
 from bench.workloads import transformer32_step  # noqa: E402
+from support.helpers import two_steps_under  # noqa: E402
 
 
 def _reduced_by_the_watch(step) -> int:
@@ -34,9 +35,7 @@ def _reduced_by_the_watch(step) -> int:
 
     tracker.NonFiniteTracker._reduce = counting
     try:
-        with opwatch.watch():
-            step()
-            step()
+        two_steps_under(opwatch.watch, step)
     finally:
         tracker.NonFiniteTracker._reduce = original
     return sum(reduced)
@@ -46,12 +45,8 @@ def test_the_floors_log_every_op_and_read_no_more_than_the_watch():
     torch.manual_seed(0)
     step = transformer32_step()
     step()
-    with RecordsFloor() as records:
-        step()
-        step()
-    with ReadsFloor() as reads:
-        step()
-        step()
+    records = two_steps_under(RecordsFloor, step)
+    reads = two_steps_under(ReadsFloor, step)
     # one entry per dispatched op, the same in both floors; the records floor reads nothing
     assert len(records.entries) == len(reads.entries) > 500
     assert len(records.refs) == 0 and records.used == 0

@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 
 from bench.floor import ReadsFloor, RecordsFloor  # noqa: E402
 from bench.workloads import transformer32_step  # noqa: E402
+from support.helpers import two_steps_under  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.environ.get("OPWATCH_NATIVE_FLOORS"), reason="builds two native modules (~15 s): .ci/run's thorough pass runs it (OPWATCH_NATIVE_FLOORS=1)")
 
@@ -40,12 +41,8 @@ def test_a_native_floor_logs_and_reads_what_its_python_twin_does(native_name, py
     torch.manual_seed(0)
     step = transformer32_step()
     step()
-    with python_floor() as twin:
-        step()
-        step()
-    with native_floor() as floor:
-        step()
-        step()
+    twin = two_steps_under(python_floor, step)
+    floor = two_steps_under(native_floor, step)
     entries = [entry for entry in floor.entries if entry is not None]
     assert len(entries) == len(twin.entries) > 500
     assert [_same_work(entry) for entry in entries] == [_same_work(entry) for entry in twin.entries]

@@ -27,6 +27,15 @@ def opwatch_frames(text: str) -> list[str]:
     return re.findall(r"[^\s\"']*" + pattern + r"[^\s\"':]*", text)
 
 
+def two_steps_under(make_mode, step):
+    """``step`` run twice inside a fresh ``make_mode()`` (a floor of ``bench.floor``, a watch);
+    returns what the context gave, to read its records after."""
+    with make_mode() as mode:
+        step()
+        step()
+    return mode
+
+
 def line_of(marker: str, path: str) -> int:
     """The line of the file ``path`` that holds ``marker`` (exactly one; the ``line_of(...)``
     calls that look it up do not count)."""
