@@ -2,7 +2,8 @@
 
     python -m bench.ablate                 # tfm32, 15 rounds
     python -m bench.ablate --workload gpt2 --rounds 21
-    python -m bench.ablate --native        # and the floors in native code (bench.native)
+    python -m bench.ablate --native        # and the floors in native code (bench.native), and
+                                           # the watch with two of its parts in native code
 
 Each variant is ``watch()`` with one part switched off or stubbed, or one of the floors of
 :mod:`bench.floor` (the least per-op work a watch written in Python with the same records and
@@ -111,7 +112,24 @@ def native_variants() -> dict:
         "native floor, CPython API: records + nan/inf reads": native.NativeReadsFloor,
         "native floor, torch C++ API: records": native.TorchApiRecordsFloor,
         "native floor, torch C++ API: records + nan/inf reads": native.TorchApiReadsFloor,
+        NATIVE_METADATA: native.native_parts,
+        NATIVE_REDUCTIONS: lambda: native.native_parts(metadata=False, reductions=True),
+        NATIVE_HEAD: lambda: native.native_parts(metadata=False, head=True),
+        NATIVE_ALL: lambda: native.native_parts(reductions=True, head=True),
     }
+
+
+# --native: the real watch with parts of its per-op work ported, against the watch.
+NATIVE_METADATA = "watch(), its tensor metadata in native code (torch C++ API)"
+NATIVE_REDUCTIONS = "watch(), its nan/inf reductions' queue in native code"
+NATIVE_HEAD = "watch(), its entries' start (frame, node, site) in native code"
+NATIVE_ALL = "watch(), all three in native code"
+NATIVE_PARTS = {
+    "tensor metadata read in native code instead (torch C++ API)": (NATIVE_METADATA, "watch()"),
+    "nan/inf reductions queued in native code instead": (NATIVE_REDUCTIONS, "watch()"),
+    "entries' start (frame walk, node, site) in native code instead": (NATIVE_HEAD, "watch()"),
+    "all three": (NATIVE_ALL, "watch()"),
+}
 
 
 # part -> (variant with it, variant without it)
@@ -202,7 +220,7 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["variant", "ms/step", "x passthrough"]))
     print()
     parts = []
-    for part, (with_it, without_it) in PARTS.items():
+    for part, (with_it, without_it) in (PARTS | NATIVE_PARTS if args.native else PARTS).items():
         difference = paired_difference(results[with_it], results[without_it])
         parts.append([part, "-" if difference is None else f"{difference * 1e3:+.3f}"])
         if part.startswith("  .. of which its reductions"):

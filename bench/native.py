@@ -13,12 +13,18 @@ source, the Python version and the platform (and torch's version, for the second
   (``torch.utils.cpp_extension``), using torch's C++ API for tensor metadata, the autograd
   node and the reductions. An extension built this way works with that torch version only.
 
+The torch build also holds two parts of the real watch's per-op work, which
+:func:`native_parts` swaps in, to measure what porting them would buy: ``watch_metas``, opwatch's
+``tensor_metas`` (every op's tensor metadata), and ``watch_reduce``, the nan/inf tracker's queue
+of (min, max) reductions.
+
 Where a build cannot be made (no compiler, no Python headers), :func:`load` raises
 :class:`NativeUnavailable` saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -35,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.floor import _FLOAT32, _READ_DTYPES, _SLOTS, _read_by_the_check
 from opwatch.core.compat import current_autograd_node, get_sequence_nr, op_kernel
 
-__all__ = ["NativeRecordsFloor", "NativeReadsFloor", "TorchApiRecordsFloor", "TorchApiReadsFloor", "NativeUnavailable", "load"]
+__all__ = ["NativeRecordsFloor", "NativeReadsFloor", "TorchApiRecordsFloor", "TorchApiReadsFloor", "NativeUnavailable", "load", "native_parts"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_floor.cpp")
 
@@ -100,6 +106,69 @@ def _build_plain(folder: str) -> str:
         raise NativeUnavailable(f"building {_SOURCE} failed:\n{done.stderr[-3000:]}")
     os.replace(partial, target)
     return target
+
+
+@contextlib.contextmanager
+def native_parts(*, metadata: bool = True, reductions: bool = False, head: bool = False):
+    """``opwatch.watch()`` with parts of its per-op work in native code (the torch build), the
+    rest of the watch as it is: ``metadata``, every op's tensor metadata (``watch_metas``, for
+    ops with no tensor subclass of their own); ``reductions``, the nan/inf tracker's queue of
+    (min, max) reductions (``watch_reduce``: ``NonFiniteTracker._reduce``, its kernels called
+    through torch's C++ API); ``head``, the start of each op's entry (``watch_head``:
+    ``OpInterceptor._head``, the user's frame, the autograd node and the sequence number read
+    natively; a watch that names DDP's reducer ops keeps the Python one). Patches opwatch's
+    internals for the block, as ``bench.ablate``'s stubs do."""
+    import opwatch
+    from opwatch.checks.nonfinite import rules, tracker
+    from opwatch.core import records, sites
+    from opwatch.core.compat import dispatch_modes_outside
+    from opwatch.modes import interceptor
+
+    module = load(torch_api=True)
+    saved = [
+        (interceptor, "_metas", interceptor._metas), (tracker.NonFiniteTracker, "_observe_all", tracker.NonFiniteTracker._observe_all),
+        (interceptor.OpInterceptor, "_head", interceptor.OpInterceptor._head),
+    ]
+    if metadata:
+        watch_metas, python_metas = module.watch_metas, interceptor._metas
+
+        def metas(tensors, log, types=()):
+            if not types:
+                found = watch_metas(tensors, log.shapes)
+                if found is not None:
+                    return found
+            return python_metas(tensors, log, types)
+
+        interceptor._metas = metas
+    if reductions:
+        module.watch_reduce_setup(
+            set(rules.CHECKED_DTYPES), set(rules.PLAIN_TYPES), set(tracker._CONVERTED), set(tracker._SPLIT_DTYPES), rules.FLOAT16,
+            tracker.NonFiniteTracker._CHUNK, tracker._SPLIT_FROM, tracker._SPLIT_STRIDED_FROM,
+        )
+        watch_reduce, python_observe_all = module.watch_reduce, tracker.NonFiniteTracker._observe_all
+
+        def observe_all(self, entry, inputs, outputs, metas):
+            if type(outputs) is not tuple or type(metas) is not list or dispatch_modes_outside():
+                return python_observe_all(self, entry, inputs, outputs, metas)
+            watch_reduce(self, entry[0], outputs, metas)
+
+        tracker.NonFiniteTracker._observe_all = observe_all
+    if head:
+        module.watch_head_setup(sites.USER, sites.ENGINE, sites.classify_code, records.FORWARD, records.BACKWARD, interceptor._NO_SITE, interceptor._drop_oldest_half)
+        watch_head, python_head = module.watch_head, interceptor.OpInterceptor._head
+
+        def native_head(self, plan, others):
+            if self._reducer_sites is not None:
+                return python_head(self, plan, others)
+            return watch_head(self, plan, others)  # the op's caller: two frames up, as for _head
+
+        interceptor.OpInterceptor._head = native_head
+    try:
+        with opwatch.watch() as watch:
+            yield watch
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def _plan(func) -> tuple:

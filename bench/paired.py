@@ -25,7 +25,7 @@ import torch
 
 from .contenders import Contender, Passthrough
 from .timing import measure
-from .workloads import WORKLOADS
+from .workloads import WORKLOADS, add_paired_options, chosen_workloads
 
 OLD_NAME = "opwatch_old"
 
@@ -45,14 +45,9 @@ def extract(revision: str, into: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.paired", description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the git revision to compare against (e.g. 5146b65)")
-    parser.add_argument("--workloads", default="tfm32,mlp,gpt2", help="comma-separated workload names")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per workload (default 15)")
-    parser.add_argument("--target-seconds", type=float, default=0.1, help="seconds per timed block (default 0.1)")
+    add_paired_options(parser, workloads="tfm32,mlp,gpt2", target_seconds=0.1)
     args = parser.parse_args(argv)
-    names = args.workloads.split(",")
-    unknown = [name for name in names if name not in WORKLOADS]
-    if unknown:
-        parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    names = chosen_workloads(parser, args.workloads)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         extract(args.old, pathlib.Path(folder))

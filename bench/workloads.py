@@ -182,3 +182,20 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt2", "HF GPT-2 tiny (2 layers, n_embd 32), B4 S32", gpt2_step),
     ]
 }
+
+
+def add_paired_options(parser, *, workloads: str, target_seconds: float) -> None:
+    """The options of a harness that times contenders side by side on several workloads:
+    ``--workloads`` (comma-separated names), ``--rounds`` and ``--target-seconds``."""
+    parser.add_argument("--workloads", default=workloads, help="comma-separated workload names")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per workload (default 15)")
+    parser.add_argument("--target-seconds", type=float, default=target_seconds, help=f"seconds per timed block (default {target_seconds})")
+
+
+def chosen_workloads(parser, names: str) -> list[str]:
+    """The workload names of ``--workloads``; an unknown one ends the run with the known ones."""
+    chosen = names.split(",")
+    unknown = [name for name in chosen if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    return chosen

@@ -93,3 +93,78 @@ def test_a_native_floor_lets_a_kernel_error_through():
             torch.ones(3) + torch.ones(4)
         with floor:
             assert (torch.ones(2) + 1).tolist() == [2.0, 2.0]
+
+
+def _without_identities(entry) -> tuple:
+    """A watch's entry without what differs from run to run: its times and tensor identities."""
+    from opwatch.core.records import E_START_NS, E_TENSORS
+
+    return (*entry[:E_START_NS], *entry[E_START_NS + 2:E_TENSORS], *(meta[:3] for meta in entry[E_TENSORS:]))
+
+
+PARTS = {"metadata": {"metadata": True}, "reductions": {"metadata": False, "reductions": True}, "head": {"metadata": False, "head": True}, "all": {"reductions": True, "head": True}}
+
+
+@pytest.mark.parametrize("parts", PARTS.values(), ids=PARTS)
+def test_the_watch_with_native_parts_logs_and_finds_what_the_watch_does(parts):
+    """bench.ablate --native's variants: only where the work is done changes. Two healthy steps of
+    the transformer, then one whose batch holds a nan and one whose activations overflow in
+    float16 headroom: the same entries, the same findings, word for word."""
+    import opwatch
+    from bench import native
+
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0), 2)
+        head = torch.nn.Linear(32, 1)
+        optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.01)
+        batches = [torch.randn(4, 8, 32) for _ in range(3)]
+        batches[2][1, 3, 5] = float("nan")  # one bad batch
+        with make() as watch:
+            for batch in batches:
+                optimizer.zero_grad()
+                head(model(batch)).pow(2).mean().backward()
+                optimizer.step()
+            half = torch.tensor([300.0, 2.0, -5.0, 1.0], dtype=torch.float16)
+            overflowed = (half * half).sum()  # 90,000 overflows float16; the message gives its inputs' ranges
+        assert overflowed.isinf()
+        return [_without_identities(entry) for entry in watch._log.entries], [str(anomaly) for anomaly in watch.anomalies]
+
+    entries, anomalies = run(opwatch.watch)
+    native_entries, native_anomalies = run(lambda: native.native_parts(**parts))
+    assert len(entries) > 500 and len(anomalies) >= 2
+    assert native_entries == entries
+    assert native_anomalies == anomalies
+
+
+def test_native_metadata_interns_shapes_in_the_watch_table_and_declines_what_is_no_plain_tensor():
+    from bench import native
+    from opwatch.core.records import SharedShapes, tensor_metas
+
+    watch_metas = native.load(torch_api=True).watch_metas
+    shapes = SharedShapes()
+    x, y = torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.float16)
+    metas = watch_metas([x, y], shapes)
+    assert metas == [((2, 3), torch.float32, torch.device("cpu"), id(x)), ((2, 3), torch.float16, torch.device("cpu"), id(y))]
+    assert metas[0][0] is metas[1][0] is shapes[torch.Size([2, 3])]
+    assert watch_metas((x,), shapes)[0][0] is tensor_metas([x], _Log(shapes))[0][0]
+    assert watch_metas([x, 3], shapes) is None  # not a tensor: the Python path decides
+    with pytest.raises(TypeError, match="list or tuple"):
+        watch_metas(x, shapes)
+
+
+class _Log:
+    def __init__(self, shapes):
+        self.shapes = shapes
+
+
+def test_bench_native_parts_prints_each_variant_over_the_floor_and_the_watch(capsys):
+    from bench import native_parts
+
+    assert native_parts.main(["--workloads", "mlp", "--rounds", "1", "--target-seconds", "0.01"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[1:3]
+    assert all(name in header for name in native_parts.VARIANTS)
+    cells = row.split()
+    assert cells[0] == "mlp" and len(cells) == 2 + 3 * len(native_parts.VARIANTS)  # "a.aax / b.bbbx" per variant
+    with pytest.raises(SystemExit):
+        native_parts.main(["--workloads", "mlp,nope"])
