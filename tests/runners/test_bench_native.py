@@ -1,7 +1,10 @@
 """``bench.native``: the floors of ``bench.floor`` in native code (the CPython API; torch's C++
-API), which ``python -m bench.ablate --native`` prints beside the Python floors. A native floor
-that did less than its Python twin would flatter native code; these tests hold each to the same
-work, op for op. No timing here.
+API), which ``python -m bench.ablate --native`` prints beside the Python floors, and the real
+watch with parts of its per-op work in native code (``bench.native.native_parts``, which
+``python -m bench.native_parts`` times). A native floor that did less than its Python twin, or a
+native part that logged or found less than the watch, would flatter native code; these tests
+hold each to the same work, op for op, and the parts to the same entries and findings. No
+timing here.
 
 Building the two modules takes about 15 s on two cores, so the README's test command skips this
 file; ``.ci/run``'s thorough pass runs it with ``OPWATCH_NATIVE_FLOORS=1``, where a build that
