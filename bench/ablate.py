@@ -87,19 +87,25 @@ def _entry_is_its_head(head, start_ns, end_ns, inputs, outputs=None):
 
 
 @contextlib.contextmanager
-def _no_entries_kept():
-    """watch() whose log keeps no entry: each op's entry is its head, held by a ring of one, so
-    no tuple per op is built for the log or walked by the garbage collector. What records kept
-    out of Python objects (native structs, read only when a report reads them) would save at
-    most. Only for windows without a flag: a replay reads the entries, so a workload whose check
-    points replay (Hugging Face's mask) would make the watch inert, which ends the block with an
-    error instead of a flattering time."""
-    with warnings.catch_warnings(), _patched([(interceptor, "op_entry", _entry_is_its_head)]) as watch:
-        warnings.simplefilter("ignore")  # the internal error of a replay that found no entry: said below
-        ring = collections.deque(maxlen=1)
-        mode = watch._interceptor
-        watch._log.entries = mode._entries = ring
-        yield watch
+def entries_not_kept(make_watch=opwatch.watch):
+    """The watch ``make_watch()`` (``opwatch.watch`` by default) with a log that keeps no entry:
+    each op's entry is its head, held by a ring of one, so no tuple per op is built for the log
+    or walked by the garbage collector. What records kept out of Python objects (native structs,
+    read only when a report reads them) would save at most. Only for windows without a flag: a
+    replay reads the entries, so a workload whose check points replay (Hugging Face's mask)
+    would make the watch inert, which ends the block with an error instead of a flattering
+    time. ``bench.native_parts`` combines it with the native parts."""
+    saved = interceptor.op_entry
+    interceptor.op_entry = _entry_is_its_head
+    try:
+        with warnings.catch_warnings(), make_watch() as watch:
+            warnings.simplefilter("ignore")  # the internal error of a replay that found no entry: said below
+            ring = collections.deque(maxlen=1)
+            mode = watch._interceptor
+            watch._log.entries = mode._entries = ring
+            yield watch
+    finally:
+        interceptor.op_entry = saved
     if mode.inert:  # also by the last check point, at the watch's exit
         raise RuntimeError("the watch went inert: this workload's check points read the entries")
 
@@ -121,7 +127,7 @@ VARIANTS = {
     "nonfinite only": lambda: opwatch.watch(checks=["nonfinite"]),
     "watch(), no reductions": lambda: _patched([(nonfinite.NonFiniteTracker, "_reduce", _no_reduction)]),
     "watch() without pre_dispatch": lambda: opwatch.watch(checks=WITHOUT_PRE_DISPATCH),
-    "watch(), no entries kept (windows without a flag)": _no_entries_kept,
+    "watch(), no entries kept (windows without a flag)": entries_not_kept,
 }
 
 def native_variants() -> dict:

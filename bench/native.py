@@ -109,15 +109,16 @@ def _build_plain(folder: str) -> str:
 
 
 @contextlib.contextmanager
-def native_parts(*, metadata: bool = True, reductions: bool = False, head: bool = False):
+def native_parts(*, metadata: bool = True, reductions: bool = False, head: bool = False, checks=None):
     """``opwatch.watch()`` with parts of its per-op work in native code (the torch build), the
     rest of the watch as it is: ``metadata``, every op's tensor metadata (``watch_metas``, for
     ops with no tensor subclass of their own); ``reductions``, the nan/inf tracker's queue of
     (min, max) reductions (``watch_reduce``: ``NonFiniteTracker._reduce``, its kernels called
     through torch's C++ API); ``head``, the start of each op's entry (``watch_head``:
     ``OpInterceptor._head``, the user's frame, the autograd node and the sequence number read
-    natively; a watch that names DDP's reducer ops keeps the Python one). Patches opwatch's
-    internals for the block, as ``bench.ablate``'s stubs do."""
+    natively; a watch that names DDP's reducer ops keeps the Python one). ``checks``: the
+    watch's ``checks`` (its default when ``None``). Patches opwatch's internals for the block,
+    as ``bench.ablate``'s stubs do."""
     import opwatch
     from opwatch.checks.nonfinite import rules, tracker
     from opwatch.core import records, sites
@@ -164,7 +165,7 @@ def native_parts(*, metadata: bool = True, reductions: bool = False, head: bool 
 
         interceptor.OpInterceptor._head = native_head
     try:
-        with opwatch.watch() as watch:
+        with (opwatch.watch() if checks is None else opwatch.watch(checks=checks)) as watch:
             yield watch
     finally:
         for owner, name, value in saved:

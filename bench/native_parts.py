@@ -8,7 +8,9 @@ ported), this measures what porting the watch's own largest per-op parts buys, e
 by :func:`bench.native.native_parts` and held to the same entries and findings by
 ``tests/runners/test_bench_native.py``: every op's tensor metadata, the nan/inf tracker's queue of
 reductions, and the start of each entry (the user's frame, the autograd node, the site), then
-all three. It prints each variant over the passthrough floor and over ``watch()``, medians of
+all three, then all three with no entry kept (``bench.ablate.entries_not_kept``: the most that
+records kept out of Python objects could add), then that without the pre-dispatch function
+mode. It prints each variant over the passthrough floor and over ``watch()``, medians of
 per-round ratios (rounds interleaved, process CPU time, one torch thread). It builds
 ``bench/native_floor.cpp`` against the installed torch on first use (about 15 s).
 """
@@ -22,21 +24,23 @@ import torch
 
 import opwatch
 from bench import native
+from bench.ablate import WITHOUT_PRE_DISPATCH, entries_not_kept
 from bench.contenders import Contender, Passthrough
 from bench.timing import measure, paired_ratio
 from bench.workloads import WORKLOADS, add_paired_options, chosen_workloads
 
-# variant -> the parts in native code (bench.native.native_parts' keywords)
+ALL_THREE = {"metadata": True, "reductions": True, "head": True}
+# variant -> a fresh watch with those parts in native code, and what more it leaves out
 VARIANTS = {
-    "tensor metadata": {"metadata": True},
-    "reductions' queue": {"metadata": False, "reductions": True},
-    "entries' start": {"metadata": False, "head": True},
-    "all three": {"metadata": True, "reductions": True, "head": True},
+    "tensor metadata": lambda: native.native_parts(metadata=True),
+    "reductions' queue": lambda: native.native_parts(metadata=False, reductions=True),
+    "entries' start": lambda: native.native_parts(metadata=False, head=True),
+    "all three": lambda: native.native_parts(**ALL_THREE),
+    # the most that records kept out of Python objects could add (bench.ablate.entries_not_kept):
+    # not where a check point replays its window (GPT-2's mask), where the cell says so
+    "+ no entries kept": lambda: entries_not_kept(lambda: native.native_parts(**ALL_THREE)),
+    "+ no pre-dispatch mode": lambda: entries_not_kept(lambda: native.native_parts(**ALL_THREE, checks=WITHOUT_PRE_DISPATCH)),
 }
-
-
-def _native(parts: dict):
-    return lambda: native.native_parts(**parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,18 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench.native_parts: {error}") from None
     torch.set_num_threads(1)
     contenders = [Contender("passthrough", Passthrough), Contender("watch()", opwatch.watch, is_opwatch=True)]
-    contenders += [Contender(name, _native(parts), is_opwatch=True) for name, parts in VARIANTS.items()]
+    contenders += [Contender(name, make, is_opwatch=True) for name, make in VARIANTS.items()]
     print(f"{args.rounds} interleaved rounds, process CPU time, one torch thread; x floor / x watch()")
     print(f"{'workload':10} {'watch()':>8}" + "".join(f" {name:>24}" for name in VARIANTS))
     for name in names:
         results = measure(WORKLOADS[name].factory(), contenders, args.rounds, args.target_seconds)
-        failed = [m for m in results.values() if m.error]
-        if failed:
-            print(f"{name:10} {failed[0].contender.name} failed: {failed[0].error}")
-            continue
         floor, watch = results["passthrough"], results["watch()"]
-        cells = [f"{paired_ratio(results[variant], floor):.2f}x / {paired_ratio(results[variant], watch):.3f}x" for variant in VARIANTS]
+        if floor.error or watch.error:
+            print(f"{name:10} failed: {floor.error or watch.error}")
+            continue
+        cells = [
+            f"{paired_ratio(m, floor):.2f}x / {paired_ratio(m, watch):.3f}x" if m.error is None else "-"
+            for m in (results[variant] for variant in VARIANTS)
+        ]
         print(f"{name:10} {paired_ratio(watch, floor):7.2f}x" + "".join(f" {cell:>24}" for cell in cells))
+        for variant in VARIANTS:
+            if results[variant].error:
+                print(f"{'':10} {variant}: {results[variant].error}")
     return 0
 
 

@@ -171,3 +171,22 @@ def test_bench_native_parts_prints_each_variant_over_the_floor_and_the_watch(cap
     assert cells[0] == "mlp" and len(cells) == 2 + 3 * len(native_parts.VARIANTS)  # "a.aax / b.bbbx" per variant
     with pytest.raises(SystemExit):
         native_parts.main(["--workloads", "mlp,nope"])
+
+
+def test_bench_native_parts_prints_a_dash_and_the_error_of_a_variant_that_fails(capsys, monkeypatch):
+    """GPT-2's check points replay the mask, which reads the entries: the variants that keep
+    none end with an error there; the row goes on, the error is said under it."""
+    import contextlib
+
+    from bench import native_parts
+
+    @contextlib.contextmanager
+    def failing():
+        raise RuntimeError("the watch went inert: this workload's check points read the entries")
+        yield
+
+    monkeypatch.setattr(native_parts, "VARIANTS", {"tensor metadata": native_parts.VARIANTS["tensor metadata"], "+ no entries kept": failing})
+    assert native_parts.main(["--workloads", "mlp", "--rounds", "1", "--target-seconds", "0.01"]) == 0
+    row, error = capsys.readouterr().out.splitlines()[2:4]
+    assert row.split()[-1] == "-" and len(row.split()) == 2 + 3 + 1
+    assert error.split() == ["+", "no", "entries", "kept:", "RuntimeError:", "the", "watch", "went", "inert:", "this", "workload's", "check", "points", "read", "the", "entries"]
