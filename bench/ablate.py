@@ -3,7 +3,7 @@
     python -m bench.ablate                 # tfm32, 15 rounds
     python -m bench.ablate --workload gpt2 --rounds 21
     python -m bench.ablate --native        # and the floors in native code (bench.native), and
-                                           # the watch with two of its parts in native code
+                                           # the watch with three of its parts in native code
 
 Each variant is ``watch()`` with one part switched off or stubbed, or one of the floors of
 :mod:`bench.floor` (the least per-op work a watch written in Python with the same records and

@@ -13,10 +13,10 @@ source, the Python version and the platform (and torch's version, for the second
   (``torch.utils.cpp_extension``), using torch's C++ API for tensor metadata, the autograd
   node and the reductions. An extension built this way works with that torch version only.
 
-The torch build also holds two parts of the real watch's per-op work, which
+The torch build also holds three parts of the real watch's per-op work, which
 :func:`native_parts` swaps in, to measure what porting them would buy: ``watch_metas``, opwatch's
-``tensor_metas`` (every op's tensor metadata), and ``watch_reduce``, the nan/inf tracker's queue
-of (min, max) reductions.
+``tensor_metas`` (every op's tensor metadata); ``watch_reduce``, the nan/inf tracker's queue of
+(min, max) reductions; ``watch_head``, the start of each op's entry.
 
 Where a build cannot be made (no compiler, no Python headers), :func:`load` raises
 :class:`NativeUnavailable` saying why.
@@ -51,6 +51,7 @@ class NativeUnavailable(RuntimeError):
 
 
 _loaded: dict = {}
+_set_up: set = set()  # the native parts told opwatch's constants (once a process: they hold them)
 
 
 def load(torch_api: bool = False):
@@ -142,20 +143,24 @@ def native_parts(*, metadata: bool = True, reductions: bool = False, head: bool 
 
         interceptor._metas = metas
     if reductions:
-        module.watch_reduce_setup(
-            set(rules.CHECKED_DTYPES), set(rules.PLAIN_TYPES), set(tracker._CONVERTED), set(tracker._SPLIT_DTYPES), rules.FLOAT16,
-            tracker.NonFiniteTracker._CHUNK, tracker._SPLIT_FROM, tracker._SPLIT_STRIDED_FROM,
-        )
+        if "reductions" not in _set_up:
+            module.watch_reduce_setup(
+                set(rules.CHECKED_DTYPES), set(rules.PLAIN_TYPES), set(tracker._CONVERTED), set(tracker._SPLIT_DTYPES), rules.FLOAT16,
+                tracker.NonFiniteTracker._CHUNK, tracker._SPLIT_FROM, tracker._SPLIT_STRIDED_FROM,
+            )
+            _set_up.add("reductions")
         watch_reduce, python_observe_all = module.watch_reduce, tracker.NonFiniteTracker._observe_all
 
         def observe_all(self, entry, inputs, outputs, metas):
             if type(outputs) is not tuple or type(metas) is not list or dispatch_modes_outside():
                 return python_observe_all(self, entry, inputs, outputs, metas)
-            watch_reduce(self, entry[0], outputs, metas)
+            watch_reduce(self, entry[records.E_INDEX], outputs, metas)
 
         tracker.NonFiniteTracker._observe_all = observe_all
     if head:
-        module.watch_head_setup(sites.USER, sites.ENGINE, sites.classify_code, records.FORWARD, records.BACKWARD, interceptor._NO_SITE, interceptor._drop_oldest_half)
+        if "head" not in _set_up:
+            module.watch_head_setup(sites.USER, sites.ENGINE, sites.classify_code, records.FORWARD, records.BACKWARD, interceptor._NO_SITE, interceptor._drop_oldest_half)
+            _set_up.add("head")
         watch_head, python_head = module.watch_head, interceptor.OpInterceptor._head
 
         def native_head(self, plan, others):
