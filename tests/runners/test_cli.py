@@ -247,7 +247,14 @@ def test_ctrl_c_ends_the_process_by_sigint_after_the_summary(tmp_path, interrupt
         time.sleep(60)
         """,
     )
-    plain, watched = run_both("interrupted.py", cwd=tmp_path)
+    # The scripts start as from a terminal, where Ctrl-C reaches them: a shell's background job
+    # starts with SIGINT ignored, and so would they (Python then installs no handler for it). A
+    # handler of Python's own is reset to the default in the child at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        plain, watched = run_both("interrupted.py", cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     # Python shuts down (atexit, flushed output), then kills itself with SIGINT: status 130.
     assert plain.returncode == watched.returncode == -signal.SIGINT
     assert watched.stdout == plain.stdout == "working 3.0\natexit ran\n"
