@@ -19,6 +19,7 @@ from torch import nn
 import opwatch
 from opwatch.runners.leave_on import LeaveOn
 from support import needs
+from support.equivalence import opwatch_warnings
 from support.helpers import line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its opwatch in the subprocesses
@@ -649,7 +650,9 @@ def test_guard_trainer_over_a_compiled_trainer_skips_the_bad_batch_and_the_rest_
     with pytest.warns(opwatch.OpwatchWarning, match="opwatch.guard skipped a step") as told:
         model = hf_guard(tmp_path, callback, steps=5, bad_sample=13, compile_backend="eager",
                          guard=lambda t: guarded.append(guard_trainer(t, on_failure="skip")))
-    assert len(told) == 1 and "call 4 of guard_trainer" in str(told[0].message)  # samples 12-15: the fourth batch
+    # Only opwatch's warnings: Dynamo warns too (on Python 3.13.0, "Guards may run slower" per compile).
+    ours = opwatch_warnings(told)
+    assert len(ours) == 1 and "call 4 of guard_trainer" in ours[0], ours  # samples 12-15: the fourth batch
     assert [failure.step for failure in callback.runner.failures] == [4]
     assert (callback.runner.failed, callback.runner.skipped) == (1, 1) and callback.runner.ledger.steps == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
