@@ -102,13 +102,14 @@ class CheckContext:
 class ActiveChecks:
     """The checks one watch runs: bound per op, with their trackers and their context."""
 
-    def __init__(self, enabled: frozenset[str], log, table_limit: int, owners=None, fingerprints: dict | None = None, every_op_checked: bool = False):
+    def __init__(self, enabled: frozenset[str], log, table_limit: int, owners=None, fingerprints: dict | None = None, every_op_checked: bool = False, earlier=None):
         self._enabled = enabled
         self._checks_module_calls = device.KIND in enabled or dtype.KIND in enabled
         self.shapes = broadcast.ShapeProvenance(table_limit, log) if broadcast.KIND in enabled else None
         # every_op_checked: each op is a check point (check_every=1, guard's replay): the nan/inf
-        # tracker keeps every range it reads, for the inputs of an origin.
-        self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked) if nonfinite.NAME in enabled else None
+        # tracker keeps every range it reads, for the inputs of an origin. earlier: the watch's
+        # nonfinite.EarlierBlocks, what its last block's tracker knew (None: a fresh one).
+        self.values = nonfinite.NonFiniteTracker(log, keep_ranges=every_op_checked, earlier=earlier) if nonfinite.NAME in enabled else None
         self.context = CheckContext(log, self.shapes)
         # Where a finding's odd operand was made, asked when it is reported; ``owners``: the
         # watch's checks.owners.ModuleOwners (None: no module is asked).

@@ -175,6 +175,9 @@ class Watch:
         self._warn = flag("warn", warn)
         # op index -> output fingerprints (opwatch.checks.fingerprints), or None when off
         self._fingerprints = {} if flag("fingerprints", fingerprints) else None
+        # What each block's nan/inf tracker hands to the next's: which tensors an op of the
+        # watch made (a batch made between two blocks may take a freed tensor's id in the log).
+        self._earlier_blocks = _checks.nonfinite.EarlierBlocks()
         # watch(compiled=BACKEND): compiled code runs compiled, its graphs logged (modes.compiled_graphs)
         self._graphs_backend = None if compiled is None else _graphs.check_backend(compiled)
         self._graphs = None
@@ -335,7 +338,7 @@ class Watch:
             self._distributed = DistributedWatch.start(self._log, modules)
             active = _checks.ActiveChecks(
                 self._checks, self._log, table_limit=2 * self._max_records + 4096, owners=modules.owners,
-                fingerprints=self._fingerprints, every_op_checked=self._check_every == 1,
+                fingerprints=self._fingerprints, every_op_checked=self._check_every == 1, earlier=self._earlier_blocks,
             )
             interceptor = (OpInterceptor if self._graphs_backend is None else _graphs.GraphsInterceptor)(
                 log=self._log,

@@ -62,6 +62,6 @@ from __future__ import annotations
 
 from .origin import Origin, OverflowRisk, Verdict, verdict
 from .rules import HEADROOM_FACTOR, KINDS, NAME, RISK_KIND
-from .tracker import NonFiniteTracker
+from .tracker import EarlierBlocks, NonFiniteTracker
 
-__all__ = ["NAME", "KINDS", "RISK_KIND", "HEADROOM_FACTOR", "NonFiniteTracker", "Origin", "OverflowRisk", "Verdict", "verdict"]
+__all__ = ["NAME", "KINDS", "RISK_KIND", "HEADROOM_FACTOR", "EarlierBlocks", "NonFiniteTracker", "Origin", "OverflowRisk", "Verdict", "verdict"]

@@ -112,7 +112,7 @@ DATA = "data"
 WRITTEN = "written"
 
 
-def decide_causes(origins, log) -> None:
+def decide_causes(origins, log, outside_since=None) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
     recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
     and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
@@ -120,7 +120,9 @@ def decide_causes(origins, log) -> None:
     (recipes' leaves, the origin ops' own inputs) are looked up among the live objects in one
     walk of the garbage collector's list, and only those that no op wrote after the origin's op
     read them (else they hold other values now); each is read once
-    (:func:`~opwatch.core.finite.value_extremes`). Never on a healthy step."""
+    (:func:`~opwatch.core.finite.value_extremes`). ``outside_since(ident, index, tensor)``:
+    the watch's :meth:`~.tracker.EarlierBlocks.outside_since`, which tells a tensor
+    made outside the watch's ops from an older one whose id it took. Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
     # So has data that came into torch holding nan (``DATA``).
@@ -128,7 +130,7 @@ def decide_causes(origins, log) -> None:
     if not origins:
         return
     wanted: dict = {}
-    writes = _Writes(log)
+    writes = _Writes(log, outside_since)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
@@ -152,12 +154,12 @@ def decide_causes(origins, log) -> None:
         recipes = origin.input_ranges
         written = written_inputs(origin.record.inputs, origin.record.outputs)
         origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
-        _where_made(origin, recipes, found, wanted, writes, log)
+        _where_made(origin, recipes, found, wanted, writes)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, live)
 
 
-def _where_made(origin, recipes, found, wanted, writes, log) -> None:
+def _where_made(origin, recipes, found, wanted, writes) -> None:
     """``input_made`` and ``input_alive`` of an origin with an input whose range stays unknown:
     where it was made (:func:`_made`), and whether it was alive at the check point (found, its
     values unreadable: nan/inf, or a kind of tensor not measured). ``None`` for alive when it
@@ -165,7 +167,7 @@ def _where_made(origin, recipes, found, wanted, writes, log) -> None:
     if all(known is not None for _, known in origin.input_ranges):
         return
     pairs = list(zip(recipes, origin.input_ranges))
-    origin.input_made = tuple(None if known is not None else _made(value, log) for (_, value), (_, known) in pairs)
+    origin.input_made = tuple(None if known is not None else _made(value, writes, found) for (_, value), (_, known) in pairs)
     looked = not origin.skipped_by_grad_scaler
     origin.input_alive = tuple(_alive(value, found, wanted, writes, looked) if known is None else False for (_, value), (_, known) in pairs)
 
@@ -187,18 +189,22 @@ def _alive(value, found, wanted, writes, looked) -> bool | str | None:
     return None
 
 
-def _made(value, log):
+def _made(value, writes, found):
     """Where an input whose range stays unknown was made: the :class:`Place` of the op that
     made it in the watch (for a recipe, the op whose output it was), ``"left_log"`` when that
-    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch."""
+    op has left the bounded log, ``"before_watch"`` when the log holds every op of the watch or
+    no op of the watch made it."""
     record = None
     if isinstance(value, MovedRecipe):
-        record = log.find(value.read_at)
+        record = writes.find(value.read_at)
     elif isinstance(value, LeafRecipe):
-        record = log.producer_of(value.meta[M_IDENT], before=value.read_at)
+        ident = value.meta[M_IDENT]
+        record = writes.made_by(ident, value.read_at, found.get(ident))
+        if record is None and writes.outside(ident, value.read_at, found.get(ident)):
+            return "before_watch"
     if record is not None:
         return Place.of(record)
-    return "left_log" if log.lost_ops else "before_watch"
+    return "left_log" if writes.lost_ops else "before_watch"
 
 
 class _Health(NamedTuple):
@@ -213,8 +219,9 @@ class _Writes:
     that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
     view of it, its base: :class:`~.aliases.Aliases`)."""
 
-    def __init__(self, log):
+    def __init__(self, log, outside_since=None):
         self._log = log
+        self._outside_since = outside_since
         self._last = None
         self._wrote: dict = {}  # ident -> the last op that wrote it in place
 
@@ -254,9 +261,25 @@ class _Writes:
         wrote = self._wrote.get(ident, -1)
         return wrote > index and wrote >= self._last.get(ident, -1)
 
-    def made_by(self, ident, index):
-        """The latest op before op ``index`` that output ``ident``, or ``None``."""
-        return self._log.producer_of(ident, before=index)
+    def made_by(self, ident, index, tensor=None):
+        """The latest op before op ``index`` that output ``ident``, or ``None``; not an op
+        from before the watch knew a tensor no op of it made (``tensor``: the object, when
+        alive): that op made an older tensor, whose id this one took."""
+        record = self._log.producer_of(ident, before=index)
+        if record is not None and self._outside_since is not None:
+            since = self._outside_since(ident, index, tensor)
+            if since is not None and record.index < since:
+                return None
+        return record
+
+    def outside(self, ident, index, tensor=None) -> bool:
+        """Whether no op of the watch made the tensor ``ident`` read by op ``index`` (made
+        before the watch or outside torch ops: its first read found it unknown)."""
+        return self._outside_since is not None and self._outside_since(ident, index, tensor) is not None
+
+    def find(self, index):
+        """The logged op of index ``index``, or ``None``."""
+        return self._log.find(index)
 
     @property
     def lost_ops(self) -> bool:
@@ -403,7 +426,7 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         # It held nan when first read (checked then), and is gone or written since: made before
         # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
-        return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index), through=meta)
+        return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index, found.get(meta.ident)), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     counted = _nothing_counted(origin, found)
@@ -443,7 +466,7 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
                     continue
                 how = WRITTEN if meta[M_IDENT] in written else None
                 maker = writes.made_by(leaf[M_IDENT], index)
-                if maker is None and not writes.lost_ops:
+                if maker is None and (not writes.lost_ops or writes.outside(leaf[M_IDENT], index)):
                     return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=BeforeWatch())
                 if maker is not None and facts_of(maker.func).makes_new_data:
                     return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=MadeBy("made_by", Place.of(maker)))
@@ -522,19 +545,19 @@ def _held(meta, through, index, found, health, writes, path, live) -> Cause | No
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, live.modules)
-    loaded = _loaded_by(writes, ident, index)
+    loaded = _loaded_by(writes, ident, index, tensor)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through, loaded=loaded)
     if isinstance(tensor, torch.nn.Parameter):
         return Cause(WEIGHTS, tensor=meta, held=known.held, through=through, loaded=loaded)
-    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index), through=through, loaded=loaded)
+    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index, tensor), through=through, loaded=loaded)
 
 
-def _loaded_by(writes, ident, index) -> Place | None:
+def _loaded_by(writes, ident, index, tensor=None) -> Place | None:
     """The copy that last wrote ``ident`` before op ``index``, when it copied loaded values: a
     source made by an op that aliases a storage filled with no op (``set_``: torch.load)."""
-    writer = writes.made_by(ident, index)
+    writer = writes.made_by(ident, index, tensor)
     if writer is None or not facts_of(writer.func).is_copy or len(writer.inputs) < 2:
         return None
     _, copied, *_ = writer.inputs
@@ -542,13 +565,14 @@ def _loaded_by(writes, ident, index) -> Place | None:
     return Place.of(writer) if source is not None and facts_of(source.func).aliases_storage else None
 
 
-def _made_where(writes, ident, index) -> MadeBy | BeforeWatch | None:
-    """The logged op that made ``ident`` before op ``index``; else before the watch, unless its
-    maker may have left the bounded log (``None``)."""
-    maker = writes.made_by(ident, index)
+def _made_where(writes, ident, index, tensor=None) -> MadeBy | BeforeWatch | None:
+    """The logged op that made ``ident`` before op ``index`` (``tensor``: the object, when
+    alive); else before the watch, when no op of the watch made it or the log holds every op of
+    the watch; else ``None`` (its maker may have left the bounded log)."""
+    maker = writes.made_by(ident, index, tensor)
     if maker is not None:
         return MadeBy("made_by", Place.of(maker))
-    return None if writes.lost_ops else BeforeWatch()
+    return BeforeWatch() if not writes.lost_ops or writes.outside(ident, index, tensor) else None
 
 
 def _owner(tensor, path, modules) -> Owned | None:

@@ -32,7 +32,7 @@ from .origin import Origin, headroom_risks
 from .replay import Flags, Origins
 from .rules import CHECKED_DTYPES, COMPLEX, FLOAT8_DTYPES, FLOAT16, HEADROOM_LIMIT, PLAIN_TYPES, SENTINEL, SENTINELS, STRIDED
 
-__all__ = ["NonFiniteTracker", "FIRST_SEEN"]
+__all__ = ["NonFiniteTracker", "FIRST_SEEN", "EarlierBlocks"]
 
 # Queued positions from here on are inputs checked when first seen, not outputs.
 FIRST_SEEN = 1 << 16
@@ -51,6 +51,8 @@ _SPLIT_FROM = 24576
 _SPLIT_STRIDED_FROM = 2048
 # Checked dtypes that no reduction takes as they are: read through a real view or a copy.
 _CONVERTED = COMPLEX | FLOAT8_DTYPES
+# An id no table holds: (a reference that is always dead, no index).
+_UNKNOWN = (lambda: None, -1)
 
 
 class _Buffer:
@@ -80,6 +82,70 @@ class _Buffer:
         self.used = slot + 2
 
 
+class EarlierBlocks:
+    """What a watch's nan/inf trackers hand on from block to block (a watch re-entered step
+    after step, as the trainers' callbacks do): ``outside``, the tensors no op of the watch
+    made (id -> (weak reference, the op index from which the watch knew it)), kept for the
+    watch's life; ``made``, the live tensors an op of an earlier block made (id -> weak
+    reference); ``known``, the last block's known tensors, folded into ``made`` when the next
+    block starts (:meth:`next_block`).
+
+    A tensor first read in a block was made outside the watch's ops (a batch the DataLoader
+    made between two steps, ``torch.from_numpy``), unless an op of an earlier block made it.
+    The log may still hold an older, freed tensor's op under the same id (CPython gives a new
+    object a freed one's address), and only these tables tell the two apart
+    (:meth:`outside_since`). Dead entries are dropped whenever a table
+    has doubled, so memory stays flat however many blocks run."""
+
+    __slots__ = ("known", "made", "outside", "_made_limit", "_outside_limit")
+
+    def __init__(self) -> None:
+        self.known: dict = {}
+        self.made: dict = {}
+        self.outside: dict = {}
+        self._made_limit = self._outside_limit = _KNOWN_START
+
+    def next_block(self, known: dict) -> None:
+        """A block starts, its tracker knowing ``known`` (its table, handed on to the next
+        block): the live tensors the last block knew that an op of the watch made join
+        ``made``. Once a block, off the per-op path."""
+        last, self.known = self.known, known
+        made, outside = self.made, self.outside
+        for ident, ref in last.items():
+            if ident not in outside and ref() is not None:
+                made[ident] = ref
+        if len(made) > self._made_limit:
+            self.made = made = {ident: ref for ident, ref in made.items() if ref() is not None}
+            self._made_limit = max(_KNOWN_START, 2 * len(made))
+
+    def first_read(self, tensor, index: int) -> None:
+        """``tensor``, first read at op ``index`` of a block, was made by no op of the block:
+        outside the watch's ops, unless an op of an earlier block made it (then the log's op
+        under its id is its own). Off the per-op path: once per tensor made before the block."""
+        ident = id(tensor)
+        ref, _ = self.outside.get(ident, _UNKNOWN)
+        if ref() is tensor:
+            return  # known since an earlier block
+        ref = self.made.get(ident)
+        if ref is not None and ref() is tensor:
+            return  # an op of an earlier block made it
+        self.outside[ident] = (weakref.ref(tensor), index)
+        if len(self.outside) > self._outside_limit:
+            self.outside = {key: (ref, since) for key, (ref, since) in self.outside.items() if ref() is not None}
+            self._outside_limit = max(_KNOWN_START, 2 * len(self.outside))
+
+    def outside_since(self, ident: int, index: int, tensor=None) -> int | None:
+        """The op index from which the watch knew the tensor ``ident``, read by op ``index``,
+        when no op of the watch made it (then an op logged before that index under the same id
+        made an older tensor); ``None`` when an op of the watch made it, or it is not known.
+        ``tensor``: the object itself, when it is alive. Slow path: causes only."""
+        ref, since = self.outside.get(ident, _UNKNOWN)
+        alive = ref()
+        if since < 0 or since > index or (alive is not None and tensor is not None and alive is not tensor):
+            return None  # not known, or a later tensor's under the same id
+        return since
+
+
 class NonFiniteTracker:
     """Keeps per-output finiteness flags on device and resolves them at check points."""
 
@@ -89,7 +155,7 @@ class NonFiniteTracker:
     _CHUNK = 512
     _POOL = 8  # buffers kept per device and dtype for the next window (2,048 pairs, as before)
 
-    def __init__(self, log, *, keep_ranges: bool = False) -> None:
+    def __init__(self, log, *, keep_ranges: bool = False, earlier: EarlierBlocks | None = None) -> None:
         self._log = log
         # Every op is a check point (guard's replay: ``check_every=1``), so every output's range
         # is read anyway: keep them all, so that an origin's inputs' ranges are known.
@@ -120,6 +186,11 @@ class NonFiniteTracker:
         # has doubled (memory stays flat however long the watch).
         self._known: dict = {}
         self._known_limit = _KNOWN_START
+        # What the watch's earlier blocks knew (EarlierBlocks): which tensors an op of the
+        # watch made, and which no op of it made, with the op index from which it knew them.
+        # The log's op that output the same id before that index made an older tensor.
+        self._blocks = EarlierBlocks() if earlier is None else earlier
+        self._blocks.next_block(self._known)
         # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
         self._first_seen: dict = {}
         self._origins = Origins(log)  # the replay and judgement, across check points
@@ -224,6 +295,11 @@ class NonFiniteTracker:
                 if ref is not None and ref() is base:
                     continue  # a view of a tensor accounted for
                 self._remember(base, weakref.ref(base))
+                self._blocks.first_read(base, index)
+            else:
+                # A view's own op may be logged (it viewed a tensor made outside): only bases
+                # and tensors that are no view are known to be made outside the watch's ops.
+                self._blocks.first_read(tensor, index)
             if dispatch_modes_outside():
                 with no_python_dispatch():
                     self._first(index, tensor)
@@ -251,7 +327,7 @@ class NonFiniteTracker:
 
     def _drop_dead_known(self) -> None:
         """The known tensors have doubled: keep the live ones (memory stays flat)."""
-        self._known = known = {ident: ref for ident, ref in self._known.items() if ref() is not None}
+        self._known = self._blocks.known = known = {ident: ref for ident, ref in self._known.items() if ref() is not None}
         self._known_limit = max(_KNOWN_START, 2 * len(known))
 
     def _forget(self, entry, inputs, outputs, metas) -> None:
@@ -445,7 +521,7 @@ class NonFiniteTracker:
             return risks
         new = origins.replay(window(), flags, reading)
         if new:
-            decide_causes(new, self._log)
+            decide_causes(new, self._log, self._blocks.outside_since)
             new, folded = fold_same_source(new)
             if folded:
                 origins.fold(folded)
