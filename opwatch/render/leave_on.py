@@ -6,7 +6,9 @@ Parameters are ``(name, kind)`` pairs, ``kind`` being ``"nan"`` or ``"inf"``.
 
 from __future__ import annotations
 
-__all__ = ["parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
+from typing import NamedTuple
+
+__all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
            "made_elsewhere", "stuck", "no_op_named", "bad_input"]
 
 
@@ -42,11 +44,33 @@ def _held(bad: list, elsewhere) -> str:
     return f": {parameters(bad)}"
 
 
-def _made(origin) -> str:
+class NamedOrigin(NamedTuple):
+    """The first nan/inf a full watch of a step named, as the runners' messages tell it."""
+
+    kind: str  # "nan" or "inf"
+    op: str
+    where: str  # file:line (or a named place)
+    phase: str
+    rank: int | None = None  # the rank that made it, in a job where another rank did
+    # What the op read it from, when no op of the step made it (opwatch.runners.ledger.came_with):
+    # "input" (an input made before the step: its batch, or a tensor the program kept),
+    # "weights"; else None.
+    came_with: str | None = None
+
+
+def origin_words(origin: NamedOrigin) -> str:
     """``nan first made by aten.sqrt.default at train.py:12 (forward)`` (`` on rank 1`` when
-    another rank made it): ``origin`` is ``(kind, op, where, phase)`` or ``(..., rank)``."""
-    kind, op, where, phase, *elsewhere = origin
-    return f"{kind} first made by {op} at {where} ({phase})" + "".join(f" on rank {rank}" for rank in elsewhere)
+    another rank made it); for values no op of the step made, where they came in:
+    ``nan came in with an input made before the step (its batch, or a tensor the program kept):
+    the first op to read it was aten.addmm.default at train.py:12 (forward)``."""
+    on_rank = "" if origin.rank is None else f" on rank {origin.rank}"
+    at = f"{origin.op} at {origin.where} ({origin.phase}){on_rank}"
+    if origin.came_with == "input":
+        return (f"{origin.kind} came in with an input made before the step (its batch, or a tensor the program kept), "
+                f"not made by any op of it: the first op to read it was {at}")
+    if origin.came_with == "weights":
+        return f"{origin.kind} was already in the weights, not made by any op of the step: the first op to read it was {at}"
+    return f"{origin.kind} first made by {at}"
 
 
 def _loss_line(kind: str) -> str:
@@ -64,7 +88,7 @@ def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, rep
             elsewhere=(), rank=None, loss: str | None = None) -> str:
     """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
     ``audited``: the step ran under the full watch (``origin``: ``(kind, op, where, phase)`` of
-    the first nan/inf it made, ``(..., rank)`` when another rank made it, or ``None``);
+    the first nan/inf it made: an :class:`NamedOrigin`, or ``None``);
     ``replayed``: its batch ran again from its start under the full watch; ``last``: the last
     failure told one by one; ``elsewhere``: in a job, the ranks whose gradients held them when
     this rank's were finite; ``rank``: this rank, in a job; ``loss``: ``"nan"`` or ``"inf"``
@@ -77,7 +101,7 @@ def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, rep
         head += " Every rank does the same."
     watched = " This step ran under a full watch" if audited else " Its batch ran again from its start (RNG states and buffers restored, .grad cleared) under a full watch"
     if (audited or replayed) and origin is not None:
-        then = f"{watched}: {_made(origin)}."
+        then = f"{watched}: {origin_words(origin)}."
     elif audited or replayed:
         then = f"{watched} and no op of it made them: they came in with the weights, the batch or the optimizer's state."
     elif on_failure == "raise":
@@ -161,7 +185,7 @@ def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=Non
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
     ``(kind, op, where, phase)`` of the first nan/inf origin it found, or ``None``."""
     if origin is not None:
-        return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {_made(origin)}."
+        return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {origin_words(origin)}."
     if failed_again:
         return (
             f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
@@ -255,7 +279,7 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) ->
     ``origin``: ``(kind, op, where, phase)`` a replay named, or ``None``."""
     if failed and origin is not None:
         said = (f"opwatch: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
-                f"{_made(origin)}.")
+                f"{origin_words(origin)}.")
     elif failed:
         said = (f"opwatch: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
                 "failed (see the guard's line below).")
@@ -273,7 +297,7 @@ def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poiso
     limit is named as the command line's option, else as the Python keyword; ``cause``: the
     first failure's (``opwatch.runners.ledger.CAUSES``)."""
     if origin is not None:
-        why = f"The first, step {first_step}: {_made(origin)}."
+        why = f"The first, step {first_step}: {origin_words(origin)}."
     elif cause == "input":
         why = (f"The first, step {first_step}: the batch held nan/inf before the model ran (cause: input)"
                + (f"; the weights hold nan/inf since step {poisoned_since}, so every later step fails." if poisoned_since is not None else "."))

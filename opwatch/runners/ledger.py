@@ -19,7 +19,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES"]
+from ..checks.nonfinite.cause import DATA, INPUT, WEIGHTS
+
+__all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES", "CAME_WITH_INPUT", "CAME_WITH_WEIGHTS", "came_with"]
+
+# What an origin's values came in with, where no op of the watched step made them (came_with).
+CAME_WITH_INPUT = "input"  # an input made before the step: its batch, or a tensor the program kept
+CAME_WITH_WEIGHTS = "weights"
+
+
+def came_with(origin) -> str | None:
+    """:data:`CAME_WITH_INPUT` or :data:`CAME_WITH_WEIGHTS` when the cause of ``origin`` (an
+    anomaly) says its op read the values from an input made before the step (data, a batch) or
+    from a parameter, no op of the step making them; else ``None`` (another rank's anomaly,
+    whose finding stays on its rank, is ``None`` too)."""
+    finding = origin.finding
+    cause = None if finding is None else finding.facts.get("cause")
+    if cause is None:
+        return None
+    if cause.kind == WEIGHTS:
+        return CAME_WITH_WEIGHTS
+    if cause.kind == INPUT and (cause.detail == DATA or getattr(cause.made, "how", None) == "before_watch"):
+        return CAME_WITH_INPUT
+    return None
+
 
 MAX_FAILED_IN_A_ROW = 10  # the default of LeaveOn(max_failed_in_a_row=) and --max-failed-steps
 CAUSES = ("gradients", "loss", "weights", "input", "raised")
@@ -167,7 +190,8 @@ class RunLedger:
                 "step": failure.step, "cause": failure.cause, "action": failure.action or "applied",
                 "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss,
                 "origin": None if origin is None else {
-                    "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "message": next(iter(origin.message.splitlines()), "")},
+                    "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "came_with": came_with(origin),
+                    "message": next(iter(origin.message.splitlines()), "")},
             })
         return rows
 

@@ -36,7 +36,7 @@ class Regressor(nn.Module):
         self.bug = bug
 
     def forward(self, x):
-        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc1(x))  # REGRESSOR FC1
         if self.bug == "device":
             h = h + torch.zeros(16, device="meta")  # BUG device: meta stands in for the GPU
         if self.bug == "backward nan":
@@ -511,6 +511,28 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
     assert f"ran again from its start (RNG states and buffers restored, .grad cleared) under a full watch: inf first made by aten.div.Tensor at {__file__}:{line_of('BUG backward', __file__)}" in text
     runner = callback.runner
     assert (runner.steps, runner.audited, runner.failed, runner.skipped) == (4, 1, 1, 1)  # no re-check: the replay named it
+    assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
+
+
+def test_lightning_guard_tells_a_bad_batch_as_what_its_step_came_in_with(tmp_path):
+    """The training_step hands the batch to its layers directly (no forward of the module whose
+    inputs the guard checks): the replay finds that no op of the step made the nan, and every
+    line that names the origin says the batch brought it, not that addmm made it."""
+    needs("lightning")
+    from opwatch.runners.lightning import OpwatchCallback
+
+    x, target = steady_data(16)
+    x[5, 2] = float("nan")  # a corrupted sample, in the second batch of 4
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning) as told:
+        module = lightning_guard(tmp_path, callback, steps=4, data=(x, target))
+    text = "\n".join(str(warning.message) for warning in told)
+    came_in = (f"under a full watch: nan came in with an input made before the step (its batch, or a tensor the program kept), not made by "
+               f"any op of it: the first op to read it was aten.addmm.default at {__file__}:{line_of('REGRESSOR FC1', __file__)} (forward)")
+    assert "optimizer step 2: the gradients about to be applied hold nan/inf" in text and came_in in text, text
+    assert "first made by" not in text, text
+    (row,) = callback.runner.ledger.rows()
+    assert row["origin"]["came_with"] == "input" and row["action"] == "skipped", row
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 

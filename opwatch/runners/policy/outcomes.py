@@ -10,6 +10,7 @@ from ...core.sites import warn_at_user
 from ...findings.anomaly import OpwatchWarning
 from ...findings.ranks import RankAnomaly
 from ...render import leave_on as words
+from ..ledger import came_with
 
 __all__ = ["GradientsNotFinite", "RunStuck", "max_failed_option", "warn", "warn_at", "origin_facts", "elsewhere_anomaly"]
 
@@ -56,13 +57,14 @@ def warn_at(warning, anomaly) -> None:
     warnings.warn_explicit(warning, OpwatchWarning, filename=anomaly.filename or "<unknown>", lineno=anomaly.lineno or 0, module="opwatch")
 
 
-def origin_facts(origin):
-    """``(kind, op, where, phase)`` of an origin anomaly, or ``None``; ``(kind, op, where,
-    phase, rank)`` for an origin made on another rank."""
+def origin_facts(origin) -> words.NamedOrigin | None:
+    """The :class:`~opwatch.render.leave_on.NamedOrigin` of an origin anomaly (its rank when
+    another rank made it), or ``None``: where its cause says no op made the values (the op's
+    input or a parameter already held them), what they came in with."""
     if origin is None:
         return None
-    facts = (origin.kind, origin.op, origin.where, origin.phase)
-    return facts + (origin.rank,) if isinstance(origin, RankAnomaly) else facts
+    rank = origin.rank if isinstance(origin, RankAnomaly) else None
+    return words.NamedOrigin(origin.kind, origin.op, origin.where, origin.phase, rank, came_with(origin))
 
 
 def elsewhere_anomaly(first, ranks, step: int, bad) -> RankAnomaly:
