@@ -261,7 +261,9 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
     tail = f", {skipped} of them skipped" if skipped else ""
     causes = {cause: count for cause, count in (causes or {}).items() if count}
     losses = causes.get("loss", 0)
-    if set(causes) <= {"gradients", "loss"}:
+    if not failed:
+        why = None  # nothing failed: no cause to give
+    elif set(causes) <= {"gradients", "loss"}:
         why = "nan/inf in the gradients" if not losses else f"nan/inf in the gradients, or in the loss for {losses} of them"
     elif len(causes) == 1:
         why = _CAUSE_WORDS[next(iter(causes))]
@@ -269,7 +271,7 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
         why = "; ".join(f"{_CAUSE_WORDS[cause]}: {count}" for cause, count in causes.items())
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
-        f"{failed} failed ({why}){tail}."
+        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}."
     )
 
 

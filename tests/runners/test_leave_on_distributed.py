@@ -75,7 +75,7 @@ def test_a_healthy_run_fails_no_step():
     result = _torchrun("--on-failure", "raise", nan_steps="")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OpwatchWarning" not in result.stderr
-    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 0 failed (nan/inf in the gradients).") == 2
+    assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 0 failed.") == 2
 
 
 # -- a trainer's guard mode: Lightning's OpwatchCallback(mode="guard") on 2 DDP ranks ------------
