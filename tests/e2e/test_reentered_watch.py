@@ -1,4 +1,4 @@
-"""A watch re-entered step after step (the trainers' callbacks do it): where a nan's input came from.
+"""A watch re-entered step after step (the trainers' callbacks do it): where a tensor came from.
 
 The batch of a step is made between two blocks of the watch, outside its ops (a DataLoader's
 collate). CPython gives a new object the address of one just freed, so the batch often takes the
@@ -7,6 +7,9 @@ id of a tensor an op of an earlier step output and that died since (a gradient f
 must say the batch was made outside the watch, not name that op (it named ``aten._fused_adamw_``
 for a bad batch in the Hugging Face Trainer's default setup). A tensor an op of an earlier block
 made, and that is still alive, keeps its maker, also when a block in between never read it.
+
+The same holds where a dtype finding says where its odd operand came from: a float64 batch a
+collate forgot to cast, which took the id of an older float32 output, was made outside the watch.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -149,3 +153,32 @@ def test_what_the_blocks_hand_on_stays_flat_over_a_long_run():
     blocks = w._earlier_blocks  # the watch's own tables (opwatch.checks.nonfinite.EarlierBlocks)
     assert len(blocks.outside) <= 2 * _KNOWN_START and len(blocks.made) <= 2 * _KNOWN_START, (len(blocks.outside), len(blocks.made))
     assert w.anomalies == []
+
+
+def test_a_float64_batch_made_between_two_steps_was_made_outside_the_watch_not_by_an_older_op():
+    """The collate forgets ``.float()`` for one batch, the first that took the id of an older
+    float32 output of the same shape (the premise); the Linear's dtype finding tells where that
+    float64 operand came from."""
+    torch.manual_seed(0)
+    generator = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), 1e-3)
+    w = opwatch.watch(warn=False, dump_on_error=False)
+    odd = None
+    for step in range(100):
+        batch = torch.from_numpy(generator.standard_normal((64, 32)))
+        if odd is None and any(meta.ident == id(batch) and meta.shape == (64, 32) for record in w.records for meta in record.outputs or ()):
+            odd = step  # this one stays float64
+        else:
+            batch = batch.float()
+        with w:
+            try:
+                loss = model(batch).pow(2).mean()
+            except RuntimeError:
+                break  # addmm refuses the float64 batch (after the watch has found it)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert odd is not None, "premise: a batch took the id of an older output of its shape"
+    (found,) = [a for a in w.anomalies if a.kind == "dtype_mismatch"]
+    assert "Where the odd one came from: f64[64, 32] cpu: it was made before the watch" in found.message, found.message
