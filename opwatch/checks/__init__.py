@@ -79,7 +79,7 @@ class CheckContext:
 
     def producer(self, tensor: tuple) -> Place | None:
         """The op that produced ``tensor``, as a :class:`~opwatch.checks.finding.Place`."""
-        record = self._log.producer_of(tensor[M_IDENT])
+        record = self._log.producer_of(tensor[M_IDENT], like=tensor)
         return None if record is None else Place.of(record)
 
     def call_tensors(self) -> tuple[frozenset, tuple]:

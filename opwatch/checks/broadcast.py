@@ -432,17 +432,15 @@ class ShapeProvenance:
     def _sources(self, meta) -> set:
         """``meta``'s ident and those of the tensors it was made from by views and copies."""
         idents = {meta[M_IDENT]}
-        ident = meta[M_IDENT]
         for _ in range(_SOURCE_STEPS):
-            record = self._log.producer_of(ident)
+            record = self._log.producer_of(meta[M_IDENT], like=meta)
             if record is None or not record.inputs:
                 break
             name = record.func._schema.name
             if not (record.func.is_view or name in _SHAPE_PRESERVING or name == _UNSQUEEZE):
                 break
-            source, *_ = record.inputs
-            ident = source[M_IDENT]
-            idents.add(ident)
+            meta, *_ = record.inputs
+            idents.add(meta[M_IDENT])
         return idents
 
     def _entry(self, meta):

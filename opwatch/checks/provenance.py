@@ -20,7 +20,7 @@ from ..core.ops import facts_of
 from ..core.sites import lone_call
 from . import device
 from .finding import Attribute, BeforeWatch, ComputedFrom, DefaultDevice, DefaultDtype, Finding, FromModule, MadeBy, Owned, Place, PythonData
-from ..core.records import M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
+from ..core.records import M_DTYPE, M_IDENT, M_SHAPE
 
 __all__ = ["Provenance"]
 
@@ -75,11 +75,11 @@ class Provenance:
         found = self._in_running_modules(ident) or self._held_by_module(ident)
         if found is not None:
             return found
-        record = self._log.producer_of(ident)
-        if record is None or not any(_same_tensor(meta, tensor) for meta in record.outputs or ()):
-            # No op output this tensor: under its id the log holds none, or an older tensor's
-            # of another shape, dtype or device, whose address it took once that one was freed
-            # (a batch made between two blocks of a re-entered watch often does).
+        # Under its id the log may hold an older tensor's op, of another shape, dtype or device,
+        # whose address it took once that one was freed (a batch made between two blocks of a
+        # re-entered watch often does): then no op made it.
+        record = self._log.producer_of(ident, like=tensor)
+        if record is None:
             return BeforeWatch()
         made = MadeBy("made_by", Place.of(record))
         if not hasattr(record.func, "_schema"):
@@ -214,8 +214,3 @@ def _python_data_call(position) -> str | None:
     the one such call on its line."""
     return position.expression() or lone_call(position.filename, position.lineno, _PYTHON_DATA_CALLS)
 
-
-def _same_tensor(output, tensor: tuple) -> bool:
-    """Whether an op's ``output`` (a record's tensor metadata) under the id of ``tensor`` (a
-    metadata tuple) may be that tensor: a tensor keeps its shape, dtype and device."""
-    return output.ident == tensor[M_IDENT] and output.shape == tensor[M_SHAPE] and output.dtype == tensor[M_DTYPE] and output.device == tensor[M_DEVICE]

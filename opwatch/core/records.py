@@ -299,15 +299,22 @@ class OpLog:
                 break
         return None
 
-    def producer_of(self, ident: int, *, before: int | None = None) -> OpRecord | None:
+    def producer_of(self, ident: int, *, before: int | None = None, like: tuple | None = None) -> OpRecord | None:
         """The latest logged op (before op ``before``, when given) that output the tensor
-        ``ident`` (slow: for messages only)."""
+        ``ident`` (slow: for messages only). ``like``: the tensor's metadata tuple; then ``None``
+        where that op's output under the id had another shape, dtype or device: an older tensor,
+        whose address this one took once it was freed (the tensor itself was made by no op)."""
         for entry in reversed(self.entries):
             if before is not None and entry[E_INDEX] >= before:
                 continue
             outputs = entry_outputs(entry)
-            if outputs and any(meta[M_IDENT] == ident for meta in outputs):
-                return OpRecord(entry, self)
+            if not outputs:
+                continue
+            for meta in outputs:
+                if meta[M_IDENT] == ident:
+                    if like is not None and (meta[M_SHAPE] != like[M_SHAPE] or meta[M_DTYPE] != like[M_DTYPE] or meta[M_DEVICE] != like[M_DEVICE]):
+                        return None
+                    return OpRecord(entry, self)
         return None
 
     def since(self, index: int) -> list[tuple]:

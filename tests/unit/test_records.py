@@ -403,3 +403,20 @@ def test_the_lone_python_data_call_on_a_line_stands_in_for_its_sub_expression(tm
     assert lone_call(str(script), 1, names) == "torch.tensor(0.0)"
     assert lone_call(str(script), 2, names) is None  # two calls: which one made it is unknown
     assert lone_call(str(script), 3, names) is None  # not a whole statement
+
+
+def test_the_producer_of_a_tensor_like_another_is_none_where_its_id_was_an_older_tensors():
+    """``producer_of(ident, like=meta)``: the op that output a tensor of that shape, dtype and
+    device under the id; none where the op's output under it differed (a freed tensor whose
+    address a newer one took)."""
+    w = watched_step()
+    first = next(r for r in w.records if r.op == "aten.addmm.default" and r.phase == "forward")
+    ident = first.outputs[0].ident
+    # The latest op that output a tensor under this id (a later one may have taken it).
+    made, out = [(r, meta) for r in w.records for meta in r.outputs or () if meta.ident == ident][-1]
+    log = w._log
+    assert log.producer_of(ident, like=out).index == made.index
+    assert log.producer_of(ident).index == made.index  # without like: by id alone, as before
+    assert log.producer_of(ident, like=out._replace(dtype=torch.float64 if out.dtype != torch.float64 else torch.float32)) is None
+    assert log.producer_of(ident, like=out._replace(shape=(*out.shape, 1))) is None
+    assert log.producer_of(ident, like=out._replace(device=torch.device("meta"))) is None
