@@ -199,7 +199,7 @@ def _made(value, writes, found):
         record = writes.find(value.read_at)
     elif isinstance(value, LeafRecipe):
         ident = value.meta[M_IDENT]
-        record = writes.made_by(ident, value.read_at, found.get(ident))
+        record = writes.made_by(ident, value.read_at, found.get(ident), like=value.meta)
         if record is None and writes.outside(ident, value.read_at, found.get(ident)):
             return "before_watch"
     if record is not None:
@@ -261,11 +261,13 @@ class _Writes:
         wrote = self._wrote.get(ident, -1)
         return wrote > index and wrote >= self._last.get(ident, -1)
 
-    def made_by(self, ident, index, tensor=None):
+    def made_by(self, ident, index, tensor=None, like=None):
         """The latest op before op ``index`` that output ``ident``, or ``None``; not an op
         from before the watch knew a tensor no op of it made (``tensor``: the object, when
-        alive): that op made an older tensor, whose id this one took."""
-        record = self._log.producer_of(ident, before=index)
+        alive), nor one whose output under the id differed from ``like`` (the tensor's
+        metadata) in shape, dtype or device: that op made an older tensor, whose id this one
+        took."""
+        record = self._log.producer_of(ident, before=index, like=like)
         if record is not None and self._outside_since is not None:
             since = self._outside_since(ident, index, tensor)
             if since is not None and record.index < since:
@@ -426,7 +428,7 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         # It held nan when first read (checked then), and is gone or written since: made before
         # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
-        return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index, found.get(meta.ident)), through=meta)
+        return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index, found.get(meta.ident), like=meta), through=meta)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     counted = _nothing_counted(origin, found)
@@ -465,7 +467,7 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
                 if leaf[M_IDENT] in found:
                     continue
                 how = WRITTEN if meta[M_IDENT] in written else None
-                maker = writes.made_by(leaf[M_IDENT], index)
+                maker = writes.made_by(leaf[M_IDENT], index, like=leaf)
                 if maker is None and (not writes.lost_ops or writes.outside(leaf[M_IDENT], index)):
                     return Cause(UNKNOWN, how, tensor=TensorMeta(*leaf), made=BeforeWatch())
                 if maker is not None and facts_of(maker.func).makes_new_data:
@@ -545,19 +547,19 @@ def _held(meta, through, index, found, health, writes, path, live) -> Cause | No
     tensor = found[ident]
     meta, through = TensorMeta(*meta), TensorMeta(*through)
     owner = _owner(tensor, path, live.modules)
-    loaded = _loaded_by(writes, ident, index, tensor)
+    loaded = _loaded_by(writes, ident, index, tensor, like=meta)
     if owner is not None:
         kind = WEIGHTS if owner.how == "parameter" else INPUT
         return Cause(kind, tensor=meta, held=known.held, made=owner, through=through, loaded=loaded)
     if isinstance(tensor, torch.nn.Parameter):
         return Cause(WEIGHTS, tensor=meta, held=known.held, through=through, loaded=loaded)
-    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index, tensor), through=through, loaded=loaded)
+    return Cause(INPUT, tensor=meta, held=known.held, made=_made_where(writes, ident, index, tensor, like=meta), through=through, loaded=loaded)
 
 
-def _loaded_by(writes, ident, index, tensor=None) -> Place | None:
+def _loaded_by(writes, ident, index, tensor=None, like=None) -> Place | None:
     """The copy that last wrote ``ident`` before op ``index``, when it copied loaded values: a
     source made by an op that aliases a storage filled with no op (``set_``: torch.load)."""
-    writer = writes.made_by(ident, index, tensor)
+    writer = writes.made_by(ident, index, tensor, like=like)
     if writer is None or not facts_of(writer.func).is_copy or len(writer.inputs) < 2:
         return None
     _, copied, *_ = writer.inputs
@@ -565,11 +567,11 @@ def _loaded_by(writes, ident, index, tensor=None) -> Place | None:
     return Place.of(writer) if source is not None and facts_of(source.func).aliases_storage else None
 
 
-def _made_where(writes, ident, index, tensor=None) -> MadeBy | BeforeWatch | None:
+def _made_where(writes, ident, index, tensor=None, like=None) -> MadeBy | BeforeWatch | None:
     """The logged op that made ``ident`` before op ``index`` (``tensor``: the object, when
     alive); else before the watch, when no op of the watch made it or the log holds every op of
     the watch; else ``None`` (its maker may have left the bounded log)."""
-    maker = writes.made_by(ident, index, tensor)
+    maker = writes.made_by(ident, index, tensor, like=like)
     if maker is not None:
         return MadeBy("made_by", Place.of(maker))
     return BeforeWatch() if not writes.lost_ops or writes.outside(ident, index, tensor) else None
