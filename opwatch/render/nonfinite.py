@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DATA, DELIBERATE, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
+from ..checks.nonfinite.cause import DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
 from ..checks.nonfinite.rules import HEADROOM_FACTOR
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -197,7 +197,9 @@ def _story(finding) -> str:
 def _inputs(finding) -> str:
     """``finite inputs (input f32[6] cpu: min 0, max 0.67 -> log(0) = -inf)``."""
     facts = finding.facts
-    if facts.from_deliberate:
+    if facts.from_deliberate and getattr(_cause(finding), "detail", None) == ENTERED_INF:
+        inputs = "inputs whose only non-finite values were infs that came in with a tensor made before the watch (a mask, or data holding inf)"
+    elif facts.from_deliberate:
         inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
     else:
         cause = _cause(finding)
@@ -457,6 +459,12 @@ def explain_cause(finding) -> str | None:
             f"its result reaches {cause.largest:.4g} in magnitude, beyond the largest {dtype} ({limit:.4g})"
         )
     if kind == MATH:
+        if cause.detail == ENTERED_INF:
+            return (
+                f"undefined math: an inf that came in with {format_meta(cause.tensor)}, made before the watch (a mask made "
+                f"before it, or data holding inf: the batch, a feature read from a file), met another inf or a 0 in {name} "
+                "(inf - inf, 0 * inf)"
+            )
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
         if cause.detail == "masked":
             return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
@@ -563,6 +571,13 @@ def _cause_fix(finding, cause) -> str | None:
             f"the parameter was {what} before this step: an earlier optimizer step wrote it (a {what} gradient, "
             "a too-high learning rate: watch the step that updated it), or it was loaded so (check the checkpoint: "
             "all(p.isfinite().all() for p in model.parameters()))"
+        )
+    if cause.kind == MATH and cause.detail == ENTERED_INF:
+        return (
+            f"if {format_meta(cause.tensor)} is data (the batch, a feature read from a file), it held inf before torch saw it: "
+            "check it where it is made (torch.isfinite(batch).all() in the dataset or collate_fn) and fix or leave out those "
+            "samples; if it is a mask, mask with torch.finfo(dtype).min instead of inf, or zero the masked entries before a "
+            "matmul or Linear"
         )
     if cause.kind == UNKNOWN:
         if getattr(cause.made, "how", None) == "made_by":

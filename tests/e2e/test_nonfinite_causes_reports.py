@@ -536,3 +536,84 @@ def test_a_mixture_density_network_whose_product_of_densities_underflows_names_t
 def test_a_mixture_density_network_in_the_log_domain_reports_nothing():
     w = fit_mdn(mdn_nll_by_logs)
     assert w.anomalies == [], [a.message for a in w.anomalies]
+
+
+# -- an inf that came in with a tensor made before the watch: data, or a module's mask --------
+
+
+class FeatureRegressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(6, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x))).squeeze(-1)  # FEATURE REGRESSOR
+
+
+def train_on_features(features, tmp_path=None):
+    torch.manual_seed(0)
+    model = FeatureRegressor()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
+    targets = features.nan_to_num(0, 0, 0).sum(-1)
+    w = opwatch.watch(warn=False, dump_on_error=False)
+    with w:
+        for start in range(0, len(features), 8):
+            loss = F.mse_loss(model(features[start:start + 8]), targets[start:start + 8])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    if tmp_path is not None:
+        w.export_jsonl(tmp_path / "run.jsonl")
+    return w
+
+
+def test_an_inf_a_batch_brought_that_a_linear_turns_to_nan_is_not_called_a_mask(tmp_path):
+    """A table whose one feature is a ratio divided by a zero count (+inf), made before the
+    watch: the first Linear carries the inf, the second sums inf of both signs into nan. The inf
+    came in with the batch; it is not told as a masking constant, and the fix names the data."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(32, 6, generator=generator)
+    features[3, 2] = torch.tensor(1.0) / torch.tensor(0.0)  # a ratio over a zero count: +inf
+    w = train_on_features(features, tmp_path)
+    (first, *_) = nonfinite(w)
+    cause = first.finding.facts["cause"]
+    assert first.kind == "nan" and cause.kind == MATH and cause.detail == "entered_inf", cause
+    assert tuple(cause.tensor.shape) == (8, 6) and cause.made.how == "before_watch", cause
+    line = cause_line(first)
+    assert "an inf that came in with f32[8, 6] cpu, made before the watch" in line and "masking" not in line, line
+    assert "torch.isfinite(batch).all()" in fix_line(first), fix_line(first)
+    assert "masked_fill" not in first.message.split("  fix:")[0], first.message  # the problem names no mask either
+    (saved, *_) = [a for a in load(tmp_path / "run.jsonl").anomalies if a.kind == "nan"]
+    assert saved.finding.facts["cause"] == cause  # the cause survives the JSON Lines round trip
+
+
+def test_the_same_table_without_the_zero_count_reports_nothing():
+    generator = torch.Generator().manual_seed(0)
+    assert nonfinite(train_on_features(torch.randn(32, 6, generator=generator))) == []
+
+
+class BufferedMaskAttention(nn.Module):
+    """A causal mask of -inf registered as a buffer in ``__init__`` (made before the watch),
+    with one row masked whole by mistake."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Linear(8, 8)
+        mask = torch.full((4, 4), float("-inf")).triu(1)
+        mask[2] = float("-inf")  # every key of query 2 masked
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        scores = self.query(x) @ x.transpose(-1, -2) + self.mask
+        return scores.softmax(-1) @ x  # MASKED SOFTMAX
+
+
+def test_a_module_s_mask_made_before_the_watch_stays_a_mask():
+    torch.manual_seed(0)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        BufferedMaskAttention()(torch.randn(4, 8)).sum().backward()
+    (first, *_) = nonfinite(w)
+    cause = first.finding.facts["cause"]
+    assert first.op == "aten._softmax.default" and cause.kind == MATH and cause.detail == "masked", cause
+    assert "a masking -inf met another one or a 0" in cause_line(first)

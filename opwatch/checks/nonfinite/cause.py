@@ -27,7 +27,9 @@ The causes, tried in this order:
   show, when they do);
   an nll_loss mean over finite log-probabilities that is nan divided by a total weight of 0
   (``all_ignored``: every target was ``ignore_index``; ``zero_weight``: each target was
-  ignored or of a class of weight 0);
+  ignored or of a class of weight 0); a nan made of infs where one came in with a tensor made
+  before the watch (``entered_inf``, ``tensor`` names it: a mask made before the watch, or data
+  holding inf; else ``masked``, the infs of masks the watched ops made);
 - ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
   into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
   values before the write never read): whether it held the value cannot be told (``tensor``
@@ -65,7 +67,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range, read_ranges, written_inputs
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -108,6 +110,9 @@ NAN_CONSTANT_CAUSE = Cause(DELIBERATE, "nan_constant")
 # The ``detail`` of an INPUT cause whose tensor came into torch holding nan: an array lifted
 # (``torch.from_numpy``, ``torch.tensor(array)``, a DataLoader's collate); no op made it.
 DATA = "data"
+# The ``detail`` of a MATH cause: a nan made of infs, one of which came in with a tensor made
+# before the watch (``tensor``; a mask made before it, or data holding inf): not told "masked".
+ENTERED_INF = "entered_inf"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -139,6 +144,8 @@ def decide_causes(origins, log, outside_since=None) -> None:
         for meta, value in origin.input_ranges:
             if meta[M_IDENT] not in written:  # it holds the result now, and so may its base
                 _want(value, wanted, writes)
+        if origin.from_deliberate and origin.entered_inf is not None:
+            wanted[origin.entered_inf[M_IDENT]] = origin.entered_inf  # is it a module's mask?
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             target = _nll_target(origin)
@@ -429,6 +436,13 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index, found.get(meta.ident), like=meta), through=meta)
+    if origin.from_deliberate and origin.entered_inf is not None:
+        # An inf came in with a tensor made before the watch: a module's mask (a buffer, an
+        # attribute) is deliberate; anything else may be data holding inf, not a mask.
+        entered = TensorMeta(*origin.entered_inf)
+        tensor = found.get(entered.ident)
+        if tensor is None or not _kept_by_a_module(tensor, live.modules):
+            return Cause(MATH, ENTERED_INF, tensor=entered, made=BeforeWatch())
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     counted = _nothing_counted(origin, found)
@@ -585,6 +599,16 @@ def _owner(tensor, path, modules) -> Owned | None:
                 if held is tensor:
                     return Owned(how, path or "", name, type(module).__name__)
     return None
+
+
+def _kept_by_a_module(tensor, modules) -> bool:
+    """Whether a live module holds ``tensor`` as a parameter, a buffer or a plain attribute
+    (``self.mask = torch.full(...)``)."""
+    for module in modules:
+        for held in (*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()):
+            if held is tensor:
+                return True
+    return False
 
 
 def _dtype_of(record):

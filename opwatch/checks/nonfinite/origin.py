@@ -145,7 +145,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf")
 
     def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -188,6 +188,9 @@ class Origin:
         # The input (its meta) made before the watch that already held nan when this op first
         # read it: the values entered the watch here (see tracker.FIRST_SEEN); else None.
         self.entered = None
+        # A nan made of deliberate infs (from_deliberate) where an input made before the watch
+        # held inf when first read (a mask made before it, or data): its meta; else None.
+        self.entered_inf = None
 
     def carried_by(self, record, kind=None) -> None:
         self.spread += 1

@@ -74,7 +74,7 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "aliases", "flagged_at", "facts")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "entered_infs", "aliases", "flagged_at", "facts")
 
     def __init__(self, log, flags, carry, sentinels, known_ranges, aliases, facts):
         self.log = log
@@ -102,6 +102,8 @@ class _Window:
         self.received = None
         # Tensors made before the watch that held nan/inf when first read in this window.
         self.entered: set = set()
+        # Of those, the ones that held inf: ident -> meta (with the earlier windows' still carried).
+        self.entered_infs: dict = {}
         # Which tensors share storage (views), for the ranges a write in place makes stale.
         self.aliases = aliases
         # Op indices with a non-finite output (or input first seen): the others of an op that
@@ -135,6 +137,9 @@ class Origins:
         # Tensors made before the watch that held nan/inf when first read: carried like any
         # other, but their own life says nothing of harm (the program made them before).
         self.entered: set = set()
+        # Of those, the ones that held inf (ident -> meta): a nan made of deliberate infs names
+        # one (Origin.entered_inf), since the inf may be data rather than a mask.
+        self.entered_infs: dict = {}
         # Op index of a collective -> {ident: status} of its non-finite inputs when it was
         # first replayed: one read once it completed is replayed again in a later window, when
         # an input that died since (a redistribution's temporary shard) is no longer carried.
@@ -171,6 +176,7 @@ class Origins:
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, self._facts_for_log())
+        state.entered_infs.update(self.entered_infs)
         sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
             outputs = entry_outputs(entry)
@@ -195,6 +201,7 @@ class Origins:
             if ident in live and live[ident]() is not None
         }
         self.entered = {ident for ident in self.entered | state.entered if ident in self.carry}
+        self.entered_infs = {ident: meta for ident, meta in state.entered_infs.items() if ident in self.carry}
         refs = state.sentinel_refs
         self.sentinels = {ident: refs[ident] for ident in state.holds_sentinel if refs[ident]() is not None}
         self._keep_ranges(state)
@@ -445,6 +452,8 @@ class Origins:
         origin = None if facts.is_collective or received else self._recomputed(record, entry)
         if origin is None:
             origin = Origin(received or record, kind, from_deliberate=from_deliberate)
+            if from_deliberate and state.entered_infs:
+                origin.entered_inf = next(iter(state.entered_infs.values()))  # the first to come in
             origin.input_ranges = before if before is not None else _input_ranges(state, entry)
             state.origins.append(origin)
             self._remember_site(origin, entry)
@@ -824,6 +833,8 @@ def _note_first_seen(state, entry, seen) -> None:
             origin.entered = meta
             origin.input_ranges = _input_ranges(state, entry)
             state.origins.append(origin)
+        else:
+            state.entered_infs.setdefault(ident, meta)
         state.status[ident] = (kind, origin)
         state.live[ident] = flags.refs[key]
         state.entered.add(ident)
