@@ -37,6 +37,7 @@ __tracebackhide__ = True
 
 import sys
 import weakref
+from collections import Counter
 from functools import partial
 
 import torch
@@ -232,7 +233,10 @@ class LeaveOn(LedgerCounts):
             self.end_audit()
 
     def _module_seen(self, module, args) -> None:
-        self._modules.setdefault(module, None)
+        if module not in self._modules:
+            # Where it was first called (code, offset): told only beside a name two parameters share.
+            code, lasti, _ = user_frame(sys._getframe(1))
+            self._modules[module] = (code, lasti)
 
     # -- the optimizer hooks ------------------------------------------------------------------
 
@@ -315,10 +319,20 @@ class LeaveOn(LedgerCounts):
     # -- names and summaries ------------------------------------------------------------------
 
     def _names(self) -> dict:
-        names = {}
-        for module in list(self._modules):  # outermost first: a module's hook runs before its children's
+        """``{id(parameter): name}``: its name in the outermost module seen that holds it. Where
+        modules called one by one (``model[0](x)``, then ``model[2](h)``) give two parameters
+        one name, each is told with its module's class and where that was first called:
+        ``weight (Linear at train.py:8)``."""
+        names, owners = {}, {}
+        for module, site in list(self._modules.items()):  # outermost first: a module's hook runs before its children's
             for name, parameter in module.named_parameters():
-                names.setdefault(id(parameter), name)
+                if id(parameter) not in names:
+                    names[id(parameter)], owners[id(parameter)] = name, (module, site)
+        taken = Counter(names.values())
+        for ident, name in names.items():
+            if taken[name] > 1:
+                module, site = owners[ident]
+                names[ident] = f"{name} ({type(module).__name__}{_called_at(site)})"
         return names
 
     def summary(self, *, rerun: str | None = None) -> str:
@@ -372,6 +386,14 @@ def _keeping_losses(runner, original):
 
     backward.__wrapped__ = original
     return backward
+
+
+def _called_at(site) -> str:
+    """`` at train.py:8`` for a module's first call site ``(code, offset)``; ``""`` if unknown."""
+    if site is None or site[0] is None:
+        return ""
+    position = position_of(*site)
+    return f" at {display_path(position.filename)}:{position.lineno}"
 
 
 def _named(optimizer, names) -> list:

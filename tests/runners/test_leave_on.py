@@ -417,6 +417,29 @@ def test_a_skipped_step_moves_no_weight_and_no_optimizer_state_where_a_zeroed_on
     assert not all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
 
 
+def test_parameters_of_layers_called_one_by_one_are_told_apart_by_their_module_and_line():
+    """No model holds the two layers (or the loop calls them one by one): each is a module of
+    its own, and both hold a ``weight`` and a ``bias``. The failed step names each with its
+    module and where it was called, not four bare names."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 8), nn.Linear(8, 1)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    with pytest.warns(opwatch.OpwatchWarning) as told, LeaveOn(file=io.StringIO()):
+        for step in range(3):
+            x = torch.randn(8, 4)
+            if step == 1:
+                x[0, 0] = float("nan")  # a corrupted sample
+            hidden = torch.relu(first(x))  # FIRST LAYER
+            loss = second(hidden).pow(2).mean()  # SECOND LAYER
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    text = "\n".join(opwatch_warnings(told))
+    for line in (line_of("FIRST LAYER", __file__), line_of("SECOND LAYER", __file__)):
+        for name in ("weight", "bias"):
+            assert f"{name} (Linear at {__file__}:{line}) (nan)" in text, text
+
+
 # -- item 4: the trainers' guard mode --------------------------------------------------------
 
 
