@@ -213,4 +213,3 @@ def _python_data_call(position) -> str | None:
     """The user's call that lifted Python data: its sub-expression, or (Python 3.10: no columns)
     the one such call on its line."""
     return position.expression() or lone_call(position.filename, position.lineno, _PYTHON_DATA_CALLS)
-

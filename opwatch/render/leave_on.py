@@ -87,8 +87,8 @@ def _held_then(bad: list, loss: str | None) -> str:
 def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False,
             elsewhere=(), rank=None, loss: str | None = None) -> str:
     """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
-    ``audited``: the step ran under the full watch (``origin``: ``(kind, op, where, phase)`` of
-    the first nan/inf it made: an :class:`NamedOrigin`, or ``None``);
+    ``audited``: the step ran under the full watch (``origin``: the facts of
+    the first nan/inf it made: a :class:`NamedOrigin`, or ``None``);
     ``replayed``: its batch ran again from its start under the full watch; ``last``: the last
     failure told one by one; ``elsewhere``: in a job, the ranks whose gradients held them when
     this rank's were finite; ``rank``: this rank, in a job; ``loss``: ``"nan"`` or ``"inf"``
@@ -183,7 +183,7 @@ def loss_here_only(step: int, kind: str | None, rank: int) -> str:
 
 def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None) -> str:
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
-    ``(kind, op, where, phase)`` of the first nan/inf origin it found, or ``None``."""
+    the :class:`NamedOrigin` of the first nan/inf origin it found, or ``None``."""
     if origin is not None:
         return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {origin_words(origin)}."
     if failed_again:
@@ -278,7 +278,7 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
 def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
-    ``origin``: ``(kind, op, where, phase)`` a replay named, or ``None``."""
+    ``origin``: the :class:`NamedOrigin` a replay named, or ``None``."""
     if failed and origin is not None:
         said = (f"opwatch: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
                 f"{origin_words(origin)}.")
@@ -294,7 +294,7 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) ->
 def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poisoned_since: int | None, loss: str | None,
           limit: int, applied: bool = False, unit: str = "optimizer steps", command_line: bool = False, cause: str = "gradients") -> str:
     """``in_a_row`` steps in a row failed, ``first_step`` to ``step``: the run is stuck.
-    ``origin``: ``(kind, op, where, phase)`` of the first failure's origin, or ``None``;
+    ``origin``: the :class:`NamedOrigin` of the first failure's origin, or ``None``;
     ``unit``: what a step is (``"optimizer steps"``, ``"guarded calls"``); ``command_line``: the
     limit is named as the command line's option, else as the Python keyword; ``cause``: the
     first failure's (``opwatch.runners.ledger.CAUSES``)."""

@@ -311,9 +311,7 @@ class LeaveOn(LedgerCounts):
                 for tensor in tensors_in(value):
                     kind = nonfinite_kind(tensor) if tensor.is_floating_point() or tensor.is_complex() else None
                     if kind is not None:
-                        position = position_of(code, lasti)
-                        where = None if code is None else f"{display_path(position.filename)}:{position.lineno}"
-                        return type(module).__name__, (name, tensor.dtype, tuple(tensor.shape), str(tensor.device)), kind, where
+                        return type(module).__name__, (name, tensor.dtype, tuple(tensor.shape), str(tensor.device)), kind, _where(code, lasti)
         return None
 
     # -- names and summaries ------------------------------------------------------------------
@@ -332,7 +330,8 @@ class LeaveOn(LedgerCounts):
         for ident, name in names.items():
             if taken[name] > 1:
                 module, site = owners[ident]
-                names[ident] = f"{name} ({type(module).__name__}{_called_at(site)})"
+                where = None if site is None else _where(*site)
+                names[ident] = f"{name} ({type(module).__name__}" + (f" at {where}" if where else "") + ")"
         return names
 
     def summary(self, *, rerun: str | None = None) -> str:
@@ -388,12 +387,12 @@ def _keeping_losses(runner, original):
     return backward
 
 
-def _called_at(site) -> str:
-    """`` at train.py:8`` for a module's first call site ``(code, offset)``; ``""`` if unknown."""
-    if site is None or site[0] is None:
-        return ""
-    position = position_of(*site)
-    return f" at {display_path(position.filename)}:{position.lineno}"
+def _where(code, lasti) -> str | None:
+    """``train.py:8``: the user's line at ``(code, offset)`` (a call site), ``None`` if unknown."""
+    if code is None:
+        return None
+    position = position_of(code, lasti)
+    return f"{display_path(position.filename)}:{position.lineno}"
 
 
 def _named(optimizer, names) -> list:
