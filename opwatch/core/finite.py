@@ -27,7 +27,7 @@ import torch
 
 from .compat import amp_non_finite_check, dtensor_class, dtensor_parts, foreach_norm
 
-__all__ = ["FusedFiniteCheck", "finite_by_device", "local_shards", "nonfinite_kind", "value_extremes", "readable", "tensors_in", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
+__all__ = ["FusedFiniteCheck", "finite_by_device", "local_shards", "nonfinite_kind", "extremes_kind", "extremes_on_device", "value_extremes", "readable", "tensors_in", "CHECKED_DTYPES", "FLOAT8_DTYPES"]
 
 # float8 dtype -> the dtype it is read through (reductions do not take float8): one that holds
 # each of its values exactly, its nan and inf included. The names torch has (e8m0fnu: 2.7+).
@@ -158,6 +158,13 @@ def value_extremes(tensor) -> tuple[float, float] | None:
     imaginary parts of complex values; the stored values of sparse ones), nan where any value is
     nan (it carries through), in one host read. ``None`` for tensors that hold no checked value:
     other dtypes, meta, empty."""
+    extremes = extremes_on_device(tensor)
+    return None if extremes is None else tuple(extremes.tolist())
+
+
+def extremes_on_device(tensor):
+    """:func:`value_extremes` left on the tensor's device: a tensor of two values, (smallest,
+    largest), with no host read, to be read later (or ``None``, as there)."""
     if tensor.dtype not in CHECKED_DTYPES or tensor.device.type == "meta":
         return None
     values = _values(tensor).detach()
@@ -167,14 +174,19 @@ def value_extremes(tensor) -> tuple[float, float] | None:
     if values.is_complex():
         values = torch.view_as_real(values.resolve_conj())
     low, high = torch.aminmax(values)
-    return tuple(torch.stack((low, high)).tolist())
+    return torch.stack((low, high))
 
 
 def nonfinite_kind(tensor) -> str | None:
     """``"nan"`` or ``"inf"`` when ``tensor`` holds one (nan first), else ``None``: read after
     a failed check to say what it found (one host read, :func:`value_extremes`). Tensors of
     other dtypes and meta tensors hold neither; sparse ones are read through their values."""
-    extremes = value_extremes(tensor)
+    return extremes_kind(value_extremes(tensor))
+
+
+def extremes_kind(extremes) -> str | None:
+    """``"nan"`` or ``"inf"`` for ``(smallest, largest)`` read from :func:`value_extremes` or
+    :func:`extremes_on_device` (nan first), ``None`` when both are finite or there are none."""
     if extremes is None:
         return None
     low, high = extremes

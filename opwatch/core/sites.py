@@ -19,7 +19,7 @@ import torch
 
 from .compat import engine_entry_code
 
-__all__ = ["display_path", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "lone_call", "warn_at_user"]
+__all__ = ["display_path", "file_line", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "lone_call", "warn_at_user"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -259,6 +259,14 @@ def position_of(code: types.CodeType | None, lasti: int) -> Position:
 
 
 # -- the one location format ----------------------------------------------------------
+
+
+def file_line(code: types.CodeType | None, lasti: int) -> str | None:
+    """``train.py:8``: the line at ``(code, offset)`` (a call site), ``None`` if unknown."""
+    if code is None:
+        return None
+    position = position_of(code, lasti)
+    return f"{display_path(position.filename)}:{position.lineno}"
 
 
 def display_path(filename: str | None) -> str:

@@ -329,18 +329,22 @@ def unjudged_end(step: int, rerun: str | None) -> str:
     )
 
 
-def bad_input(step: int, bad: list, on_failure: str, module: str, argument: tuple, kind: str, where: str | None, *,
-              rerun: str | None = None) -> str:
+def bad_input(step: int, bad: list, on_failure: str, module: str, argument: tuple, kind: str, where: str | None,
+              forward: tuple[int, int] | None = None, *, rerun: str | None = None) -> str:
     """The gradients (or loss) of ``step`` failed and what the step fed the model (``module``'s
     ``argument``: ``(name, dtype, shape, device)``) held ``kind`` when it entered it, at
-    ``where`` (``file:line``): cause *input*. ``rerun``: with ``on_failure="raise"``, the
-    command that watches every op."""
+    ``where`` (``file:line``): cause *input*. ``forward``: ``(which call, of how many)`` where
+    the model ran more than once before the step (accumulated micro-batches). ``rerun``: with
+    ``on_failure="raise"``, the command that watches every op."""
     from ..core.notation import format_dtype, format_shape
 
     name, dtype, shape, device = argument
     argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
     held = f"the gradients about to be applied hold nan/inf: {parameters(bad)}" if bad else "the loss is not finite"
     entered = f" at {where}" if where else ""
+    if forward is not None:
+        number, calls = forward
+        entered += f" (call {number} of the {calls} the model ran since the last optimizer step)"
     head = (
         f"opwatch: optimizer step {step}: {held}. cause: input: the batch held {kind} before the model ran: {module}'s {argument} "
         f"held {kind} when it entered the model{entered}, so no op of the model made them: the data did (the line that made the "

@@ -42,14 +42,14 @@ from functools import partial
 
 import torch
 
-from ..core.compat import no_python_dispatch, run_uncompiled, unseen_by_dispatch_modes
-from ..core.finite import nonfinite_kind, tensors_in
-from ..core.sites import display_path, position_of, user_frame
+from ..core.compat import run_uncompiled, unseen_by_dispatch_modes
+from ..core.sites import file_line, user_frame
 from ..findings.anomaly import AnomalyError
 from ..render import leave_on as words
 from ..session import Watch, strict, watch
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
+from .batches import FedBatches
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, LedgerCounts
 from .policy import GradientsNotFinite, RunStuck, StepPolicy, nonfinite_of, origin_facts
 
@@ -108,11 +108,9 @@ class LeaveOn(LedgerCounts):
         # watch: called at a failed step, returns (whether it ran, the origin anomaly or None).
         self.replay = None
         self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
-        self._inputs_hook = None  # the model's forward pre-hook, after the first audit
-        self._inputs = None  # (model, args, kwargs, user frame) of the model's latest call outside a watch: references
+        self.batches = FedBatches(lambda: self._auditing)  # what each step fed the model, after the first audit
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
         self._backward = None  # torch.Tensor.backward as it was before the run
-        self._forward_after_step = False
 
     @property
     def on_failure(self) -> str:
@@ -143,11 +141,11 @@ class LeaveOn(LedgerCounts):
             handle.remove()
         self._handles = []
         self._unsee_losses()
-        self._unwatch_inputs()
+        self.batches.unwatch()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
-        self.ledger.unjudged_end = self._forward_after_step and not self._auditing
+        self.ledger.unjudged_end = self.batches.after_step and not self._auditing
         self.policy.run_ended(self.ledger.steps, exc, self)
         return False
 
@@ -253,16 +251,19 @@ class LeaveOn(LedgerCounts):
         if not self.watch.enabled:
             return False
         step = self.ledger.step(audited=self._auditing)
-        self._forward_after_step = False  # what ran since the last step is judged here
+        self.batches.after_step = False  # what ran since the last step is judged here
         losses, self._losses = self._losses, []
         named = partial(_named, optimizer, self._names)
-        if self._auditing:
-            try:
-                self.watch.check()  # the watch's own check point: names the origin, raises in strict
-            except AnomalyError as error:  # strict: the step does not run; counted if it failed
-                self.policy.failed_at_check(step, named, gradients(optimizer), losses, error)
-                raise
-        return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules)
+        try:
+            if self._auditing:
+                try:
+                    self.watch.check()  # the watch's own check point: names the origin, raises in strict
+                except AnomalyError as error:  # strict: the step does not run; counted if it failed
+                    self.policy.failed_at_check(step, named, gradients(optimizer), losses, error)
+                    raise
+            return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules)
+        finally:
+            self.batches.step_judged()  # the next step's batches are its own
 
     def replayed(self) -> None:
         """The trainer's replay ran: its own ``backward()`` is not the next step's."""
@@ -276,43 +277,14 @@ class LeaveOn(LedgerCounts):
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.policy.writes.stepped(optimizer)
         self.policy.step_done(self.ledger.steps, lambda: _named(optimizer, self._names()), self, optimizer)
-        self._watch_inputs()
+        if self._modules:
+            self.batches.watch(next(iter(self._modules)))  # the outermost module the audit saw
 
     # -- the batch ----------------------------------------------------------------------------
 
-    def _watch_inputs(self) -> None:
-        """After the first audit: a forward pre-hook on the model alone (the outermost module
-        the audit saw, or the trainer's), never a global one: it keeps a reference to what the
-        step fed the model (no copy) and where, and sees a forward after the run's last step."""
-        if self._inputs_hook is not None or not self._modules:
-            return
-        model = next(iter(self._modules))  # outermost first
-        self._inputs_hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True)
-
-    def _fed(self, module, args, kwargs) -> None:
-        self._forward_after_step = True
-        if not self._auditing:
-            self._inputs = (module, args, kwargs, user_frame(sys._getframe(1)))
-
-    def _unwatch_inputs(self) -> None:
-        if self._inputs_hook is not None:
-            self._inputs_hook.remove()
-        self._inputs_hook = self._inputs = None
-
     def bad_input(self):
-        """``(module name, argument, kind, where)`` when what the step fed the model holds
-        nan/inf (read after a failed check only), else ``None``."""
-        if self._inputs is None:
-            return None
-        module, args, kwargs, (code, lasti, _) = self._inputs
-        named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
-        with torch.no_grad(), no_python_dispatch():
-            for name, value in named:
-                for tensor in tensors_in(value):
-                    kind = nonfinite_kind(tensor) if tensor.is_floating_point() or tensor.is_complex() else None
-                    if kind is not None:
-                        return type(module).__name__, (name, tensor.dtype, tuple(tensor.shape), str(tensor.device)), kind, _where(code, lasti)
-        return None
+        """What the step fed the model that held nan/inf (:meth:`FedBatches.bad_input`)."""
+        return self.batches.bad_input()
 
     # -- names and summaries ------------------------------------------------------------------
 
@@ -330,7 +302,7 @@ class LeaveOn(LedgerCounts):
         for ident, name in names.items():
             if taken[name] > 1:
                 module, site = owners[ident]
-                where = None if site is None else _where(*site)
+                where = None if site is None else file_line(*site)
                 names[ident] = f"{name} ({type(module).__name__}" + (f" at {where}" if where else "") + ")"
         return names
 
@@ -385,14 +357,6 @@ def _keeping_losses(runner, original):
 
     backward.__wrapped__ = original
     return backward
-
-
-def _where(code, lasti) -> str | None:
-    """``train.py:8``: the user's line at ``(code, offset)`` (a call site), ``None`` if unknown."""
-    if code is None:
-        return None
-    position = position_of(code, lasti)
-    return f"{display_path(position.filename)}:{position.lineno}"
 
 
 def _named(optimizer, names) -> list:

@@ -61,6 +61,7 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "modes/ranks": (f"{DISTRIBUTED}::test_collective_mismatch_check",),
     "modes/reducer": (f"{DISTRIBUTED}::test_ddp_reducer_ops_are_backward_and_named",),
     # runners/
+    "runners/batches": ("e2e/test_kept_batches.py::test_left_on_a_bad_micro_batch_is_named_with_its_call_in_the_step",),
     "runners/cli": ("runners/test_cli.py::test_an_op_error_keeps_the_traceback_and_gets_opwatchs_note",
                     "runners/test_cli.py::test_sys_exit_status_and_message"),
     "runners/cli_diff": (f"{DIFF}::test_the_cli_dispatches_diff",),

@@ -521,11 +521,15 @@ class Origins:
                 # A nan the program wrote matters too once it reaches the gradients (nanmean
                 # leaves it out of the loss, not out of the backward: 0 * nan = nan).
                 loss = origin.loss is not None
-                if origin.cause == NAN_CONSTANT_CAUSE and (origin.reached_gradient or origin.reached_parameter):
+                written_nan = origin.cause == NAN_CONSTANT_CAUSE
+                if written_nan and (origin.reached_gradient or origin.reached_parameter):
                     origin.matters = True
                 elif loss and (origin.reached_parameter or origin.read_on_host):
                     origin.matters = True
-                elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+                elif is_alive and (not final or (written_nan and not loss)) and len(waiting) < self._MAX_UNJUDGED:
+                    # A nan the program wrote into a tensor it keeps (a batch of a dataset made
+                    # up front) waits past a final check point too: an optimizer step says
+                    # nothing of the batches still to come, and the nan spreads under it.
                     waiting.append(origin)
                     continue
                 elif loss and (origin.reached_gradient or is_alive):

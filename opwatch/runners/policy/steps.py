@@ -29,7 +29,7 @@ class OptimizerSteps:
     ``start_audit()``, ``end_audit()``, ``audit_origin()`` (the first nan/inf origin the running
     audit found), ``replay`` (``None`` or a callable that runs the batch again under a full
     watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (``(module, argument,
-    kind, where)`` of a batch that held nan/inf when it entered the model) and ``rerun``."""
+    kind, where, forward)`` of a batch that held nan/inf when it entered the model) and ``rerun``."""
 
     def told(self) -> bool:
         """Whether the newest failure is one of those warned and re-checked one by one."""

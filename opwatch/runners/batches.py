@@ -1,0 +1,109 @@
+"""What a guarded step fed its model, read only when the step fails: a batch that held nan/inf
+before any op of the model ran is the step's cause (``input``), named with the line that fed it.
+
+The leave-on runner (``python -m opwatch --guard``, the trainers' guard mode) watches the model
+this way after its first audit; nothing here reads a value on a healthy step."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..core.compat import no_python_dispatch, run_uncompiled
+from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
+from ..core.sites import file_line, user_frame
+
+__all__ = ["FedBatches"]
+
+# The model's earlier calls kept between two optimizer steps (accumulated micro-batches); the
+# calls past it are not read (as the losses kept then, ``leave_on._MAX_LOSSES``).
+_MAX_EARLIER_CALLS = 64
+
+
+class FedBatches:
+    """A forward pre-hook on the model alone (never a global one) and what it keeps of each call
+    outside an audit since the last optimizer step: a reference (no copy) to the latest call's
+    arguments and where it was made, and, for the calls before it (a step that accumulates
+    gradients over micro-batches), their floating arguments' (min, max) left on their device,
+    taken when the next call comes: one reduction per argument per call but the last, no host
+    read, no reference kept. ``auditing``: a callable, whether an audit's full watch runs (its
+    calls are the watch's to judge)."""
+
+    def __init__(self, auditing) -> None:
+        self._auditing = auditing
+        self._hook = None
+        self._latest = None  # (model, args, kwargs, (code, offset)) of the latest call
+        self._earlier: list = []  # (model's class name, [(argument, extremes on its device)], file:line)
+        self._calls = 0
+        self.after_step = False  # the model ran since the last optimizer step
+
+    def watch(self, model) -> None:
+        """Hook ``model`` (the outermost module the audit saw, or the trainer's); once."""
+        if self._hook is None:
+            self._hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True)
+
+    def unwatch(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = self._latest = None
+        self.step_judged()
+
+    def step_judged(self) -> None:
+        """The optimizer step's check ran: the next calls are the next step's."""
+        self._earlier, self._calls = [], 0
+
+    def _fed(self, module, args, kwargs) -> None:
+        if not self._auditing():
+            if self.after_step and self._latest is not None:
+                self._keep_extremes(*self._latest)  # an earlier micro-batch of this step
+            code, lasti, _ = user_frame(sys._getframe(1))
+            self._latest = (module, args, kwargs, (code, lasti))
+            self._calls += 1
+        self.after_step = True
+
+    def _keep_extremes(self, module, args, kwargs, site) -> None:
+        if len(self._earlier) >= _MAX_EARLIER_CALLS:
+            return
+        extremes = []
+        with torch.no_grad(), no_python_dispatch():
+            for name, tensor in _floating_arguments(args, kwargs):
+                found = extremes_on_device(tensor)
+                if found is not None:
+                    extremes.append((_argument(name, tensor), found))
+        self._earlier.append((type(module).__name__, extremes, file_line(*site)))
+
+    def bad_input(self):
+        """``(model's class name, argument, kind, where, call)`` of the first call since the
+        last optimizer step whose arguments held nan/inf (read after a failed check only), else
+        ``None``. ``argument``: ``(name, dtype, shape, device)``; ``call``: ``(its number, the
+        calls)`` where the model ran more than once (accumulated micro-batches), else ``None``."""
+        calls = self._calls if self._calls > 1 else None
+        with torch.no_grad(), no_python_dispatch():
+            for number, (model, extremes, where) in enumerate(self._earlier, 1):
+                for argument, found in extremes:
+                    kind = extremes_kind(found.tolist())
+                    if kind is not None:
+                        return model, argument, kind, where, (number, calls) if calls else None
+            if self._latest is None:
+                return None
+            module, args, kwargs, site = self._latest
+            for name, tensor in _floating_arguments(args, kwargs):
+                kind = nonfinite_kind(tensor)
+                if kind is not None:
+                    return type(module).__name__, _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None
+        return None
+
+
+def _floating_arguments(args, kwargs):
+    """``(name, tensor)`` of each floating or complex tensor in a call's arguments
+    (``"argument 0"`` for a positional one, its keyword else), nested ones included."""
+    named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        for tensor in tensors_in(value):
+            if tensor.is_floating_point() or tensor.is_complex():
+                yield name, tensor
+
+
+def _argument(name, tensor) -> tuple:
+    return name, tensor.dtype, tuple(tensor.shape), str(tensor.device)
