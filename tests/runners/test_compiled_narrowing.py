@@ -538,6 +538,7 @@ def _regression_batches(count, outlier_at=None):
     return batches
 
 
+@pytest.mark.thorough
 def test_a_miscompiled_backward_is_narrowed_to_the_node_whose_gradient_is_wrong(tmp_path):
     with pytest.raises(RuntimeError) as raised:
         _gated_training(_regression_batches(4, outlier_at=2), repro_dir=tmp_path)

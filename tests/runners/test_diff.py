@@ -187,6 +187,7 @@ def test_an_op_inserted_in_one_run_is_reported_and_the_alignment_goes_on(tmp_pat
     assert "4 ops only in b: aten.mul.Tensor at " in str(result) and f"train.py:{inserted} (4 times)." in str(result)
 
 
+@pytest.mark.thorough
 def test_an_inserted_op_that_changes_values(tmp_path):
     script_a = train_script(tmp_path / "a")
     script_b = train_script(tmp_path / "b", inserted="        h = h * 2.0  # inserted\n")

@@ -123,7 +123,7 @@ def _record(tmp_path, plant: bool, layout: str) -> tuple[Path, Path]:
     return tmp_path / "ranks", tmp_path / "single.jsonl"
 
 
-LAYOUTS = pytest.mark.parametrize("layout", ["tp", pytest.param("fsdp2", marks=fsdp2_on_cpu)])
+LAYOUTS = pytest.mark.parametrize("layout", [pytest.param("tp", marks=pytest.mark.thorough), pytest.param("fsdp2", marks=fsdp2_on_cpu)])
 
 
 @LAYOUTS

@@ -350,7 +350,7 @@ print("weights finite:", all(bool(torch.isfinite(p).all()) for p in model.parame
 """
 
 
-@pytest.mark.parametrize("on_failure", [None, "apply"])
+@pytest.mark.parametrize("on_failure", [None, pytest.param("apply", marks=pytest.mark.thorough)])
 def test_guard_cli_a_two_step_data_glitch_in_a_30_step_momentum_run(tmp_path, on_failure):
     (tmp_path / "train.py").write_text(DATA_GLITCH)
     option = ["--on-failure", on_failure] if on_failure else []
@@ -733,7 +733,7 @@ print("scale", scaler.get_scale())
 """
 
 
-@pytest.mark.parametrize("strict_option", [(), ("--strict",)])
+@pytest.mark.parametrize("strict_option", [(), pytest.param(("--strict",), marks=pytest.mark.thorough)])
 def test_guard_cli_gradscaler_skipped_steps_are_not_failures(tmp_path, strict_option):
     (tmp_path / "train.py").write_text(SCALED)
     environment = dict(os.environ, PYTHONPATH=ROOT)

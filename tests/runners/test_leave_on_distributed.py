@@ -47,6 +47,7 @@ def test_skip_every_rank_skips_the_same_steps_and_names_rank_1():
     assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
 
 
+@pytest.mark.thorough
 def test_raise_every_rank_raises_at_the_same_step_naming_rank_1():
     """Deciding per rank, rank 0 went on and waited in the next all-reduce for rank 1 that had
     raised (the process group's timeout); now both raise at step 4."""
@@ -61,6 +62,7 @@ def test_raise_every_rank_raises_at_the_same_step_naming_rank_1():
     assert "Timeout" not in text and "timed out" not in text
 
 
+@pytest.mark.thorough
 def test_three_ranks_the_two_healthy_ones_skip_with_the_last():
     result = _torchrun(ranks=3)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,6 +102,7 @@ def test_lightning_guard_every_rank_replays_the_batch_and_names_rank_1():
     assert "rank 0: steps 5 failed 1 skipped 1" in result.stdout and "rank 1: steps 5 failed 1 skipped 1" in result.stdout
 
 
+@pytest.mark.thorough
 def test_lightning_guard_raise_every_rank_raises_naming_rank_1():
     result = _lightning("raise")
     assert result.returncode != 0
@@ -108,6 +111,7 @@ def test_lightning_guard_raise_every_rank_raises_naming_rank_1():
             f"optimizer step together): rank 1 made it: nan in aten.sqrt.default at dist_lightning_guard.py:{PL_LINE} (forward)") in result.stderr
 
 
+@pytest.mark.thorough
 def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
     """Rank 1 leaves the loop before step 2: rank 0 waits at the check of step 2 at most
     OPWATCH_COLLECTIVE_TIMEOUT=2 s (then 5 s for where the others are), and names rank 1."""
@@ -121,6 +125,7 @@ def test_a_rank_that_never_comes_to_the_check_is_named_within_the_timeout():
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.thorough
 def test_apply_every_rank_applies_and_knows_the_weights_hold_nan_on_rank_1():
     """on_failure="apply": rank 1's weights take the nan, rank 0's stay finite; both say the
     weights hold nan/inf since step 3 and count the same failures (no rank re-checks alone)."""

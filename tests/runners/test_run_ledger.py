@@ -72,6 +72,7 @@ def test_cli_guard_stops_a_run_whose_every_step_fails_and_names_the_first_failur
     assert "Traceback" not in result.stderr and "--max-failed-steps N (0: never stop) sets that limit" in result.stderr
 
 
+@pytest.mark.thorough
 def test_cli_guard_max_failed_steps_sets_the_limit_and_zero_never_stops(tmp_path):
     three = run_cli(tmp_path, "--guard", "--max-failed-steps", "3", BLOW_AT="10")
     assert three.returncode == 1 and "3 optimizer steps in a row failed (steps 12 to 14)" in three.stderr, three.stderr

@@ -113,6 +113,7 @@ def test_a_broadcast_in_the_loss_is_named_on_every_rank(two_ranks, layout):
         assert "f32[4] cpu gets new leading dims and f32[4, 1] cpu" in message
 
 
+@pytest.mark.thorough
 @fsdp2_on_cpu
 def test_four_ranks_name_the_last_rank_and_the_others_received(four_ranks):
     for rank, results in enumerate(four_ranks):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import opwatch
+from opwatch.runners import batches as batches_module
 from opwatch.runners import leave_on as leave_on_module
 from opwatch.runners import step_verdict
 from opwatch.runners.leave_on import GradientsNotFinite, LeaveOn
@@ -72,7 +73,7 @@ def opwatch_ops_visible(monkeypatch):
     def seen(function, *args):
         return function(*args)
 
-    monkeypatch.setattr(leave_on_module, "no_python_dispatch", contextlib.nullcontext)
+    monkeypatch.setattr(batches_module, "no_python_dispatch", contextlib.nullcontext)
     monkeypatch.setattr(leave_on_module, "unseen_by_dispatch_modes", seen)
     monkeypatch.setattr(verdict_module, "unseen_by_dispatch_modes", seen)
     yield
