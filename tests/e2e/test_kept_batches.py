@@ -1,5 +1,5 @@
-"""A nan the program wrote into data it keeps, and a bad micro-batch under gradient accumulation:
-the two ways one bad sample reached the weights unnamed.
+"""A nan the program wrote into data it keeps, a table with missing values loaded once, and a bad
+micro-batch under gradient accumulation: data kept across steps, told by when it does harm.
 
 - Under a watch, a dataset made up front whose one sample the program overwrote with nan (a
   corrupted record, a missing value written as nan) reached the loss only when its batch came,
@@ -8,6 +8,11 @@ the two ways one bad sample reached the weights unnamed.
   anomaly at all, on a run whose loss ended nan. The write is now named when the nan reaches
   the gradients, however many steps later; kept unused, or selected out of the loss, it stays
   silent.
+- Data that came into torch holding nan (``torch.from_numpy`` of a table with missing values,
+  loaded once) was an anomaly at the first optimizer step merely for being alive, though the
+  loop left the incomplete rows out or filled them: a false alarm on healthy code. It now waits
+  while alive and is named where it came in once it reaches the gradients, a parameter or a host
+  read.
 - Left on (the leave-on runner, the trainers' guard), a step that accumulates gradients over
   several micro-batches kept only the last one's batch to read after a failed check: a bad
   earlier micro-batch was "nan/inf in the gradients" with no op named. Each earlier
@@ -20,13 +25,14 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import opwatch
-from opwatch.checks.nonfinite.cause import DELIBERATE
+from opwatch.checks.nonfinite.cause import DATA, DELIBERATE, INPUT
 from opwatch.runners.leave_on import LeaveOn
 from support.helpers import line_of
 
@@ -96,6 +102,50 @@ def test_a_kept_nan_selected_out_of_the_loss_or_never_used_reports_nothing():
     assert nonfinite(w) == [], [a.message for a in w.anomalies]
     w, _, _ = train_on_kept_dataset(corrupt=None)
     assert w.anomalies == []
+
+
+# -- a table with missing values, loaded once -------------------------------------------------
+
+
+def fit_on_a_table(missing: str):
+    """A numpy table of readings with missing values (nan), loaded once into torch under a watch;
+    each batch of 32 rows is a regression step. ``missing``: ``"drop"`` leaves the rows with a
+    missing value out, ``"fill"`` fills them with 0, ``"leak"`` feeds them as they are."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((256, 9)).astype(np.float32)
+    table[rng.random((256, 9)) < 0.02] = np.nan  # missing readings
+    torch.manual_seed(0)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        data = torch.from_numpy(table)  # THE TABLE
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for epoch in range(2):
+            for start in range(0, 256, 32):
+                batch = data[start : start + 32]
+                if missing == "drop":
+                    batch = batch[~batch.isnan().any(1)]
+                elif missing == "fill":
+                    batch = batch.nan_to_num(0.0)
+                loss = F.mse_loss(model(batch[:, :8]), batch[:, 8:])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    return w, model
+
+
+@pytest.mark.parametrize("missing", ["drop", "fill"])
+def test_a_table_with_missing_values_the_loop_leaves_out_or_fills_reports_nothing(missing):
+    w, model = fit_on_a_table(missing)
+    assert w.anomalies == [], [a.message for a in w.anomalies]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_table_with_missing_values_fed_as_they_are_is_named_where_it_came_in():
+    w, _ = fit_on_a_table("leak")
+    (found,) = nonfinite(w)
+    assert (found.op, found.lineno) == ("aten.lift_fresh.default", line_of("# THE TABLE", __file__)), found.message
+    cause = found.finding.facts["cause"]
+    assert (cause.kind, cause.detail) == (INPUT, DATA)
 
 
 # -- left on: accumulated micro-batches -------------------------------------------------------

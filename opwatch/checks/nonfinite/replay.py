@@ -544,15 +544,24 @@ class Origins:
                 # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
                 # finite and wrong, so it matters all the same.
                 origin.matters = origin.absorbed = True
-            elif is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+            elif is_alive and (not final or _is_data(origin)) and len(waiting) < self._MAX_UNJUDGED:
+                # Data that came in holding nan (a table with missing values, loaded once) is
+                # the program's to use: alive, it says nothing of harm until it reaches the
+                # gradients, a parameter or a host read, however many steps later.
                 waiting.append(origin)
                 continue
             else:
-                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or is_alive)
+                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or (is_alive and not _is_data(origin)))
             judged.append(origin)
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def _is_data(origin) -> bool:
+    """Whether ``origin`` is data that came into torch holding nan/inf (no op made it)."""
+    cause = origin.cause
+    return cause is not None and cause.kind == INPUT and cause.detail == DATA
 
 
 def flagged_verdict(kind, entry, output, *, spread, fed_kinds, deliberate, fed_holders, sentinel_holders) -> str:
