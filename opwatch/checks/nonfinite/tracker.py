@@ -97,12 +97,13 @@ class EarlierBlocks:
     (:meth:`outside_since`). Dead entries are dropped whenever a table
     has doubled, so memory stays flat however many blocks run."""
 
-    __slots__ = ("known", "made", "outside", "_made_limit", "_outside_limit")
+    __slots__ = ("known", "made", "outside", "origins", "_made_limit", "_outside_limit")
 
     def __init__(self) -> None:
         self.known: dict = {}
         self.made: dict = {}
         self.outside: dict = {}
+        self.origins: Origins | None = None  # the last block's replay state (hand_on)
         self._made_limit = self._outside_limit = _KNOWN_START
 
     def next_block(self, known: dict) -> None:
@@ -117,6 +118,20 @@ class EarlierBlocks:
         if len(made) > self._made_limit:
             self.made = made = {ident: ref for ident, ref in made.items() if ref() is not None}
             self._made_limit = max(_KNOWN_START, 2 * len(made))
+
+    def hand_on(self, origins: Origins) -> None:
+        """A block starts, its replay state ``origins``: what the last block's left alive
+        holding an origin's nan/inf (weights the optimizer wrote a bad batch's gradients into,
+        its moments) goes on as carried, and the origins that wait (data kept unused) wait on,
+        as one watch kept over both blocks would follow them; else each later block would
+        find the weights holding nan with no op of its own to blame and name them again."""
+        last, self.origins = self.origins, origins
+        if last is None:
+            return
+        origins.carry = {ident: (kind, origin, ref) for ident, (kind, origin, ref) in last.carry.items() if ref() is not None}
+        origins.unjudged = last.unjudged
+        origins.entered = {ident for ident in last.entered if ident in origins.carry}
+        origins.entered_infs = {ident: meta for ident, meta in last.entered_infs.items() if ident in origins.carry}
 
     def first_read(self, tensor, index: int) -> None:
         """``tensor``, first read at op ``index`` of a block, was made by no op of the block:
@@ -194,6 +209,7 @@ class NonFiniteTracker:
         # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
         self._first_seen: dict = {}
         self._origins = Origins(log)  # the replay and judgement, across check points
+        self._blocks.hand_on(self._origins)
         self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
 
     def for_op(self, func):
