@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..core.compat import no_python_dispatch, run_uncompiled
+from ..core.compat import compiled_module_inner, no_python_dispatch, run_uncompiled
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
@@ -71,7 +71,7 @@ class FedBatches:
                 found = extremes_on_device(tensor)
                 if found is not None:
                     extremes.append((_argument(name, tensor), found))
-        self._earlier.append((type(module).__name__, extremes, file_line(*site)))
+        self._earlier.append((_model_name(module), extremes, file_line(*site)))
 
     def bad_input(self):
         """``(model's class name, argument, kind, where, call)`` of the first call since the
@@ -91,7 +91,7 @@ class FedBatches:
             for name, tensor in _floating_arguments(args, kwargs):
                 kind = nonfinite_kind(tensor)
                 if kind is not None:
-                    return type(module).__name__, _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None
+                    return _model_name(module), _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None
         return None
 
 
@@ -103,6 +103,11 @@ def _floating_arguments(args, kwargs):
         for tensor in tensors_in(value):
             if tensor.is_floating_point() or tensor.is_complex():
                 yield name, tensor
+
+
+def _model_name(module) -> str:
+    """The model's class name (the compiled model's own, not ``OptimizedModule``)."""
+    return type(compiled_module_inner(module) or module).__name__
 
 
 def _argument(name, tensor) -> tuple:

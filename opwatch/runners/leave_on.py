@@ -42,7 +42,7 @@ from functools import partial
 
 import torch
 
-from ..core.compat import run_uncompiled, unseen_by_dispatch_modes
+from ..core.compat import compiled_module_inner, run_uncompiled, unseen_by_dispatch_modes
 from ..core.sites import file_line, user_frame
 from ..findings.anomaly import AnomalyError
 from ..render import leave_on as words
@@ -295,6 +295,7 @@ class LeaveOn(LedgerCounts):
         ``weight (Linear at train.py:8)``."""
         names, owners = {}, {}
         for module, site in list(self._modules.items()):  # outermost first: a module's hook runs before its children's
+            module = compiled_module_inner(module) or module  # torch.compile's wrapper: the model's own names, no _orig_mod.
             for name, parameter in module.named_parameters():
                 if id(parameter) not in names:
                     names[id(parameter)], owners[id(parameter)] = name, (module, site)

@@ -713,3 +713,26 @@ def test_lightning_callback_leaves_a_compiled_network_compiled(tmp_path, mode, e
     assert backend.runs == 4 - eager_steps
     module.net(x[:4])  # the batch shape of the training steps: no recompile
     assert backend.compiles == 1 and backend.runs == 5 - eager_steps
+
+
+def test_leave_on_names_a_compiled_model_s_parameters_and_batch_as_the_model_s_own():
+    """``torch.compile(model)`` wraps it in an ``OptimizedModule`` whose parameters are named
+    ``_orig_mod.0.weight``: a failed step names the model's own (``0.weight``) and its class."""
+    from opwatch.runners.leave_on import LeaveOn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    compiled = torch.compile(model, backend=Counting())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(opwatch.OpwatchWarning) as told, LeaveOn(on_failure="skip", max_failed_in_a_row=None):
+        for number in range(5):
+            x = torch.randn(16, 6)
+            if number == 3:
+                x[3, 2] = float("nan")  # a corrupted sample
+            loss = (compiled(x) - x.sum(-1, keepdim=True)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    (text,) = [str(warning.message) for warning in told if "optimizer step 4:" in str(warning.message)]
+    assert "hold nan/inf: 0.weight (nan), 0.bias (nan), 2.weight (nan), 2.bias (nan)." in text, text
+    assert "Sequential's argument 0 (f32[16, 6] cpu) held nan" in text and "_orig_mod" not in text and "OptimizedModule" not in text, text
