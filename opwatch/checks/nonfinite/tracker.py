@@ -88,7 +88,8 @@ class EarlierBlocks:
     made (id -> (weak reference, the op index from which the watch knew it)), kept for the
     watch's life; ``made``, the live tensors an op of an earlier block made (id -> weak
     reference); ``known``, the last block's known tensors, folded into ``made`` when the next
-    block starts (:meth:`next_block`).
+    block starts (:meth:`next_block`); ``origins``, the last block's replay state, whose live
+    carried tensors and waiting origins the next block takes on (:meth:`hand_on`).
 
     A tensor first read in a block was made outside the watch's ops (a batch the DataLoader
     made between two steps, ``torch.from_numpy``), unless an op of an earlier block made it.
