@@ -521,15 +521,11 @@ class Origins:
                 # A nan the program wrote matters too once it reaches the gradients (nanmean
                 # leaves it out of the loss, not out of the backward: 0 * nan = nan).
                 loss = origin.loss is not None
-                written_nan = origin.cause == NAN_CONSTANT_CAUSE
-                if written_nan and (origin.reached_gradient or origin.reached_parameter):
+                if origin.cause == NAN_CONSTANT_CAUSE and (origin.reached_gradient or origin.reached_parameter):
                     origin.matters = True
                 elif loss and (origin.reached_parameter or origin.read_on_host):
                     origin.matters = True
-                elif is_alive and (not final or (written_nan and not loss)) and len(waiting) < self._MAX_UNJUDGED:
-                    # A nan the program wrote into a tensor it keeps (a batch of a dataset made
-                    # up front) waits past a final check point too: an optimizer step says
-                    # nothing of the batches still to come, and the nan spreads under it.
+                elif is_alive and (not final or (_the_programs_data(origin) and not loss)) and len(waiting) < self._MAX_UNJUDGED:
                     waiting.append(origin)
                     continue
                 elif loss and (origin.reached_gradient or is_alive):
@@ -544,24 +540,25 @@ class Origins:
                 # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
                 # finite and wrong, so it matters all the same.
                 origin.matters = origin.absorbed = True
-            elif is_alive and (not final or _is_data(origin)) and len(waiting) < self._MAX_UNJUDGED:
-                # Data that came in holding nan (a table with missing values, loaded once) is
-                # the program's to use: alive, it says nothing of harm until it reaches the
-                # gradients, a parameter or a host read, however many steps later.
+            elif is_alive and (not final or _the_programs_data(origin)) and len(waiting) < self._MAX_UNJUDGED:
                 waiting.append(origin)
                 continue
             else:
-                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or (is_alive and not _is_data(origin)))
+                origin.matters = not origin.skipped_by_grad_scaler and (origin.reached_gradient or (is_alive and not _the_programs_data(origin)))
             judged.append(origin)
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
 
 
-def _is_data(origin) -> bool:
-    """Whether ``origin`` is data that came into torch holding nan/inf (no op made it)."""
+def _the_programs_data(origin) -> bool:
+    """Whether ``origin`` is data the program holds, no op made: a nan it wrote itself (a
+    corrupted record, a placeholder), or data that came into torch holding nan (a table with
+    missing values, loaded once). Alive, it waits past a final check point too (an optimizer
+    step says nothing of the batches still to come) until it reaches the gradients, a
+    parameter or a host read, however many steps later."""
     cause = origin.cause
-    return cause is not None and cause.kind == INPUT and cause.detail == DATA
+    return cause == NAN_CONSTANT_CAUSE or (cause is not None and cause.kind == INPUT and cause.detail == DATA)
 
 
 def flagged_verdict(kind, entry, output, *, spread, fed_kinds, deliberate, fed_holders, sentinel_holders) -> str:

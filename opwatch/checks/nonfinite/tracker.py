@@ -89,7 +89,7 @@ class EarlierBlocks:
     watch's life; ``made``, the live tensors an op of an earlier block made (id -> weak
     reference); ``known``, the last block's known tensors, folded into ``made`` when the next
     block starts (:meth:`next_block`); ``origins``, the last block's replay state, whose live
-    carried tensors and waiting origins the next block takes on (:meth:`hand_on`).
+    carried tensors and waiting origins the next block takes on (:meth:`next_block`).
 
     A tensor first read in a block was made outside the watch's ops (a batch the DataLoader
     made between two steps, ``torch.from_numpy``), unless an op of an earlier block made it.
@@ -104,13 +104,15 @@ class EarlierBlocks:
         self.known: dict = {}
         self.made: dict = {}
         self.outside: dict = {}
-        self.origins: Origins | None = None  # the last block's replay state (hand_on)
+        self.origins: Origins | None = None  # the last block's replay state (_hand_on)
         self._made_limit = self._outside_limit = _KNOWN_START
 
-    def next_block(self, known: dict) -> None:
+    def next_block(self, known: dict, origins: Origins) -> None:
         """A block starts, its tracker knowing ``known`` (its table, handed on to the next
         block): the live tensors the last block knew that an op of the watch made join
-        ``made``. Once a block, off the per-op path."""
+        ``made``; its replay state ``origins`` takes on the last block's (:meth:`_hand_on`).
+        Once a block, off the per-op path."""
+        self._hand_on(origins)
         last, self.known = self.known, known
         made, outside = self.made, self.outside
         for ident, ref in last.items():
@@ -120,7 +122,7 @@ class EarlierBlocks:
             self.made = made = {ident: ref for ident, ref in made.items() if ref() is not None}
             self._made_limit = max(_KNOWN_START, 2 * len(made))
 
-    def hand_on(self, origins: Origins) -> None:
+    def _hand_on(self, origins: Origins) -> None:
         """A block starts, its replay state ``origins``: what the last block's left alive
         holding an origin's nan/inf (weights the optimizer wrote a bad batch's gradients into,
         its moments) goes on as carried, and the origins that wait (data kept unused) wait on,
@@ -206,11 +208,10 @@ class NonFiniteTracker:
         # watch made, and which no op of it made, with the op index from which it knew them.
         # The log's op that output the same id before that index made an older tensor.
         self._blocks = EarlierBlocks() if earlier is None else earlier
-        self._blocks.next_block(self._known)
         # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
         self._first_seen: dict = {}
         self._origins = Origins(log)  # the replay and judgement, across check points
-        self._blocks.hand_on(self._origins)
+        self._blocks.next_block(self._known, self._origins)
         self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
 
     def for_op(self, func):
