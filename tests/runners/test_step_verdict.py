@@ -623,3 +623,53 @@ def test_fsdp2_without_a_clip_one_small_all_reduce_a_step_decides(ddp_ranks):
         assert result["failed"] == [3] and result["skipped"] == 1 and result["source"] == "fused pass"
         assert result["collectives"][1] == 1 and result["collectives"][3:] == [1, 1, 1]  # opwatch's one flag a step
     assert zero["weights"] == one["weights"] and all(math.isfinite(weight) for weight in zero["weights"])
+
+
+def test_leave_on_over_accumulated_micro_batches_adds_one_reduction_per_earlier_batch_and_no_host_read(monkeypatch):
+    """What the batch check costs on a healthy step that accumulates 4 micro-batches and clips:
+    counted with opwatch's own ops made visible, against the same steps unguarded. Each call of
+    the model but the last adds one aminmax (and the stack of its two values) of its one floating
+    argument; no host read beyond the verdict's, no copy of a batch."""
+    tolist = torch.Tensor.tolist
+    host_reads = []  # Tensor.tolist() calls, which dispatch no op on the CPU
+
+    def counted_tolist(tensor):
+        host_reads.append(tensor.numel())
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+    def run(guarded: bool) -> CountingMode:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(16)]
+
+        def steps(numbers):
+            for number in numbers:
+                x, y = batches[number]
+                (F.cross_entropy(model(x), y) / 4).backward()
+                if number % 4 == 3:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+        with contextlib.ExitStack() as stack:
+            if guarded:
+                stack.enter_context(opwatch_ops_visible(monkeypatch))
+                stack.enter_context(LeaveOn(audit="first", warn=False))
+            steps(range(4))  # the audit (guarded), or the same step plain
+            host_reads.clear()
+            with CountingMode() as counting:
+                steps(range(4, 16))  # three healthy steps of four micro-batches
+            counting.tolist = list(host_reads)
+        return counting
+
+    plain, guarded = run(False), run(True)
+    added = {op: guarded.count(op) - plain.count(op) for op in set(guarded.ops)}
+    assert added.get("aten.aminmax.default", 0) == 3 * 3  # three earlier micro-batches a step, three steps
+    assert added.get("aten.stack.default", 0) == 3 * 3
+    assert added.get("aten.clone.default", 0) == 0 and added.get("aten.copy_.default", 0) == 0  # no batch copied
+    # Host reads: the verdict's alone, the clip's norm and each micro-batch's loss, a step.
+    assert added.get("aten._local_scalar_dense.default", 0) == 3 * (1 + 4)
+    assert guarded.tolist == plain.tolist == []  # and no Tensor.tolist(): the extremes wait on their device
