@@ -23,7 +23,7 @@ from html import escape
 from ..checks.nonfinite.origin import OriginFacts
 from ..core.records import BACKWARD, M_IDENT, short_op_name
 from ..core.sites import location
-from .leave_on import NamedOrigin, origin_words
+from .leave_on import NamedOrigin, batch_words, origin_words
 from .messages import message_parts
 from .phrases import module_of
 from .summary import count_places
@@ -377,7 +377,10 @@ def guard_section(guarded: dict) -> str:
         parts.append('<table class="guard"><thead><tr><th>step</th><th>cause</th><th>done</th><th>origin</th><th>what held nan/inf</th></tr></thead><tbody>')
         for row in failures:
             origin = row.get("origin")
-            made = "not named" if not origin else origin_words(NamedOrigin(origin["kind"], origin["op"], origin["where"], origin["phase"], came_with=origin.get("came_with")))
+            if origin:
+                made = origin_words(NamedOrigin(origin["kind"], origin["op"], origin["where"], origin["phase"], came_with=origin.get("came_with")))
+            else:
+                made = "not named" if not row.get("batch") else batch_words(row["batch"])
             held = ", ".join(f"{name} ({kind})" for name, kind in row.get("parameters") or []) or (f'the loss ({row["loss"]})' if row.get("loss") else "")
             parts.append(f'<tr class="bad"><td>{row["step"]}</td><td>{escape(row["cause"])}</td><td>{escape(row["action"])}</td>'
                          f"<td>{escape(made)}</td><td>{escape(held)}</td></tr>")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere", "stuck", "no_op_named", "bad_input"]
+           "made_elsewhere", "stuck", "no_op_named", "bad_input", "batch_words"]
 
 
 def parameters(bad: list) -> str:
@@ -188,10 +188,10 @@ def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=Non
         return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {origin_words(origin)}."
     if failed_again:
         return (
-            f"opwatch: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
+            f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
             "they came in with the weights, the batch or the optimizer's state."
         )
-    return f"opwatch: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
+    return f"{_who(rank)}: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
 
 
 def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None) -> str:
@@ -275,18 +275,21 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
     )
 
 
-def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None) -> str:
+def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
-    ``origin``: the :class:`NamedOrigin` a replay named, or ``None``."""
+    ``origin``: the :class:`NamedOrigin` a replay named, or ``None``. ``world``: for the
+    combined summary of a job of ``world`` ranks, printed after every guard's line."""
+    who = "opwatch" if world is None else f"opwatch, all {world} ranks"
+    guard_line = "below" if world is None else "above"
     if failed and origin is not None:
-        said = (f"opwatch: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
+        said = (f"{who}: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
                 f"{origin_words(origin)}.")
     elif failed:
-        said = (f"opwatch: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
-                "failed (see the guard's line below).")
+        said = (f"{who}: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
+                f"failed (see the guard's line {guard_line}).")
     else:
-        said = "opwatch: no anomalies in the fully watched steps; the run's last ops were not judged (see below)."
+        said = f"{who}: no anomalies in the fully watched steps; the run's last ops were not judged (see {guard_line})."
     first, newline, rest = watch_summary.partition("\n")
     return said + newline + rest if "no anomalies" in first else watch_summary
 
@@ -329,30 +332,69 @@ def unjudged_end(step: int, rerun: str | None) -> str:
     )
 
 
-def bad_input(step: int, bad: list, on_failure: str, module: str, argument: tuple, kind: str, where: str | None,
-              forward: tuple[int, int] | None = None, *, rerun: str | None = None) -> str:
-    """The gradients (or loss) of ``step`` failed and what the step fed the model (``module``'s
-    ``argument``: ``(name, dtype, shape, device)``) held ``kind`` when it entered it, at
-    ``where`` (``file:line``): cause *input*. ``forward``: ``(which call, of how many)`` where
-    the model ran more than once before the step (accumulated micro-batches). ``rerun``: with
-    ``on_failure="raise"``, the command that watches every op."""
+def batch_words(batch: dict) -> str:
+    """A failure's bad batch as the run ledger keeps it (:class:`~opwatch.runners.ledger.Failure`'s
+    ``batch``), for the report: ``the batch held nan when it entered the model: Sequential's
+    argument 0 (f32[8, 8] cpu) at train.py:12 (call 1 of the 3 the model ran since the last
+    optimizer step), on rank 1``."""
+    import torch
+
     from ..core.notation import format_dtype, format_shape
 
-    name, dtype, shape, device = argument
-    argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
-    held = f"the gradients about to be applied hold nan/inf: {parameters(bad)}" if bad else "the loss is not finite"
-    entered = f" at {where}" if where else ""
-    if forward is not None:
-        number, calls = forward
-        entered += f" (call {number} of the {calls} the model ran since the last optimizer step)"
+    rank = batch.get("rank")
+    on_rank = "" if rank is None else f", on rank {rank}"
+    if "argument" not in batch:
+        return f"the batch of rank {rank} held nan/inf when it entered the model (what it held did not reach this rank)"
+    name, dtype, shape, device = batch["argument"]
+    short = format_dtype(getattr(torch, dtype, dtype))
+    at = f" at {batch['where']}" if batch.get("where") else ""
+    call = batch.get("call")
+    if call:
+        number, calls = call
+        at += f" (call {number} of the {calls} the model ran since the last optimizer step)"
+    return (f"the batch held {batch['kind']} when it entered the model: {batch['model']}'s {name} "
+            f"({short}{format_shape(tuple(shape))} {device}){at}{on_rank}")
+
+
+def bad_input(step: int, bad: list, on_failure: str, fed, *, rerun: str | None = None, rank: int | None = None,
+              ranks: tuple | None = None, elsewhere=()) -> str:
+    """The gradients (or loss) of ``step`` failed and what the step fed the model held nan/inf
+    when it entered it: cause *input*. ``fed``: a :class:`~opwatch.runners.batches.FedInput`
+    (``model``'s ``argument``: ``(name, dtype, shape, device)``, ``kind``, ``where``: the
+    ``file:line`` of the call; ``call``: ``(which call, of how many)`` where the model ran more
+    than once before the step), or ``None`` when another rank's facts did not arrive.
+    ``rerun``: with ``on_failure="raise"``, the command that watches every op. In a job:
+    ``rank``, this rank; ``ranks``, those whose batch held nan/inf (the first one's is told);
+    ``elsewhere``, the ranks whose gradients held them when this rank's were finite."""
+    from ..core.notation import format_dtype, format_shape
+
+    if bad or elsewhere:
+        held = f"the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}"
+    else:
+        held = "the loss is not finite"
+    first = min(ranks) if ranks else None
+    whose = "the batch" if first is None else "this rank's batch" if first == rank else f"rank {first}'s batch"
+    also = f" (also the batch of {_ranks(set(ranks) - {first})})" if ranks and len(ranks) > 1 else ""
+    if fed is None:
+        told = (f"{whose} held nan/inf before the model ran{also} (what it held did not reach this rank), so no op of the "
+                "model made them: the data did")
+    else:
+        name, dtype, shape, device = fed.argument
+        argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
+        entered = f" at {fed.where}" if fed.where else ""
+        if fed.call is not None:
+            number, calls = fed.call
+            entered += f" (call {number} of the {calls} the model ran since the last optimizer step)"
+        told = (f"{whose} held {fed.kind} before the model ran{also}: {fed.model}'s {argument} held {fed.kind} when it entered the "
+                f"model{entered}, so no op of the model made them: the data did")
     head = (
-        f"opwatch: optimizer step {step}: {held}. cause: input: the batch held {kind} before the model ran: {module}'s {argument} "
-        f"held {kind} when it entered the model{entered}, so no op of the model made them: the data did (the line that made the "
-        "batch, or what it read: a file, a numpy array, a sample)."
+        f"{_who(rank)}: optimizer step {step}: {held}. cause: input: {told} (the line that made the batch, or what it read: a file, "
+        "a numpy array, a sample)."
     )
+    every = " Every rank does the same." if rank is not None else ""
     if on_failure == "raise":
-        then = " The optimizer did not run on them."
+        then = " The optimizer did not run on them." + every
         if rerun:
             then += f" To see the ops that made the batch, if torch made it: {rerun}."
         return head + then
-    return head + _ACTIONS[on_failure]
+    return head + _ACTIONS[on_failure] + every

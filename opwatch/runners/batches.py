@@ -7,6 +7,7 @@ this way after its first audit; nothing here reads a value on a healthy step."""
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -14,11 +15,34 @@ from ..core.compat import compiled_module_inner, no_python_dispatch, run_uncompi
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
-__all__ = ["FedBatches"]
+__all__ = ["FedBatches", "FedInput"]
 
 # The model's earlier calls kept between two optimizer steps (accumulated micro-batches); the
 # calls past it are not read (as the losses kept then, ``leave_on._MAX_LOSSES``).
 _MAX_EARLIER_CALLS = 64
+
+
+class FedInput(NamedTuple):
+    """A call of the model whose arguments held nan/inf when they entered it."""
+
+    model: str  # the model's class name
+    argument: tuple  # (name, dtype, shape, device)
+    kind: str  # "nan" or "inf"
+    where: str | None  # file:line of the call
+    call: tuple | None  # (its number, the calls since the last optimizer step), or None for one call
+
+    def facts(self) -> dict:
+        """Plain JSON facts, for another rank (:meth:`from_facts`)."""
+        name, dtype, shape, device = self.argument
+        return {"model": self.model, "argument": [name, str(dtype).removeprefix("torch."), list(shape), device],
+                "kind": self.kind, "where": self.where, "call": list(self.call) if self.call else None}
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> FedInput:
+        name, dtype, shape, device = facts["argument"]
+        call = facts.get("call")
+        return cls(facts["model"], (name, getattr(torch, dtype, dtype), tuple(shape), device), facts["kind"], facts.get("where"),
+                   tuple(call) if call else None)
 
 
 class FedBatches:
@@ -73,25 +97,24 @@ class FedBatches:
                     extremes.append((_argument(name, tensor), found))
         self._earlier.append((_model_name(module), extremes, file_line(*site)))
 
-    def bad_input(self):
-        """``(model's class name, argument, kind, where, call)`` of the first call since the
-        last optimizer step whose arguments held nan/inf (read after a failed check only), else
-        ``None``. ``argument``: ``(name, dtype, shape, device)``; ``call``: ``(its number, the
-        calls)`` where the model ran more than once (accumulated micro-batches), else ``None``."""
+    def bad_input(self) -> FedInput | None:
+        """The first call since the last optimizer step whose arguments held nan/inf (read
+        after a failed check only), else ``None``. Its ``call`` is ``(its number, the calls)``
+        where the model ran more than once (accumulated micro-batches), else ``None``."""
         calls = self._calls if self._calls > 1 else None
         with torch.no_grad(), no_python_dispatch():
             for number, (model, extremes, where) in enumerate(self._earlier, 1):
                 for argument, found in extremes:
                     kind = extremes_kind(found.tolist())
                     if kind is not None:
-                        return model, argument, kind, where, (number, calls) if calls else None
+                        return FedInput(model, argument, kind, where, (number, calls) if calls else None)
             if self._latest is None:
                 return None
             module, args, kwargs, site = self._latest
             for name, tensor in _floating_arguments(args, kwargs):
                 kind = nonfinite_kind(tensor)
                 if kind is not None:
-                    return _model_name(module), _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None
+                    return FedInput(_model_name(module), _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None)
         return None
 
 
@@ -106,8 +129,15 @@ def _floating_arguments(args, kwargs):
 
 
 def _model_name(module) -> str:
-    """The model's class name (the compiled model's own, not ``OptimizedModule``)."""
-    return type(compiled_module_inner(module) or module).__name__
+    """The model's class name: the compiled model's own, not ``OptimizedModule``; the wrapped
+    model's, not ``DistributedDataParallel`` (or ``DataParallel``)."""
+    while True:
+        inner = compiled_module_inner(module)
+        if inner is None and isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = module.module
+        if inner is None:
+            return type(module).__name__
+        module = inner
 
 
 def _argument(name, tensor) -> tuple:

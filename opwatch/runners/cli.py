@@ -301,7 +301,7 @@ def run_script(
             print(every_check(command(strict_mode)), file=out)
         if guard:  # a run that ended unjudged: strict finds the first anomaly at once
             print(runner.summary(rerun=command(True)), file=out)
-        _print_every_rank(w, out, files={"--jsonl": jsonl, "--trace": trace, "--tensorboard": tensorboard})
+        _print_every_rank(w, out, files={"--jsonl": jsonl, "--trace": trace, "--tensorboard": tensorboard}, guard=runner if guard else None)
         if failure is not None:
             if dump.getvalue():
                 out.write("\n" + dump.getvalue() + "\n")
@@ -339,16 +339,18 @@ class _Held(io.StringIO):
         return self._stream.fileno()
 
 
-def _print_every_rank(w, out, files: dict) -> None:
+def _print_every_rank(w, out, files: dict, guard=None) -> None:
     """In a job of several ranks (``torchrun ... -m opwatch script.py``), rank 0 also prints the
     combined summary: every rank's anomalies, naming the rank, op and line that made the first
-    nan/inf, then where each rank wrote the ``files`` given (option -> path or ``None``). The
-    other ranks' summaries arrive through the process group's store."""
+    nan/inf (with ``--guard``, never "no anomalies" beside failed steps: ``guard``'s
+    :meth:`~opwatch.runners.leave_on.LeaveOn.watch_summary`), then where each rank wrote the
+    ``files`` given (option -> path or ``None``). The other ranks' summaries arrive through the
+    process group's store."""
     if w.rank != 0:
         return
     everyone = w.all_anomalies()
     if everyone.world and everyone.world > 1:
-        print(everyone.summary(), file=out)
+        print(everyone.summary() if guard is None else guard.watch_summary(everyone), file=out)
     world = everyone.world or current_world_size()
     given = [(option, path) for option, path in files.items() if path]
     if world and world > 1 and given:

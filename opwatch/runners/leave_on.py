@@ -197,6 +197,8 @@ class LeaveOn(LedgerCounts):
         """Run under the full watch until the next optimizer step has run."""
         if self._auditing or not self.watch.enabled or self.ledger.poisoned_since is not None:
             return  # weights that hold nan/inf would make every op that reads them look like an origin
+        if self.ledger.failures:  # what the told failures left (a loss summed for the log) is not this audit's to name
+            self.watch._failure_told()
         self._before_audit = {id(anomaly) for anomaly in self.watch.anomalies}
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_seen)
         self._auditing = True
@@ -317,13 +319,18 @@ class LeaveOn(LedgerCounts):
             text += "\n" + words.unjudged_end(steps, rerun)
         return text
 
-    def watch_summary(self) -> str:
-        """The audits' summary; where it would say "no anomalies" alone while a step failed or
-        the run ended unjudged, a line that says what the ledger holds instead."""
-        text = self.watch.summary()
-        if self.ledger.clean or self.watch.anomalies:
+    def watch_summary(self, every_rank=None) -> str:
+        """The audits' summary (``every_rank``: the job's :class:`~opwatch.findings.ranks.AllAnomalies`
+        instead, whose combined summary follows the guard's lines; the ranks decide each step
+        together, so this rank's ledger counts for all); where it would say "no anomalies"
+        alone while a step failed or the run ended unjudged, a line that says what the ledger
+        holds instead."""
+        found = self.watch.anomalies if every_rank is None else every_rank
+        text = self.watch.summary() if every_rank is None else every_rank.summary()
+        if self.ledger.clean or found:
             return text
-        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(self.ledger.first_origin()))
+        world = None if every_rank is None else every_rank.world
+        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(self.ledger.first_origin()), world=world)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

@@ -56,7 +56,11 @@ class Failure:
     ``step``: its 1-based count; ``parameters``: ``(name, kind)`` pairs of what held nan/inf
     (kind ``"nan"`` or ``"inf"``); ``cause``: one of :data:`CAUSES`; ``origin``: the
     :class:`~opwatch.Anomaly` a full watch (audit, re-check or replay) named for it, or ``None``;
-    ``action``: ``"skipped"``, ``"applied"`` or ``"raised"`` once decided, ``""`` before."""
+    ``action``: ``"skipped"``, ``"applied"`` or ``"raised"`` once decided, ``""`` before;
+    ``batch``: for cause ``"input"``, what the batch held (``model``, ``argument`` as ``[name,
+    dtype, shape, device]``, ``kind``, ``where``, ``call`` as ``[number, calls]`` or ``None``,
+    ``rank``: the rank whose batch it was in a job, else ``None``), else ``None``; only
+    ``rank`` when another rank's facts did not arrive."""
 
     step: int
     parameters: list
@@ -64,6 +68,7 @@ class Failure:
     origin: object = None
     action: str = ""
     loss: str | None = field(default=None)  # "nan" or "inf": the loss, when it was not finite
+    batch: dict | None = field(default=None)
 
 
 class RunLedger:
@@ -188,7 +193,7 @@ class RunLedger:
             origin = failure.origin
             rows.append({
                 "step": failure.step, "cause": failure.cause, "action": failure.action or "applied",
-                "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss,
+                "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss, "batch": failure.batch,
                 "origin": None if origin is None else {
                     "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "came_with": came_with(origin),
                     "message": next(iter(origin.message.splitlines()), "")},

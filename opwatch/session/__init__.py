@@ -323,6 +323,13 @@ class Watch:
 
         write_chrome_trace(self, path)
 
+    def _failure_told(self) -> None:
+        """A guard (leave-on) told a failed optimizer step that ran outside this watch: from the
+        next block on, nan/inf found in tensors made before a block are that failure's
+        leftovers, named only once they reach the gradients or a parameter
+        (``nonfinite.EarlierBlocks.failure_told``)."""
+        self._earlier_blocks.failure_told = True
+
     # -- the context manager ------------------------------------------------------------------
 
     def __enter__(self) -> Watch:

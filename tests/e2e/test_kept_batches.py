@@ -188,6 +188,8 @@ def test_left_on_a_bad_micro_batch_is_named_with_its_call_in_the_step(position):
     assert ("cause: input: the batch held nan before the model ran: Classifier's argument 0 (f32[8, 16] cpu) held nan when it entered "
             "the model at ") in text, text
     assert f"test_kept_batches.py:{line} (call {position + 1} of the 4 the model ran since the last optimizer step), so no op" in text, text
+    (row,) = runner.ledger.rows()
+    assert row["batch"]["call"] == [position + 1, 4] and row["batch"]["argument"] == ["argument 0", "float32", [8, 16], "cpu"], row
     assert all(torch.isfinite(p).all() for p in model.parameters())  # skipped: the weights stayed clean
 
 

@@ -135,3 +135,85 @@ def test_apply_every_rank_applies_and_knows_the_weights_hold_nan_on_rank_1():
     assert "opwatch (rank 0): the weights hold nan/inf on another rank since optimizer step 3 (this rank's are finite;" in result.stderr
     assert result.stderr.count("opwatch guard: 5 optimizer steps ran, 1 audited under a full watch, 3 failed (nan/inf in the gradients: 1; the weights already held nan/inf: 2).") == 2
     assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: False" in result.stdout
+
+
+# -- a bad batch on one rank: tests/scenarios/dist_bad_batch.py -----------------------------------
+
+BATCH_LINE = line_of("# the model is fed", str(SCENARIOS / "dist_bad_batch.py"))
+
+
+def _bad_batch(*options, ranks=2, **environment):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "opwatch", "--guard",
+               *options, "dist_bad_batch.py"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **environment}
+    return run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+
+
+def test_ddp_a_bad_batch_on_rank_1_is_named_on_every_rank(tmp_path):
+    """DDP reduces rank 1's nan into every rank's gradients. Each rank's batch check used to be
+    skipped in a job (each rank's batch differs; the ranks decide together): both ranks said
+    "nan/inf in the gradients", then "did not recur", and the combined summary "no anomalies".
+    Now rank 1's finding travels with the decision, and both ranks name its batch and line."""
+    from opwatch.storage.jsonl import load
+
+    result = _bad_batch("--jsonl", str(tmp_path / "run.jsonl"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    fed = f"Sequential's argument 0 (f32[8, 8] cpu) held nan when it entered the model at dist_bad_batch.py:{BATCH_LINE}, so no op of the model made them"
+    assert ("opwatch (rank 1): optimizer step 4: the gradients about to be applied hold nan/inf: module.0.weight (nan), module.0.bias (nan), "
+            f"module.2.weight (nan), module.2.bias (nan). cause: input: this rank's batch held nan before the model ran: {fed}") in text, text[-4000:]
+    assert f"opwatch (rank 0): optimizer step 4: the gradients about to be applied hold nan/inf: module.0.weight (nan)" in text
+    assert f"cause: input: rank 1's batch held nan before the model ran: {fed}" in text
+    assert text.count("the weights are as they were. Every rank does the same.") == 2
+    # The re-check of step 5 reads step 4's loss (cloned and all-reduced for the log): that
+    # step's leftovers, not a recurrence, on either rank.
+    assert "recur" not in text and "anomal" not in text, text[-4000:]
+    assert text.count("opwatch guard: 6 optimizer steps ran, 2 audited under a full watch, 1 failed (the batch held nan/inf), 1 of them skipped.") == 2
+    assert ("opwatch, all 2 ranks: no op was named in the fully watched steps, but 1 optimizer step failed (see the guard's line above).") in text
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
+    for log in ("run.jsonl", "run.rank1.jsonl"):  # every rank's ledger keeps rank 1's batch
+        (row,) = load(tmp_path / log).guard["failures"]
+        assert row["cause"] == "input" and row["batch"]["rank"] == 1 and row["batch"]["where"] == f"dist_bad_batch.py:{BATCH_LINE}", row
+
+
+def test_own_gradients_bad_micro_batches_on_two_of_three_ranks_are_named_on_the_third():
+    result = _bad_batch(ranks=3, DDP="0", BAD_RANKS="1,2", MICRO="2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    assert ("opwatch (rank 0): optimizer step 4: the gradients about to be applied hold nan/inf on ranks 1, 2 (this rank's were finite; the "
+            "ranks decide each optimizer step together). cause: input: rank 1's batch held nan before the model ran (also the batch of rank 2): "
+            f"Sequential's argument 0 (f32[8, 8] cpu) held nan when it entered the model at dist_bad_batch.py:{BATCH_LINE} (call 1 of the 2 the "
+            "model ran since the last optimizer step)") in text, text[-4000:]
+    assert "opwatch (rank 2): optimizer step 4: the gradients about to be applied hold nan/inf: 0.weight (nan)" in text
+    assert "cause: input: this rank's batch held nan before the model ran (also the batch of rank 2)" in text
+    assert text.count("1 failed (the batch held nan/inf), 1 of them skipped.") == 3
+
+
+@pytest.mark.thorough
+def test_ddp_raise_every_rank_raises_naming_rank_1_s_batch():
+    result = _bad_batch("--on-failure", "raise")
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: opwatch.runners.policy.outcomes.GradientsNotFinite: opwatch (rank {rank}): optimizer step 4:" in result.stderr, result.stderr[-4000:]
+    assert "cause: input: rank 1's batch held nan before the model ran" in result.stderr
+    assert "The optimizer did not run on them. Every rank does the same." in result.stderr
+
+
+def test_ddp_a_nan_torch_made_on_rank_1_blames_no_batch():
+    """Rank 1's loss takes the square root of a negative at step 4: every rank's batch was
+    finite, so no rank names one; the re-check of step 5 finds it did not recur (the log's
+    all-reduce of step 4's loss is that step's leftover)."""
+    result = _bad_batch(OP_NAN="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    assert "cause: input" not in text and "batch held" not in text, text[-4000:]
+    for rank in (0, 1):
+        assert f"opwatch (rank {rank}): the failure of step 4 did not recur: step 5 ran under a full watch and its gradients were finite." in text
+    assert text.count("1 failed (nan/inf in the gradients), 1 of them skipped.") == 2
+
+
+def test_ddp_healthy_batches_fail_no_step():
+    result = _bad_batch(BAD_RANKS="")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OpwatchWarning" not in result.stderr
+    assert result.stderr.count("opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed.") == 2

@@ -331,11 +331,16 @@ def test_jsonl_of_a_guard_run_keeps_each_failed_step_and_the_report_marks_it(tmp
     assert {name: log.guard[name] for name in ("steps", "failed", "skipped")} == {"steps": 12, "failed": 1, "skipped": 1}
     (row,) = log.guard["failures"]
     assert (row["step"], row["cause"], row["action"]) == (6, "input", "skipped") and ["0.weight", "nan"] in row["parameters"]
+    line = line_of("LOSS LINE", tmp_path / "train.py")
+    # which batch, and where it entered the model: kept by the ledger, not only in the warning
+    assert row["batch"] == {"model": "Sequential", "argument": ["argument 0", "float32", [32, 8], "cpu"], "kind": "nan",
+                            "where": f"train.py:{line}", "call": None, "rank": None}, row
     report = subprocess.run([sys.executable, "-m", "opwatch", "report", "run.jsonl", "-o", "run.html"], capture_output=True, text=True,
                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "run.html").read_text()
     assert '<section id="guard">' in page and "<td>6</td><td>input</td><td>skipped</td>" in page
+    assert f"<td>the batch held nan when it entered the model: Sequential&#x27;s argument 0 (f32[32, 8] cpu) at train.py:{line}</td>" in page
     assert page.count('class="failed"') == 1 and "step 6: 1 failed" in page
 
 

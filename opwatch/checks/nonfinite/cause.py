@@ -117,7 +117,7 @@ ENTERED_INF = "entered_inf"
 WRITTEN = "written"
 
 
-def decide_causes(origins, log, outside_since=None) -> None:
+def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=None) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
     recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
     and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
@@ -127,7 +127,10 @@ def decide_causes(origins, log, outside_since=None) -> None:
     read them (else they hold other values now); each is read once
     (:func:`~opwatch.core.finite.value_extremes`). ``outside_since(ident, index, tensor)``:
     the watch's :meth:`~.tracker.EarlierBlocks.outside_since`, which tells a tensor
-    made outside the watch's ops from an older one whose id it took. Never on a healthy step."""
+    made outside the watch's ops from an older one whose id it took;
+    ``made_by_an_earlier_block(ident, index)``: its
+    :meth:`~.tracker.EarlierBlocks.made_by_an_earlier_block`, the same for a tensor read only
+    through views (``origin.reads_made_before``). Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
     # So has data that came into torch holding nan (``DATA``).
@@ -135,7 +138,7 @@ def decide_causes(origins, log, outside_since=None) -> None:
     if not origins:
         return
     wanted: dict = {}
-    writes = _Writes(log, outside_since)
+    writes = _Writes(log, outside_since, made_by_an_earlier_block)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
@@ -162,8 +165,47 @@ def decide_causes(origins, log, outside_since=None) -> None:
         written = written_inputs(origin.record.inputs, origin.record.outputs)
         origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes)
+        origin.reads_made_before = _reads_made_before(origin, recipes, writes)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, live)
+
+
+def _reads_made_before(origin, recipes, writes) -> bool:
+    """Whether an input of ``origin`` whose range stays unknown, or is known only as not finite
+    (read at the check point, after a collective wrote into it), holds what a tensor no op of
+    the watch made held (a leaf of its recipe: what it was viewed, copied or moved from), by
+    the log alone: no live object is asked, whose id may be a newer tensor's."""
+    index = origin.record.index
+    for (meta, value), (_, known) in zip(recipes, origin.input_ranges):
+        if known is not None and math.isfinite(known.low) and math.isfinite(known.high):
+            continue
+        leaves = list(_leaves(value)) or [meta]
+        if any(_moved_from_before(leaf, index, writes) for leaf in leaves):
+            return True
+    return False
+
+
+_MOVES_FOLLOWED = 8  # value-moving ops followed back from an input (detach, clone, a view, .to)
+
+
+def _moved_from_before(meta, index, writes) -> bool:
+    """Whether the tensor ``meta`` read by op ``index`` holds what a tensor made before the
+    watch held: made by no op of it, or by ops that only move values (``x.detach().clone()``)
+    from one made by none."""
+    for _ in range(_MOVES_FOLLOWED):
+        ident = meta[M_IDENT]
+        maker = writes.made_by(ident, index, like=meta)
+        earlier = writes.made_by_an_earlier_block
+        if maker is not None and earlier is not None and not earlier(ident, maker.index):
+            maker = None  # an older tensor's op, whose id this one took (read only through views, never first read)
+        if maker is None:
+            return not writes.lost_ops or writes.outside(ident, index)
+        facts = facts_of(maker.func)
+        source = next((source for source in maker.inputs if source[M_DTYPE] in CHECKED_DTYPES), None)
+        if not facts.preserves_values or facts.mutated_args or source is None:
+            return False
+        meta, index = source, maker.index
+    return False
 
 
 def _where_made(origin, recipes, found, wanted, writes) -> None:
@@ -226,9 +268,10 @@ class _Writes:
     that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
     view of it, its base: :class:`~.aliases.Aliases`)."""
 
-    def __init__(self, log, outside_since=None):
+    def __init__(self, log, outside_since=None, made_by_an_earlier_block=None):
         self._log = log
         self._outside_since = outside_since
+        self.made_by_an_earlier_block = made_by_an_earlier_block
         self._last = None
         self._wrote: dict = {}  # ident -> the last op that wrote it in place
 

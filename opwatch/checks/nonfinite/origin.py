@@ -145,7 +145,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf", "reads_made_before")
 
     def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -191,6 +191,9 @@ class Origin:
         # A nan made of deliberate infs (from_deliberate) where an input made before the watch
         # held inf when first read (a mask made before it, or data): its meta; else None.
         self.entered_inf = None
+        # An input whose range stays unknown holds what a tensor made before the watch held
+        # (decided with its cause, by the log alone: cause._reads_made_before).
+        self.reads_made_before = False
 
     def carried_by(self, record, kind=None) -> None:
         self.spread += 1

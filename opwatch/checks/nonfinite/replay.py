@@ -24,6 +24,7 @@ from torch.nn import Parameter
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, ModuleCall, entry_inputs, entry_outputs
+from ..finding import BeforeWatch
 from .aliases import Aliases
 from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, Cause, written_inputs
 from .collectives import delivered
@@ -147,6 +148,8 @@ class Origins:
         # op id in the log -> its OpFacts (None for a ModuleCall): facts_of hashes an OpOverload
         # in Python, and the replay asks for every entry.
         self._facts: list = []
+        # A guard told a failed step no block watched (EarlierBlocks.failure_told): see judge.
+        self.failure_told = False
 
     _MAX_RANGES = 1 << 16
     _MAX_COLLECTIVES = 4096
@@ -508,7 +511,13 @@ class Origins:
         accumulated into a ``.grad`` or alive at the end matter; nan values an argmax or top-k
         picked indices from matter (greedy decoding over nan logits); a forward overflow of its dtype
         (a ``precision`` cause) matters even when absorbed later (``rsqrt(inf) = 0`` silently
-        zeroes what it scaled); others were absorbed."""
+        zeroes what it scaled); others were absorbed.
+
+        After a failed step a guard told and no block watched (:attr:`failure_told`), nan/inf
+        found in tensors made before the block are that step's leftovers (its loss summed into
+        a running total, a metric of its outputs, a loss all-reduced for the log), already
+        told: they matter only once they reach the gradients or a parameter (a bad batch of
+        this block does)."""
         entered = self.entered
         alive = {id(origin) for ident, (_, origin, _) in self.carry.items() if origin is not None and ident not in entered}
         judged = []
@@ -534,6 +543,10 @@ class Origins:
                     continue  # a masking constant that stayed one: not reported, not contained
                 judged.append(origin)
                 continue
+            if self.failure_told and _from_before_the_block(origin) and not (origin.reached_parameter or origin.reached_gradient):
+                if is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
+                    waiting.append(origin)
+                continue  # the told failure's leftovers: not reported, not contained
             if origin.reached_parameter or origin.picked_by is not None or (origin.read_on_host and not origin.skipped_by_grad_scaler):
                 origin.matters = True
             elif _overflowed_in_forward(origin) and not is_alive and origin.absorbed_by is not None:
@@ -549,6 +562,17 @@ class Origins:
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def _from_before_the_block(origin) -> bool:
+    """Whether ``origin``'s values may have come from a tensor made before the block: it held
+    nan when first read, its cause is an input made before the watch that held them, or an
+    input whose range is unknown (gone, or written in place, by the check point) holds what
+    such a tensor held."""
+    if origin.entered is not None or origin.reads_made_before:
+        return True
+    cause = origin.cause
+    return cause is not None and cause.kind == INPUT and isinstance(cause.made, BeforeWatch)
 
 
 def _the_programs_data(origin) -> bool:

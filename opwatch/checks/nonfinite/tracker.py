@@ -89,7 +89,10 @@ class EarlierBlocks:
     watch's life; ``made``, the live tensors an op of an earlier block made (id -> weak
     reference); ``known``, the last block's known tensors, folded into ``made`` when the next
     block starts (:meth:`next_block`); ``origins``, the last block's replay state, whose live
-    carried tensors and waiting origins the next block takes on (:meth:`next_block`).
+    carried tensors and waiting origins the next block takes on (:meth:`next_block`);
+    ``failure_told``, set for the watch's life once a guard told a failed optimizer step that
+    no block watched (leave-on's audits): each later block's :class:`Origins` takes nan/inf it
+    finds in tensors made before it as that failure's leftovers (``Origins.failure_told``).
 
     A tensor first read in a block was made outside the watch's ops (a batch the DataLoader
     made between two steps, ``torch.from_numpy``), unless an op of an earlier block made it.
@@ -98,20 +101,23 @@ class EarlierBlocks:
     (:meth:`outside_since`). Dead entries are dropped whenever a table
     has doubled, so memory stays flat however many blocks run."""
 
-    __slots__ = ("known", "made", "outside", "origins", "_made_limit", "_outside_limit")
+    __slots__ = ("known", "made", "outside", "origins", "failure_told", "block_start", "_made_limit", "_outside_limit")
 
     def __init__(self) -> None:
         self.known: dict = {}
         self.made: dict = {}
         self.outside: dict = {}
         self.origins: Origins | None = None  # the last block's replay state (_hand_on)
+        self.failure_told = False
+        self.block_start = 0  # the op index of the block's first op
         self._made_limit = self._outside_limit = _KNOWN_START
 
-    def next_block(self, known: dict, origins: Origins) -> None:
-        """A block starts, its tracker knowing ``known`` (its table, handed on to the next
-        block): the live tensors the last block knew that an op of the watch made join
-        ``made``; its replay state ``origins`` takes on the last block's (:meth:`_hand_on`).
-        Once a block, off the per-op path."""
+    def next_block(self, known: dict, origins: Origins, start: int = 0) -> None:
+        """A block starts at op index ``start``, its tracker knowing ``known`` (its table, handed
+        on to the next block): the live tensors the last block knew that an op of the watch
+        made join ``made``; its replay state ``origins`` takes on the last block's
+        (:meth:`_hand_on`). Once a block, off the per-op path."""
+        self.block_start = start
         self._hand_on(origins)
         last, self.known = self.known, known
         made, outside = self.made, self.outside
@@ -129,6 +135,7 @@ class EarlierBlocks:
         as one watch kept over both blocks would follow them; else each later block would
         find the weights holding nan with no op of its own to blame and name them again."""
         last, self.origins = self.origins, origins
+        origins.failure_told = self.failure_told
         if last is None:
             return
         origins.carry = {ident: (kind, origin, ref) for ident, (kind, origin, ref) in last.carry.items() if ref() is not None}
@@ -151,6 +158,15 @@ class EarlierBlocks:
         if len(self.outside) > self._outside_limit:
             self.outside = {key: (ref, since) for key, (ref, since) in self.outside.items() if ref() is not None}
             self._outside_limit = max(_KNOWN_START, 2 * len(self.outside))
+
+    def made_by_an_earlier_block(self, ident: int, index: int) -> bool:
+        """Whether the op of index ``index``, logged under the id ``ident`` before this block,
+        may have made the tensor this block read under it: it is alive and was when the block
+        began (``made``). Else the id is a newer tensor's, made outside the watch's ops."""
+        if index >= self.block_start:
+            return True
+        ref = self.made.get(ident)
+        return ref is not None and ref() is not None
 
     def outside_since(self, ident: int, index: int, tensor=None) -> int | None:
         """The op index from which the watch knew the tensor ``ident``, read by op ``index``,
@@ -211,7 +227,7 @@ class NonFiniteTracker:
         # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
         self._first_seen: dict = {}
         self._origins = Origins(log)  # the replay and judgement, across check points
-        self._blocks.next_block(self._known, self._origins)
+        self._blocks.next_block(self._known, self._origins, log.next_index)
         self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
 
     def for_op(self, func):
@@ -539,7 +555,7 @@ class NonFiniteTracker:
             return risks
         new = origins.replay(window(), flags, reading)
         if new:
-            decide_causes(new, self._log, self._blocks.outside_since)
+            decide_causes(new, self._log, self._blocks.outside_since, self._blocks.made_by_an_earlier_block)
             new, folded = fold_same_source(new)
             if folded:
                 origins.fold(folded)

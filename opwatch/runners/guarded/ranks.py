@@ -41,7 +41,7 @@ from ...findings.ranks import DEFAULT_TIMEOUT, Exchange, RankAnomaly, decode, en
 from ...render import guard as words
 
 __all__ = ["Agreement", "Decision", "Made", "NoAnswer", "RaisedElsewhere", "RankOrigin", "local", "ROLL_CALL_WAIT",
-           "NONFINITE", "RAISED", "WATCHED", "raised_where"]
+           "NONFINITE", "RAISED", "WATCHED", "BAD_INPUT", "raised_where"]
 
 ROLL_CALL_WAIT = 5.0  # seconds a rank that timed out waits for the others to say where they are
 
@@ -74,8 +74,9 @@ class NoAnswer(RuntimeError):
 
 
 # What a rank's slot of the decision says (bits): its step made nan/inf, raised, ran under a
-# full watch (an audit: its origin, if any, is known without a replay).
-NONFINITE, RAISED, WATCHED = 1, 2, 4
+# full watch (an audit: its origin, if any, is known without a replay), was fed a batch that
+# held nan/inf (leave-on: what it held is in a store key, :meth:`Agreement.publish_input`).
+NONFINITE, RAISED, WATCHED, BAD_INPUT = 1, 2, 4, 8
 
 
 class Decision(NamedTuple):
@@ -265,6 +266,31 @@ class Agreement:
         first = min(made, key=lambda row: (row.time_ns, row.rank)) if made else None
         origin = None if first is None else Made(first.rank, first.kind, first.op, first.where, first.phase)
         return RankOrigin(self.rank, origin, tuple(missing), self.wait_s), first
+
+    # -- a batch that held nan/inf ------------------------------------------------------------------
+
+    def _input_key(self, call, rank: int) -> str:
+        return f"{store_prefix()}/guard/{self.number}/input/{call}/{rank}"
+
+    def publish_input(self, call, facts: dict) -> None:
+        """Write what this rank's batch of step ``call`` held (one store key) before it joins
+        the flag with :data:`BAD_INPUT`: once the decision is read, the key is there for every
+        rank, with no wait."""
+        try:
+            group_store().set(self._input_key(call, self.rank), json.dumps(facts))
+        except Exception:
+            pass  # no store: the others name the rank without what its batch held
+
+    def input_of(self, rank: int, call) -> dict | None:
+        """What ``rank``'s batch of step ``call`` held (:meth:`publish_input`), or ``None``."""
+        try:
+            store = group_store()
+            key = self._input_key(call, rank)
+            if store.check([key]):
+                return json.loads(store.get(key).decode("utf-8"))
+        except Exception:
+            pass
+        return None
 
     # -- a rank that does not answer --------------------------------------------------------------
 

@@ -12,7 +12,8 @@ import torch
 from ...findings.anomaly import AnomalyError
 from ...render import guard as guard_words
 from ...render import leave_on as words
-from ..guarded.ranks import NONFINITE, WATCHED
+from ..batches import FedInput
+from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
 from ..step_verdict import shared_gradients, trained
 from .outcomes import GradientsNotFinite, elsewhere_anomaly, origin_facts, warn
 
@@ -28,8 +29,9 @@ class OptimizerSteps:
     calls :meth:`step_done` after it; it answers, for the policy: ``auditing``,
     ``start_audit()``, ``end_audit()``, ``audit_origin()`` (the first nan/inf origin the running
     audit found), ``replay`` (``None`` or a callable that runs the batch again under a full
-    watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (``(module, argument,
-    kind, where, forward)`` of a batch that held nan/inf when it entered the model) and ``rerun``."""
+    watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (the
+    :class:`~opwatch.runners.batches.FedInput` of a batch that held nan/inf when it entered the
+    model, or ``None``) and ``rerun``."""
 
     def told(self) -> bool:
         """Whether the newest failure is one of those warned and re-checked one by one."""
@@ -67,9 +69,16 @@ class OptimizerSteps:
             # here, and every rank applies the step alike (decided from what they share).
             warn(words.loss_here_only(step, self.verdict.loss_kind(losses), self.rank))
             finite = True
+        # What the step fed the model, read only when it failed outside an audit (an audit's
+        # watch judges the batch itself). In a job, what it held goes to the store before the
+        # flag, which tells every rank whose batch held nan/inf.
+        own_input = None if finite or trigger.auditing else trigger.bad_input()
+        if own_input is not None and self.agreement is not None:
+            self.agreement.publish_input(step, own_input.facts())
         # Every rank decides the step together (bounded: NoAnswer); with DDP's reduced
         # gradients every rank's verdict is the same, and only a failure asks which rank.
-        decision = None if shared and finite else self.agree((0 if finite else NONFINITE) | (WATCHED if trigger.auditing else 0), step, "", "gradients")
+        code = (0 if finite else NONFINITE) | (WATCHED if trigger.auditing else 0) | (BAD_INPUT if own_input is not None else 0)
+        decision = None if shared and finite else self.agree(code, step, "", "gradients")
         if decision is not None:
             finite = not decision.failed
         if finite and recheck is not None and self.on_failure == "raise":
@@ -101,10 +110,28 @@ class OptimizerSteps:
                 raise self.raised(failure, GradientsNotFinite(text, step=step, parameters=bad))
             warn(text)
             return self.act(failure)
-        bad_input = None if trigger.auditing or decision is not None else trigger.bad_input()
-        if bad_input is not None:  # the batch held them before the model ran: no op of the step made them
-            return self._input_failure(failure, bad, bad_input, trigger)
+        fed = self._fed_input(own_input, decision, step)
+        if fed is not None:  # a batch held them before the model ran: no op of the step made them
+            return self._input_failure(failure, bad, fed, elsewhere, trigger)
         return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger)
+
+    def _fed_input(self, own: FedInput | None, decision, step: int):
+        """The batch that held nan/inf when it entered the model: ``(what it held, the ranks
+        whose batch did)``, else ``None``. Alone: this rank's own (ranks ``None``). In a job,
+        every rank takes this path alike (the decision holds each rank's ``BAD_INPUT`` bit;
+        none when a rank ran the step under a full watch, which judges its batch): the first
+        such rank's batch, read from the store key it wrote before the flag (``None`` if it
+        did not arrive)."""
+        if decision is None:
+            return None if own is None else (own, None)
+        ranks = decision.ranks(BAD_INPUT)
+        if not ranks or decision.ranks(WATCHED):
+            return None
+        first = min(ranks)
+        if first == self.rank:
+            return own, ranks
+        facts = self.agreement.input_of(first, step)
+        return (None if facts is None else FedInput.from_facts(facts)), ranks
 
     def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger) -> bool:
         """A failed step whose origin a full watch may name: the audit's, or a replay's."""
@@ -159,15 +186,19 @@ class OptimizerSteps:
             warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
         return self.act(failure)
 
-    def _input_failure(self, failure, bad, bad_input, trigger) -> bool:
-        """A failed step whose batch held nan/inf when it entered the model: told (or raised)
-        with the line that fed it, cause ``input``; the next step is re-checked as after any
-        failure (a batch torch made recurs there with the op and line that made it)."""
+    def _input_failure(self, failure, bad, fed, elsewhere, trigger) -> bool:
+        """A failed step whose batch held nan/inf when it entered the model (``fed``: what
+        :meth:`_fed_input` found): told (or raised) with the line that fed it (and, in a job,
+        the rank), cause ``input``; the next step is re-checked as after any failure (a batch
+        torch made recurs there with the op and line that made it)."""
         raising = self.on_failure == "raise"
         if raising:
             self.stop_rechecking(trigger)
         failure.cause = "input"
-        text = words.bad_input(failure.step, bad, self.on_failure, *bad_input, rerun=trigger.rerun if raising else None)
+        found, ranks = fed
+        failure.batch = {**({} if found is None else found.facts()), "rank": min(ranks) if ranks else None}
+        text = words.bad_input(failure.step, bad, self.on_failure, found, rerun=trigger.rerun if raising else None, rank=self.rank,
+                               ranks=ranks, elsewhere=elsewhere)
         if raising:
             raise self.raised(failure, GradientsNotFinite(text, step=failure.step, parameters=bad))
         if self.told():

@@ -1,0 +1,46 @@
+"""A bad batch on one rank, left on, for tests/runners/test_leave_on_distributed.py: a dataset
+made up front on each rank (its own shard), one record corrupted with nan on the ranks in
+``$BAD_RANKS`` (default ``1``), run as
+
+    torchrun --standalone --nproc-per-node 2 -m opwatch --guard dist_bad_batch.py
+
+``$DDP=1`` (default) wraps the model in DistributedDataParallel (the gradients are reduced, so
+every rank's hold the nan); ``$DDP=0`` keeps each rank's own gradients, with one all-reduce a
+step. ``$MICRO`` micro-batches a step (default 1). ``$OP_NAN=1``: no record is corrupted, and
+rank 1's loss takes the square root of a negative at its fourth batch instead (torch makes the
+nan: no batch is to blame). The process group times out after 30 s.
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+rank = dist.get_rank()
+bad_ranks = {int(name) for name in os.environ.get("BAD_RANKS", "1").split(",") if name}
+micro = int(os.environ.get("MICRO", "1"))
+op_nan = os.environ.get("OP_NAN") == "1"
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+if os.environ.get("DDP", "1") == "1":
+    model = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+shard = torch.Generator().manual_seed(rank)
+data = [torch.randn(8, 8, generator=shard) for _ in range(6 * micro)]
+if rank in bad_ranks and not op_nan:
+    data[3 * micro][1, 1] = float("nan")  # a corrupted record, in the fourth optimizer step's first micro-batch
+for start in range(0, len(data), micro):
+    for index in range(start, start + micro):
+        out = model(data[index])  # the model is fed
+        shift = 100.0 if op_nan and rank == 1 and index == 3 * micro else 0.0
+        loss = (out.pow(2) + 1 - shift).sqrt().mean() / micro
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # one collective a step: every rank must be at the same step
+print(f"rank {rank}: weights finite: {all(bool(torch.isfinite(p).all()) for p in model.parameters())}", flush=True)
+dist.destroy_process_group()
