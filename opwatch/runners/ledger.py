@@ -133,7 +133,10 @@ class RunLedger:
         failure.action = action
 
     def explain(self, failure: Failure | None, origin, *, replayed: bool = False) -> None:
-        """A full watch named ``origin`` (an Anomaly) for ``failure`` (or for the run)."""
+        """A full watch named ``origin`` (an Anomaly) for ``failure`` (or for the run). When no
+        op of the step made the values (the origin says they came in with an input made before
+        the step), the cause of a failure told as nan/inf in the gradients is ``input``: the
+        same as when the batch check named it before the model ran, whichever runner found it."""
         self.replays += bool(replayed)
         if origin is None:
             return
@@ -141,6 +144,8 @@ class RunLedger:
             self.origins.append(origin)
         if failure is not None and failure.origin is None:
             failure.origin = origin
+            if failure.cause == "gradients" and came_with(origin) == CAME_WITH_INPUT:
+                failure.cause = "input"
 
     # -- read ----------------------------------------------------------------------------------
 

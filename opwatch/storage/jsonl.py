@@ -396,8 +396,9 @@ class SavedLog:
     def guard(self) -> dict | None:
         """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
         ``skipped``) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
-        ``parameters``, ``loss``, ``origin``, ``batch``: what a bad batch held, see
-        :class:`~opwatch.runners.ledger.Failure`); ``None`` for a log of no guarded run."""
+        ``parameters``, ``loss``, ``origin``, ``batch``: what a bad batch held, its ``model``,
+        ``argument``, ``kind``, ``where``, ``call`` and ``rank``); ``None`` for a log of no
+        guarded run."""
         counts = self.header.get("guard")
         return None if counts is None else {**counts, "failures": [dict(row) for row in self._guard]}
 

@@ -556,6 +556,8 @@ def test_lightning_guard_tells_a_bad_batch_as_what_its_step_came_in_with(tmp_pat
     assert "first made by" not in text, text
     (row,) = callback.runner.ledger.rows()
     assert row["origin"]["came_with"] == "input" and row["action"] == "skipped", row
+    # counted as a bad batch, as the guard that checks the model's inputs counts one
+    assert row["cause"] == "input" and "1 failed (the batch held nan/inf), 1 of them skipped" in callback.runner.summary(), row
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
 
 
