@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..checks.finding import Finding
+from ..checks.nonfinite.cause import DATA, INPUT, WEIGHTS
 from ..core.ops import is_collective_op
 from ..core.records import OpRecord
 
@@ -11,6 +12,11 @@ __all__ = ["BaseAnomaly", "Anomaly", "AnomalyError", "OpwatchWarning", "add_note
 
 class OpwatchWarning(UserWarning):
     """Warned once per (kind, file, line) by ``watch()``; also how internal errors are told."""
+
+
+# What an origin's values came in with, where no op of the watched step made them (came_with).
+CAME_WITH_INPUT = "input"  # an input made before the step: its batch, or a tensor the program kept
+CAME_WITH_WEIGHTS = "weights"
 
 
 class BaseAnomaly:
@@ -24,7 +30,7 @@ class BaseAnomaly:
       :class:`~opwatch.core.records.BaseRecord` (``func``, ``position``, ``phase``, ...).
 
     Derived here from those two: ``kind``, ``op``, ``filename``, ``lineno``, ``module``,
-    ``phase``, ``index``, ``rank``, ``where``, ``received`` and ``message`` (also ``str()``),
+    ``phase``, ``index``, ``rank``, ``where``, ``received``, ``came_with`` and ``message`` (also ``str()``),
     rendered from the facts by ``opwatch.render.render_message`` on first read and kept.
     A subclass may override any of them: one that adds lines to the message overrides
     ``message`` and calls ``BaseAnomaly.message.fget(self)`` for the rendered text; one whose
@@ -50,6 +56,21 @@ class BaseAnomaly:
         to the collective were finite): another rank made it, or the collective itself did.
         False for a record whose ``func`` is only a name (an op this torch does not have)."""
         return self.finding.kind in ("nan", "inf") and is_collective_op(self.record.func)
+
+    @property
+    def came_with(self) -> str | None:
+        """For a nan/inf no op of the watched step made: ``"input"`` when its op read it from an
+        input made before the step (data, a batch, a tensor the program kept), ``"weights"``
+        from a parameter; else ``None`` (its cause says so: ``opwatch.checks.nonfinite.cause``)."""
+        finding = self.finding
+        cause = None if finding is None else finding.facts.get("cause")
+        if cause is None:
+            return None
+        if cause.kind == WEIGHTS:
+            return CAME_WITH_WEIGHTS
+        if cause.kind == INPUT and (cause.detail == DATA or getattr(cause.made, "how", None) == "before_watch"):
+            return CAME_WITH_INPUT
+        return None
 
     @property
     def message(self) -> str:

@@ -128,16 +128,18 @@ def decode(data: bytes) -> list[RankAnomaly]:
 class RankAnomaly(BaseAnomaly):
     """An anomaly another rank reported, as the exchange carried it: the attributes of
     :class:`~opwatch.Anomaly` (``kind``, ``op``, ``filename``, ``lineno``, ``where``, ``module``,
-    ``phase``, ``index``, ``message``, ``received``) plus ``rank``, ``count`` (how often it fired
-    there) and ``time_ns`` (wall clock of its op). ``record`` and ``finding`` are ``None``:
+    ``phase``, ``index``, ``message``, ``received``, ``came_with``) plus ``rank``, ``count`` (how
+    often it fired there) and ``time_ns`` (wall clock of its op). ``record`` and ``finding`` are ``None``:
     records stay on their rank, which rendered the message (both ranks run one opwatch), so the
     attributes :class:`~opwatch.findings.anomaly.BaseAnomaly` derives from them are given here."""
 
-    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "module_class", "phase", "index", "received", "count", "time_ns", "message")
+    __slots__ = ("rank", "kind", "op", "filename", "lineno", "where", "module", "module_class", "phase", "index", "received", "count", "time_ns",
+                 "message", "came_with")
     record = None
     finding = None
 
-    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message, module_class=None):
+    def __init__(self, *, rank, kind, op, filename, lineno, where, module, phase, index, received, count, time_ns, message, module_class=None,
+                 came_with=None):
         self.rank = rank
         self.kind = kind
         self.op = op
@@ -152,6 +154,7 @@ class RankAnomaly(BaseAnomaly):
         self.count = count
         self.time_ns = time_ns
         self.message = message
+        self.came_with = came_with  # absent from an older opwatch's entry
 
     @classmethod
     def of(cls, anomaly, rank: int, offset: int) -> RankAnomaly:
@@ -159,7 +162,7 @@ class RankAnomaly(BaseAnomaly):
         return cls(
             rank=rank, kind=anomaly.kind, op=anomaly.op, filename=anomaly.filename, lineno=anomaly.lineno,
             where=anomaly.record.where, module=anomaly.module, module_class=anomaly.module_class, phase=anomaly.phase, index=anomaly.index,
-            received=anomaly.received, count=1, time_ns=anomaly.record.start_ns + offset, message=anomaly.message,
+            received=anomaly.received, count=1, time_ns=anomaly.record.start_ns + offset, message=anomaly.message, came_with=anomaly.came_with,
         )
 
     def fields(self) -> dict:

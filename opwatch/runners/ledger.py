@@ -19,29 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks.nonfinite.cause import DATA, INPUT, WEIGHTS
+from ..findings.anomaly import CAME_WITH_INPUT, CAME_WITH_WEIGHTS
 
 __all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES", "CAME_WITH_INPUT", "CAME_WITH_WEIGHTS", "came_with"]
 
-# What an origin's values came in with, where no op of the watched step made them (came_with).
-CAME_WITH_INPUT = "input"  # an input made before the step: its batch, or a tensor the program kept
-CAME_WITH_WEIGHTS = "weights"
-
 
 def came_with(origin) -> str | None:
-    """:data:`CAME_WITH_INPUT` or :data:`CAME_WITH_WEIGHTS` when the cause of ``origin`` (an
-    anomaly) says its op read the values from an input made before the step (data, a batch) or
-    from a parameter, no op of the step making them; else ``None`` (another rank's anomaly,
-    whose finding stays on its rank, is ``None`` too)."""
-    finding = origin.finding
-    cause = None if finding is None else finding.facts.get("cause")
-    if cause is None:
-        return None
-    if cause.kind == WEIGHTS:
-        return CAME_WITH_WEIGHTS
-    if cause.kind == INPUT and (cause.detail == DATA or getattr(cause.made, "how", None) == "before_watch"):
-        return CAME_WITH_INPUT
-    return None
+    """:data:`CAME_WITH_INPUT` or :data:`CAME_WITH_WEIGHTS` when ``origin`` (an anomaly) says
+    its op read the values from an input made before the step (data, a batch) or from a
+    parameter, no op of the step making them; else ``None``. Another rank's anomaly carries what
+    its own rank found (:attr:`~opwatch.findings.anomaly.BaseAnomaly.came_with`), so every rank
+    tells and counts it alike."""
+    return getattr(origin, "came_with", None)
 
 
 MAX_FAILED_IN_A_ROW = 10  # the default of LeaveOn(max_failed_in_a_row=) and --max-failed-steps

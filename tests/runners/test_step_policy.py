@@ -315,3 +315,37 @@ def test_an_inf_the_optimizer_step_makes_is_labelled_optimizer_not_forward():
         optimizer.step()
     made = [anomaly for anomaly in watched.anomalies if anomaly.kind in ("nan", "inf")]
     assert made and made[0].phase == "optimizer" and "(optimizer)" in str(made[0]).splitlines()[0]
+
+
+def test_what_a_nan_came_in_with_travels_to_the_other_ranks_and_each_counts_the_same_cause():
+    """In a job, a rank whose full watch found no origin of its own tells the failure with the
+    rank that made it (an exchanged ``RankAnomaly``). That anomaly now carries what its own rank
+    found it came in with, so every rank's ledger makes a bad batch's cause ``input`` alike
+    (Lightning's replay on 2 DDP ranks counted ``input`` on rank 1, ``gradients`` on rank 0)."""
+    import json
+
+    from opwatch.findings.ranks import decode, encode
+    from opwatch.runners.ledger import RunLedger
+
+    batch = torch.randn(8, 4)
+    batch[2, 1] = float("nan")  # a batch made before the watch, holding nan
+    layer = nn.Linear(4, 2)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        layer(batch).sum().backward()
+    (anomaly,) = [found for found in w.anomalies if found.kind == "nan"]
+    assert anomaly.came_with == "input"
+    (carried,) = decode(encode([anomaly], rank=1, world=2))
+    assert (carried.rank, carried.op, carried.came_with) == (1, anomaly.op, "input")
+    ledger = RunLedger()
+    failure = ledger.fail(3, [("weight", "nan")])
+    ledger.explain(failure, carried)
+    assert failure.cause == "input" and ledger.rows()[0]["origin"]["came_with"] == "input"
+    # An entry of an opwatch without the field still reads, with nothing to tell.
+    payload = json.loads(encode([anomaly], rank=1, world=2))
+    del payload["anomalies"][0]["came_with"]
+    (older,) = decode(json.dumps(payload).encode("utf-8"))
+    assert older.came_with is None
+    ledger = RunLedger()
+    failure = ledger.fail(3, [("weight", "nan")])
+    ledger.explain(failure, older)
+    assert failure.cause == "gradients"

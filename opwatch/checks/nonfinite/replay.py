@@ -24,9 +24,8 @@ from torch.nn import Parameter
 from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, ModuleCall, entry_inputs, entry_outputs
-from ..finding import BeforeWatch
 from .aliases import Aliases
-from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, Cause, written_inputs
+from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, WEIGHTS, Cause, written_inputs
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -565,14 +564,16 @@ class Origins:
 
 
 def _from_before_the_block(origin) -> bool:
-    """Whether ``origin``'s values may have come from a tensor made before the block: it held
-    nan when first read, its cause is an input made before the watch that held them, or an
-    input whose range is unknown (gone, or written in place, by the check point) holds what
-    such a tensor held."""
-    if origin.entered is not None or origin.reads_made_before:
-        return True
+    """Whether ``origin``'s values may have come from a tensor made before the block that the
+    op read through a view or a copy, or wrote in place: an input whose range is unknown (gone,
+    or written, by the check point), or known only as nan/inf after a collective wrote into it,
+    holds what such a tensor held, so its op would be named as making them from finite inputs.
+    Not one whose cause tells that they came in with that input (it held them when first read,
+    or still does): told so, its words are true."""
+    if not origin.reads_made_before or origin.entered is not None:
+        return False
     cause = origin.cause
-    return cause is not None and cause.kind == INPUT and isinstance(cause.made, BeforeWatch)
+    return cause is None or cause.kind not in (INPUT, WEIGHTS)
 
 
 def _the_programs_data(origin) -> bool:

@@ -13,6 +13,7 @@ from ...findings.anomaly import AnomalyError
 from ...render import guard as guard_words
 from ...render import leave_on as words
 from ..batches import FedInput
+from ..ledger import CAME_WITH_INPUT, came_with
 from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
 from ..step_verdict import shared_gradients, trained
 from .outcomes import GradientsNotFinite, elsewhere_anomaly, origin_facts, warn
@@ -288,6 +289,10 @@ class OptimizerSteps:
                 ranks, first = self.exchange(f"{step}/recheck", [origin] if origin is not None else [])
                 if first is not None and ranks.origin is not None and ranks.origin.rank != ranks.rank:
                     origin = elsewhere_anomaly(first, ranks, step, [])
+        if origin is not None and not failed_now and came_with(origin) == CAME_WITH_INPUT:
+            # The re-checked step passed: a nan that came in with a tensor made before its watch
+            # is what the failed step left (its loss kept for the log), not a recurrence.
+            origin = None
         rechecked = next((failure for failure in self.ledger.failures if failure.step == recheck), None)
         if origin is not None and not failed_now:  # a failing re-check kept it already
             self.ledger.explain(rechecked, origin)
