@@ -5,7 +5,9 @@ scenario programs of ``tests/scenarios`` import by name from any layer's folder.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -26,6 +28,36 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if os.environ["OMP_NUM_THREADS"] == "1":
         torch.set_num_threads(1)
+
+
+# The repro folders a failing guard writes where no ``repro_dir`` is given land in tempfile's
+# folder, as a user's do; the tests that check them read them there. The ones made while the
+# suite ran are removed when it ends: in the controller, once every worker is done (a worker's
+# own end could remove a folder another worker's test is still reading).
+_REPRO_PREFIXES = ("opwatch-repro-", "opwatch-compiled-repro-")
+_REPROS_BEFORE = pytest.StashKey[set]()
+
+
+def _repro_folders() -> set:
+    folder = tempfile.gettempdir()
+    try:
+        return {os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(_REPRO_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_REPROS_BEFORE] = _repro_folders()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = session.config.stash.get(_REPROS_BEFORE, None)
+    if before is None:
+        return
+    for path in _repro_folders() - before:
+        shutil.rmtree(path, ignore_errors=True)
+
 
 
 def pytest_collection_modifyitems(config, items):

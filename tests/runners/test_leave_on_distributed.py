@@ -176,6 +176,7 @@ def test_ddp_a_bad_batch_on_rank_1_is_named_on_every_rank(tmp_path):
         assert row["cause"] == "input" and row["batch"]["rank"] == 1 and row["batch"]["where"] == f"dist_bad_batch.py:{BATCH_LINE}", row
 
 
+@pytest.mark.thorough
 def test_own_gradients_bad_micro_batches_on_two_of_three_ranks_are_named_on_the_third():
     result = _bad_batch(ranks=3, DDP="0", BAD_RANKS="1,2", MICRO="2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -212,6 +213,7 @@ def test_ddp_a_nan_torch_made_on_rank_1_blames_no_batch():
     assert text.count("1 failed (nan/inf in the gradients), 1 of them skipped.") == 2
 
 
+@pytest.mark.thorough
 def test_ddp_healthy_batches_fail_no_step():
     result = _bad_batch(BAD_RANKS="")
     assert result.returncode == 0, result.stderr[-3000:]

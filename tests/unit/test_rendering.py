@@ -214,3 +214,33 @@ def test_cli_demo_shows_the_diagnoses():
     assert "inf in aten.log.default at opwatch/examples/log_zero.py:21 (forward)" in out
     assert "inf in aten.div.Tensor at opwatch/examples/log_zero.py:21 (backward)" in out
     assert "it turned into nan at aten.mul.Tensor at opwatch/examples/log_zero.py:12 (backward)" in out
+
+
+def test_a_bad_batch_is_told_with_the_rank_whose_batch_it_was():
+    """leave-on's words for a failed step whose batch held nan/inf, alone and in a job (the
+    first rank's batch is told; the others are counted; facts that did not arrive say so)."""
+    from opwatch.render.leave_on import bad_input, batch_words
+    from opwatch.runners.batches import FedInput
+
+    fed = FedInput("Net", ("argument 0", torch.float32, (8, 16), "cpu"), "nan", "train.py:12", (2, 4))
+    assert FedInput.from_facts(fed.facts()) == fed  # as another rank reads it from the store
+    bad = [("fc.weight", "nan")]
+    alone = bad_input(3, bad, "skip", fed)
+    assert alone.startswith("opwatch: optimizer step 3: the gradients about to be applied hold nan/inf: fc.weight (nan). cause: input: "
+                            "the batch held nan before the model ran: Net's argument 0 (f32[8, 16] cpu) held nan when it entered the model "
+                            "at train.py:12 (call 2 of the 4 the model ran since the last optimizer step), so no op of the model made them"), alone
+    assert "Every rank" not in alone
+    own = bad_input(3, bad, "skip", fed, rank=1, ranks=(1, 2))
+    assert own.startswith("opwatch (rank 1): optimizer step 3:") and "cause: input: this rank's batch held nan before the model ran (also the batch of rank 2): " in own
+    assert own.endswith("the weights are as they were. Every rank does the same.")
+    other = bad_input(3, [], "raise", fed, rank=0, ranks=(1, 2), elsewhere=(1, 2), rerun="python -m opwatch --strict train.py")
+    assert ("opwatch (rank 0): optimizer step 3: the gradients about to be applied hold nan/inf on ranks 1, 2 (this rank's were finite; "
+            "the ranks decide each optimizer step together). cause: input: rank 1's batch held nan before the model ran (also the batch "
+            "of rank 2): Net's argument 0") in other
+    assert other.endswith("The optimizer did not run on them. Every rank does the same. To see the ops that made the batch, if torch made it: "
+                          "python -m opwatch --strict train.py.")
+    lost = bad_input(3, bad, "skip", None, rank=0, ranks=(1,))
+    assert "cause: input: rank 1's batch held nan/inf before the model ran (what it held did not reach this rank), so no op" in lost
+    assert batch_words({**fed.facts(), "rank": 1}) == ("the batch held nan when it entered the model: Net's argument 0 (f32[8, 16] cpu) at "
+                                                        "train.py:12 (call 2 of the 4 the model ran since the last optimizer step), on rank 1")
+    assert batch_words({"rank": 1}) == "the batch of rank 1 held nan/inf when it entered the model (what it held did not reach this rank)"
