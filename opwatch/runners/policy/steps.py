@@ -13,8 +13,8 @@ from ...findings.anomaly import AnomalyError
 from ...render import guard as guard_words
 from ...render import leave_on as words
 from ..batches import FedInput
-from ..ledger import CAME_WITH_INPUT, came_with
 from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
+from ..ledger import CAME_WITH_INPUT, came_with
 from ..step_verdict import shared_gradients, trained
 from .outcomes import GradientsNotFinite, elsewhere_anomaly, origin_facts, warn
 
