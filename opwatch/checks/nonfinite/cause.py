@@ -130,7 +130,8 @@ def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=Non
     made outside the watch's ops from an older one whose id it took;
     ``made_by_an_earlier_block(ident, index)``: its
     :meth:`~.tracker.EarlierBlocks.made_by_an_earlier_block`, the same for a tensor read only
-    through views (``origin.reads_made_before``). Never on a healthy step."""
+    through views; given (after a guard told a failure), ``origin.reads_made_before`` is worked
+    out too, else it stays ``False``. Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
     # So has data that came into torch holding nan (``DATA``).
@@ -165,7 +166,8 @@ def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=Non
         written = written_inputs(origin.record.inputs, origin.record.outputs)
         origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes)
-        origin.reads_made_before = _reads_made_before(origin, recipes, writes)
+        if made_by_an_earlier_block is not None:
+            origin.reads_made_before = _reads_made_before(origin, recipes, writes)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, live)
 
