@@ -10,8 +10,8 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
-from ..checks.nonfinite.rules import HEADROOM_FACTOR
+from ..checks.nonfinite.cause import ATTENTION_SCORES, DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
+from ..checks.nonfinite.rules import HEADROOM_FACTOR, attention_scores
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
 from ..core.ops import named_new_data
@@ -446,6 +446,8 @@ def explain_cause(finding) -> str | None:
             f"precision: {short} {'underflowed to 0' if cause.went_to == '0' else 'overflowed to inf'} in {dtype} {at} "
             f"({how}), and {name} made {what} of it; run again in {wider} from the same finite inputs, the chain is finite"
         )
+    if kind == PRECISION and cause.detail == ATTENTION_SCORES:
+        return _attention_cause(finding, cause)
     if kind == PRECISION:
         limit = torch.finfo(cause.dtype).max
         dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
@@ -538,8 +540,32 @@ def _undecided(finding, name, what) -> str:
     )
 
 
+def _attention_cause(finding, cause) -> str:
+    facts = finding.facts
+    scores = attention_scores(facts.op_name, facts.input_ranges)
+    of = "" if scores is None else f" (query values up to {scores.query:.4g}, key values up to {scores.key:.4g}, head dim {scores.head_dim})"
+    info = torch.finfo(cause.dtype)
+    mask = ", with or without the mask" if facts.from_deliberate else ""
+    return (
+        f"precision: the attention scores (query @ key.T * scale) {facts.op_name} computes in {format_dtype(cause.dtype)} can "
+        f"reach {cause.largest:.4g} in magnitude{of}; past about {math.log(info.max) / info.eps:.2g} one rounding step of a "
+        f"score is more than exp takes, so its exp(score - logsumexp) overflows where the exact value is at most 1, and "
+        f"inf * 0 or inf - inf is {finding.kind}{mask}"
+    )
+
+
+_ATTENTION_SCORES_FIX = (
+    "scores this large mean the activations feeding the attention grew far past their usual scale, most often weights "
+    "diverging under too high a learning rate: lower it (or warm it up), and check the steps before this one; normalising "
+    "each head's query and key (QK-norm: a LayerNorm or RMSNorm on q and k before the attention) keeps the scores bounded "
+    "whatever the weights; a finite mask value does not help"
+)
+
+
 def _cause_fix(finding, cause) -> str | None:
     what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
+    if cause.kind == PRECISION and cause.detail == ATTENTION_SCORES:
+        return _ATTENTION_SCORES_FIX
     if cause.kind == INPUT and cause.detail == DATA:
         return (
             f"the data held {what} before torch saw it (a missing value in a table, a nodata pixel of a raster, a corrupt "

@@ -22,6 +22,9 @@ The causes, tried in this order:
   led to it from finite inputs are run again in float64; when the op is then finite, the first
   of them whose result went to 0 (below the smallest normal of its dtype) or to inf is named
   (:class:`_Chain`);
+  Or, for a fused attention kernel, from its query and key ranges alone (``attention_scores``,
+  tried before the mask's ``masked``): scores past what float32 rounds finely enough for the
+  kernel's exp make nan whatever the mask (:func:`~.rules.attention_scores`);
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
@@ -65,9 +68,9 @@ from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
-from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, moved_range, read_ranges, written_inputs
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, attention_scores, moved_range, read_ranges, written_inputs
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -113,6 +116,10 @@ DATA = "data"
 # The ``detail`` of a MATH cause: a nan made of infs, one of which came in with a tensor made
 # before the watch (``tensor``; a mask made before it, or data holding inf): not told "masked".
 ENTERED_INF = "entered_inf"
+# The ``detail`` of a PRECISION cause: a fused attention kernel's scores, bounded by its query
+# and key ranges (``largest``), past what ``dtype`` (the kernel's float32) rounds finely enough
+# for its exp (:func:`~.rules.attention_scores`).
+ATTENTION_SCORES = "attention_scores"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -481,6 +488,11 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         # the watch, or by an op whose values opwatch does not read (``set_``).
         meta = TensorMeta(*origin.entered)
         return Cause(INPUT, tensor=meta, held=origin.kind, made=_made_where(writes, meta.ident, index, found.get(meta.ident), like=meta), through=meta)
+    scores = attention_scores(facts_of(record.func).name, origin.input_ranges, dict(record.args).get("scale"))
+    if scores is not None:
+        # Scores past float32's precision make nan in a fused attention kernel whatever the
+        # mask: its -inf is not the matter then.
+        return Cause(PRECISION, ATTENTION_SCORES, scores.dtype, torch.float64 if scores.dtype != torch.float64 else None, scores.bound, bound=True)
     if origin.from_deliberate and origin.entered_inf is not None:
         # An inf came in with a tensor made before the watch: a module's mask (a buffer, an
         # attribute) is deliberate; anything else may be data holding inf, not a mask.

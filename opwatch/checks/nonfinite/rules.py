@@ -17,12 +17,12 @@ import torch
 from ...core.compat import is_zerotensor
 from ...core.finite import CHECKED_DTYPES, FLOAT8_DTYPES
 from ...core.fact_tuples import fact_tuple
-from ...core.records import E_ARGS, M_IDENT
+from ...core.records import E_ARGS, M_DTYPE, M_IDENT, M_SHAPE
 
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "FLOAT8_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
-    "ValueRange", "moved_range", "read_ranges", "written_inputs",
+    "ValueRange", "moved_range", "read_ranges", "written_inputs", "ScoreBound", "attention_scores",
 ]
 
 NAME = "nonfinite"
@@ -123,3 +123,66 @@ def read_ranges(name, ranges) -> list:
     op reads: ``copy_`` overwrites its destination, the first, without reading it."""
     ranges = list(ranges)
     return ranges[1:] if name == "copy" and len(ranges) > 1 else ranges
+
+
+# The fused attention kernels, forward and backward. Query and key are their first two floating
+# inputs, after the output's gradient in backward.
+_ATTENTION_FORWARD = frozenset((
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+))
+_ATTENTION_BACKWARD = frozenset((
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_backward", "_efficient_attention_backward",
+))
+
+
+_FLOAT64 = (torch.float64, "torch.float64", "float64")  # a meta read back from a saved log names it
+
+
+class ScoreBound(NamedTuple):
+    """What a fused attention kernel's query and key ranges allow its scores to reach."""
+
+    bound: float  # the largest |query . key| * scale the ranges allow
+    query: float  # the largest |query| value
+    key: float  # the largest |key| value
+    head_dim: int
+    dtype: torch.dtype  # the dtype the kernel computes its scores and softmax in
+    limit: float  # past it, one rounding step of a score is more than exp takes
+
+
+def attention_scores(name, input_ranges, scale=None) -> ScoreBound | None:
+    """For a fused attention kernel ``name`` (short: ``_scaled_dot_product_flash_attention``;
+    ``input_ranges``: ``(meta, ValueRange or None)`` per floating input, in order; ``scale``
+    the op's own, ``None`` for the default ``1/sqrt(head_dim)``), the scores' bound when it
+    passes the kernel's limit, else ``None``. The kernels compute the scores and their softmax
+    in float32 (float64 for float64 inputs), as exp(score - logsumexp); a score of magnitude
+    ``s`` is rounded by up to ``s * eps``, and once that passes log(finfo.max) (88.7 in
+    float32: scores past about 7.4e8) the recomputed exp overflows where the exact one is at
+    most 1, and inf * 0 or inf - inf is nan, with or without a mask."""
+    if name in _ATTENTION_FORWARD:
+        first = 0
+    elif name in _ATTENTION_BACKWARD:
+        first = 1
+    else:
+        return None
+    pairs = list(input_ranges)[first:first + 2]
+    if len(pairs) < 2 or any(value_range is None for _, value_range in pairs):
+        return None
+    (query_meta, query_range), (_, key_range) = pairs
+    *_, head_dim = query_meta[M_SHAPE] or (None,)
+    if head_dim is None:
+        return None
+    if scale is None:
+        scale = 1 / math.sqrt(head_dim) if head_dim else 1.0
+    query = max(abs(query_range.low), abs(query_range.high))
+    key = max(abs(key_range.low), abs(key_range.high))
+    bound = query * key * head_dim * abs(scale)
+    dtype = torch.float64 if query_meta[M_DTYPE] in _FLOAT64 else torch.float32
+    info = torch.finfo(dtype)
+    limit = math.log(info.max) / info.eps
+    if not bound > limit:  # a nan bound too (inf * 0)
+        return None
+    return ScoreBound(bound, query, key, head_dim, dtype, limit)
