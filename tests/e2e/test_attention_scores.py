@@ -8,8 +8,9 @@ mask has nothing to do with it (no mask, a -inf mask and a ``finfo.min`` mask al
 Before, the -inf mask case said "a masking -inf met another one or a 0" with the fix "mask with
 torch.finfo(dtype).min", which changes nothing, and the others "not decided".
 
-Must flag: a nanoGPT-style block (``is_causal=True``) and a ``nn.MultiheadAttention`` with a
-boolean causal mask, each trained by AdamW at a diverging learning rate. Must not: the same
+Must flag: a nanoGPT-style block (``is_causal=True``), a ``nn.MultiheadAttention`` with a
+boolean causal mask and a Hugging Face Llama (grouped-query, a padded batch), each trained by
+AdamW at a diverging learning rate. Must not: the same
 models at a sane learning rate (silent), a float16 attention whose backward overflows from a
 large output gradient while its scores are small (its own cause), a fully masked row in an
 attention written by hand (still the mask).
@@ -18,6 +19,7 @@ attention written by hand (still the mask).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -130,6 +132,39 @@ def test_a_diverged_run_s_attention_nan_is_its_scores_not_its_mask(attention):
 def test_the_same_models_at_a_sane_learning_rate_report_nothing(attention):
     w, ran = train(attention, lr=3e-4, steps=6)
     assert ran == 6 and w.anomalies == [] and w.contained == []
+
+
+def test_a_diverged_hugging_face_llama_s_attention_nan_is_its_scores():
+    """Llama from a small config, grouped-query attention (its keys repeated) and a padded
+    batch (a finfo.min / -inf mask), trained by AdamW at a diverging learning rate. Its
+    DynamicCache joins the keys to an empty tensor (``torch.cat``), which must not lose their
+    range."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=C, intermediate_size=2 * C, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e3)
+
+    def step():
+        ids = torch.randint(0, VOCAB, (4, T))
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0  # a left-padded row
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the weights blow up
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        step()
+    first = nonfinite(w)[0]
+    assert first.kind == "nan" and "_scaled_dot_product_flash_attention_for_cpu_backward" in first.op
+    cause = first.finding.facts["cause"]
+    assert (cause.kind, cause.detail) == (PRECISION, ATTENTION_SCORES), cause
+    assert "masking -inf met" not in first.message and "QK-norm" in line(first, "fix")
 
 
 def test_a_float16_attention_backward_that_overflows_from_its_gradient_keeps_its_own_cause():

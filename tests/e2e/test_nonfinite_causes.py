@@ -196,6 +196,29 @@ def test_log_of_zero_in_a_loss_is_undefined_math():
     assert cause_line(first) == "  cause:    undefined math: log(0) = -inf, in float64 too"
 
 
+@pytest.mark.parametrize("first", [0.0, 0.1], ids=["a probability of 0", "healthy"])
+def test_a_cache_that_starts_empty_keeps_the_range_of_what_is_joined_to_it(first):
+    """A cache grown by ``torch.cat`` from an empty tensor (Hugging Face's DynamicCache does
+    so in a training forward): the empty part holds no values, so the cat holds the range of
+    what was joined, and log(0) of it is decided (it was "not decided": the empty tensor's
+    range is never read, and it was gone by the check point)."""
+    logits = torch.tensor([[first, 0.5, 0.2, 0.2]])
+
+    def step():
+        cache = torch.empty(0, 4)
+        for _ in range(2):
+            cache = torch.cat([cache, logits * 1.0])  # JOINED TO AN EMPTY CACHE
+        return -cache.log().mean().item()
+
+    w, loss = watched(step)
+    if first:
+        assert math.isfinite(loss) and w.anomalies == []
+        return
+    found = nonfinite(w)[0]
+    assert found.op == "aten.log.default" and found.finding.facts["cause"] == Cause(MATH, "log_zero")
+    assert "range unknown" not in found.message
+
+
 def test_an_in_place_op_is_not_taken_for_an_input_that_already_held_its_result():
     """``log_`` writes its inf into its own input: that input is not one that held it."""
     torch.manual_seed(0)

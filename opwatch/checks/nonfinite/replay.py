@@ -791,8 +791,9 @@ def _carry_range(state, entry, facts, outputs) -> None:
     (``x.view(torch.int32)``). Where an input's range is unknown, a recipe is kept instead
     (a :class:`~.origin.MovedRecipe`, each part a range, a recipe or a
     :class:`~.origin.LeafRecipe`): the range may be read at report time from the tensors it came from, if
-    they are still alive (a parameter that was repeated)."""
-    inputs = [meta for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES]
+    they are still alive (a parameter that was repeated). An empty input holds no values and
+    takes no part (a cache's ``cat`` of an empty tensor and the new keys holds the keys' range)."""
+    inputs = [meta for meta in entry_inputs(entry) if meta[M_DTYPE] in CHECKED_DTYPES and not _empty(meta)]
     dtypes = {meta[M_DTYPE] for meta in inputs}
     ranges = [range_of(state, meta) for meta in inputs]
     carried = recipe = None
@@ -812,6 +813,11 @@ def _carry_range(state, entry, facts, outputs) -> None:
             state.recipes[meta[M_IDENT]] = recipe
         else:
             state.recipes.pop(meta[M_IDENT], None)
+
+
+def _empty(meta) -> bool:
+    shape = meta[M_SHAPE]
+    return shape is not None and 0 in shape
 
 
 def _step_carrier(state, entry, facts, outputs, fed) -> None:
