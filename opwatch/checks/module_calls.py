@@ -32,6 +32,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import device as device_check
 from . import dtype as dtype_check
+from ..core.compat import module_class_name
 from ..core.fact_tuples import RuleFacts, rule_facts
 from ..core.notation import TensorMeta
 from .finding import Finding
@@ -108,7 +109,7 @@ def _check_rnn(module, args) -> Finding | None:
     weights = getattr(module, "_flat_weights", None) or list(module.parameters())
     weight = next((w for w in weights if isinstance(w, torch.Tensor)), None)
     states = _states(args[1] if len(args) > 1 else None)
-    facts = RnnCall(module=type(module).__name__, input=_meta(data))
+    facts = RnnCall(module=module_class_name(module), input=_meta(data))
     if weight is not None and data.device != weight.device:
         return Finding(device_check.KIND, "module.rnn_input_device", facts.replace(device=str(weight.device)))
     for label, state in states:
@@ -142,7 +143,7 @@ def _check_conv(module, args) -> Finding | None:
         return None
     weight = getattr(module, "weight", None)
     weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
-    facts = ConvCall(module=type(module).__name__, input=_meta(data), bias_dtype=bias.dtype, weight_dtype=weight_dtype)
+    facts = ConvCall(module=module_class_name(module), input=_meta(data), bias_dtype=bias.dtype, weight_dtype=weight_dtype)
     if weight_dtype == data.dtype:
         # The module's own parameters disagree: its bias was cast on its own.
         return Finding(dtype_check.KIND, "module.conv_bias_dtype", facts)

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 from torch import nn
 
+from ..core.compat import module_class_name
+
 __all__ = ["ModuleOwners", "RUNNING_NAME", "RUNNING_FRAME"]
 
 # In an entry of the running calls (ModuleStack's): the module's (path, class name), the frame
@@ -90,5 +92,5 @@ def _owners_table(root: nn.Module) -> dict:
         for kind, held in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
             for attribute, tensor in held:
                 if id(tensor) not in table:
-                    table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, type(module).__name__, attribute, path))
+                    table[id(tensor)] = _Owned(weakref.ref(tensor), (kind, module_class_name(module), attribute, path))
     return table

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from ..core.compat import module_class_name
 from ..core.ops import facts_of
 from ..core.sites import lone_call
 from . import device
@@ -197,11 +198,11 @@ class Provenance:
         for path, module in self._owners.running() if self._owners is not None else ():
             for name, value in vars(module).items():
                 if id(value) == ident and isinstance(value, torch.Tensor):
-                    return Attribute("attribute", type(module).__name__, name, path)
+                    return Attribute("attribute", module_class_name(module), name, path)
             for kind, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
                 for name, value in named:
                     if id(value) == ident:
-                        return Owned(kind, path, name, type(module).__name__)
+                        return Owned(kind, path, name, module_class_name(module))
         return None
 
 

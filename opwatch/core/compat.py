@@ -56,6 +56,7 @@ __all__ = [
     "graph_module_behind",
     "dtensor_shard",
     "compiled_module_inner",
+    "module_class_name",
     "pack_padded_sequence_function",
     "op_kernel",
     "autograd_sequence_nr",
@@ -463,6 +464,17 @@ def dtensor_shard(tensor):
     else:
         return None
     return local, (kind,), tuple(tensor.shape), mesh.size()
+
+
+def module_class_name(module) -> str:
+    """A module's class name as the program wrote it: FSDP2's ``fully_shard`` swaps a module's
+    class for ``FSDP<Name>``, a subclass of ``FSDPModule`` and of the class. Read by the bases'
+    names: no import of torch.distributed."""
+    kind = type(module)
+    name = kind.__name__
+    if name.startswith("FSDP") and any(base.__name__ == "FSDPModule" for base in kind.__bases__):
+        return next((base.__name__ for base in kind.__bases__ if base.__name__ != "FSDPModule"), name)
+    return name
 
 
 def compiled_module_inner(module):

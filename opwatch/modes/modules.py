@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..checks.owners import RUNNING_NAME, ModuleOwners
-from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of
+from ..core.compat import compiled_module_inner, current_autograd_node, hooks_dict_of, module_class_name
 from ..core.records import MODULE_PATH
 from ..core.sites import user_frame
 
@@ -120,7 +120,7 @@ class ModuleStack:
             else:
                 self._root = weakref.ref(module)
                 self._root_names = self._names_for_root(module)
-                cls = type(compiled_module_inner(module) or module).__name__
+                cls = module_class_name(compiled_module_inner(module) or module)
                 name = (cls, cls)
         else:
             name = self._root_names.get(module) if self._root_names is not None else None
@@ -133,7 +133,7 @@ class ModuleStack:
                 if name is None:
                     self._strangers.add(module)  # not a descendant: do not list again for it
             if name is None:
-                cls = type(module).__name__
+                cls = module_class_name(module)
                 name = (f"{self._stack[-1][_NAME][MODULE_PATH]}.{cls}", cls)
         call_frame = sys._getframe(1)  # the module's __call__, an ancestor of all its ops' frames
         answer = user_frame(call_frame.f_back, self.call_frame, self.call_answer)
@@ -233,10 +233,10 @@ class ModuleStack:
             names = weakref.WeakKeyDictionary()
             inner = compiled_module_inner(root)
             if inner is not None:  # torch.compile(model): paths as the model's own ("Net", "fc1")
-                names[inner] = (type(inner).__name__, type(inner).__name__)
+                names[inner] = (module_class_name(inner), module_class_name(inner))
             for path, child in (root if inner is None else inner).named_modules(remove_duplicate=False):
                 if path and child not in names:
-                    names[child] = (path, type(child).__name__)
+                    names[child] = (path, module_class_name(child))
             self._names[root] = names
             self.owners.seen(root)
         return names

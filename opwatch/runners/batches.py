@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.compat import compiled_module_inner, no_python_dispatch, run_uncompiled
+from ..core.compat import compiled_module_inner, module_class_name, no_python_dispatch, run_uncompiled
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
@@ -65,7 +65,9 @@ class FedBatches:
     def watch(self, model) -> None:
         """Hook ``model`` (the outermost module the audit saw, or the trainer's); once."""
         if self._hook is None:
-            self._hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True)
+            # First of the model's pre-hooks: the batch as the program fed it, before a hook of
+            # the model's own changes it (FSDP2's mixed precision casts it to bfloat16).
+            self._hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True, prepend=True)
 
     def unwatch(self) -> None:
         if self._hook is not None:
@@ -136,7 +138,7 @@ def _model_name(module) -> str:
         if inner is None and isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             inner = module.module
         if inner is None:
-            return type(module).__name__
+            return module_class_name(module)
         module = inner
 
 

@@ -42,7 +42,7 @@ from functools import partial
 
 import torch
 
-from ..core.compat import compiled_module_inner, run_uncompiled, unseen_by_dispatch_modes
+from ..core.compat import compiled_module_inner, module_class_name, run_uncompiled, unseen_by_dispatch_modes
 from ..core.sites import file_line, user_frame
 from ..findings.anomaly import AnomalyError
 from ..render import leave_on as words
@@ -306,7 +306,7 @@ class LeaveOn(LedgerCounts):
             if taken[name] > 1:
                 module, site = owners[ident]
                 where = None if site is None else file_line(*site)
-                names[ident] = f"{name} ({type(module).__name__}" + (f" at {where}" if where else "") + ")"
+                names[ident] = f"{name} ({module_class_name(module)}" + (f" at {where}" if where else "") + ")"
         return names
 
     def summary(self, *, rerun: str | None = None) -> str:

@@ -177,6 +177,23 @@ def test_ddp_a_bad_batch_on_rank_1_is_named_on_every_rank(tmp_path):
 
 
 @pytest.mark.thorough
+def test_fsdp2_a_bad_batch_on_rank_1_is_named_as_the_program_fed_it():
+    """FSDP2 with bfloat16 parameters: its pre-forward hook casts the batch to bfloat16, and
+    fully_shard renames the model's class FSDPSequential. The batch is named as the program
+    fed it (float32), and the model by its own class, on every rank."""
+    result = _bad_batch(FSDP="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    fed = f"Sequential's argument 0 (f32[8, 8] cpu) held nan when it entered the model at dist_bad_batch.py:{BATCH_LINE}"
+    assert f"opwatch (rank 1): optimizer step 4: the gradients about to be applied hold nan/inf" in text, text[-4000:]
+    assert f"cause: input: this rank's batch held nan before the model ran: {fed}" in text
+    assert f"cause: input: rank 1's batch held nan before the model ran: {fed}" in text
+    assert "FSDPSequential" not in text and "bf16[8, 8]" not in text
+    assert text.count("1 failed (the batch held nan/inf), 1 of them skipped.") == 2
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
+
+
+@pytest.mark.thorough
 def test_own_gradients_bad_micro_batches_on_two_of_three_ranks_are_named_on_the_third():
     result = _bad_batch(ranks=3, DDP="0", BAD_RANKS="1,2", MICRO="2")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,7 +6,8 @@ made up front on each rank (its own shard), one record corrupted with nan on the
 
 ``$DDP=1`` (default) wraps the model in DistributedDataParallel (the gradients are reduced, so
 every rank's hold the nan); ``$DDP=0`` keeps each rank's own gradients, with one all-reduce a
-step. ``$MICRO`` micro-batches a step (default 1). ``$OP_NAN=1``: no record is corrupted, and
+step; ``$FSDP=1`` shards it with FSDP2's ``fully_shard`` instead, bfloat16 parameters (its
+pre-forward hook casts the batch to bfloat16) and float32 gradient reduction. ``$MICRO`` micro-batches a step (default 1). ``$OP_NAN=1``: no record is corrupted, and
 rank 1's loss takes the square root of a negative at its fourth batch instead (torch makes the
 nan: no batch is to blame). The process group times out after 30 s.
 """
@@ -25,7 +26,15 @@ micro = int(os.environ.get("MICRO", "1"))
 op_nan = os.environ.get("OP_NAN") == "1"
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-if os.environ.get("DDP", "1") == "1":
+if os.environ.get("FSDP") == "1":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+elif os.environ.get("DDP", "1") == "1":
     model = nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 shard = torch.Generator().manual_seed(rank)
@@ -36,7 +45,7 @@ for start in range(0, len(data), micro):
     for index in range(start, start + micro):
         out = model(data[index])  # the model is fed
         shift = 100.0 if op_nan and rank == 1 and index == 3 * micro else 0.0
-        loss = (out.pow(2) + 1 - shift).sqrt().mean() / micro
+        loss = (out.float().pow(2) + 1 - shift).sqrt().mean() / micro
         loss.backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...core.compat import dtensor_class, dtensor_parts
+from ...core.compat import dtensor_class, dtensor_parts, module_class_name
 from ...core.fact_tuples import fact_tuple
 from ...core.finite import value_extremes
 from ...core.notation import TensorMeta
@@ -654,7 +654,7 @@ def _owner(tensor, path, modules) -> Owned | None:
         for how, named in (("parameter", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
             for name, held in named:
                 if held is tensor:
-                    return Owned(how, path or "", name, type(module).__name__)
+                    return Owned(how, path or "", name, module_class_name(module))
     return None
 
 
