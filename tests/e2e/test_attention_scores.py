@@ -199,23 +199,25 @@ def test_a_fully_masked_row_in_an_attention_written_by_hand_is_still_the_mask():
     assert first.op == "aten._softmax.default" and (cause.kind, cause.detail) == (MATH, "masked"), cause
 
 
-def _ranges(query, key, head_dim=8, dtype=torch.float32, backward=False):
+def _ranges(query, key, head_dim=8, dtype=torch.float32):
+    """A backward op's floating inputs: the output's gradient, query, key, value."""
     meta = TensorMeta((2, 4, T, head_dim), dtype, torch.device("cpu"), 0)
-    pairs = [(meta, ValueRange(-query, query)), (meta, ValueRange(-key, key)), (meta, ValueRange(-1.0, 1.0))]
-    return [(meta, ValueRange(-1.0, 1.0)), *pairs] if backward else pairs
+    return [(meta, ValueRange(-1.0, 1.0)), (meta, ValueRange(-query, query)), (meta, ValueRange(-key, key)), (meta, ValueRange(-1.0, 1.0))]
 
 
 def test_the_bound_passes_the_limit_only_past_float32_s_precision():
-    name = "_scaled_dot_product_flash_attention"
+    name = "_scaled_dot_product_flash_attention_backward"
     # 8 * 1e4 * 1e4 / sqrt(8) = 2.8e8: below 88.7 / 2**-23 = 7.4e8.
     assert attention_scores(name, _ranges(1e4, 1e4)) is None
     scores = attention_scores(name, _ranges(3e4, 3e4))
-    assert scores is not None and scores.head_dim == 8 and scores.dtype == torch.float32
+    assert scores is not None and scores.head_dim == 8 and scores.dtype == torch.float32 and scores.query == 3e4
     assert scores.bound == pytest.approx(8 * 3e4 * 3e4 / math.sqrt(8)) and scores.limit == pytest.approx(7.44e8, rel=1e-2)
-    assert attention_scores(name + "_backward", _ranges(3e4, 3e4, backward=True)).query == 3e4
     assert attention_scores(name, _ranges(3e4, 3e4), scale=1e-3) is None  # the op's own scale counts
     assert attention_scores(name, _ranges(3e4, 3e4, dtype=torch.float64)) is None  # float64 rounds finely enough
+    # The forward keeps a running max of the scores: no claim there; nor for other ops.
+    assert attention_scores("_scaled_dot_product_flash_attention", _ranges(3e4, 3e4)) is None
     assert attention_scores("mm", _ranges(3e4, 3e4)) is None
     unknown = _ranges(3e4, 3e4)
-    unknown[1] = (unknown[1][0], None)
+    unknown[2] = (unknown[2][0], None)
     assert attention_scores(name, unknown) is None
+    assert attention_scores(name, []) is None

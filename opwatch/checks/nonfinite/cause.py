@@ -22,9 +22,9 @@ The causes, tried in this order:
   led to it from finite inputs are run again in float64; when the op is then finite, the first
   of them whose result went to 0 (below the smallest normal of its dtype) or to inf is named
   (:class:`_Chain`);
-  Or, for a fused attention kernel, from its query and key ranges alone (``attention_scores``,
-  tried before the mask's ``masked``): scores past what float32 rounds finely enough for the
-  kernel's exp make nan whatever the mask (:func:`~.rules.attention_scores`);
+  Or, for a fused attention kernel's backward, from its query and key ranges alone
+  (``attention_scores``, tried before the mask's ``masked``): scores past what float32 rounds
+  finely enough for the kernel's exp make nan whatever the mask (:func:`~.rules.attention_scores`);
 - ``math``: not finite in float64 either: ``log(0)``, ``0 / 0``, ``inf - inf``, ``sqrt`` of
   a negative number, a fully masked softmax row (``detail`` names what the inputs' ranges
   show, when they do);
