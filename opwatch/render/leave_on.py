@@ -339,21 +339,31 @@ def batch_words(batch: dict) -> str:
     optimizer step), on rank 1``."""
     import torch
 
-    from ..core.notation import format_dtype, format_shape
-
     rank = batch.get("rank")
     on_rank = "" if rank is None else f", on rank {rank}"
     if "argument" not in batch:
         return f"the batch of rank {rank} held nan/inf when it entered the model (what it held did not reach this rank)"
     name, dtype, shape, device = batch["argument"]
-    short = format_dtype(getattr(torch, dtype, dtype))
-    at = f" at {batch['where']}" if batch.get("where") else ""
-    call = batch.get("call")
+    argument = _fed_argument((name, getattr(torch, dtype, dtype), shape, device))
+    return (f"the batch held {batch['kind']} when it entered the model: {batch['model']}'s {argument}"
+            f"{_fed_at(batch.get('where'), batch.get('call'))}{on_rank}")
+
+
+def _fed_argument(argument) -> str:
+    """``argument 0 (f32[8, 8] cpu)``: a model's argument, ``(name, dtype, shape, device)``."""
+    from ..core.notation import format_dtype, format_shape
+
+    name, dtype, shape, device = argument
+    return f"{name} ({format_dtype(dtype)}{format_shape(tuple(shape))} {device})"
+
+
+def _fed_at(where, call) -> str:
+    """`` at train.py:12 (call 1 of the 3 the model ran since the last optimizer step)``."""
+    at = f" at {where}" if where else ""
     if call:
         number, calls = call
         at += f" (call {number} of the {calls} the model ran since the last optimizer step)"
-    return (f"the batch held {batch['kind']} when it entered the model: {batch['model']}'s {name} "
-            f"({short}{format_shape(tuple(shape))} {device}){at}{on_rank}")
+    return at
 
 
 def bad_input(step: int, bad: list, on_failure: str, fed, *, rerun: str | None = None, rank: int | None = None,
@@ -366,8 +376,6 @@ def bad_input(step: int, bad: list, on_failure: str, fed, *, rerun: str | None =
     ``rerun``: with ``on_failure="raise"``, the command that watches every op. In a job:
     ``rank``, this rank; ``ranks``, those whose batch held nan/inf (the first one's is told);
     ``elsewhere``, the ranks whose gradients held them when this rank's were finite."""
-    from ..core.notation import format_dtype, format_shape
-
     if bad or elsewhere:
         held = f"the gradients about to be applied hold nan/inf{_held(bad, elsewhere)}"
     else:
@@ -379,14 +387,8 @@ def bad_input(step: int, bad: list, on_failure: str, fed, *, rerun: str | None =
         told = (f"{whose} held nan/inf before the model ran{also} (what it held did not reach this rank), so no op of the "
                 "model made them: the data did")
     else:
-        name, dtype, shape, device = fed.argument
-        argument = f"{name} ({format_dtype(dtype)}{format_shape(shape)} {device})"
-        entered = f" at {fed.where}" if fed.where else ""
-        if fed.call is not None:
-            number, calls = fed.call
-            entered += f" (call {number} of the {calls} the model ran since the last optimizer step)"
-        told = (f"{whose} held {fed.kind} before the model ran{also}: {fed.model}'s {argument} held {fed.kind} when it entered the "
-                f"model{entered}, so no op of the model made them: the data did")
+        told = (f"{whose} held {fed.kind} before the model ran{also}: {fed.model}'s {_fed_argument(fed.argument)} held {fed.kind} "
+                f"when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made them: the data did")
     head = (
         f"{_who(rank)}: optimizer step {step}: {held}. cause: input: {told} (the line that made the batch, or what it read: a file, "
         "a numpy array, a sample)."
