@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import ATTENTION_SCORES, DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
+from ..checks.nonfinite.cause import ATTENTION_SCORES, DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, NORM_VARIANCE, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, attention_scores
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -408,7 +408,7 @@ def _detail(finding) -> str | None:
 _CONVOLUTIONS = frozenset(("convolution", "_convolution", "conv1d", "conv2d", "conv3d"))
 
 
-def _wider_fix(cause, name) -> str:
+def _wider_fix(cause, name, largest=None) -> str:
     if cause.wider == torch.float32 and name in _CONVOLUTIONS:
         return (
             "run this convolution in float32 (autocast keeps convolutions in float16): upcast the module that holds it "
@@ -420,7 +420,15 @@ def _wider_fix(cause, name) -> str:
             "compute this op in float32, as LlamaRMSNorm does (x.to(torch.float32) before it, the result "
             ".to(x.dtype) after); or run the model in bfloat16 (the range of float32) or in float32"
         )
-    return "compute this op in float64, or scale its inputs down (normalise before it) so that its result fits"
+    # Past float32's range (3.4e38; bfloat16's is the same): no training keeps values there.
+    reach = f" (its inputs reach {largest:.4g})" if largest is not None else ""
+    dtype = format_dtype(cause.dtype)
+    return (
+        f"values past {dtype}'s range ({torch.finfo(cause.dtype).max:.2g}) do not come from healthy training: values this large{reach} "
+        "mean the run diverged, weights or activations that grew over the steps (a learning rate too high, a missing "
+        "normalisation): lower the learning rate or clip the gradients, and look at the steps before this one; only where such "
+        "values are real (not a model's), compute this op in float64 or scale its inputs down"
+    )
 
 
 @causes("nonfinite.origin")
@@ -448,6 +456,8 @@ def explain_cause(finding) -> str | None:
         )
     if kind == PRECISION and cause.detail == ATTENTION_SCORES:
         return _attention_cause(finding, cause)
+    if kind == PRECISION and cause.detail == NORM_VARIANCE:
+        return _norm_cause(finding, cause)
     if kind == PRECISION:
         limit = torch.finfo(cause.dtype).max
         dtype, wider = format_dtype(cause.dtype), format_dtype(cause.wider)
@@ -554,6 +564,21 @@ def _attention_cause(finding, cause) -> str:
     )
 
 
+def _norm_cause(finding, cause) -> str:
+    facts = finding.facts
+    spread = next((value_range for _, value_range in facts.input_ranges if value_range is not None), None)
+    spans = ""
+    if spread is not None:
+        width = spread.high - spread.low
+        spans = (f" its input spans {spread.low:.4g} to {spread.high:.4g}, so the squared deviations from the mean that its "
+                 f"variance adds up can reach {width * width:.4g},")
+    limit = torch.finfo(torch.float32).max
+    return (
+        f"precision: {facts.op_name} made {finding.kind} in {format_dtype(cause.dtype)}:{spans} past the largest f32 ({limit:.4g}), "
+        f"the dtype it computes them in: the variance is inf, and the normalised values nan; finite in {format_dtype(cause.wider)}"
+    )
+
+
 _ATTENTION_SCORES_FIX = (
     "scores this large mean the activations feeding the attention grew far past their usual scale, most often weights "
     "diverging under too high a learning rate: lower it (or warm it up), and check the steps before this one; normalising "
@@ -642,7 +667,7 @@ def _fix(finding) -> str:
     if cause is not None and cause.kind == PRECISION and cause.dtype in FLOAT8_DTYPES:
         return _FLOAT8_FIX.format(dtype=format_dtype(cause.dtype))
     if cause is not None and cause.kind == PRECISION and cause.detail not in _CAUSE_FIXES:
-        return _wider_fix(cause, name)
+        return _wider_fix(cause, name, facts.largest_read)
     detail = _detail(finding) or _CAUSE_OF.get((name, finding.kind))
     if detail == "div_zero_zero" and _divides_by_a_count(facts):
         detail = "div_count_zero"

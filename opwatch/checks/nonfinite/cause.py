@@ -16,7 +16,8 @@ The causes, tried in this order:
   wider one (float32, else float64): decided by running the op again on its inputs, copied
   to the wider dtype, when they are all still alive and small enough; else from the inputs'
   ranges for the ops whose result they bound (``pow``, ``mul``, ``exp``, ``mm``, a
-  convolution, a cast);
+  convolution, a cast; a layer or group norm whose float32 variance overflows:
+  ``norm_variance``);
   Or decided on the chain that made the op's inputs (``went``): where the op alone is not
   finite in float64 (its input is already 0: ``b / (K.T @ u)``, ``log(prod)``), the ops that
   led to it from finite inputs are run again in float64; when the op is then finite, the first
@@ -70,7 +71,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, attention_scores, moved_range, read_ranges, written_inputs
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES", "NORM_VARIANCE"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -120,6 +121,10 @@ ENTERED_INF = "entered_inf"
 # and key ranges (``largest``), past what ``dtype`` (the kernel's float32) rounds finely enough
 # for its exp (:func:`~.rules.attention_scores`).
 ATTENTION_SCORES = "attention_scores"
+# The ``detail`` of a PRECISION cause: a layer or group norm (not of float64) whose input
+# spans more than sqrt(float32's max), so that the variance it computes in float32 overflows;
+# ``largest`` bounds the squared deviation.
+NORM_VARIANCE = "norm_variance"
 # The ``detail`` of an UNKNOWN cause whose tensor the op wrote its result into (see the docstring).
 WRITTEN = "written"
 
@@ -514,6 +519,8 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         if wider is None:
             return _chain_cause(origin, writes, detail, live) or Cause(MATH, detail)
         return Cause(PRECISION, detail, _dtype_of(record), wider, largest)
+    if detail == NORM_VARIANCE:
+        return Cause(PRECISION, detail, _dtype_of(record), torch.float64, _deviation_squared(next(iter(ranges))), bound=True)
     if detail is not None and detail not in OVERFLOWS:
         return _chain_cause(origin, writes, detail, live) or Cause(MATH, detail)
     bound = _bound(record, origin.kind, read_ranges(name, ranges))
@@ -1011,9 +1018,29 @@ def range_cause(name, kind, outputs, ranges) -> str | None:
         return "domain_unit"
     if name == "atanh" and (low <= -1 or high >= 1):
         return "atanh_unit"
+    if name in _NORMS and kind == "nan" and _deviation_squared(first) > _FLOAT32_MAX and _computes_in_float32(outputs):
+        return NORM_VARIANCE
     if kind != "inf":
         return None
     return _overflow_cause(name, outputs, ranges, high)
+
+
+# The normalisations that square deviations from the mean in float32 (float64 for float64
+# inputs), whatever the input's dtype: past sqrt(3.4e38) apart, the variance is inf, and the
+# output nan. (Not batch_norm: on a CPU it stayed finite at any scale tried.)
+_NORMS = frozenset(("native_layer_norm", "native_group_norm", "_fused_rms_norm"))
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _computes_in_float32(outputs) -> bool:
+    """A norm of a float32, bfloat16 or float16 input (float64 ones compute in float64)."""
+    return next((meta[M_DTYPE] for meta in outputs), None) in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _deviation_squared(value_range) -> float:
+    """The largest squared deviation from the mean that a range allows."""
+    width = value_range.high - value_range.low
+    return width * width
 
 
 def _holds_zero(value_range) -> bool:
