@@ -252,10 +252,13 @@ _CAUSE_WORDS = {
 }
 
 
-def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, causes: dict | None = None) -> str:
+def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, causes: dict | None = None,
+            scaler: tuple = (0, 0, None)) -> str:
     """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off);
     ``causes``: how many failed steps had each cause (``{"input": 1, ...}``), so that no step
-    whose cause was the batch or the weights is summed up as "nan/inf in the gradients"."""
+    whose cause was the batch or the weights is summed up as "nan/inf in the gradients";
+    ``scaler``: the steps GradScaler skipped, how many of them in a row at the end, and its
+    scale then."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
     tail = f", {skipped} of them skipped" if skipped else ""
@@ -271,7 +274,35 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
         why = "; ".join(f"{_CAUSE_WORDS[cause]}: {count}" for cause, count in causes.items())
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
-        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}."
+        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}{_scaler_skips(*scaler)}."
+    )
+
+
+def _scaler_skips(skipped: int, in_a_row: int, scale) -> str:
+    """``; GradScaler skipped 3 more (overflows of its scaled gradients)``, and for a run that
+    ended skipping with its scale below 1, what that means."""
+    if not skipped:
+        return ""
+    text = f"; GradScaler skipped {skipped} more (overflows of its scaled gradients)"
+    if in_a_row > 1 and scale is not None and scale < 1:
+        text += (f", the last {in_a_row} in a row with its scale down to {scale:.3g}: the gradients are not finite even "
+                 "unscaled, which no scale mends")
+    return text
+
+
+def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str | None, limit: int, command_line: bool) -> str:
+    """GradScaler skipped ``in_a_row`` optimizer steps in a row, all since optimizer step
+    ``after`` ran, and its scale fell to ``scale`` (below 1): the run is stuck. ``rerun``: the
+    command that watches every op."""
+    since = f"after optimizer step {after}" if after else "from the first step"
+    how = rerun or "opwatch.watch() or opwatch.strict() around the training step"
+    option = "--max-failed-steps N (0: never stop)" if command_line else "max_failed_in_a_row=N (None: never stop)"
+    return (
+        f"opwatch: the run is stuck: GradScaler skipped {in_a_row} optimizer steps in a row ({since}), and its scale fell to "
+        f"{scale:.3g}: below 1 it scales the loss down, so the gradients overflow (or hold nan, or the loss does) even unscaled, "
+        f"and no scale mends that; no optimizer step ran, so no check of opwatch's saw them. A full watch names the op that "
+        f"makes them: {how}. opwatch stopped the run after {limit} steps in a row skipped with the scale below 1; {option} "
+        "sets that limit."
     )
 
 
@@ -319,16 +350,19 @@ def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poiso
     )
 
 
-def unjudged_end(step: int, rerun: str | None) -> str:
+def unjudged_end(step: int, rerun: str | None, scaler_in_a_row: int = 0) -> str:
     """The run went on after its last optimizer step (``step``) with no watch on, and no
     gradient check followed: its summary cannot speak for those ops. ``rerun``: the command
-    that checks every op."""
+    that checks every op; ``scaler_in_a_row``: the steps GradScaler skipped since."""
     after = f"after optimizer step {step}" if step else "before any optimizer step"
     command = f": {rerun}" if rerun else " (opwatch.watch() or opwatch.strict())"
+    if scaler_in_a_row:
+        why = f"GradScaler skipped the {scaler_in_a_row} step{'s' if scaler_in_a_row != 1 else ''} after it"
+    else:
+        why = "a script that stops on a nan loss before backward() ends so"
     return (
         f"opwatch guard: the run ended before opwatch judged its last ops: the model ran forward {after} and no optimizer step "
-        f"followed (a script that stops on a nan loss before backward() ends so), so no check saw them; "
-        f"a full watch checks every op{command}"
+        f"followed ({why}), so no check saw them; a full watch checks every op{command}"
     )
 
 

@@ -18,7 +18,9 @@ apply them. Once the weights hold nan/inf, every later step carries them and no 
 step is their origin: the runner says since which step, and watches no step fully again.
 
 GradScaler calls ``optimizer.step()`` only when the unscaled gradients are finite: the steps it
-skips never reach the hooks, so they are not failures (and not counted as steps).
+skips never reach the hooks, so they are not failures (and not counted as steps). They are
+counted apart, told at the next ``backward()``; a run that GradScaler skips for good (its scale
+below 1 after ``max_failed_in_a_row`` skips in a row) is stuck all the same.
 
 In a job of several ranks (``torch.distributed`` initialized, world size > 1) each optimizer
 step is decided on every rank together (``Agreement`` of ``opwatch.runners.guarded.ranks``, the
@@ -140,13 +142,14 @@ class LeaveOn(LedgerCounts):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._unsee_losses()
         self.batches.unwatch()
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
         self.ledger.unjudged_end = self.batches.after_step and not self._auditing
+        self.policy.scaler_skipped(self.policy.verdict.reductions.pending_skip(), at_end=True)  # the last step's, if skipped
         self.policy.run_ended(self.ledger.steps, exc, self)
+        self._unsee_losses()
         return False
 
     def _see_losses(self) -> None:
@@ -309,14 +312,20 @@ class LeaveOn(LedgerCounts):
                 names[ident] = f"{name} ({module_class_name(module)}" + (f" at {where}" if where else "") + ")"
         return names
 
+    def scaler_skipped(self) -> None:
+        """GradScaler skipped the step before this backward: the policy counts it (and stops a stuck run)."""
+        reductions = self.policy.verdict.reductions
+        self.policy.scaler_skipped(reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules, rerun=self.rerun)
+
     def summary(self, *, rerun: str | None = None) -> str:
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a
         line saying so, with ``rerun``, the command that checks every op."""
         ledger = self.ledger
         steps, audited, failed, skipped = ledger.counts().values()  # settled: every step that ran
-        text = words.summary(steps, audited, failed, self.watch.enabled, skipped, causes=ledger.causes())
+        text = words.summary(steps, audited, failed, self.watch.enabled, skipped, causes=ledger.causes(),
+                             scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale))
         if ledger.unjudged_end:
-            text += "\n" + words.unjudged_end(steps, rerun)
+            text += "\n" + words.unjudged_end(steps, rerun, ledger.scaler_in_a_row)
         return text
 
     def watch_summary(self, every_rank=None) -> str:
@@ -355,6 +364,7 @@ def _keeping_losses(runner, original):
             return original(tensor, *args, **kwargs)
         if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
             seen._losses = []
+            seen.scaler_skipped()  # RunStuck when stuck
         if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
             seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
         running = tensor

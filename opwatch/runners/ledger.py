@@ -77,6 +77,13 @@ class RunLedger:
         self.first_in_a_row: Failure | None = None  # the first failure of the running streak
         self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
         self.unjudged_end = False  # the run ended with ops that nothing checked
+        # Optimizer steps GradScaler skipped (they never call the step, so they are none of the
+        # above): all of them, the running streak, the steps that ran before it began, and the
+        # scale GradScaler fell to at its latest skip.
+        self.scaler_skipped = 0
+        self.scaler_in_a_row = 0
+        self.scaler_streak_after = 0
+        self.scale: float | None = None
         # Set by the policy: reads the verdicts still on the device (a fused optimizer's
         # found_inf, read a step late) into this ledger; called with whether to wait for them.
         self.unsettled = None
@@ -87,7 +94,17 @@ class RunLedger:
         """An optimizer step begins its check; returns its 1-based count."""
         self.steps += 1
         self.audited += bool(audited)
+        self.scaler_in_a_row = 0  # GradScaler let this step run
         return self.steps
+
+    def skipped_by_scaler(self, scale: float | None) -> None:
+        """GradScaler skipped an optimizer step (its gradients overflowed at ``scale``, which
+        it lowered to ``scale``: its scale after the skip)."""
+        if not self.scaler_in_a_row:
+            self.scaler_streak_after = self.steps
+        self.scaler_skipped += 1
+        self.scaler_in_a_row += 1
+        self.scale = scale
 
     def passed(self, step: int) -> None:
         """``step`` passed its check: the streak of failed steps ends (unless another trigger,
@@ -162,6 +179,12 @@ class RunLedger:
 
     def stuck(self, limit: int | None) -> bool:
         return limit is not None and self.failed_in_a_row >= limit
+
+    def stuck_in_scaler_skips(self, limit: int | None) -> bool:
+        """``limit`` steps in a row skipped by GradScaler, and its scale below 1: the gradients
+        overflow even unscaled (or the loss is not finite), which no scale mends. A healthy
+        float16 run skips a few steps in a row while the scale (65536 at first) finds its level."""
+        return limit is not None and self.scaler_in_a_row >= limit and self.scale is not None and self.scale < 1
 
     def first_origin(self):
         """The origin of the first failure of the streak, else of any failure, else ``None``."""
@@ -240,6 +263,12 @@ class LedgerCounts:
     def poisoned_since(self) -> int | None:
         """The step after which the weights held nan/inf, or ``None``."""
         return self._read.poisoned_since
+
+    @property
+    def scaler_skipped(self) -> int:
+        """Optimizer steps GradScaler skipped (an overflow in the scaled gradients): not
+        counted in :attr:`steps`; a few now and then are GradScaler at work."""
+        return self._read.scaler_skipped
 
     @property
     def unjudged_end(self) -> bool:

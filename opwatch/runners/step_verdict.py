@@ -91,6 +91,10 @@ class _ScopedWrap:
             setattr(self.owner, self.name, self.original)
 
 
+def _gone():
+    return None
+
+
 class StepReductions:
     """A context manager: while it is entered, the total norms the program computes and the
     optimizers a GradScaler unscales are kept (references, no copy, no kernel). Entering it
@@ -104,6 +108,9 @@ class StepReductions:
         # Optimizers unscaled since their last step, {id: weak reference}: a dict, whose reads on
         # every step (empty, but for GradScaler's) cost no Python call as a WeakSet's do.
         self._unscaled: dict = {}
+        self._scalers: dict = {}  # id of an optimizer in _unscaled -> a weak reference to its GradScaler
+        # The GradScaler that skipped the step before the latest backward, and its optimizer (after_backward).
+        self.skipped_by = self.skipped_optimizer = None
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -136,6 +143,7 @@ class StepReductions:
             reductions = kept()
             if reductions is not None and scaler.is_enabled():
                 reductions._unscaled[id(optimizer)] = weakref.ref(optimizer)
+                reductions._scalers[id(optimizer)] = weakref.ref(scaler)
             return result
 
         self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
@@ -181,20 +189,32 @@ class StepReductions:
         Returns whether an optimizer unscaled since its last step never stepped (GradScaler
         skipped it): the step before this backward ended there."""
         self.norms.clear()
+        self.skipped_by = self.skipped_optimizer = None
         if not self._unscaled:  # no GradScaler in the loop: every step
             return False
-        skipped = any(unscaled() is not None for unscaled in self._unscaled.values())
+        skipped = next((ident for ident, unscaled in self._unscaled.items() if unscaled() is not None), None)
+        if skipped is not None:
+            self.skipped_by, self.skipped_optimizer = self._scalers.get(skipped, _gone)(), self._unscaled[skipped]()
         self._unscaled.clear()
-        return skipped
+        self._scalers.clear()
+        return skipped is not None
+
+    def pending_skip(self):
+        """The GradScaler that unscaled an optimizer which has not stepped since (the run ended
+        on a step it skipped), or ``None``."""
+        ident = next((ident for ident, unscaled in self._unscaled.items() if unscaled() is not None), None)
+        return None if ident is None else self._scalers.get(ident, _gone)()
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
         if self._unscaled:
             self._unscaled.pop(id(optimizer), None)
+            self._scalers.pop(id(optimizer), None)
 
     def forget(self) -> None:
         self.norms.clear()
         self._unscaled.clear()
+        self._scalers.clear()
 
     def unscaled(self, optimizer) -> bool:
         """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step

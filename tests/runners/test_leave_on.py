@@ -744,6 +744,57 @@ def test_guard_cli_gradscaler_skipped_steps_are_not_failures(tmp_path, strict_op
     skipped = 8 - int(re.search(r"opwatch guard: (\d+) optimizer steps ran", result.stderr).group(1))
     assert skipped >= 1 and float(result.stdout.split()[-1]) < 2.0**40  # the scaler skipped steps
     assert ", 0 failed" in result.stderr and "hold nan/inf" not in result.stderr
+    # Counted apart, as GradScaler at work: its scale never fell below 1.
+    assert f"0 failed; GradScaler skipped {skipped} more (overflows of its scaled gradients)." in result.stderr, result.stderr
+    assert "stuck" not in result.stderr and "even unscaled" not in result.stderr
+
+
+DIVERGED_FP16 = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # too high: the weights grow until float16 overflows
+scaler = torch.amp.GradScaler("cpu")
+for step in range(300):
+    x = torch.randn(32, 16)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = ((model(x).squeeze(-1) - 10 * x.sum(-1)) ** 2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+@pytest.mark.parametrize("limit", [(), ("--max-failed-steps", "0")], ids=["stops", "never stops"])
+def test_guard_cli_a_run_gradscaler_skips_for_good_is_stuck(tmp_path, limit):
+    """A float16 run whose weights diverged: its forward overflows float16 at every step, so
+    GradScaler skips every step and halves its scale toward 0. No optimizer step runs, so no
+    check of the guard's ran: the run used to go on for all 300 steps, print "0 failed" and
+    exit 0. Ten skips in a row with the scale below 1 stop it (RunStuck); never stopping, the
+    summary says so."""
+    (tmp_path / "train.py").write_text(DIVERGED_FP16)
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", *limit, "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=environment, timeout=300)
+    text = result.stderr
+    counts = re.search(r"opwatch guard: (\d+) optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped (\d+) more "
+                       r"\(overflows of its scaled gradients\), the last (\d+) in a row with its scale down to ([0-9.e-]+): the gradients are "
+                       r"not finite even unscaled, which no scale mends\.", text)
+    assert counts is not None, text[-3000:]
+    steps, skipped, in_a_row, scale = int(counts[1]), int(counts[2]), int(counts[3]), float(counts[4])
+    assert scale < 1 and in_a_row <= skipped
+    assert f"(GradScaler skipped the {in_a_row} steps after it)" in text
+    if limit:
+        assert result.returncode == 0 and steps + skipped == 300 and "RunStuck" not in text
+        return
+    assert result.returncode == 1 and in_a_row == 10 and steps + skipped < 300 and "scale" not in result.stdout
+    assert (f"RunStuck: opwatch: the run is stuck: GradScaler skipped 10 optimizer steps in a row (after optimizer step {steps}), and its "
+            f"scale fell to {scale:.3g}: below 1 it scales the loss down") in text
+    assert "A full watch names the op that makes them: " in text and "--max-failed-steps N (0: never stop) sets that limit." in text
 
 
 SPARSE = """\

@@ -16,11 +16,19 @@ from ..batches import FedInput
 from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
 from ..ledger import CAME_WITH_INPUT, came_with
 from ..step_verdict import shared_gradients, trained
-from .outcomes import GradientsNotFinite, elsewhere_anomaly, origin_facts, warn
+from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, origin_facts, warn
 
 __all__ = ["OptimizerSteps"]
 
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
+
+
+def _scale_of(scaler) -> float | None:
+    """GradScaler's scale (one host read), or ``None`` when it cannot be read."""
+    try:
+        return None if scaler is None else float(scaler.get_scale())
+    except Exception:
+        return None
 
 
 class OptimizerSteps:
@@ -33,6 +41,29 @@ class OptimizerSteps:
     watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (the
     :class:`~opwatch.runners.batches.FedInput` of a batch that held nan/inf when it entered the
     model, or ``None``) and ``rerun``."""
+
+    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), rerun: str | None = None, at_end: bool = False) -> None:
+        """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, or at
+        the run's end: ``at_end``; ``None``: none was skipped): count it, and raise
+        :class:`RunStuck` once ``max_failed_in_a_row`` were skipped in a row with its scale
+        below 1 (the scale is read on a skipped step only), where every rank skips alike."""
+        if scaler is None:
+            return
+        ledger = self.ledger
+        ledger.skipped_by_scaler(_scale_of(scaler))
+        if not at_end and ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules):
+            text = words.stuck_in_scaler_skips(ledger.scaler_streak_after, ledger.scaler_in_a_row, ledger.scale, rerun=rerun,
+                                               limit=self.max_failed_in_a_row, command_line=self.command_line)
+            raise RunStuck(text, step=ledger.scaler_streak_after + 1, parameters=[], failed_in_a_row=ledger.scaler_in_a_row)
+
+    def _skips_alike(self, scaler, optimizer, modules) -> bool:
+        """Whether every rank's GradScaler skips the same steps: a process on its own, DDP's
+        reduced gradients, FSDP2's ShardedGradScaler (it reduces its flag across the ranks).
+        Ranks with their own gradients may not: one raising alone would leave the others
+        waiting in their next collective."""
+        if self.agreement is None or type(scaler).__name__ == "ShardedGradScaler":
+            return True
+        return optimizer is not None and shared_gradients(trained(optimizer), modules)
 
     def told(self) -> bool:
         """Whether the newest failure is one of those warned and re-checked one by one."""
