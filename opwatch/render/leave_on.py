@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere", "stuck", "no_op_named", "bad_input", "batch_words"]
+           "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words"]
 
 
 def parameters(bad: list) -> str:
@@ -274,11 +274,11 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
         why = "; ".join(f"{_CAUSE_WORDS[cause]}: {count}" for cause, count in causes.items())
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
-        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}{_scaler_skips(*scaler)}."
+        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}{scaler_skips(*scaler)}."
     )
 
 
-def _scaler_skips(skipped: int, in_a_row: int, scale) -> str:
+def scaler_skips(skipped: int, in_a_row: int, scale) -> str:
     """``; GradScaler skipped 3 more (overflows of its scaled gradients)``, and for a run that
     ended skipping with its scale below 1, what that means."""
     if not skipped:

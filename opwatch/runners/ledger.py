@@ -199,8 +199,9 @@ class RunLedger:
         return {"steps": self.steps, "audited": self.audited, "failed": self.failed, "skipped": self.skipped}
 
     def log(self) -> dict:
-        """:meth:`counts` and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
-        return {**self.counts(), "failures": self.rows()}
+        """:meth:`counts`, the steps GradScaler skipped, and :meth:`rows`: what a ``--jsonl`` log
+        keeps of the run (``write_jsonl(guard=)``)."""
+        return {**self.counts(), "scaler_skipped": self.scaler_skipped, "failures": self.rows()}
 
     def rows(self) -> list[dict]:
         """The failures as plain rows (the JSON Lines log and the HTML report), settled first."""

@@ -70,8 +70,9 @@ def write_jsonl(watch, path, *, whole_script: bool = False, guard: dict | None =
     nan/inf origins and allowed findings, one JSON object a line (see the module's docstring).
     ``whole_script``: the watch ran from a script's first line (``python -m opwatch``); the
     header says so (``"whole_script": true``), and :func:`opwatch.diff` words its advice by it.
-    ``guard``: the run ledger of a ``--guard`` run (``RunLedger.log()``: its counts, in the
-    header's ``"guard"``, and a ``"guard_step"`` line per failed or skipped step)."""
+    ``guard``: the run ledger of a ``--guard`` run (``RunLedger.log()``: its counts and the
+    steps GradScaler skipped, in the header's ``"guard"``, and a ``"guard_step"`` line per
+    failed or skipped step)."""
     records = watch.records
     groups = anomaly_groups(watch)
     sites = _SiteTable()
@@ -395,7 +396,8 @@ class SavedLog:
     @property
     def guard(self) -> dict | None:
         """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
-        ``skipped``) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
+        ``skipped``; ``scaler_skipped``, the steps GradScaler skipped, in a log saved since it
+        was counted) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
         ``parameters``, ``loss``, ``origin``, ``batch``: what a bad batch held, its ``model``,
         ``argument``, ``kind``, ``where``, ``call`` and ``rank``); ``None`` for a log of no
         guarded run."""

@@ -776,10 +776,13 @@ def test_guard_cli_a_run_gradscaler_skips_for_good_is_stuck(tmp_path, limit):
     check of the guard's ran: the run used to go on for all 300 steps, print "0 failed" and
     exit 0. Ten skips in a row with the scale below 1 stop it (RunStuck); never stopping, the
     summary says so."""
+    from opwatch.render.html import guard_section
+    from opwatch.storage.jsonl import load
+
     (tmp_path / "train.py").write_text(DIVERGED_FP16)
     environment = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", *limit, "train.py"], capture_output=True, text=True, cwd=tmp_path,
-                            env=environment, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--jsonl", "run.jsonl", *limit, "train.py"], capture_output=True,
+                            text=True, cwd=tmp_path, env=environment, timeout=300)
     text = result.stderr
     counts = re.search(r"opwatch guard: (\d+) optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped (\d+) more "
                        r"\(overflows of its scaled gradients\), the last (\d+) in a row with its scale down to ([0-9.e-]+): the gradients are "
@@ -788,6 +791,9 @@ def test_guard_cli_a_run_gradscaler_skips_for_good_is_stuck(tmp_path, limit):
     steps, skipped, in_a_row, scale = int(counts[1]), int(counts[2]), int(counts[3]), float(counts[4])
     assert scale < 1 and in_a_row <= skipped
     assert f"(GradScaler skipped the {in_a_row} steps after it)" in text
+    saved = load(tmp_path / "run.jsonl").guard  # the log and its report count them alike
+    assert (saved["steps"], saved["failed"], saved["scaler_skipped"]) == (steps, 0, skipped)
+    assert f"0 failed, 0 of them skipped; GradScaler skipped {skipped} more (overflows of its scaled gradients).</p>" in guard_section(saved)
     if limit:
         assert result.returncode == 0 and steps + skipped == 300 and "RunStuck" not in text
         return
