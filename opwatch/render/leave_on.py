@@ -306,16 +306,20 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
     )
 
 
-def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None) -> str:
+def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
-    ``origin``: the :class:`NamedOrigin` a replay named, or ``None``. ``world``: for the
-    combined summary of a job of ``world`` ranks, printed after every guard's line."""
+    ``origin``: the :class:`NamedOrigin` a replay named, or ``None``; ``told``: that origin's
+    own message (its problem, cause and fix), shown under the line, as a watch's summary shows
+    the anomalies it found. ``world``: for the combined summary of a job of ``world`` ranks,
+    printed after every guard's line."""
     who = "opwatch" if world is None else f"opwatch, all {world} ranks"
     guard_line = "below" if world is None else "above"
     if failed and origin is not None:
         said = (f"{who}: {failed} optimizer step{'s' if failed != 1 else ''} failed; the first origin a replay named: "
                 f"{origin_words(origin)}.")
+        if told:
+            said += "\n\n" + told + "\n"
     elif failed:
         said = (f"{who}: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
                 f"failed (see the guard's line {guard_line}).")

@@ -339,7 +339,9 @@ class LeaveOn(LedgerCounts):
         if self.ledger.clean or found:
             return text
         world = None if every_rank is None else every_rank.world
-        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(self.ledger.first_origin()), world=world)
+        origin = self.ledger.first_origin()
+        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=world,
+                                 told=getattr(origin, "message", None))
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

@@ -535,6 +535,12 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
     runner = callback.runner
     assert (runner.steps, runner.audited, runner.failed, runner.skipped) == (4, 1, 1, 1)  # no re-check: the replay named it
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
+    # The summary shows the replayed origin's own message (its problem, cause and fix) under the
+    # line that names it, as a watch's summary shows what it found: it was told nowhere else.
+    summary = runner.watch_summary()
+    (origin,) = runner.origins
+    assert summary.startswith("opwatch: 1 optimizer step failed; the first origin a replay named: inf first made by aten.div.Tensor")
+    assert "\n\n" + origin.message + "\n" in summary and "\n  cause:    " in summary and "\n  fix:      " in summary, summary
 
 
 def test_lightning_guard_tells_a_bad_batch_as_what_its_step_came_in_with(tmp_path):
