@@ -91,10 +91,6 @@ class _ScopedWrap:
             setattr(self.owner, self.name, self.original)
 
 
-def _gone():
-    return None
-
-
 class StepReductions:
     """A context manager: while it is entered, the total norms the program computes and the
     optimizers a GradScaler unscales are kept (references, no copy, no kernel). Entering it
@@ -105,10 +101,10 @@ class StepReductions:
 
     def __init__(self):
         self.norms: list = []
-        # Optimizers unscaled since their last step, {id: weak reference}: a dict, whose reads on
-        # every step (empty, but for GradScaler's) cost no Python call as a WeakSet's do.
+        # Optimizers unscaled since their last step, {id: (weak reference, its GradScaler's)}: a
+        # dict, whose reads on every step (empty, but for GradScaler's) cost no Python call as a
+        # WeakSet's do.
         self._unscaled: dict = {}
-        self._scalers: dict = {}  # id of an optimizer in _unscaled -> a weak reference to its GradScaler
         # The GradScaler that skipped the step before the latest backward, and its optimizer (after_backward).
         self.skipped_by = self.skipped_optimizer = None
         self._wraps: list = []
@@ -142,8 +138,7 @@ class StepReductions:
             result = original(scaler, optimizer)
             reductions = kept()
             if reductions is not None and scaler.is_enabled():
-                reductions._unscaled[id(optimizer)] = weakref.ref(optimizer)
-                reductions._scalers[id(optimizer)] = weakref.ref(scaler)
+                reductions._unscaled[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(scaler))
             return result
 
         self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
@@ -192,35 +187,47 @@ class StepReductions:
         self.skipped_by = self.skipped_optimizer = None
         if not self._unscaled:  # no GradScaler in the loop: every step
             return False
-        skipped = next((ident for ident, unscaled in self._unscaled.items() if unscaled() is not None), None)
+        skipped = self._not_stepped()
         if skipped is not None:
-            self.skipped_by, self.skipped_optimizer = self._scalers.get(skipped, _gone)(), self._unscaled[skipped]()
+            optimizer, scaler = skipped
+            self.skipped_by, self.skipped_optimizer = scaler(), optimizer()
         self._unscaled.clear()
-        self._scalers.clear()
         return skipped is not None
 
     def pending_skip(self):
         """The GradScaler that unscaled an optimizer which has not stepped since (the run ended
         on a step it skipped), or ``None``."""
-        ident = next((ident for ident, unscaled in self._unscaled.items() if unscaled() is not None), None)
-        return None if ident is None else self._scalers.get(ident, _gone)()
+        skipped = self._not_stepped()
+        if skipped is None:
+            return None
+        _, scaler = skipped
+        return scaler()
+
+    def _not_stepped(self):
+        """``(optimizer, scaler)`` weak references of an optimizer unscaled and alive that has
+        not stepped since, or ``None``."""
+        for optimizer, scaler in self._unscaled.values():
+            if optimizer() is not None:
+                return optimizer, scaler
+        return None
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
         if self._unscaled:
             self._unscaled.pop(id(optimizer), None)
-            self._scalers.pop(id(optimizer), None)
 
     def forget(self) -> None:
         self.norms.clear()
         self._unscaled.clear()
-        self._scalers.clear()
 
     def unscaled(self, optimizer) -> bool:
         """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
         (its kernel checked every one of them; it skips the step itself when one is not finite)."""
-        unscaled = self._unscaled.get(id(optimizer)) if self._unscaled else None
-        return unscaled is not None and unscaled() is optimizer
+        refs = self._unscaled.get(id(optimizer)) if self._unscaled else None
+        if refs is None:
+            return False
+        unscaled, _ = refs
+        return unscaled() is optimizer
 
     def norm_covering(self, grads) -> ClipNorm | None:
         """The newest kept norm that covered every tensor of ``grads``, or ``None``."""

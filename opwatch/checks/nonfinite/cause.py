@@ -69,7 +69,7 @@ from ...core.records import E_FUNC, E_INDEX, M_DEVICE, M_DTYPE, M_IDENT, M_SHAPE
 from ..finding import BeforeWatch, MadeBy, Owned, Place
 from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
-from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, attention_scores, moved_range, read_ranges, written_inputs
+from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, attention_scores, largest_magnitude, moved_range, read_ranges, written_inputs
 
 __all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES", "NORM_VARIANCE"]
 
@@ -1055,14 +1055,10 @@ def _overflow_cause(name, outputs, ranges, high) -> str | None:
         bound = math.log2(limit) if name == "exp2" else math.log(limit)
         if name in ("exp", "exp2", "expm1") and high > bound:
             return "exp_overflow"
-        largest = max(max(abs(known.low), abs(known.high)) for known in ranges if known is not None)
+        largest = max(largest_magnitude(known) for known in ranges if known is not None)
         if largest > limit:
             return "overflow"
     return None
-
-
-def _largest(value_range) -> float:
-    return max(abs(value_range.low), abs(value_range.high))
 
 
 def _bound(record, kind, ranges) -> float | None:
@@ -1071,7 +1067,7 @@ def _bound(record, kind, ranges) -> float | None:
     if kind != "inf" or not ranges or None in ranges:
         return None
     name = facts_of(record.func).name
-    largest = [_largest(known) for known in ranges]
+    largest = [largest_magnitude(known) for known in ranges]
     first, *rest = largest
     args = dict(record.args)
     scalar = args.get("other")

@@ -22,7 +22,7 @@ from ...core.records import E_ARGS, M_DTYPE, M_IDENT, M_SHAPE
 __all__ = [
     "NAME", "RISK_KIND", "KINDS", "CHECKED_DTYPES", "FLOAT8_DTYPES", "COMPLEX", "PLAIN_TYPES", "STRIDED", "FLOAT16",
     "SENTINELS", "SENTINEL", "HEADROOM_FACTOR", "HEADROOM_LIMIT", "checkable", "has_sentinel_constant",
-    "ValueRange", "moved_range", "read_ranges", "written_inputs", "ScoreBound", "attention_scores",
+    "ValueRange", "largest_magnitude", "moved_range", "read_ranges", "written_inputs", "ScoreBound", "attention_scores",
 ]
 
 NAME = "nonfinite"
@@ -86,6 +86,11 @@ class ValueRange(NamedTuple):
 _EXACT = frozenset(("same", "neg", "abs"))  # range maps that keep all of one input's values
 
 
+def largest_magnitude(value_range) -> float:
+    """The largest magnitude a :class:`ValueRange` holds."""
+    return max(abs(value_range.low), abs(value_range.high))
+
+
 def moved_range(facts, ranges) -> ValueRange:
     """The range of the output of a value-moving op (its ``OpFacts``, see ``range_map``) whose
     floating inputs had ``ranges`` (:class:`ValueRange`): exact for a view or copy of all of
@@ -133,7 +138,6 @@ _ATTENTION_BACKWARD = frozenset((
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
     "_flash_attention_backward", "_efficient_attention_backward",
 ))
-_FLOAT64 = (torch.float64, "torch.float64", "float64")  # a meta read back from a saved log names it
 
 
 class ScoreBound(NamedTuple):
@@ -168,10 +172,9 @@ def attention_scores(name, input_ranges, scale=None) -> ScoreBound | None:
         return None
     if scale is None:
         scale = 1 / math.sqrt(head_dim) if head_dim else 1.0
-    query = max(abs(query_range.low), abs(query_range.high))
-    key = max(abs(key_range.low), abs(key_range.high))
+    query, key = largest_magnitude(query_range), largest_magnitude(key_range)
     bound = query * key * head_dim * abs(scale)
-    dtype = torch.float64 if query_meta[M_DTYPE] in _FLOAT64 else torch.float32
+    dtype = torch.float64 if query_meta[M_DTYPE] == torch.float64 else torch.float32
     info = torch.finfo(dtype)
     limit = math.log(info.max) / info.eps
     if not bound > limit:  # a nan bound too (inf * 0)
