@@ -290,19 +290,29 @@ def scaler_skips(skipped: int, in_a_row: int, scale) -> str:
     return text
 
 
-def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str | None, limit: int, command_line: bool) -> str:
-    """GradScaler skipped ``in_a_row`` optimizer steps in a row, all since optimizer step
-    ``after`` ran, and its scale fell to ``scale`` (below 1): the run is stuck. ``rerun``: the
-    command that watches every op."""
-    since = f"after optimizer step {after}" if after else "from the first step"
-    how = rerun or "opwatch.watch() or opwatch.strict() around the training step"
+def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str | None, limit: int, command_line: bool,
+                          origin=None, unit: str = "optimizer steps") -> str:
+    """GradScaler skipped ``in_a_row`` steps in a row, all since ``after`` of them ran (``unit``:
+    optimizer steps, or guarded calls whose step it skipped), the last at a scale below 1, and
+    its scale fell to ``scale``: the run is stuck. ``origin``: the :class:`NamedOrigin` a full
+    watch of those steps named, or ``None``; ``rerun``: the command that watches every op."""
+    if unit == "optimizer steps":
+        skipped = f"{in_a_row} optimizer steps in a row ({f'after optimizer step {after}' if after else 'from the first step'})"
+        unseen, watched = "no optimizer step ran, so no check of opwatch's saw them", "the full watch of these steps"
+    else:
+        skipped = f"the optimizer step of {in_a_row} {unit} in a row (calls {after + 1} to {after + in_a_row})"
+        unseen = "what the calls returned was finite, and their gradients are GradScaler's to check"
+        watched = "a full watch of the call after them"
+    if origin is not None:
+        named = f"{unseen}; {watched} names it: {origin_words(origin)}."
+    else:
+        named = f"{unseen}. A full watch names the op that makes them: {rerun or 'opwatch.watch() or opwatch.strict() around the training step'}."
     option = "--max-failed-steps N (0: never stop)" if command_line else "max_failed_in_a_row=N (None: never stop)"
     return (
-        f"opwatch: the run is stuck: GradScaler skipped {in_a_row} optimizer steps in a row ({since}), and its scale fell to "
+        f"opwatch: the run is stuck: GradScaler skipped {skipped}, and its scale fell to "
         f"{scale:.3g}: below 1 it scales the loss down, so the gradients overflow (or hold nan, or the loss does) even unscaled, "
-        f"and no scale mends that; no optimizer step ran, so no check of opwatch's saw them. A full watch names the op that "
-        f"makes them: {how}. opwatch stopped the run after {limit} steps in a row skipped with the scale below 1; {option} "
-        "sets that limit."
+        f"and no scale mends that; {named} opwatch stopped the run after {limit} steps in a row skipped, the last with the "
+        f"scale below 1; {option} sets that limit."
     )
 
 

@@ -180,8 +180,14 @@ def _story(finding) -> str:
             f"; {_at(picked)} ({picked.phase}) picked indices by comparing its nan values: "
             "the indices it chose are wrong, though no nan is left to see"
         )
+    below_one = facts.grad_scaler_scale
     if facts.contained and facts.skipped_by_grad_scaler:
         story += "; GradScaler found it in the scaled gradients and skipped the step (how the scaler finds its scale)"
+    elif below_one is not None:
+        story += (
+            f"; GradScaler found it with its scale down to {below_one:.3g} and skipped the step: below 1 the gradients are "
+            "not finite unscaled either, so it skips every such step and its scale falls for ever"
+        )
     elif facts.contained:
         story += "; it was absorbed before it mattered (no live tensor, parameter or host read held it)"
     elif facts.absorbed:

@@ -147,7 +147,7 @@ class LeaveOn(LedgerCounts):
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
         self.ledger.unjudged_end = self.batches.after_step and not self._auditing
-        self.policy.scaler_skipped(self.policy.verdict.reductions.pending_skip(), at_end=True)  # the last step's, if skipped
+        self.policy.scaler_skipped(self.policy.verdict.reductions.pending_skip())  # the last step's, if skipped
         self.policy.run_ended(self.ledger.steps, exc, self)
         self._unsee_losses()
         return False
@@ -313,9 +313,17 @@ class LeaveOn(LedgerCounts):
         return names
 
     def scaler_skipped(self) -> None:
-        """GradScaler skipped the step before this backward: the policy counts it (and stops a stuck run)."""
-        reductions = self.policy.verdict.reductions
-        self.policy.scaler_skipped(reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules, rerun=self.rerun)
+        """GradScaler skipped the step before this backward: the policy counts it, and stops a
+        stuck run naming what the running audit saw in those steps."""
+        reductions, policy = self.policy.verdict.reductions, self.policy
+        if policy.scaler_skipped(reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules):
+            policy.stuck_in_scaler_skips(rerun=self.rerun, origin=self._skipped_origin() if self._auditing else None)
+
+    def _skipped_origin(self):
+        """The origin the running audit saw in the steps GradScaler skipped (judged now: no
+        optimizer step came to judge them), or ``None``."""
+        self.watch.check()
+        return self.audit_origin()
 
     def summary(self, *, rerun: str | None = None) -> str:
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a

@@ -84,27 +84,36 @@ class RunLedger:
         self.scaler_in_a_row = 0
         self.scaler_streak_after = 0
         self.scale: float | None = None
+        self.skipped_at_scale: float | None = None  # the scale the latest skipped step ran at
         # Set by the policy: reads the verdicts still on the device (a fused optimizer's
         # found_inf, read a step late) into this ledger; called with whether to wait for them.
         self.unsettled = None
 
     # -- written by the runners ----------------------------------------------------------------
 
-    def step(self, *, audited: bool) -> int:
-        """An optimizer step begins its check; returns its 1-based count."""
+    def step(self, *, audited: bool, optimizer_step: bool = True) -> int:
+        """A step begins its check; returns its 1-based count. ``optimizer_step``: it is an
+        optimizer step that runs (GradScaler's skips never call it), not a guarded call (whose
+        step GradScaler judges after it)."""
         self.steps += 1
         self.audited += bool(audited)
-        self.scaler_in_a_row = 0  # GradScaler let this step run
+        if optimizer_step:
+            self.scaler_stepped()
         return self.steps
 
-    def skipped_by_scaler(self, scale: float | None) -> None:
-        """GradScaler skipped an optimizer step (its gradients overflowed at ``scale``, which
-        it lowered to ``scale``: its scale after the skip)."""
+    def skipped_by_scaler(self, scale: float | None, checked_at: float | None = None, *, after: int | None = None) -> None:
+        """GradScaler skipped an optimizer step: its gradients were not finite at the scale
+        ``checked_at``, which it lowered to ``scale``; ``after``: the steps that ran before it
+        (:attr:`steps` by default)."""
         if not self.scaler_in_a_row:
-            self.scaler_streak_after = self.steps
+            self.scaler_streak_after = self.steps if after is None else after
         self.scaler_skipped += 1
         self.scaler_in_a_row += 1
-        self.scale = scale
+        self.scale, self.skipped_at_scale = scale, checked_at
+
+    def scaler_stepped(self) -> None:
+        """GradScaler let an optimizer step run: its streak of skips ends."""
+        self.scaler_in_a_row = 0
 
     def passed(self, step: int) -> None:
         """``step`` passed its check: the streak of failed steps ends (unless another trigger,
@@ -181,10 +190,12 @@ class RunLedger:
         return limit is not None and self.failed_in_a_row >= limit
 
     def stuck_in_scaler_skips(self, limit: int | None) -> bool:
-        """``limit`` steps in a row skipped by GradScaler, and its scale below 1: the gradients
-        overflow even unscaled (or the loss is not finite), which no scale mends. A healthy
-        float16 run skips a few steps in a row while the scale (65536 at first) finds its level."""
-        return limit is not None and self.scaler_in_a_row >= limit and self.scale is not None and self.scale < 1
+        """``limit`` steps in a row skipped by GradScaler, the last at a scale below 1: its
+        gradients were not finite unscaled either (or the loss was not), which no scale mends. A
+        healthy float16 run skips a few steps in a row while the scale (65536 at first) finds
+        its level."""
+        at = self.skipped_at_scale
+        return limit is not None and self.scaler_in_a_row >= limit and at is not None and at < 1
 
     def first_origin(self):
         """The origin of the first failure of the streak, else of any failure, else ``None``."""

@@ -809,6 +809,50 @@ def test_guard_cli_a_run_gradscaler_skips_for_good_is_stuck(tmp_path, limit):
     assert "A full watch names the op that makes them: " in text and "--max-failed-steps N (0: never stop) sets that limit." in text
 
 
+METRIC_FP16 = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+optimizer = torch.optim.AdamW(encoder.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(60):
+    x, labels = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        emb = encoder(x).float()
+    dist = ((emb[:, None] - emb[None]) ** 2).sum(-1).sqrt()  # each embedding's distance to itself is 0
+    same = (labels[:, None] == labels[None]).float()
+    loss = (same * (1 - torch.eye(32)) * dist).mean() + ((1 - same) * torch.relu(1 - dist)).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+def test_guard_cli_a_run_gradscaler_skips_from_its_first_step_is_stuck_with_the_op_its_audit_saw(tmp_path):
+    """sqrt's backward at 0 makes every gradient nan while the loss stays finite: GradScaler
+    skips every step from the first, so the first step's audit is still running when the run
+    is stuck. It saw the origin: the summary reports it (with its cause, the scale below 1 made
+    it an anomaly) and RunStuck names it. Before: "opwatch: no anomalies." beside the stuck run
+    and "A full watch names the op: python -m opwatch train.py", whose watch said the same."""
+    (tmp_path / "train.py").write_text(METRIC_FP16)
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=environment, timeout=300)
+    text = result.stderr
+    assert result.returncode == 1 and "no anomalies" not in text, text[-3000:]
+    assert "opwatch: 1 anomaly at 1 place:\n\nnan in aten.div.Tensor at train.py:13 (backward)" in text
+    assert "cause:    undefined math: the divisor holds 0, and so does the dividend: 0 / 0 = nan" in text
+    assert "GradScaler found it with its scale down to 0.5 and skipped the step" in text
+    assert ("RunStuck: opwatch: the run is stuck: GradScaler skipped 18 optimizer steps in a row (from the first step), and its scale "
+            "fell to 0.25") in text
+    assert ("no optimizer step ran, so no check of opwatch's saw them; the full watch of these steps names it: nan first made by "
+            "aten.div.Tensor at train.py:13 (backward).") in text
+
+
 SPARSE = """\
 import torch
 from torch import nn

@@ -15,7 +15,9 @@ tensor metadata), ``op_name`` (short, ``div``), ``forward_op_name`` (for a backw
 ran, the forward op's short name, else ``None``), ``spread`` (later ops that carried it),
 ``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
 ``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
-``skipped_by_grad_scaler``, ``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
+``skipped_by_grad_scaler``, ``grad_scaler_scale`` (the scale, below 1, at which GradScaler's
+check found it: not finite unscaled either, so not skipped in passing; else ``None``),
+``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
 None)`` per floating input), ``input_made`` (per floating input whose range is unknown, where it
 was made: the :class:`Place` of the op that made it in the watch, ``"before_watch"``, or
 ``"left_log"`` when that op has left the bounded log; ``None`` for a known range),
@@ -65,6 +67,7 @@ class OriginFacts(RuleFacts):
     reached_gradient: bool = False
     contained: bool = False
     skipped_by_grad_scaler: bool = False
+    grad_scaler_scale: float | None = None
     from_deliberate: bool = False
     input_ranges: tuple = ()
     input_made: tuple = ()
@@ -145,7 +148,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf", "reads_made_before")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "grad_scaler_scale", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf", "reads_made_before")
 
     def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -176,6 +179,8 @@ class Origin:
         self.reached_parameter = False  # an op wrote its values into an ``nn.Parameter``
         # Born in backward and found by GradScaler's overflow check, which skips the step.
         self.skipped_by_grad_scaler = False
+        # Found by that check with its scale below 1 (that scale): not finite unscaled either, not skipped in passing.
+        self.grad_scaler_scale = None
         self.matters = True
         self.cause = None  # why its values are not finite (a cause.Cause), decided at report time
         self.absorbed = False  # a forward overflow whose values died before a sink: reported all the same
@@ -237,6 +242,7 @@ class Origin:
             reached_gradient=self.reached_gradient,
             contained=contained,
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
+            grad_scaler_scale=self.grad_scaler_scale,
             from_deliberate=self.from_deliberate,
             input_ranges=input_ranges,
             input_made=self.input_made,

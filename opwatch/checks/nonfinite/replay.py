@@ -338,7 +338,7 @@ class Origins:
         if facts.is_collective:
             fed = self._inputs_when_issued(state, entry, fed)
         if facts.is_grad_scaler_check:
-            _step_grad_scaler(status, fed)
+            _step_grad_scaler(status, fed, _scale_below_one(state, entry))
         # Gradient accumulation: a backward op autograd runs with no forward op behind it.
         # (No source line: site 0, or a named place such as the DDP reducer's "DDP gradient of fc.weight".)
         code, _ = state.log.sites[entry[E_SITE]]
@@ -764,14 +764,30 @@ def _entered_nonfinite(flags) -> bool:
     return any((index, position) in flagged for index, seen in flags.first_seen.items() for position, _ in seen)
 
 
-def _step_grad_scaler(status, fed) -> None:
+def _step_grad_scaler(status, fed, below_one) -> None:
     """GradScaler's overflow check: what it finds in the scaled gradients makes it skip the
     step. Gradients are born in backward; a forward overflow is no business of the scaler's
-    (the scale does not touch the forward pass)."""
+    (the scale does not touch the forward pass). With its scale below 1 (``below_one``: that
+    scale) the gradients are not finite unscaled either, which no scale mends (a scale falls
+    that low only after a run of skipped steps): their origins are anomalies, the scale kept."""
     for ident in fed:
         origin = status[ident][ST_ORIGIN]
         if origin is not None and origin.record.phase == BACKWARD:
-            origin.skipped_by_grad_scaler = True
+            if below_one is None:
+                origin.skipped_by_grad_scaler = True
+            else:
+                origin.grad_scaler_scale = below_one
+
+
+def _scale_below_one(state, entry) -> float | None:
+    """The scale GradScaler's check ran at when it is below 1 (its ``inv_scale``, the last input,
+    known to be above 1; the fused optimizers' check passes a dummy of exactly 1), else ``None``
+    (1 or more, or not known)."""
+    *_, inv_scale = entry_inputs(entry)
+    known = range_of(state, inv_scale)
+    if known is None or known.within or not known.low > 1:
+        return None
+    return 1 / known.low
 
 
 def range_of(state, meta) -> ValueRange | None:

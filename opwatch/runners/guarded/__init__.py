@@ -45,6 +45,7 @@ from ...session import Watch, _disabled_by_environment
 from . import compiled as compiled_steps
 from .audit import Audits
 from .check import FailedElsewhere, Raised, not_finite, on_failure_option
+from .scaler import ScalerSteps
 from .ranks import NONFINITE as NONFINITE_CODE, RAISED, Agreement, raised_where
 from . import replay as replays
 from .replay import NONFINITE, allow_option, first_line, judge
@@ -190,7 +191,13 @@ def guard(
         Size of the replay's op log (``opwatch.watch``'s option). ``guard(step, model, max_records=50_000)``.
     scaler
         The ``torch.amp.GradScaler`` of an fp16 loop: its overflow steps are its business, not
-        failures; a loss that is not finite still is. ``guard(step, model, scaler=scaler)``.
+        failures; a loss that is not finite still is. A call skipped with ``on_failure="skip"``
+        leaves its ``.grad`` filled with nan for the scaler, whose ``step()`` then skips the
+        update (with no ``.grad`` it would fail). The steps the scaler skips are counted
+        (``ledger.scaler_skipped``), seen at the next call; after ``max_failed_in_a_row`` in a
+        row, the last at a scale below 1, the next call runs under a full watch and
+        :class:`~opwatch.runners.leave_on.RunStuck` names the op that made them.
+        ``guard(step, model, scaler=scaler)``.
     max_failed_in_a_row
         With ``on_failure="skip"`` or ``"apply"``: after that many failed calls in a row the
         guard raises :class:`~opwatch.runners.leave_on.RunStuck` naming the first of them and its
@@ -251,6 +258,7 @@ class Guarded:
         self._last = last
         self._max_records = max_records
         self._enabled = not _disabled_by_environment()
+        self._scaler_steps = ScalerSteps(scaler) if scaler is not None and self._enabled else None  # what it did with each call's gradients
         self._snapshots: Snapshots | None = None  # made on the first call
         self._agreement: Agreement | None = None  # in a job of 2 or more ranks (read at the first call)
         self._warned: set = set()  # (kind, file, line) of skipped steps already warned
@@ -280,6 +288,7 @@ class Guarded:
     def __call__(self, *args, **kwargs):
         if not self._enabled:
             return self._step(*args, **kwargs)
+        stuck = self.policy.scaler_verdict(self)  # GradScaler skipped the steps of the latest calls for good
         self.calls += 1
         if self._snapshots is None:
             self._snapshots = self._collect()
@@ -289,8 +298,8 @@ class Guarded:
             # A DDP model: its reduced gradients decide a healthy call alike on every rank.
             self._shared = self._agreement is not None and shared_gradients(self._snapshots.params, [self._model])
             self._see_writes()
-        audit = self._audit_watch() if self._audits.wanted(self.calls, args, kwargs) else None
-        self.ledger.step(audited=audit is not None)
+        audit = self._audit_watch() if stuck or self._audits.wanted(self.calls, args, kwargs) else None
+        self.ledger.step(audited=audit is not None, optimizer_step=False)
         start = self._snapshots.take(args, kwargs)
         try:
             if audit is None:
@@ -333,6 +342,8 @@ class Guarded:
         if audit is not None:
             self._audited(audit, start)
         self.ledger.passed(self.calls)
+        if stuck:
+            self.policy.stuck_after_call(audit)
         return result
 
     def _collect(self) -> Snapshots:

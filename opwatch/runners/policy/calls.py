@@ -13,7 +13,7 @@ from ...render import guard as guard_words
 from ...render import leave_on as words
 from ..guarded.replay import NONFINITE as NONFINITE_KINDS, Replayed, ReproNote, StepContext, explaining, record_at
 from ..guarded.snapshot import put_buffers
-from .outcomes import warn, warn_at
+from .outcomes import RunStuck, warn, warn_at
 
 __all__ = ["GuardedCalls"]
 
@@ -44,6 +44,36 @@ class GuardedCalls:
         guarded._snapshots.drop_grads()
         add_note(error, guard_words.raised_here_shared_note(self.rank, self._agreement.world))
         raise error
+
+    def scaler_verdict(self, guarded) -> bool:
+        """At a guarded call's start, with ``scaler=``: what GradScaler did with the latest
+        call's gradients (:class:`~opwatch.runners.guarded.scaler.ScalerSteps`). A step it
+        skipped is counted; one it let run ends the streak. Returns whether the run is stuck
+        (:meth:`stuck_in_scaler_skips`): then this call runs under a full watch, which names the
+        op before :meth:`stuck_after_call` stops the run."""
+        steps = guarded._scaler_steps
+        if steps is None:
+            return False
+        skipped, stepped = steps.since_last_call()
+        if skipped is None:
+            if stepped:
+                self.ledger.scaler_stepped()
+            return False
+        modules = () if guarded._model is None else (guarded._model,)
+        return self.scaler_skipped(steps.scaler, skipped, modules=modules, after=guarded.calls - 1)
+
+    def stuck_after_call(self, audit) -> None:
+        """Stop a run GradScaler skips for good, after the call ``audit`` watched: its first
+        nan/inf origin named, its message in the error's note (the audit's findings judged now:
+        no check of the guard's judges its scaled gradients)."""
+        audit.check()
+        origin = next((anomaly for anomaly in audit.anomalies if anomaly.kind in NONFINITE_KINDS), None)
+        try:
+            self.stuck_in_scaler_skips(origin=origin)
+        except RunStuck as stuck:
+            if origin is not None:
+                add_note(stuck, origin.message)  # its problem, cause and fix, as an AnomalyError shows them
+            raise
 
     def failed_call(self, guarded, start, args, kwargs, failure, *, error=None, audit=None, result=None):
         """Judge the step (from its audit, or a replay), leave the model as the docs say, raise
@@ -92,7 +122,7 @@ class GuardedCalls:
         # the replay, a second run of the step from its start); the buffers are as one run left
         # them, or as they were before it when the step is skipped.
         if go_on != "apply":
-            snapshots.drop_grads()
+            self._drop_grads(guarded, skipped=go_on == "skip")
         if go_on == "skip":
             snapshots.put_start_buffers(start)
         elif after is not None:
@@ -110,6 +140,15 @@ class GuardedCalls:
             raise problem
         return self._report(guarded, Replayed(anomaly, step=guarded.calls, context=context, repro=repro, repro_note=note, ranks=ranks), go_on, error,
                             audit.records if found else None, result)
+
+    @staticmethod
+    def _drop_grads(guarded, *, skipped: bool) -> None:
+        """A failed call's gradients, kept from the optimizer: dropped (``None``), or for a
+        skipped call under an enabled GradScaler, left to it filled with nan (it skips the
+        update; with no ``.grad`` at all its ``step()`` would fail)."""
+        steps = guarded._scaler_steps
+        if not (skipped and steps is not None and steps.leave_to_scaler(guarded._snapshots.params)):
+            guarded._snapshots.drop_grads()
 
     def _origins(self, guarded, replay):
         """``(RankOrigin, the first origin's row)``: every rank's replay findings exchanged
@@ -147,7 +186,7 @@ class GuardedCalls:
         """A failing step with poisoned weights: skipped (``.grad`` and buffers as they were)
         or applied, counted, not replayed."""
         if self.on_failure == "skip":
-            guarded._snapshots.drop_grads()
+            self._drop_grads(guarded, skipped=True)
             guarded._snapshots.put_start_buffers(start)
         return result
 

@@ -23,12 +23,14 @@ __all__ = ["OptimizerSteps"]
 _TOLD_FAILURES = 3  # failures warned (and re-checked) one by one; later ones are counted
 
 
-def _scale_of(scaler) -> float | None:
-    """GradScaler's scale (one host read), or ``None`` when it cannot be read."""
+def _scales_of(scaler) -> tuple:
+    """GradScaler's scale after a skip and the scale the skipped step ran at (its scale over its
+    backoff factor), one host read; ``(None, None)`` when they cannot be read."""
     try:
-        return None if scaler is None else float(scaler.get_scale())
+        scale = float(scaler.get_scale())
+        return scale, scale / float(scaler.get_backoff_factor())
     except Exception:
-        return None
+        return None, None
 
 
 class OptimizerSteps:
@@ -42,19 +44,27 @@ class OptimizerSteps:
     :class:`~opwatch.runners.batches.FedInput` of a batch that held nan/inf when it entered the
     model, or ``None``) and ``rerun``."""
 
-    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), rerun: str | None = None, at_end: bool = False) -> None:
-        """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, or at
-        the run's end: ``at_end``; ``None``: none was skipped): count it, and raise
-        :class:`RunStuck` once ``max_failed_in_a_row`` were skipped in a row with its scale
-        below 1 (the scale is read on a skipped step only), where every rank skips alike."""
+    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None) -> bool:
+        """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, at the
+        next guarded call, or at the run's end; ``None``: none was skipped): count it
+        (``after``: the steps that ran before it, the ledger's count by default). Returns
+        whether the run is stuck now: ``max_failed_in_a_row`` skipped in a row, the last at a
+        scale below 1 (read on a skipped step only), where every rank skips alike (then the
+        trigger calls :meth:`stuck_in_scaler_skips`)."""
         if scaler is None:
-            return
+            return False
         ledger = self.ledger
-        ledger.skipped_by_scaler(_scale_of(scaler))
-        if not at_end and ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules):
-            text = words.stuck_in_scaler_skips(ledger.scaler_streak_after, ledger.scaler_in_a_row, ledger.scale, rerun=rerun,
-                                               limit=self.max_failed_in_a_row, command_line=self.command_line)
-            raise RunStuck(text, step=ledger.scaler_streak_after + 1, parameters=[], failed_in_a_row=ledger.scaler_in_a_row)
+        ledger.skipped_by_scaler(*_scales_of(scaler), after=after)
+        return ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules)
+
+    def stuck_in_scaler_skips(self, *, rerun: str | None = None, origin=None):
+        """Raise :class:`RunStuck` for a run GradScaler skips for good; ``origin``: the nan/inf
+        origin a full watch of those steps named, or ``None``."""
+        ledger = self.ledger
+        text = words.stuck_in_scaler_skips(ledger.scaler_streak_after, ledger.scaler_in_a_row, ledger.scale, rerun=rerun,
+                                           limit=self.max_failed_in_a_row, command_line=self.command_line,
+                                           origin=origin_facts(origin), unit=self.unit)
+        raise RunStuck(text, step=ledger.scaler_streak_after + 1, parameters=[], failed_in_a_row=ledger.scaler_in_a_row)
 
     def _skips_alike(self, scaler, optimizer, modules) -> bool:
         """Whether every rank's GradScaler skips the same steps: a process on its own, DDP's
