@@ -23,7 +23,7 @@ from html import escape
 from ..checks.nonfinite.origin import OriginFacts
 from ..core.records import BACKWARD, M_IDENT, short_op_name
 from ..core.sites import location
-from .leave_on import NamedOrigin, batch_words, origin_words, scaler_skips
+from .leave_on import NamedOrigin, batch_words, evaluations_nan, origin_words, scaler_skips
 from .messages import message_parts
 from .phrases import module_of
 from .summary import count_places
@@ -371,7 +371,8 @@ def guard_section(guarded: dict) -> str:
     parts = [
         '<section id="guard"><h2>The guarded run</h2>',
         f'<p>{steps} optimizer steps ran, {guarded.get("audited", 0)} audited under a full watch, {guarded.get("failed", 0)} failed, '
-        f'{guarded.get("skipped", 0)} of them skipped{scaler_skips(guarded.get("scaler_skipped", 0), 0, None)}.</p>',
+        f'{guarded.get("skipped", 0)} of them skipped{scaler_skips(guarded.get("scaler_skipped", 0), 0, None)}'
+        f'{evaluations_nan(guarded.get("evaluations_nan", 0), 0)}.</p>',
     ]
     if failures:
         parts.append('<table class="guard"><thead><tr><th>step</th><th>cause</th><th>done</th><th>origin</th><th>what held nan/inf</th></tr></thead><tbody>')

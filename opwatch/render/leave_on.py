@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words"]
+           "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
+           "evaluation_nan", "evaluations_nan"]
 
 
 def parameters(bad: list) -> str:
@@ -253,12 +254,13 @@ _CAUSE_WORDS = {
 
 
 def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, causes: dict | None = None,
-            scaler: tuple = (0, 0, None)) -> str:
+            scaler: tuple = (0, 0, None), evaluations: tuple = (0, 0)) -> str:
     """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off);
     ``causes``: how many failed steps had each cause (``{"input": 1, ...}``), so that no step
     whose cause was the batch or the weights is summed up as "nan/inf in the gradients";
     ``scaler``: the steps GradScaler skipped, how many of them in a row at the end, and its
-    scale then."""
+    scale then; ``evaluations``: the calls with gradients off that returned nan, and of them
+    those whose batch held nan/inf."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
     tail = f", {skipped} of them skipped" if skipped else ""
@@ -274,7 +276,7 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
         why = "; ".join(f"{_CAUSE_WORDS[cause]}: {count}" for cause, count in causes.items())
     return (
         f"opwatch guard: {steps} optimizer step{'s' if steps != 1 else ''} ran, {audited} audited under a full watch, "
-        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}{scaler_skips(*scaler)}."
+        f"{failed} failed" + (f" ({why})" if why else "") + f"{tail}{scaler_skips(*scaler)}{evaluations_nan(*evaluations)}."
     )
 
 
@@ -316,8 +318,10 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
     )
 
 
-def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None) -> str:
-    """The audits' summary of a run whose watch named nothing while a step failed or the run
+def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None,
+                evaluations: int = 0) -> str:
+    """The audits' summary of a run whose watch named nothing while a step failed, an
+    evaluation returned nan (``evaluations``: how many calls with gradients off did) or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
     ``origin``: the :class:`NamedOrigin` a replay named, or ``None``; ``told``: that origin's
     own message (its problem, cause and fix), shown under the line, as a watch's summary shows
@@ -333,6 +337,9 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
     elif failed:
         said = (f"{who}: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
                 f"failed (see the guard's line {guard_line}).")
+    elif evaluations:
+        said = (f"{who}: no anomalies in the fully watched steps, but {evaluations} call{'s' if evaluations != 1 else ''} with "
+                f"gradients off (evaluations) returned nan (see the guard's line {guard_line}).")
     else:
         said = f"{who}: no anomalies in the fully watched steps; the run's last ops were not judged (see {guard_line})."
     first, newline, rest = watch_summary.partition("\n")
@@ -395,6 +402,30 @@ def batch_words(batch: dict) -> str:
     argument = _fed_argument((name, getattr(torch, dtype, dtype), shape, device))
     return (f"the batch held {batch['kind']} when it entered the model: {batch['model']}'s {argument}"
             f"{_fed_at(batch.get('where'), batch.get('call'))}{on_rank}")
+
+
+def evaluation_nan(told, *, rerun: str | None, rank: int | None = None) -> str:
+    """A call of the model with gradients off returned nan (``told``: an
+    :class:`~opwatch.runners.evaluations.EvaluationNan`): the batch's, when one of its arguments
+    held nan/inf, else the model's. No gradient holds it, so no step fails."""
+    on_rank = "" if rank is None else f" (rank {rank})"
+    call = (f"opwatch{on_rank}: a call of {told.model} with gradients off (an evaluation){_fed_at(told.where, None)}, "
+            f"after optimizer step {told.after_step}, returned nan")
+    if told.argument is not None:
+        return (f"{call}: its {_fed_argument(told.argument)} held {told.kind} when it entered the model (cause: input), so no op of "
+                "the model made it: the data did (the line that made the batch, or what it read: a file, a sample). No gradient "
+                "holds it: training goes on, and what the evaluation computes from it (a validation loss) is nan.")
+    how = rerun or "opwatch.watch() around the evaluation"
+    return (f"{call} from finite arguments: an op of the model made it; a full watch names it: {how}. No gradient holds it: "
+            "training goes on, and what the evaluation computes from it (a validation loss) is nan.")
+
+
+def evaluations_nan(count: int, from_input: int) -> str:
+    """``; 3 calls with gradients off returned nan (2 of them from their batch)``: the summary's clause."""
+    if not count:
+        return ""
+    batches = f", {from_input} of them from their batch" if from_input and from_input < count else (", from their batch" if from_input else "")
+    return f"; {count} call{'s' if count != 1 else ''} with gradients off (evaluations) returned nan{batches}"
 
 
 def _fed_argument(argument) -> str:

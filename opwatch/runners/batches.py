@@ -15,7 +15,7 @@ from ..core.compat import compiled_module_inner, module_class_name, no_python_di
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
-__all__ = ["FedBatches", "FedInput"]
+__all__ = ["FedBatches", "FedInput", "floating_arguments", "model_name", "named_argument"]
 
 # The model's earlier calls kept between two optimizer steps (accumulated micro-batches); the
 # calls past it are not read (as the losses kept then, ``leave_on._MAX_LOSSES``).
@@ -80,6 +80,8 @@ class FedBatches:
         self._earlier, self._calls = [], 0
 
     def _fed(self, module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation's call: no step's batch (runners.evaluations checks what it returns)
         if not self._auditing():
             if self.after_step and self._latest is not None:
                 self._keep_extremes(*self._latest)  # an earlier micro-batch of this step
@@ -93,11 +95,11 @@ class FedBatches:
             return
         extremes = []
         with torch.no_grad(), no_python_dispatch():
-            for name, tensor in _floating_arguments(args, kwargs):
+            for name, tensor in floating_arguments(args, kwargs):
                 found = extremes_on_device(tensor)
                 if found is not None:
-                    extremes.append((_argument(name, tensor), found))
-        self._earlier.append((_model_name(module), extremes, file_line(*site)))
+                    extremes.append((named_argument(name, tensor), found))
+        self._earlier.append((model_name(module), extremes, file_line(*site)))
 
     def bad_input(self) -> FedInput | None:
         """The first call since the last optimizer step whose arguments held nan/inf (read
@@ -113,14 +115,14 @@ class FedBatches:
             if self._latest is None:
                 return None
             module, args, kwargs, site = self._latest
-            for name, tensor in _floating_arguments(args, kwargs):
+            for name, tensor in floating_arguments(args, kwargs):
                 kind = nonfinite_kind(tensor)
                 if kind is not None:
-                    return FedInput(_model_name(module), _argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None)
+                    return FedInput(model_name(module), named_argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None)
         return None
 
 
-def _floating_arguments(args, kwargs):
+def floating_arguments(args, kwargs):
     """``(name, tensor)`` of each floating or complex tensor in a call's arguments
     (``"argument 0"`` for a positional one, its keyword else), nested ones included."""
     named = [(f"argument {position}", value) for position, value in enumerate(args)] + list(kwargs.items())
@@ -130,7 +132,7 @@ def _floating_arguments(args, kwargs):
                 yield name, tensor
 
 
-def _model_name(module) -> str:
+def model_name(module) -> str:
     """The model's class name: the compiled model's own, not ``OptimizedModule``; the wrapped
     model's, not ``DistributedDataParallel`` (or ``DataParallel``)."""
     while True:
@@ -142,5 +144,5 @@ def _model_name(module) -> str:
         module = inner
 
 
-def _argument(name, tensor) -> tuple:
+def named_argument(name, tensor) -> tuple:
     return name, tensor.dtype, tuple(tensor.shape), str(tensor.device)

@@ -52,6 +52,7 @@ from ..session import Watch, strict, watch
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from .batches import FedBatches
+from .evaluations import EvaluationCalls
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, LedgerCounts
 from .policy import GradientsNotFinite, RunStuck, StepPolicy, nonfinite_of, origin_facts
 
@@ -111,6 +112,7 @@ class LeaveOn(LedgerCounts):
         self.replay = None
         self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
         self.batches = FedBatches(lambda: self._auditing)  # what each step fed the model, after the first audit
+        self.evaluations = EvaluationCalls(lambda: self._auditing, lambda: self.ledger.steps)  # what it returned with gradients off
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
         self._backward = None  # torch.Tensor.backward as it was before the run
 
@@ -143,6 +145,8 @@ class LeaveOn(LedgerCounts):
             handle.remove()
         self._handles = []
         self.batches.unwatch()
+        self.evaluations.unwatch()
+        self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass that ended the run
         # The run's last ops ran after its last optimizer step with no watch on: no gradient
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
@@ -256,6 +260,7 @@ class LeaveOn(LedgerCounts):
         if not self.watch.enabled:
             return False
         step = self.ledger.step(audited=self._auditing)
+        self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass since the last step
         self.batches.after_step = False  # what ran since the last step is judged here
         losses, self._losses = self._losses, []
         named = partial(_named, optimizer, self._names)
@@ -283,7 +288,9 @@ class LeaveOn(LedgerCounts):
         self.policy.writes.stepped(optimizer)
         self.policy.step_done(self.ledger.steps, lambda: _named(optimizer, self._names()), self, optimizer)
         if self._modules:
-            self.batches.watch(next(iter(self._modules)))  # the outermost module the audit saw
+            model = next(iter(self._modules))  # the outermost module the audit saw
+            self.batches.watch(model)
+            self.evaluations.watch(model)
 
     # -- the batch ----------------------------------------------------------------------------
 
@@ -331,7 +338,8 @@ class LeaveOn(LedgerCounts):
         ledger = self.ledger
         steps, audited, failed, skipped = ledger.counts().values()  # settled: every step that ran
         text = words.summary(steps, audited, failed, self.watch.enabled, skipped, causes=ledger.causes(),
-                             scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale))
+                             scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale),
+                             evaluations=(ledger.evaluations_nan, ledger.evaluations_from_input))
         if ledger.unjudged_end:
             text += "\n" + words.unjudged_end(steps, rerun, ledger.scaler_in_a_row)
         return text
@@ -349,7 +357,7 @@ class LeaveOn(LedgerCounts):
         world = None if every_rank is None else every_rank.world
         origin = self.ledger.first_origin()
         return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=world,
-                                 told=getattr(origin, "message", None))
+                                 told=getattr(origin, "message", None), evaluations=self.ledger.evaluations_nan)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

@@ -85,6 +85,10 @@ class RunLedger:
         self.scaler_streak_after = 0
         self.scale: float | None = None
         self.skipped_at_scale: float | None = None  # the scale the latest skipped step ran at
+        # Calls of the model with gradients off (evaluations) that returned nan, and of them those
+        # whose batch held nan/inf: no step's, never failures.
+        self.evaluations_nan = 0
+        self.evaluations_from_input = 0
         # Set by the policy: reads the verdicts still on the device (a fused optimizer's
         # found_inf, read a step late) into this ledger; called with whether to wait for them.
         self.unsettled = None
@@ -174,10 +178,10 @@ class RunLedger:
 
     @property
     def clean(self) -> bool:
-        """Whether nothing failed and every op was judged: only then may a summary say
-        "no anomalies" alone (settled first)."""
+        """Whether nothing failed, no evaluation returned nan and every op was judged: only
+        then may a summary say "no anomalies" alone (settled first)."""
         self.settle()
-        return not self.failed and not self.unjudged_end
+        return not self.failed and not self.unjudged_end and not self.evaluations_nan
 
     def causes(self) -> dict:
         """How many kept failures had each cause, the first seen first."""
@@ -210,9 +214,10 @@ class RunLedger:
         return {"steps": self.steps, "audited": self.audited, "failed": self.failed, "skipped": self.skipped}
 
     def log(self) -> dict:
-        """:meth:`counts`, the steps GradScaler skipped, and :meth:`rows`: what a ``--jsonl`` log
-        keeps of the run (``write_jsonl(guard=)``)."""
-        return {**self.counts(), "scaler_skipped": self.scaler_skipped, "failures": self.rows()}
+        """:meth:`counts`, the steps GradScaler skipped, the calls with gradients off that
+        returned nan, and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
+        return {**self.counts(), "scaler_skipped": self.scaler_skipped, "evaluations_nan": self.evaluations_nan,
+                "failures": self.rows()}
 
     def rows(self) -> list[dict]:
         """The failures as plain rows (the JSON Lines log and the HTML report), settled first."""
@@ -281,6 +286,12 @@ class LedgerCounts:
         """Optimizer steps GradScaler skipped (an overflow in the scaled gradients): not
         counted in :attr:`steps`; a few now and then are GradScaler at work."""
         return self._read.scaler_skipped
+
+    @property
+    def evaluations_nan(self) -> int:
+        """Calls of the model with gradients off (evaluations) that returned nan: never failed
+        steps (no gradient holds them), told as warnings."""
+        return self._read.evaluations_nan
 
     @property
     def unjudged_end(self) -> bool:

@@ -147,8 +147,9 @@ def metrics(source) -> dict[str, int]:
     - ``opwatch/contained``: nan/inf origins absorbed before they mattered (not anomalies);
     - guard mode (the leave-on runner, ``opwatch.runners.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
       seen), ``opwatch/audited`` (of them, run under the full watch), ``opwatch/failed``
-      (steps whose gradients held nan/inf) and ``opwatch/skipped`` (of those, the steps that
-      did not run).
+      (steps whose gradients held nan/inf), ``opwatch/skipped`` (of those, the steps that
+      did not run) and ``opwatch/scaler_skipped`` (the steps GradScaler skipped, which never
+      call the optimizer: counted apart, at the next ``backward()``).
 
     ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
     ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
@@ -174,6 +175,7 @@ def metrics(source) -> dict[str, int]:
     if isinstance(source, LeaveOn):
         # the ledger's counts as the device finished them (no wait: a trainer logs every batch)
         values.update((f"opwatch/{name}", count) for name, count in source.ledger.counts(wait=False).items())
+        values["opwatch/scaler_skipped"] = source.ledger.scaler_skipped  # GradScaler's, none of the steps above
     return values
 
 

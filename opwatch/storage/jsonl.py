@@ -396,8 +396,8 @@ class SavedLog:
     @property
     def guard(self) -> dict | None:
         """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
-        ``skipped``; ``scaler_skipped``, the steps GradScaler skipped, in a log saved since it
-        was counted) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
+        ``skipped``; ``scaler_skipped``, the steps GradScaler skipped, and ``evaluations_nan``,
+        the calls with gradients off that returned nan, in a log saved since each was counted) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
         ``parameters``, ``loss``, ``origin``, ``batch``: what a bad batch held, its ``model``,
         ``argument``, ``kind``, ``where``, ``call`` and ``rank``); ``None`` for a log of no
         guarded run."""

@@ -7,6 +7,7 @@ counts (``Watch.counts``): a run with a real broadcast bug counts it, a healthy 
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import warnings
@@ -335,3 +336,34 @@ def test_cli_guard_counts_a_fused_optimizer_s_failing_last_step_in_the_logged_co
     assert values(scalars, "opwatch/failed") == [0.0, 0.0, 1.0]  # the counts written after step 3 hold it
     assert values(scalars, "opwatch/skipped")[-1] == 1.0
     assert "3 optimizer steps ran, 1 audited under a full watch, 1 failed" in stderr
+
+
+GRAD_SCALER_SCRIPT = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)  # too high: its first steps overflow
+for step in range(12):
+    x = torch.randn(32, 16)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+
+def test_cli_guard_logs_the_steps_grad_scaler_skipped_as_the_summary_counts_them(tmp_path, capsys):
+    """GradScaler's skips never call the optimizer: they are none of the steps counted, and
+    their own count is logged with the others, as the summary says it."""
+    scalars, stderr = run_cli(tmp_path, GRAD_SCALER_SCRIPT, "--guard", capsys=capsys)
+    told = re.search(r"opwatch guard: (\d+) optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped (\d+) more", stderr)
+    assert told is not None, stderr
+    steps, skipped = int(told[1]), int(told[2])
+    assert steps + skipped == 12 and skipped >= 2
+    assert values(scalars, "opwatch/steps")[-1] == steps and values(scalars, "opwatch/scaler_skipped")[-1] == skipped
+    assert values(scalars, "opwatch/failed")[-1] == 0 and values(scalars, "opwatch/skipped")[-1] == 0

@@ -70,6 +70,7 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._replayed_at: int | None = None
         self._watched_all_at: int | None = None
         self._decided_origin = None
+        self.told_evaluations: set = set()  # (kind, line, from the batch) of the evaluations told
 
     # -- ranks ----------------------------------------------------------------------------------
 

@@ -9,14 +9,14 @@ import weakref
 
 import torch
 
-from ...findings.anomaly import AnomalyError
+from ...findings.anomaly import AnomalyError, OpwatchWarning
 from ...render import guard as guard_words
 from ...render import leave_on as words
 from ..batches import FedInput
 from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
 from ..ledger import CAME_WITH_INPUT, came_with
 from ..step_verdict import shared_gradients, trained
-from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, origin_facts, warn
+from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, origin_facts, warn, warn_at
 
 __all__ = ["OptimizerSteps"]
 
@@ -65,6 +65,22 @@ class OptimizerSteps:
                                            limit=self.max_failed_in_a_row, command_line=self.command_line,
                                            origin=origin_facts(origin), unit=self.unit)
         raise RunStuck(text, step=ledger.scaler_streak_after + 1, parameters=[], failed_in_a_row=ledger.scaler_in_a_row)
+
+    def evaluations_read(self, evaluations, rerun: str | None = None) -> None:
+        """The calls with gradients off since the last read (``evaluations``: the trigger's
+        :class:`~opwatch.runners.evaluations.EvaluationCalls`), read now (at an optimizer
+        step's check or the run's end): each that returned nan is counted and told, once per
+        line and cause, on this rank alone; never a failed step (no gradient holds it)."""
+        if not evaluations.pending:
+            return
+        ledger = self.ledger
+        for told in evaluations.read():
+            ledger.evaluations_nan += 1
+            ledger.evaluations_from_input += told.argument is not None
+            key = ("evaluation", told.where, told.argument is not None)
+            if key not in self.told_evaluations:
+                self.told_evaluations.add(key)
+                warn_at(OpwatchWarning(words.evaluation_nan(told, rerun=rerun, rank=self.rank)), told)  # at the evaluation's line
 
     def _skips_alike(self, scaler, optimizer, modules) -> bool:
         """Whether every rank's GradScaler skips the same steps: a process on its own, DDP's

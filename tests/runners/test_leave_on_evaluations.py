@@ -1,0 +1,202 @@
+"""Leave-on over a run that evaluates: the model's calls with gradients off are checked at their
+output (``opwatch.runners.evaluations``), read at the next optimizer step's check or the run's
+end, told once per line: a corrupted validation record (``val loss nan`` at every evaluation)
+was seen by no check before, since no gradient holds it."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+import opwatch
+from opwatch.runners.cli import main
+
+TRAIN_AND_VALIDATE = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+weights = torch.randn(8)
+train = [torch.randn(16, 8) for _ in range(6)]
+validation = [torch.randn(16, 8) for _ in range(3)]
+{corrupt}
+for epoch in range(2):
+    model.train()
+    for x in train:
+        loss = (model(x).squeeze(-1) - x @ weights).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        total = sum((model(x).squeeze(-1) - x @ weights).pow(2).mean() for x in validation)  # the validation pass
+    print(f"epoch {{epoch}} val loss {{total.item() / len(validation):.4f}}")
+"""
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # lines are shown relative to the working directory: train.py:20
+
+
+def run_guard(tmp_path, capsys, script, *options):
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        status = main(["--guard", *options, str(path)])
+    told = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    return status, capsys.readouterr(), told, caught
+
+
+def test_a_corrupted_validation_record_is_told_at_its_line_as_the_batch_s(tmp_path, capsys):
+    from opwatch.render.html import guard_section
+    from opwatch.storage.jsonl import load
+
+    script = TRAIN_AND_VALIDATE.format(corrupt='validation[1][3, 5] = float("nan")  # a corrupted record')
+    status, out, told, caught = run_guard(tmp_path, capsys, script, "--jsonl", str(tmp_path / "run.jsonl"))
+    assert status == 0 and out.out.count("val loss nan") == 2  # training goes on: no step failed
+    assert told == [
+        "opwatch: a call of Sequential with gradients off (an evaluation) at train.py:20, after optimizer step 6, returned nan: its "
+        "argument 0 (f32[16, 8] cpu) held nan when it entered the model (cause: input), so no op of the model made it: the data did "
+        "(the line that made the batch, or what it read: a file, a sample). No gradient holds it: training goes on, and what the "
+        "evaluation computes from it (a validation loss) is nan."
+    ]  # told once, for both evaluations
+    warning = next(warning for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning))
+    assert (warning.filename, warning.lineno) == (str(tmp_path / "train.py"), 20)  # at the evaluation's line
+    assert ("opwatch: no anomalies in the fully watched steps, but 2 calls with gradients off (evaluations) returned nan (see the "
+            "guard's line below).") in out.err
+    assert ("opwatch guard: 12 optimizer steps ran, 1 audited under a full watch, 0 failed; 2 calls with gradients off (evaluations) "
+            "returned nan, from their batch.") in out.err
+    saved = load(tmp_path / "run.jsonl").guard
+    assert saved["evaluations_nan"] == 2
+    assert "0 of them skipped; 2 calls with gradients off (evaluations) returned nan.</p>" in guard_section(saved)  # the report says it too
+
+
+def test_a_clean_validation_set_is_silent(tmp_path, capsys):
+    status, out, told, _ = run_guard(tmp_path, capsys, TRAIN_AND_VALIDATE.format(corrupt=""))
+    assert status == 0 and told == [] and "gradients off" not in out.err
+    assert "opwatch: no anomalies.\n" in out.err and "12 optimizer steps ran, 1 audited under a full watch, 0 failed." in out.err
+
+
+def test_a_validation_batch_of_one_row_whose_per_batch_std_is_nan_is_the_model_s(tmp_path, capsys):
+    """The model standardizes each batch by its own std: a last validation batch of one row has
+    an unbiased std of 0 / 0 = nan, from finite data."""
+    script = TRAIN_AND_VALIDATE.format(corrupt="validation.append(torch.randn(1, 8))  # the last, short batch").replace(
+        "model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))",
+        "class Standardized(nn.Sequential):\n"
+        "    def forward(self, x):\n"
+        "        return super().forward((x - x.mean(0)) / x.std(0))\n"
+        "model = Standardized(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))")
+    status, out, told, _ = run_guard(tmp_path, capsys, script)
+    assert status == 0 and len(told) == 1
+    assert told[0].startswith("opwatch: a call of Standardized with gradients off (an evaluation) at train.py:23, after optimizer "
+                              "step 6, returned nan from finite arguments: an op of the model made it; a full watch names it: "
+                              "python -m opwatch ")
+    assert "2 calls with gradients off (evaluations) returned nan." in out.err
+
+
+def test_a_model_that_takes_nan_on_purpose_and_a_masked_minus_inf_output_are_silent(tmp_path, capsys):
+    """A tabular model that reads missing values as nan (replaced, with an indicator, inside the
+    model) in training and validation alike; its evaluation returns log-probabilities with the
+    classes it rules out at -inf."""
+    script = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Tabular(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        missing = torch.isnan(x)
+        logits = self.net(torch.cat([torch.nan_to_num(x), missing.float()], dim=-1))
+        if not self.training:  # class 3 is never valid at inference
+            logits = logits.masked_fill(torch.tensor([False, False, False, True]), float("-inf"))
+        return logits.log_softmax(-1)
+
+
+model = Tabular()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    model.train()
+    for _ in range(5):
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        x[torch.rand(16, 8) < 0.2] = float("nan")  # missing values
+        loss = nn.functional.nll_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        x = torch.randn(16, 8)
+        x[torch.rand(16, 8) < 0.2] = float("nan")
+        print("accuracy", (model(x).argmax(-1) == torch.randint(0, 3, (16,))).float().mean().item())
+"""
+    status, out, told, _ = run_guard(tmp_path, capsys, script)
+    assert status == 0 and told == [] and "gradients off" not in out.err and "0 failed." in out.err
+
+
+def test_a_bad_validation_batch_is_not_the_failing_training_step_s_batch():
+    """An evaluation between two steps fed the model a nan record; the next training step fails
+    on a training batch of its own: the step's cause names the training batch's line."""
+    from opwatch.runners.leave_on import LeaveOn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        with LeaveOn(on_failure="skip", max_failed_in_a_row=None, file=io.StringIO()) as run:
+            for step in range(4):
+                x = torch.randn(4, 8)
+                if step == 3:
+                    with torch.no_grad():
+                        bad = torch.randn(4, 8)
+                        bad[0, 0] = float("nan")
+                        model(bad)  # a validation batch
+                    x[1, 1] = float("inf")  # the training batch
+                loss = model(x).pow(2).mean()  # the training forward
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    messages = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    assert run.ledger.failed == 1 and run.ledger.failures[0].cause == "input" and run.ledger.evaluations_nan == 1
+    step_told = next(message for message in messages if "optimizer step 4" in message)
+    assert "held inf when it entered the model" in step_told and "argument 0 (f32[4, 8] cpu) held inf" in step_told
+    assert any("with gradients off (an evaluation)" in message and "held nan" in message for message in messages)
+
+
+def test_hf_trainer_guard_mode_tells_an_evaluation_whose_batch_held_nan(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from opwatch.runners.transformers import OpwatchCallback
+    from support.trainers import _Regression, matched_loss, regression_data
+
+    x, y = regression_data(16)
+    train = [{"x": a, "labels": b} for a, b in zip(x[:12], y[:12])]
+    evaluation = [{"x": a.clone(), "labels": b} for a, b in zip(x[12:], y[12:])]
+    evaluation[2]["x"][1] = float("nan")  # a corrupted validation record
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                                          learning_rate=0.01, eval_strategy="steps", eval_steps=2, logging_steps=1, save_strategy="no",
+                                          report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    callback = OpwatchCallback(mode="guard", warn=False, file=io.StringIO())
+    trainer = transformers.Trainer(model=_Regression(matched_loss), args=args, train_dataset=train, eval_dataset=evaluation,
+                                   callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        with callback:
+            trainer.train()
+    told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
+    assert callback.runner.failed == 0 and callback.runner.ledger.evaluations_nan == 2  # the evaluations after steps 2 and 3
+    assert len(told) == 1 and "a call of _Regression with gradients off (an evaluation)" in told[0]
+    assert "its x (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in told[0]
