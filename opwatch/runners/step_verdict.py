@@ -141,8 +141,18 @@ class StepReductions:
                 reductions._unscaled[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(scaler))
             return result
 
+        def step(original, scaler, optimizer, *args, **kwargs):
+            # GradScaler's step decides the update: it unscales and checks every gradient (a
+            # fused optimizer's are checked, not unscaled, and it skips inside its kernel), or
+            # they were unscaled already. Its subclasses inherit it (FSDP's ShardedGradScaler,
+            # whose own unscale_ the wrap above does not see).
+            reductions = kept()
+            if reductions is not None and scaler.is_enabled():
+                reductions._unscaled.setdefault(id(optimizer), (weakref.ref(optimizer), weakref.ref(scaler)))
+            return original(scaler, optimizer, *args, **kwargs)
+
         self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
-                       _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_)]
+                       _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_), _ScopedWrap(torch.amp.GradScaler, "step", step)]
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -853,6 +853,61 @@ def test_guard_cli_a_run_gradscaler_skips_from_its_first_step_is_stuck_with_the_
             "aten.div.Tensor at train.py:13 (backward).") in text
 
 
+FUSED_FP16 = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the Hugging Face Trainer's default
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # too high: its first steps overflow
+for step in range(30):
+    x = torch.randn(32, 16)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_path):
+    """A fused optimizer steps under GradScaler with its gradients still scaled: GradScaler
+    checked them and hands it found_inf, and the kernel skips an overflowing update itself.
+    leave-on used to check the scaled gradients again, fail every overflow step of a healthy
+    run while the scale found its level, and stop it as stuck after 10."""
+    (tmp_path / "train.py").write_text(FUSED_FP16)
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert result.returncode == 0 and "RunStuck" not in result.stderr, result.stderr[-3000:]
+    assert "opwatch guard: 30 optimizer steps ran, 1 audited under a full watch, 0 failed." in result.stderr
+    assert float(result.stdout.split()[-1]) < 2.0**40  # GradScaler did skip the overflow steps
+
+
+SHARDED_STUCK = METRIC_FP16.replace(
+    'scaler = torch.amp.GradScaler("cpu")',
+    "import torch.distributed as dist\n"
+    "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+    "import datetime\n"
+    "dist.init_process_group('gloo', init_method='file://{store}', rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))\n"
+    'scaler = ShardedGradScaler("cpu")')
+
+
+@pytest.mark.thorough
+def test_guard_cli_sees_the_skips_of_fsdp_s_sharded_grad_scaler(tmp_path):
+    """FSDP's ShardedGradScaler has an unscale_ of its own (it all-reduces its flag), which the
+    wrap of GradScaler's did not see: its skips were never counted, and a run it skipped for
+    good went on. GradScaler's step, which it inherits, tells them now."""
+    (tmp_path / "train.py").write_text(SHARDED_STUCK.replace("{store}", str(tmp_path / "store")))
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert ("RunStuck: opwatch: the run is stuck: GradScaler skipped 18 optimizer steps in a row (from the first step), and its scale "
+            "fell to 0.25") in result.stderr
+
+
 SPARSE = """\
 import torch
 from torch import nn
