@@ -71,7 +71,7 @@ def _pass(call, batches: int, calls: EvaluationCalls | None) -> float:
 
 def bench(name: str, rounds: int, batches: int) -> str:
     model, call = WORKLOADS[name]()
-    calls = EvaluationCalls(lambda: False, lambda: 0)
+    calls = EvaluationCalls(lambda: False, lambda: 0, lambda: None)
     plain, checked = [], []
     _pass(call, batches, None)  # warm up
     for round_ in range(rounds):

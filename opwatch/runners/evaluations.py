@@ -7,7 +7,8 @@ training goes on healthy: no gradient holds it. The leave-on runner hooks the mo
 gradients off outside an audit, keeps the (min, max) of each floating tensor the call returned
 and of each floating argument it took, left on their device: one reduction each, no host read,
 no reference to the tensors. The next optimizer step's check (or the run's end) reads them all
-at once (one host read per device) and tells each call whose output held **nan**, with what its
+at once (one host read per device; every 4096 calls in a long pass) and tells each call whose
+output held **nan**, with what its
 batch held: nan/inf in an argument is the batch's (the data did it), finite arguments mean the
 model made it. An output holding only inf is not told: a ``-inf`` logit is a mask's, on purpose.
 A model that takes nan on purpose and returns finite values is never told.
@@ -27,7 +28,7 @@ from .batches import floating_arguments, model_name, named_argument
 
 __all__ = ["EvaluationCalls", "EvaluationNan"]
 
-_MAX_KEPT = 4096  # calls kept between two reads (an evaluation pass, or generation's many calls)
+_MAX_KEPT = 4096  # calls kept between two reads; then they are read at once (a long pass, generation's many calls)
 
 
 class EvaluationNan(NamedTuple):
@@ -45,14 +46,15 @@ class EvaluationNan(NamedTuple):
 class EvaluationCalls:
     """A forward hook on the model alone and the extremes it keeps of each call with gradients
     off (outside an audit: ``auditing``, a callable, says when the watch judges every op;
-    ``steps``, a callable, how many optimizer steps ran before the call)."""
+    ``steps``, a callable, how many optimizer steps ran before the call; ``full``, a callable
+    that reads the kept calls, called when they reach the most kept between two reads)."""
 
-    def __init__(self, auditing, steps) -> None:
+    def __init__(self, auditing, steps, full) -> None:
         self._auditing = auditing
         self._steps = steps  # a callable: the optimizer steps run so far
+        self._full = full  # a callable: read the kept calls now (the runner's read, which tells them)
         self._hook = None
         self._kept: list = []  # (model's class name, (code, offset), [output extremes], [(argument, extremes)], step)
-        self.unchecked = 0  # calls past _MAX_KEPT between two reads: not checked
 
     def watch(self, model) -> None:
         """Hook ``model`` (the one the batch hook watches); once."""
@@ -73,8 +75,7 @@ class EvaluationCalls:
         if torch.is_grad_enabled() or self._auditing():
             return
         if len(self._kept) >= _MAX_KEPT:
-            self.unchecked += 1
-            return
+            self._full()  # one host read per this many calls, memory bounded
         with no_python_dispatch():  # (gradients are off already)
             returned = [found for tensor in tensors_in(output) if (found := extremes_on_device(tensor)) is not None]
             if not returned:

@@ -112,7 +112,8 @@ class LeaveOn(LedgerCounts):
         self.replay = None
         self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
         self.batches = FedBatches(lambda: self._auditing)  # what each step fed the model, after the first audit
-        self.evaluations = EvaluationCalls(lambda: self._auditing, lambda: self.ledger.steps)  # what it returned with gradients off
+        self.evaluations = EvaluationCalls(lambda: self._auditing, lambda: self.ledger.steps,  # what it returned with gradients off
+                                           lambda: self.policy.evaluations_read(self.evaluations, self.rerun))
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
         self._backward = None  # torch.Tensor.backward as it was before the run
 

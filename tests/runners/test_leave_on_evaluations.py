@@ -200,3 +200,32 @@ def test_hf_trainer_guard_mode_tells_an_evaluation_whose_batch_held_nan(tmp_path
     assert callback.runner.failed == 0 and callback.runner.ledger.evaluations_nan == 2  # the evaluations after steps 2 and 3
     assert len(told) == 1 and "a call of _Regression with gradients off (an evaluation)" in told[0]
     assert "its x (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in told[0]
+
+
+def test_a_long_evaluation_pass_is_read_every_so_many_calls(monkeypatch):
+    """Memory stays bounded: past the most calls kept, they are read at once and told."""
+    from opwatch.runners import evaluations
+    from opwatch.runners.leave_on import LeaveOn
+
+    monkeypatch.setattr(evaluations, "_MAX_KEPT", 3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        with LeaveOn(file=io.StringIO()) as run:
+            for _ in range(2):
+                loss = model(torch.randn(4, 8)).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            with torch.no_grad():
+                for index in range(10):
+                    x = torch.randn(4, 8)
+                    if index == 5:
+                        x[0, 0] = float("nan")
+                    model(x)
+                    # calls 4 to 6 (the 6th holds nan) are read when the 7th comes: told then
+                    assert run.ledger.evaluations_nan == (1 if index >= 6 else 0)
+    assert run.ledger.evaluations_nan == 1
+    assert sum("with gradients off" in str(warning.message) for warning in caught) == 1
