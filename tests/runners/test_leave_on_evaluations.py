@@ -229,3 +229,11 @@ def test_a_long_evaluation_pass_is_read_every_so_many_calls(monkeypatch):
                     assert run.ledger.evaluations_nan == (1 if index >= 6 else 0)
     assert run.ledger.evaluations_nan == 1
     assert sum("with gradients off" in str(warning.message) for warning in caught) == 1
+
+
+def test_the_cost_benchmark_runs_a_checked_and_a_plain_pass():
+    """``python -m bench.evaluations`` (its figures are in docs/cost.md): one short round."""
+    from bench.evaluations import bench
+
+    line = bench("mlp", rounds=2, batches=3)
+    assert line.startswith("  mlp   evaluation pass of 3 calls: median ") and " paired " in line
