@@ -313,7 +313,7 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
     return (
         f"opwatch: the run is stuck: GradScaler skipped {skipped}, and its scale fell to "
         f"{scale:.3g}: below 1 it scales the loss down, so the gradients overflow (or hold nan, or the loss does) even unscaled, "
-        f"and no scale mends that; {named} opwatch stopped the run after {limit} steps in a row skipped, the last with the "
+        f"and no scale mends that; {named} opwatch stops a run once {limit} steps in a row were skipped, the last with the "
         f"scale below 1; {option} sets that limit."
     )
 

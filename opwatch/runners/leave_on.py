@@ -225,10 +225,10 @@ class LeaveOn(LedgerCounts):
             self.watch.__exit__(type(error), error, error.__traceback__)
         return [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit]
 
-    def audit_origin(self):
-        """The first nan/inf origin the running audit found, or ``None``."""
+    def audit_origin(self, *, last: bool = False):
+        """The first (``last``: the latest) nan/inf origin the running audit found, or ``None``."""
         found = [anomaly for anomaly in self.watch.anomalies if id(anomaly) not in self._before_audit and anomaly.kind in ("nan", "inf")]
-        return found[0] if found else None
+        return (found[-1] if last else found[0]) if found else None
 
     def know(self, module) -> None:
         """Name the parameters after ``module`` (the trainer's model) before any other."""
@@ -322,16 +322,10 @@ class LeaveOn(LedgerCounts):
 
     def scaler_skipped(self) -> None:
         """GradScaler skipped the step before this backward: the policy counts it, and stops a
-        stuck run naming what the running audit saw in those steps."""
+        stuck run with the op a full watch of the skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
         if policy.scaler_skipped(reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules):
-            policy.stuck_in_scaler_skips(rerun=self.rerun, origin=self._skipped_origin() if self._auditing else None)
-
-    def _skipped_origin(self):
-        """The origin the running audit saw in the steps GradScaler skipped (judged now: no
-        optimizer step came to judge them), or ``None``."""
-        self.watch.check()
-        return self.audit_origin()
+            policy.stop_stuck_in_scaler_skips(self, rerun=self.rerun)
 
     def summary(self, *, rerun: str | None = None) -> str:
         """The counts; for a run that ended with ops no check saw (:attr:`unjudged_end`), a

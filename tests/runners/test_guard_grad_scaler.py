@@ -162,7 +162,7 @@ def test_a_run_grad_scaler_skips_for_good_is_stopped_with_the_op_named(on_failur
                            "(calls 1 to 18), and its scale fell to 0.25: below 1 it scales the loss down")
     assert (f"what the calls returned was finite, and their gradients are GradScaler's to check; a full watch of the call after "
             f"them names it: nan first made by aten.div.Tensor at ") in text
-    assert f"test_guard_grad_scaler.py:{line} (backward). opwatch stopped the run after 10 steps in a row skipped" in text
+    assert f"test_guard_grad_scaler.py:{line} (backward). opwatch stops a run once 10 steps in a row were skipped" in text
     assert "max_failed_in_a_row=N (None: never stop) sets that limit." in text
     note = "\n".join(getattr(stuck.value, "__notes__", ()))
     assert "cause:    undefined math: the divisor holds 0, and so does the dividend: 0 / 0 = nan" in note

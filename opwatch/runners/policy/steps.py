@@ -33,6 +33,17 @@ def _scales_of(scaler) -> tuple:
         return None, None
 
 
+def _audit_at_next_forward(trigger) -> None:
+    """Start ``trigger``'s audit when the next module's forward begins (the step's, from its start)."""
+    handle = None
+
+    def start(module, args):
+        handle.remove()
+        trigger.start_audit()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(start)
+
+
 class OptimizerSteps:
     """The policy's side of a trigger that sees optimizer steps (mixed into :class:`StepPolicy`).
 
@@ -56,6 +67,26 @@ class OptimizerSteps:
         ledger = self.ledger
         ledger.skipped_by_scaler(*_scales_of(scaler), after=after)
         return ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules)
+
+    def stop_stuck_in_scaler_skips(self, trigger, *, rerun: str | None = None) -> None:
+        """A run GradScaler skips for good (:meth:`scaler_skipped` said so), stopped with the op a
+        full watch of its skipped steps names (no optimizer step came to judge them, so the
+        watch is judged now). With no audit running, one starts at the model's next forward
+        (a module's: a one-time global pre-hook) and the run is stopped at the backward after
+        it, once the audit watched that whole skipped step; with the weights poisoned, at once."""
+        ledger = self.ledger
+        streak = ledger.scaler_streak_after
+        if not trigger.auditing and self._stuck_watched != streak and ledger.poisoned_since is None:
+            self._stuck_watched, self._stuck_watched_from = streak, ledger.scaler_in_a_row
+            _audit_at_next_forward(trigger)
+            return
+        if self._stuck_watched == streak and ledger.scaler_in_a_row < self._stuck_watched_from + 2:
+            return
+        if trigger.auditing:
+            trigger.watch.check()
+        # the last skipped step's (it ran under the watch from its start; a trainer's audit ends with its batch)
+        origin = trigger.audit_origin(last=True) if trigger.auditing or self._stuck_watched == streak else None
+        self.stuck_in_scaler_skips(rerun=rerun, origin=origin)
 
     def stuck_in_scaler_skips(self, *, rerun: str | None = None, origin=None):
         """Raise :class:`RunStuck` for a run GradScaler skips for good; ``origin``: the nan/inf
