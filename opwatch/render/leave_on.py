@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
            "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
-           "evaluation_nan", "evaluations_nan"]
+           "evaluation_nan", "evaluations_nan", "evaluation_check_failed"]
 
 
 def parameters(bad: list) -> str:
@@ -418,6 +418,13 @@ def evaluation_nan(told, *, rerun: str | None, rank: int | None = None) -> str:
     how = rerun or "opwatch.watch() around the evaluation"
     return (f"{call} from finite arguments: an op of the model made it; a full watch names it: {how}. No gradient holds it: "
             "training goes on, and what the evaluation computes from it (a validation loss) is nan.")
+
+
+def evaluation_check_failed(type_name: str, text: str) -> str:
+    """The check of the model's calls with gradients off raised (a kind of tensor it does not
+    read): it stops, the run goes on."""
+    return (f"opwatch could not check what the model returned with gradients off ({type_name}: {text}); the calls of evaluations "
+            "are not checked from now on. Please report this to the opwatch issue tracker.")
 
 
 def evaluations_nan(count: int, from_input: int) -> str:

@@ -17,6 +17,7 @@ A model that takes nan on purpose and returns finite values is never told.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -24,6 +25,8 @@ import torch
 from ..core.compat import no_python_dispatch, run_uncompiled
 from ..core.finite import extremes_kind, extremes_on_device, tensors_in
 from ..core.sites import file_line, position_of, user_frame
+from ..findings.anomaly import OpwatchWarning
+from ..render import leave_on as words
 from .batches import floating_arguments, model_name, named_argument
 
 __all__ = ["EvaluationCalls", "EvaluationNan"]
@@ -74,6 +77,13 @@ class EvaluationCalls:
     def _returned(self, module, args, kwargs, output) -> None:
         if torch.is_grad_enabled() or self._auditing():
             return
+        try:
+            self._keep(module, args, kwargs, output)
+        except Exception as error:  # opwatch's problem, not the program's: told once, the check stops
+            self.unwatch()
+            warnings.warn(OpwatchWarning(words.evaluation_check_failed(type(error).__name__, str(error))), stacklevel=2)
+
+    def _keep(self, module, args, kwargs, output) -> None:
         if len(self._kept) >= _MAX_KEPT:
             self._full()  # one host read per this many calls, memory bounded
         with no_python_dispatch():  # (gradients are off already)
@@ -82,7 +92,7 @@ class EvaluationCalls:
                 return  # nothing floating came back (token ids): nothing to tell
             taken = [(named_argument(name, tensor), found) for name, tensor in floating_arguments(args, kwargs)
                      if (found := extremes_on_device(tensor)) is not None]
-        code, lasti, _ = user_frame(sys._getframe(1))
+        code, lasti, _ = user_frame(sys._getframe(2))
         self._kept.append((model_name(module), (code, lasti), returned, taken, self._steps()))
 
     def read(self) -> list[EvaluationNan]:

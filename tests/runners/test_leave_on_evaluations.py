@@ -237,3 +237,37 @@ def test_the_cost_benchmark_runs_a_checked_and_a_plain_pass():
 
     line = bench("mlp", rounds=2, batches=3)
     assert line.startswith("  mlp   evaluation pass of 3 calls: median ") and " paired " in line
+
+
+def test_an_output_the_check_cannot_read_stops_the_check_not_the_evaluation():
+    """A model that returns a kind of tensor the check does not read (a nested tensor, whose
+    aminmax raises): told once, the evaluation goes on, the next calls are not checked."""
+    from opwatch.runners.leave_on import LeaveOn
+
+    class Ragged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            out = self.layer(x)
+            if torch.is_grad_enabled():
+                return out
+            return torch.nested.nested_tensor([out[0, :2], out[1]])  # rows of their own lengths
+
+    torch.manual_seed(0)
+    model = Ragged()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        with LeaveOn(file=io.StringIO()) as run:
+            for _ in range(2):
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            with torch.no_grad():
+                outputs = [model(torch.randn(2, 4)) for _ in range(3)]
+    assert len(outputs) == 3 and run.ledger.evaluations_nan == 0
+    told = [str(warning.message) for warning in caught if "could not check" in str(warning.message)]
+    assert len(told) == 1 and told[0].startswith("opwatch could not check what the model returned with gradients off (")
