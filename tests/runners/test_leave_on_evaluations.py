@@ -202,6 +202,15 @@ def test_hf_trainer_guard_mode_tells_an_evaluation_whose_batch_held_nan(tmp_path
     assert "its x (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in told[0]
 
 
+def train_two_steps(model, optimizer, features, batch=4):
+    """Two optimizer steps: the first is leave-on's audit, after which it hooks the model."""
+    for _ in range(2):
+        loss = model(torch.randn(batch, features)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def test_a_long_evaluation_pass_is_read_every_so_many_calls(monkeypatch):
     """Memory stays bounded: past the most calls kept, they are read at once and told."""
     from opwatch.runners import evaluations
@@ -214,11 +223,7 @@ def test_a_long_evaluation_pass_is_read_every_so_many_calls(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", opwatch.OpwatchWarning)
         with LeaveOn(file=io.StringIO()) as run:
-            for _ in range(2):
-                loss = model(torch.randn(4, 8)).pow(2).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+            train_two_steps(model, optimizer, 8)
             with torch.no_grad():
                 for index in range(10):
                     x = torch.randn(4, 8)
@@ -261,11 +266,7 @@ def test_an_output_the_check_cannot_read_stops_the_check_not_the_evaluation():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", opwatch.OpwatchWarning)
         with LeaveOn(file=io.StringIO()) as run:
-            for _ in range(2):
-                loss = model(torch.randn(2, 4)).pow(2).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+            train_two_steps(model, optimizer, 4, batch=2)
             with torch.no_grad():
                 outputs = [model(torch.randn(2, 4)) for _ in range(3)]
     assert len(outputs) == 3 and run.ledger.evaluations_nan == 0
