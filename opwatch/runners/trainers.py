@@ -148,8 +148,10 @@ def metrics(source) -> dict[str, int]:
     - guard mode (the leave-on runner, ``opwatch.runners.leave_on.LeaveOn``): ``opwatch/steps`` (optimizer steps
       seen), ``opwatch/audited`` (of them, run under the full watch), ``opwatch/failed``
       (steps whose gradients held nan/inf), ``opwatch/skipped`` (of those, the steps that
-      did not run) and ``opwatch/scaler_skipped`` (the steps GradScaler skipped, which never
-      call the optimizer: counted apart, at the next ``backward()``).
+      did not run), ``opwatch/scaler_skipped`` (the steps GradScaler skipped, which never
+      call the optimizer: counted apart, at the next ``backward()``) and
+      ``opwatch/evaluations_nan`` (the model's calls with gradients off that returned nan,
+      read at the next step's check).
 
     ``source``: an :class:`opwatch.Watch`, a ``LeaveOn``, or one of the trainers'
     ``OpwatchCallback`` objects (its watch, or its runner in guard mode).
@@ -176,6 +178,7 @@ def metrics(source) -> dict[str, int]:
         # the ledger's counts as the device finished them (no wait: a trainer logs every batch)
         values.update((f"opwatch/{name}", count) for name, count in source.ledger.counts(wait=False).items())
         values["opwatch/scaler_skipped"] = source.ledger.scaler_skipped  # GradScaler's, none of the steps above
+        values["opwatch/evaluations_nan"] = source.ledger.evaluations_nan  # calls with gradients off: no step's
     return values
 
 

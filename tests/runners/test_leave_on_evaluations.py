@@ -198,6 +198,8 @@ def test_hf_trainer_guard_mode_tells_an_evaluation_whose_batch_held_nan(tmp_path
             trainer.train()
     told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
     assert callback.runner.failed == 0 and callback.runner.ledger.evaluations_nan == 2  # the evaluations after steps 2 and 3
+    logged = [entry["opwatch/evaluations_nan"] for entry in trainer.state.log_history if "opwatch/evaluations_nan" in entry]
+    assert logged[0] == 0 and logged[-1] >= 1  # the step after an evaluation logs what it returned
     assert len(told) == 1 and "a call of _Regression with gradients off (an evaluation)" in told[0]
     assert "its x (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in told[0]
 
