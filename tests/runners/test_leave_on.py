@@ -20,7 +20,7 @@ import opwatch
 from opwatch.runners.leave_on import LeaveOn
 from support import needs
 from support.equivalence import opwatch_warnings
-from support.helpers import line_of
+from support.helpers import fp16_regression_script, line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its opwatch in the subprocesses
 
@@ -857,24 +857,8 @@ def test_guard_cli_a_run_gradscaler_skips_from_its_first_step_is_stuck_with_the_
             "aten.div.Tensor at train.py:13 (backward).") in text
 
 
-FUSED_FP16 = """\
-import torch
-from torch import nn
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the Hugging Face Trainer's default
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # too high: its first steps overflow
-for step in range(30):
-    x = torch.randn(32, 16)
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-print("scale", scaler.get_scale())
-"""
+FUSED_FP16 = fp16_regression_script("torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the Hugging Face Trainer's default",
+                                    "2.0**40", 30)
 
 
 def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 import opwatch
 from support import hf_models, needs
-from support.helpers import line_of
+from support.helpers import fp16_regression_script, line_of
 from support.trainers import STEPS, broadcast_loss, lightning_fit, matched_loss, transformers_train
 
 pytest.importorskip("tensorboard")
@@ -338,23 +338,7 @@ def test_cli_guard_counts_a_fused_optimizer_s_failing_last_step_in_the_logged_co
     assert "3 optimizer steps ran, 1 audited under a full watch, 1 failed" in stderr
 
 
-GRAD_SCALER_SCRIPT = """\
-import torch
-from torch import nn
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)  # too high: its first steps overflow
-for step in range(12):
-    x = torch.randn(32, 16)
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-"""
+GRAD_SCALER_SCRIPT = fp16_regression_script("torch.optim.SGD(model.parameters(), lr=1e-3)", "2.0**20", 12)
 
 
 def test_cli_guard_logs_the_steps_grad_scaler_skipped_as_the_summary_counts_them(tmp_path, capsys):

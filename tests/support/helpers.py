@@ -36,6 +36,30 @@ def two_steps_under(make_mode, step):
     return mode
 
 
+def fp16_regression_script(optimizer: str, init_scale: str, steps: int) -> str:
+    """A script for ``python -m opwatch``: a float16 autocast regression loop under GradScaler whose
+    scale starts at ``init_scale``, too high (its first steps overflow), trained by ``optimizer``
+    (an expression of ``model``) for ``steps`` steps; it prints the scale it ends with."""
+    return f"""\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = {optimizer}
+scaler = torch.amp.GradScaler("cpu", init_scale={init_scale})  # too high: its first steps overflow
+for step in range({steps}):
+    x = torch.randn(32, 16)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
 def line_of(marker: str, path: str) -> int:
     """The line of the file ``path`` that holds ``marker`` (exactly one; the ``line_of(...)``
     calls that look it up do not count)."""
