@@ -90,6 +90,9 @@ ARG_PICKS = {"aten::argmax", "aten::argmin"}
 VALUE_PICKS = {"aten::max", "aten::min", "aten::topk"}
 # GradScaler's overflow check of the scaled gradients (torch.amp.grad_scaler).
 GRAD_SCALER_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
+# The fused optimizers' steps, which take GradScaler's ``grad_scale`` and ``found_inf`` (the two
+# last tensor arguments when given) and skip their update inside the kernel when it is set.
+FUSED_STEPS = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_"}
 # Ops that write a source tensor's values into ``self`` (in place, or into a copy in ``self``'s
 # dtype) at indices or under a mask, whose kernels raise unless the source has ``self``'s dtype
 # (torch 2.13, found by tools/find_accumulation_dtypes.py; ``index_put`` takes a one-element
@@ -145,6 +148,7 @@ class OpFacts:
         picks_indices: picks the indices of the largest or smallest values (``argmax``,
             ``topk``; ``max`` / ``min`` with a ``dim``, which return indices).
         is_grad_scaler_check: GradScaler's overflow check.
+        is_fused_step: a fused optimizer's step (``FUSED_STEPS``).
         collective: its :class:`Collective`, or ``None``.
         is_collective: moves data between ranks (a c10d op or a functional collective).
         mutated_args: arguments written in place, as ``(position, name)``.
@@ -162,7 +166,7 @@ class OpFacts:
     __slots__ = (
         "schema_name", "name", "is_view", "reads_to_host", "is_copy", "makes_new_data", "is_lift",
         "is_factory", "keeps_values", "preserves_values", "range_map", "needs_carrier", "checked_outputs",
-        "is_masking", "picks_indices", "is_grad_scaler_check", "collective", "is_collective", "mutated_args",
+        "is_masking", "picks_indices", "is_grad_scaler_check", "is_fused_step", "collective", "is_collective", "mutated_args",
         "written", "source", "accumulates", "takes_several_tensors", "aliases_storage",
     )
 
@@ -191,6 +195,7 @@ class OpFacts:
         self.is_masking = name in MASKING
         self.picks_indices = name in ARG_PICKS or (name in VALUE_PICKS and len(schema.returns) >= 2)
         self.is_grad_scaler_check = name == GRAD_SCALER_CHECK
+        self.is_fused_step = name in FUSED_STEPS
         self.collective = collective_of(func)
         self.is_collective = self.collective is not None and self.collective.kind in (C10D, FUNCTIONAL)
         self.mutated_args = tuple(

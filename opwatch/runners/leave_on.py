@@ -152,7 +152,7 @@ class LeaveOn(LedgerCounts):
         # check followed them (a script that stops on a nan loss before backward(), an
         # evaluation pass), so this run's summary cannot speak for them.
         self.ledger.unjudged_end = self.batches.after_step and not self._auditing
-        self.policy.scaler_skipped(self.policy.verdict.reductions.pending_skip())  # the last step's, if skipped
+        self.scaler_skipped(at_end=True)  # the last step's, if skipped
         self.policy.run_ended(self.ledger.steps, exc, self)
         self._unsee_losses()
         return False
@@ -320,11 +320,15 @@ class LeaveOn(LedgerCounts):
                 names[ident] = f"{name} ({module_class_name(module)}" + (f" at {where}" if where else "") + ")"
         return names
 
-    def scaler_skipped(self) -> None:
-        """GradScaler skipped the step before this backward: the policy counts it, and stops a
-        stuck run with the op a full watch of the skipped steps names."""
+    def scaler_skipped(self, *, at_end: bool = False) -> None:
+        """GradScaler skipped the step before this backward (``at_end``: the run's last step,
+        if it did): the policy counts it, and stops a stuck run with the op a full watch of the
+        skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
-        if policy.scaler_skipped(reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules):
+        if (at_end and not reductions.skipped_since()) or not policy.scaler_skipped(
+                reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules, in_kernel=reductions.skipped_in_kernel):
+            return
+        if not at_end:
             policy.stop_stuck_in_scaler_skips(self, rerun=self.rerun)
 
     def summary(self, *, rerun: str | None = None) -> str:

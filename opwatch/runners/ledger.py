@@ -89,6 +89,7 @@ class RunLedger:
         # whose batch held nan/inf: no step's, never failures.
         self.evaluations_nan = 0
         self.evaluations_from_input = 0
+        self._last_step = (False, 0)  # the latest step counted: audited, GradScaler's streak before it
         # Set by the policy: reads the verdicts still on the device (a fused optimizer's
         # found_inf, read a step late) into this ledger; called with whether to wait for them.
         self.unsettled = None
@@ -101,9 +102,22 @@ class RunLedger:
         step GradScaler judges after it)."""
         self.steps += 1
         self.audited += bool(audited)
+        self._last_step = (bool(audited), self.scaler_in_a_row)
         if optimizer_step:
             self.scaler_stepped()
         return self.steps
+
+    def skipped_in_kernel(self, scale: float | None, checked_at: float | None = None) -> None:
+        """The latest step counted ran a fused optimizer that skipped its update inside its
+        kernel (GradScaler handed it ``found_inf``, read a step later): a step GradScaler
+        skipped, as it skips any other optimizer's by not calling its step. It is taken off
+        the steps that ran, and GradScaler's streak of skips goes on from where it was."""
+        audited, in_a_row = self._last_step
+        self.steps -= 1
+        self.audited -= audited
+        self.scaler_in_a_row = in_a_row
+        self._last_step = (False, in_a_row)
+        self.skipped_by_scaler(scale, checked_at)
 
     def skipped_by_scaler(self, scale: float | None, checked_at: float | None = None, *, after: int | None = None) -> None:
         """GradScaler skipped an optimizer step: its gradients were not finite at the scale

@@ -41,7 +41,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "KernelSkips", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -105,8 +105,11 @@ class StepReductions:
         # dict, whose reads on every step (empty, but for GradScaler's) cost no Python call as a
         # WeakSet's do.
         self._unscaled: dict = {}
-        # The GradScaler that skipped the step before the latest backward, and its optimizer (after_backward).
+        # The GradScaler that skipped the step before the latest backward, and its optimizer
+        # (after_backward); whether the optimizer's step ran and skipped inside its kernel.
         self.skipped_by = self.skipped_optimizer = None
+        self.skipped_in_kernel = False
+        self._kernel_skips = KernelSkips()  # fused optimizers' steps, GradScaler's flag kept
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -191,44 +194,46 @@ class StepReductions:
 
     def after_backward(self) -> bool:
         """A backward ran: a norm computed before it covers gradients that changed since.
-        Returns whether an optimizer unscaled since its last step never stepped (GradScaler
-        skipped it): the step before this backward ended there."""
+        Returns whether GradScaler skipped the step before this backward: an optimizer it
+        unscaled never stepped, or a fused one it handed ``found_inf`` skipped inside its
+        kernel (:attr:`skipped_in_kernel`: that step was counted as one that ran)."""
         self.norms.clear()
+        return self.skipped_since()
+
+    def skipped_since(self) -> bool:
+        """Whether GradScaler skipped an optimizer step since the last call (see
+        :meth:`after_backward`; the run's end asks it too), its scaler and optimizer in
+        :attr:`skipped_by` and :attr:`skipped_optimizer`."""
         self.skipped_by = self.skipped_optimizer = None
+        self.skipped_in_kernel = False
         if not self._unscaled:  # no GradScaler in the loop: every step
             return False
         skipped = self._not_stepped()
+        self._unscaled.clear()
         if skipped is not None:
             optimizer, scaler = skipped
             self.skipped_by, self.skipped_optimizer = scaler(), optimizer()
-        self._unscaled.clear()
         return skipped is not None
-
-    def pending_skip(self):
-        """The GradScaler that unscaled an optimizer which has not stepped since (the run ended
-        on a step it skipped), or ``None``."""
-        skipped = self._not_stepped()
-        if skipped is None:
-            return None
-        _, scaler = skipped
-        return scaler()
 
     def _not_stepped(self):
         """``(optimizer, scaler)`` weak references of an optimizer unscaled and alive that has
-        not stepped since, or ``None``."""
-        for optimizer, scaler in self._unscaled.values():
-            if optimizer() is not None:
+        not stepped since, or whose fused step skipped inside its kernel, or ``None``."""
+        in_kernel = self._kernel_skips.read()  # {id: whether the kernel skipped it}, of the fused steps
+        for ident, (optimizer, scaler) in self._unscaled.items():
+            if optimizer() is not None and in_kernel.get(ident, True):
+                self.skipped_in_kernel = ident in in_kernel
                 return optimizer, scaler
         return None
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
-        if self._unscaled:
+        if self._unscaled and not self._kernel_skips.stepped(optimizer):  # a fused step: decided when its flag is read
             self._unscaled.pop(id(optimizer), None)
 
     def forget(self) -> None:
         self.norms.clear()
         self._unscaled.clear()
+        self._kernel_skips = KernelSkips()
 
     def unscaled(self, optimizer) -> bool:
         """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
@@ -373,6 +378,47 @@ class DeferredFlag:
             self._event.synchronize()
         self.pending = False
         return tuple(value != 0 for value in self._host.tolist())
+
+
+class KernelSkips:
+    """The steps a fused optimizer skipped inside its kernel. GradScaler does not skip the call of
+    a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``: the Hugging Face Trainer's
+    default): it hands it ``found_inf`` (set on the optimizer until its step returns), and the
+    kernel leaves the weights alone when it is set. :meth:`stepped` keeps that flag at the
+    step's post-hook, :meth:`read` reads it at the next backward or guarded call, through a
+    :class:`DeferredFlag`: no host read on the step itself, none at all on the CPU."""
+
+    def __init__(self):
+        self._kept: dict = {}  # id(optimizer) -> _KeptFlag
+
+    def stepped(self, optimizer) -> bool:
+        """``optimizer`` stepped; returns whether it holds a ``found_inf`` for that step (kept)."""
+        flag = getattr(optimizer, "found_inf", None) if takes_found_inf(optimizer) else None
+        if not isinstance(flag, torch.Tensor):
+            return False
+        kept = self._kept.get(id(optimizer))
+        deferred = kept.flag if kept is not None and kept.optimizer() is optimizer else DeferredFlag()
+        deferred.hand(flag.detach().reshape(1).float())
+        self._kept[id(optimizer)] = _KeptFlag(weakref.ref(optimizer), deferred)
+        return True
+
+    def read(self) -> dict:
+        """``{id(optimizer): whether its kernel skipped the step}`` for each flag kept since the
+        last read, read now (waiting for the device's copy where it has not ended)."""
+        if not self._kept:
+            return {}
+        read = {}
+        for ident, kept in self._kept.items():
+            parts = kept.flag.read()
+            if parts is not None:
+                read[ident] = any(parts)
+        self._kept = {ident: kept for ident, kept in self._kept.items() if kept.optimizer() is not None}
+        return read
+
+
+class _KeptFlag(NamedTuple):
+    optimizer: weakref.ref
+    flag: DeferredFlag
 
 
 class LateVerdict(NamedTuple):

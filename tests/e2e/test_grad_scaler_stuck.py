@@ -47,11 +47,17 @@ def metric_learning_loop(steps, *, clamped=False, init_scale=2.0**16, fused=Fals
     return scaler
 
 
-def test_a_scale_that_fell_below_1_makes_the_skipped_origin_an_anomaly_with_its_cause():
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_a_scale_that_fell_below_1_makes_the_skipped_origin_an_anomaly_with_its_cause(fused):
+    """A fused optimizer's check runs at GradScaler's dummy scale of exactly 1 and its step takes
+    the scale (``grad_scale``): its origins are judged there, as the others' at the check (they
+    were all contained: "no anomalies" at a scale of 5.7e-14)."""
+    if fused and not _fused_adamw_runs_on_cpu():
+        pytest.skip("this torch has no fused AdamW on the CPU")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", opwatch.OpwatchWarning)
         with opwatch.watch() as w:
-            scaler = metric_learning_loop(20)
+            scaler = metric_learning_loop(20, fused=fused)
     assert scaler.get_scale() < 1  # GradScaler skipped every step: 65536 halved 20 times
     anomalies = [anomaly for anomaly in w.anomalies if anomaly.kind == "nan"]
     # 65536 / 2**16 = 1: the 17th check ran at 1, the 18th to 20th below it
@@ -77,7 +83,7 @@ def test_the_skips_while_the_scale_finds_its_level_stay_contained():
 def test_a_fused_optimizer_checks_at_a_dummy_scale_of_1_and_its_skips_stay_contained():
     """A fused optimizer's step is checked with GradScaler's dummy ``inv_scale`` of exactly 1, which
     says nothing of its scale: its skips while the scale is far too high stay the scaler's."""
-    if not hasattr(torch, "_fused_adamw_") or not _fused_adamw_runs_on_cpu():
+    if not _fused_adamw_runs_on_cpu():
         pytest.skip("this torch has no fused AdamW on the CPU")
     with opwatch.watch() as w:
         scaler = metric_learning_loop(30, clamped=True, init_scale=2.0**40, fused=True)

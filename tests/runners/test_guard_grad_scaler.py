@@ -25,17 +25,18 @@ from opwatch.runners.leave_on import RunStuck
 from support.helpers import line_of
 
 
-def _mlp():
+def _mlp(fused=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
 
 
-def regression_loop(guard_options, *, steps=8, bad_at=None, enabled=True, accumulate=1):
+def regression_loop(guard_options, *, steps=8, bad_at=None, enabled=True, accumulate=1, fused=False):
     """An fp16 autocast regression loop with GradScaler; the batch of step ``bad_at`` holds a nan
     (a corrupted record). ``guard_options``: ``opwatch.guard``'s, or ``None`` for the program
-    alone. Returns the guarded step, the scaler, and each step's parameters and scale."""
-    model, optimizer = _mlp()
+    alone; ``fused``: a fused AdamW, which GradScaler hands ``found_inf`` (it skips inside its
+    kernel). Returns the guarded step, the scaler, and each step's parameters and scale."""
+    model, optimizer = _mlp(fused)
     scaler = torch.amp.GradScaler("cpu", enabled=enabled)
 
     def train_step(x, y):
@@ -92,9 +93,12 @@ def test_a_disabled_scaler_calls_the_step_with_the_gradients_dropped():
     assert step.skipped == 1 and all(map(torch.equal, before, at)) and not all(map(torch.equal, at, next_one))
 
 
-def test_a_healthy_run_counts_each_overflow_skip_and_equals_the_unguarded_one():
-    step, scaler, guarded = regression_loop({}, steps=6)
-    _, _, plain = regression_loop(None, steps=6)
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_a_healthy_run_counts_each_overflow_skip_and_equals_the_unguarded_one(fused):
+    """A fused optimizer's overflow skips happen inside its kernel: counted all the same (they
+    were not: its step is called)."""
+    step, scaler, guarded = regression_loop({}, steps=6, fused=fused)
+    _, _, plain = regression_loop(None, steps=6, fused=fused)
     assert all(map(_same, guarded, plain))
     assert step.ledger.scaler_skipped == _skips(scaler) and step.ledger.failed == 0
 
@@ -141,11 +145,13 @@ def metric_learning_step(encoder, scaler):
     return train_step
 
 
-@pytest.mark.parametrize("on_failure", ["raise", "skip"])
-def test_a_run_grad_scaler_skips_for_good_is_stopped_with_the_op_named(on_failure):
+@pytest.mark.parametrize("on_failure, fused", [("raise", False), ("skip", False), ("skip", True)])
+def test_a_run_grad_scaler_skips_for_good_is_stopped_with_the_op_named(on_failure, fused):
+    """With a fused AdamW the run went on to its end, silent, its scale at 5.7e-14: GradScaler
+    called every step, and the kernel skipped it."""
     torch.manual_seed(0)
     encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
-    optimizer = torch.optim.AdamW(encoder.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(encoder.parameters(), lr=1e-3, fused=fused)
     scaler = torch.amp.GradScaler("cpu")
     step = opwatch.guard(metric_learning_step(encoder, scaler), encoder, scaler=scaler, on_failure=on_failure)
     with pytest.raises(RunStuck) as stuck:

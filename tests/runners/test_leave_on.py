@@ -865,13 +865,35 @@ def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_
     """A fused optimizer steps under GradScaler with its gradients still scaled: GradScaler
     checked them and hands it found_inf, and the kernel skips an overflowing update itself.
     leave-on used to check the scaled gradients again, fail every overflow step of a healthy
-    run while the scale found its level, and stop it as stuck after 10."""
+    run while the scale found its level, and stop it as stuck after 10. Then it counted the
+    steps the kernel skipped as steps that ran ("30 optimizer steps ran"): they are GradScaler's
+    skips, counted as the same loop's with an unfused AdamW (4 ran, 26 skipped). The first
+    step's audit watched a step the kernel skipped: no step that ran was audited."""
     (tmp_path / "train.py").write_text(FUSED_FP16)
     result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
                             env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert result.returncode == 0 and "RunStuck" not in result.stderr, result.stderr[-3000:]
-    assert "opwatch guard: 30 optimizer steps ran, 1 audited under a full watch, 0 failed." in result.stderr
+    assert ("opwatch guard: 4 optimizer steps ran, 0 audited under a full watch, 0 failed; GradScaler skipped 26 more "
+            "(overflows of its scaled gradients).") in result.stderr
     assert float(result.stdout.split()[-1]) < 2.0**40  # GradScaler did skip the overflow steps
+
+
+def test_guard_cli_stops_a_fused_optimizer_s_run_that_grad_scaler_skips_for_good(tmp_path):
+    """The stuck run above with the fused AdamW (the Hugging Face Trainer's default): GradScaler
+    never skips its step, the kernel does, on the found_inf GradScaler hands it. leave-on used to
+    count 60 steps that ran, say "no anomalies" and exit 0 with the scale at 5.7e-14, and the
+    watch contained every origin (the fused check's dummy scale of 1 says nothing of the scale).
+    The kernel's skips are GradScaler's now, the run is stopped, and its audit names the op."""
+    (tmp_path / "train.py").write_text(METRIC_FP16.replace("lr=1e-3)", "lr=1e-3, fused=True)"))
+    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    text = result.stderr
+    assert result.returncode == 1 and "no anomalies." not in text, text[-3000:]
+    assert "opwatch guard: 0 optimizer steps ran, 0 audited under a full watch, 0 failed; GradScaler skipped 20 more" in text
+    assert ("RunStuck: opwatch: the run is stuck: GradScaler skipped 20 optimizer steps in a row (from the first step), and its scale "
+            "fell to 0.0625") in text
+    assert "the full watch of these steps names it: nan first made by aten.div.Tensor at train.py:13 (backward)." in text
+    assert "cause:    undefined math: the divisor holds 0, and so does the dividend: 0 / 0 = nan" in text
 
 
 SHARDED_STUCK = METRIC_FP16.replace(

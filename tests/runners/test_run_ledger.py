@@ -62,6 +62,23 @@ def run_cli(tmp_path, *options, **env):
 # -- a stuck run stops ------------------------------------------------------------------------
 
 
+def test_a_step_a_fused_kernel_skipped_is_taken_off_the_steps_and_grad_scaler_s_streak_goes_on():
+    """A fused optimizer's step is counted when it runs; its kernel's skip (GradScaler's
+    found_inf, read a step later) makes it one of GradScaler's skips, as an unfused optimizer's."""
+    from opwatch.runners.ledger import RunLedger
+
+    ledger = RunLedger()
+    ledger.step(audited=True)  # healthy: GradScaler's streak ends
+    ledger.step(audited=True)
+    ledger.skipped_in_kernel(0.5, 1.0)
+    ledger.step(audited=False)
+    ledger.skipped_in_kernel(0.25, 0.5)
+    assert (ledger.steps, ledger.audited, ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scaler_streak_after) == (1, 1, 2, 2, 1)
+    assert (ledger.scale, ledger.skipped_at_scale) == (0.25, 0.5) and ledger.stuck_in_scaler_skips(2) and not ledger.stuck_in_scaler_skips(3)
+    ledger.step(audited=False)  # one that ran ends the streak
+    assert (ledger.steps, ledger.scaler_in_a_row) == (2, 0)
+
+
 def test_cli_guard_stops_a_run_whose_every_step_fails_and_names_the_first_failure(tmp_path):
     result = run_cli(tmp_path, "--guard", BLOW_AT="10")
     assert result.returncode == 1, result.stderr

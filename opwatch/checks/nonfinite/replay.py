@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch.nn import Parameter
 
 from ...core.notation import TensorMeta
@@ -74,7 +75,7 @@ class Flags:
 class _Window:
     """The state of one replay: what each tensor holds, which are alive, and what was found."""
 
-    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "entered_infs", "aliases", "flagged_at", "facts")
+    __slots__ = ("log", "flags", "status", "live", "holds_sentinel", "sentinel_refs", "value_ranges", "known_ranges", "recipes", "origins", "deliveries", "accumulates", "received", "entered", "entered_infs", "aliases", "flagged_at", "facts", "fused_checked", "number")
 
     def __init__(self, log, flags, carry, sentinels, known_ranges, aliases, facts):
         self.log = log
@@ -100,6 +101,8 @@ class _Window:
         # collective whose result it delivers (``None`` for most).
         self.accumulates = False
         self.received = None
+        self.fused_checked: dict = {}  # Origins.fused_checked
+        self.number = 0  # of the window, counting those with ops
         # Tensors made before the watch that held nan/inf when first read in this window.
         self.entered: set = set()
         # Of those, the ones that held inf: ident -> meta (with the earlier windows' still carried).
@@ -134,6 +137,10 @@ class Origins:
         self.ranges: dict = {}
         # Views and their bases seen in those windows: a write into one makes the others' ranges stale.
         self.aliases = Aliases()
+        # Gradients a fused optimizer's GradScaler check saw (it does not know the scale), whose
+        # origins the fused step after it judges, in this window or a later one (_step_fused_under_scaler).
+        self.fused_checked: dict = {}  # ident -> (Origin, the number of the window that checked it)
+        self._windows = 0  # windows with ops replayed so far
         # Tensors made before the watch that held nan/inf when first read: carried like any
         # other, but their own life says nothing of harm (the program made them before).
         self.entered: set = set()
@@ -178,6 +185,9 @@ class Origins:
     def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
         """Follow tensor identities through the window's ops to tell origins from spread."""
         state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, self._facts_for_log())
+        state.fused_checked = self.fused_checked
+        self._windows += bool(window)
+        state.number = self._windows
         state.entered_infs.update(self.entered_infs)
         sharded = self._log.sharded  # ops on DTensors were logged
         for entry in window:
@@ -338,7 +348,9 @@ class Origins:
         if facts.is_collective:
             fed = self._inputs_when_issued(state, entry, fed)
         if facts.is_grad_scaler_check:
-            _step_grad_scaler(status, fed, _scale_below_one(state, entry))
+            _step_grad_scaler(state, fed, _scale_below_one(state, entry), _dummy_inv_scale(state, entry))
+        elif facts.is_fused_step and state.fused_checked:
+            _step_fused_under_scaler(state, entry)
         # Gradient accumulation: a backward op autograd runs with no forward op behind it.
         # (No source line: site 0, or a named place such as the DDP reducer's "DDP gradient of fc.weight".)
         code, _ = state.log.sites[entry[E_SITE]]
@@ -521,7 +533,16 @@ class Origins:
         alive = {id(origin) for ident, (_, origin, _) in self.carry.items() if origin is not None and ident not in entered}
         judged = []
         waiting = []
+        # A fused optimizer's GradScaler check saw them, and the step that knows the scale runs
+        # after this point: they wait for it, over the window that checked them; a step that
+        # did not come in the window after it left them to the check.
+        fused = {id(origin) for origin, number in self.fused_checked.values() if number == self._windows}
+        if len(fused) < len(self.fused_checked):
+            _left_to_the_check(self.fused_checked, keep=fused)
         for origin in self.unjudged + new:
+            if id(origin) in fused:
+                waiting.append(origin)
+                continue
             is_alive = id(origin) in alive
             if origin.reduces_deliberate:
                 # Deliberate infs a reduction took in: an origin only once they are the loss
@@ -764,19 +785,58 @@ def _entered_nonfinite(flags) -> bool:
     return any((index, position) in flagged for index, seen in flags.first_seen.items() for position, _ in seen)
 
 
-def _step_grad_scaler(status, fed, below_one) -> None:
+def _step_grad_scaler(state, fed, below_one, dummy: bool) -> None:
     """GradScaler's overflow check: what it finds in the scaled gradients makes it skip the
     step. Gradients are born in backward; a forward overflow is no business of the scaler's
     (the scale does not touch the forward pass). With its scale below 1 (``below_one``: that
     scale) the gradients are not finite unscaled either, which no scale mends (a scale falls
-    that low only after a run of skipped steps): their origins are anomalies, the scale kept."""
+    that low only after a run of skipped steps): their origins are anomalies, the scale kept.
+    A fused optimizer's check (``dummy``: its ``inv_scale`` is exactly 1) does not know the
+    scale: the fused step after it does (:func:`_step_fused_under_scaler`), and its origins wait
+    for it (kept in ``fused_checked``)."""
+    status = state.status
+    if not dummy:  # a check that knew its scale: those an earlier one left waiting get no fused step
+        _left_to_the_check(state.fused_checked)
     for ident in fed:
         origin = status[ident][ST_ORIGIN]
         if origin is not None and origin.record.phase == BACKWARD:
-            if below_one is None:
+            if dummy:
+                state.fused_checked[ident] = (origin, state.number)
+            elif below_one is None:
                 origin.skipped_by_grad_scaler = True
             else:
                 origin.grad_scaler_scale = below_one
+
+
+def _step_fused_under_scaler(state, entry) -> None:
+    """A fused optimizer's step under GradScaler, after a check that did not know the scale: its
+    ``grad_scale`` (the second to last tensor argument, then a float32 scalar) is the scale, and
+    the origins of the gradients it reads are judged as at a check that knew it."""
+    inputs = entry_inputs(entry)
+    if len(inputs) < 2:
+        return
+    *_, grad_scale, _found_inf = inputs
+    known = range_of(state, grad_scale) if grad_scale[M_SHAPE] == () and grad_scale[M_DTYPE] == torch.float32 else None
+    below_one = known is not None and not known.within and known.high < 1
+    checked = state.fused_checked
+    for meta in inputs:
+        origin, _ = checked.pop(meta[M_IDENT], (None, 0))
+        if origin is None:
+            continue
+        if below_one:
+            origin.grad_scaler_scale = known.high
+        else:
+            origin.skipped_by_grad_scaler = True
+
+
+def _left_to_the_check(fused_checked: dict, keep=frozenset()) -> None:
+    """The origins a fused optimizer's check saw whose fused step did not come (but those whose
+    id is in ``keep``): skipped by GradScaler at a scale not known to be below 1 (a real check at
+    a scale of exactly 1 looks the same), contained."""
+    for ident, (origin, _) in list(fused_checked.items()):
+        if id(origin) not in keep:
+            origin.skipped_by_grad_scaler = True
+            del fused_checked[ident]
 
 
 def _scale_below_one(state, entry) -> float | None:
@@ -788,6 +848,13 @@ def _scale_below_one(state, entry) -> float | None:
     if known is None or known.within or not known.low > 1:
         return None
     return 1 / known.low
+
+
+def _dummy_inv_scale(state, entry) -> bool:
+    """Whether GradScaler's check ran with an ``inv_scale`` of exactly 1: a fused optimizer's."""
+    *_, inv_scale = entry_inputs(entry)
+    known = range_of(state, inv_scale)
+    return known is not None and not known.within and known.low == known.high == 1
 
 
 def range_of(state, meta) -> ValueRange | None:

@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from ...session.optimizer_steps import steps_followed
+from ..step_verdict import KernelSkips
 
 __all__ = ["ScalerSteps"]
 
@@ -73,6 +74,7 @@ class ScalerSteps:
         self._unscaled: dict = {}  # id(optimizer) -> a weak reference, unscaled since the last call
         self._stepped: set = set()  # of those, the ones that stepped since
         self._left = False  # the guard skipped the latest call: its nan gradients were left to the scaler
+        self._kernel_skips = KernelSkips()  # fused optimizers' steps: GradScaler's found_inf, read at the next call
         _unscales.follow(self)
         steps_followed.follow(self)
 
@@ -85,8 +87,12 @@ class ScalerSteps:
         self._stepped.discard(id(optimizer))
 
     def stepped(self, optimizer) -> None:
-        """Any optimizer's step (the global post-hook): a skipped one never gets here."""
-        if self._unscaled and id(optimizer) in self._unscaled:
+        """Any optimizer's step (the global post-hook): a skipped one never gets here, but for a
+        fused one GradScaler handed ``found_inf``, which skips inside its kernel (decided when
+        its flag is read, at the next call)."""
+        if self.enabled and self._kernel_skips.stepped(optimizer):
+            self._unscaled[id(optimizer)] = weakref.ref(optimizer)
+        elif self._unscaled and id(optimizer) in self._unscaled:
             self._stepped.add(id(optimizer))
 
     def since_last_call(self) -> tuple:
@@ -94,9 +100,10 @@ class ScalerSteps:
         did not step (it skipped that call's step; with several optimizers, one is enough), or
         ``None``; whether one it unscaled stepped. A call the guard skipped itself counts as
         neither (it is counted as failed). Forgets both."""
+        in_kernel = self._kernel_skips.read()  # {id: whether its kernel skipped the step}, of the fused steps
         skipped = next((optimizer() for ident, optimizer in self._unscaled.items()
-                        if ident not in self._stepped and optimizer() is not None), None)
-        stepped = bool(self._stepped)
+                        if in_kernel.get(ident, ident not in self._stepped) and optimizer() is not None), None)
+        stepped = bool(self._stepped) or not all(in_kernel.values())
         left, self._left = self._left, False
         self._unscaled.clear()
         self._stepped.clear()

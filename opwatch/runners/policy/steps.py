@@ -55,17 +55,21 @@ class OptimizerSteps:
     :class:`~opwatch.runners.batches.FedInput` of a batch that held nan/inf when it entered the
     model, or ``None``) and ``rerun``."""
 
-    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None) -> bool:
+    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None, in_kernel: bool = False) -> bool:
         """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, at the
         next guarded call, or at the run's end; ``None``: none was skipped): count it
-        (``after``: the steps that ran before it, the ledger's count by default). Returns
+        (``after``: the steps that ran before it, the ledger's count by default; ``in_kernel``:
+        a fused optimizer's step that ran, counted, and skipped inside its kernel). Returns
         whether the run is stuck now: ``max_failed_in_a_row`` skipped in a row, the last at a
         scale below 1 (read on a skipped step only), where every rank skips alike (then the
         trigger calls :meth:`stuck_in_scaler_skips`)."""
         if scaler is None:
             return False
         ledger = self.ledger
-        ledger.skipped_by_scaler(*_scales_of(scaler), after=after)
+        if in_kernel:
+            ledger.skipped_in_kernel(*_scales_of(scaler))
+        else:
+            ledger.skipped_by_scaler(*_scales_of(scaler), after=after)
         return ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules)
 
     def stop_stuck_in_scaler_skips(self, trigger, *, rerun: str | None = None) -> None:
