@@ -15,7 +15,7 @@ from ..core.compat import compiled_module_inner, module_class_name, no_python_di
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
-__all__ = ["FedBatches", "FedInput", "floating_arguments", "model_name", "named_argument"]
+__all__ = ["FedBatches", "FedInput", "floating_arguments", "hooked_module", "model_name", "named_argument"]
 
 # The model's earlier calls kept between two optimizer steps (accumulated micro-batches); the
 # calls past it are not read (as the losses kept then, ``leave_on._MAX_LOSSES``).
@@ -63,11 +63,11 @@ class FedBatches:
         self.after_step = False  # the model ran since the last optimizer step
 
     def watch(self, model) -> None:
-        """Hook ``model`` (the outermost module the audit saw, or the trainer's); once."""
+        """Hook ``model`` (the first module the audit saw called; its :func:`hooked_module`); once."""
         if self._hook is None:
             # First of the model's pre-hooks: the batch as the program fed it, before a hook of
             # the model's own changes it (FSDP2's mixed precision casts it to bfloat16).
-            self._hook = model.register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True, prepend=True)
+            self._hook = hooked_module(model).register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True, prepend=True)
 
     def unwatch(self) -> None:
         if self._hook is not None:
@@ -120,6 +120,15 @@ class FedBatches:
                 if kind is not None:
                     return FedInput(model_name(module), named_argument(name, tensor), kind, file_line(*site), (calls, calls) if calls else None)
         return None
+
+
+def hooked_module(model):
+    """The module whose calls stand for ``model``'s: the module a ``DistributedDataParallel``
+    (or ``DataParallel``) wraps, which the wrapper calls and an evaluation through
+    ``model.module`` calls too; else ``model`` itself."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
 
 
 def floating_arguments(args, kwargs):

@@ -27,7 +27,7 @@ from ..core.finite import extremes_kind, extremes_on_device, tensors_in
 from ..core.sites import file_line, position_of, user_frame
 from ..findings.anomaly import OpwatchWarning
 from ..render import leave_on as words
-from .batches import floating_arguments, model_name, named_argument
+from .batches import floating_arguments, hooked_module, model_name, named_argument
 
 __all__ = ["EvaluationCalls", "EvaluationNan"]
 
@@ -60,9 +60,9 @@ class EvaluationCalls:
         self._kept: list = []  # (model's class name, (code, offset), [output extremes], [(argument, extremes)], step)
 
     def watch(self, model) -> None:
-        """Hook ``model`` (the one the batch hook watches); once."""
+        """Hook ``model`` (the one the batch hook watches: its :func:`~.batches.hooked_module`); once."""
         if self._hook is None:
-            self._hook = model.register_forward_hook(run_uncompiled(self._returned), with_kwargs=True)
+            self._hook = hooked_module(model).register_forward_hook(run_uncompiled(self._returned), with_kwargs=True)
 
     def unwatch(self) -> None:
         if self._hook is not None:

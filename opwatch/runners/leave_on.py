@@ -241,7 +241,7 @@ class LeaveOn(LedgerCounts):
             self.end_audit()
 
     def _module_seen(self, module, args) -> None:
-        if module not in self._modules:
+        if self._modules.get(module) is None:  # not seen, or known (the trainer's model) and called at last
             # Where it was first called (code, offset): told only beside a name two parameters share.
             code, lasti, _ = user_frame(sys._getframe(1))
             self._modules[module] = (code, lasti)
@@ -288,8 +288,9 @@ class LeaveOn(LedgerCounts):
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.policy.writes.stepped(optimizer)
         self.policy.step_done(self.ledger.steps, lambda: _named(optimizer, self._names()), self, optimizer)
-        if self._modules:
-            model = next(iter(self._modules))  # the outermost module the audit saw
+        # The first module the audit saw called (a LightningModule's step may call only self.net).
+        model = next((module for module, site in self._modules.items() if site is not None), None)
+        if model is not None:
             self.batches.watch(model)
             self.evaluations.watch(model)
 

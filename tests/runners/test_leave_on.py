@@ -36,7 +36,7 @@ class Regressor(nn.Module):
         self.bug = bug
 
     def forward(self, x):
-        h = torch.relu(self.fc1(x))  # REGRESSOR FC1
+        h = torch.relu(self.fc1(x))
         if self.bug == "device":
             h = h + torch.zeros(16, device="meta")  # BUG device: meta stands in for the GPU
         if self.bug == "backward nan":
@@ -462,7 +462,7 @@ def lightning_guard(tmp_path, callback, *, bug=None, nan_at=0, steps=3, data=Non
         def training_step(self, batch, batch_idx):
             x, target = batch
             self.net.bug = "backward nan" if self.global_step + 1 == nan_at else bug
-            pred = self.net(x)
+            pred = self.net(x)  # REGRESSOR CALL
             return (((pred - target) ** 2) * self.weights).mean()  # LIGHTNING LOSS
 
         def configure_optimizers(self):
@@ -544,9 +544,11 @@ def test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_it
 
 
 def test_lightning_guard_tells_a_bad_batch_as_what_its_step_came_in_with(tmp_path):
-    """The training_step hands the batch to its layers directly (no forward of the module whose
-    inputs the guard checks): the replay finds that no op of the step made the nan, and every
-    line that names the origin says the batch brought it, not that addmm made it."""
+    """The training_step hands the batch to an inner module (``self.net``), never calling the
+    LightningModule: the batch hook used to go on the LightningModule, which no call reached, so
+    the failing batch was replayed under a full watch to find that no op of the step made the
+    nan. It goes on the first module the audit saw called: the batch is named as it entered it,
+    with no replay, and no line says that addmm made it."""
     needs("lightning")
     from opwatch.runners.lightning import OpwatchCallback
 
@@ -556,12 +558,12 @@ def test_lightning_guard_tells_a_bad_batch_as_what_its_step_came_in_with(tmp_pat
     with pytest.warns(opwatch.OpwatchWarning) as told:
         module = lightning_guard(tmp_path, callback, steps=4, data=(x, target))
     text = "\n".join(str(warning.message) for warning in told)
-    came_in = (f"under a full watch: nan came in with an input made before the step (its batch, or a tensor the program kept), not made by "
-               f"any op of it: the first op to read it was aten.addmm.default at {__file__}:{line_of('REGRESSOR FC1', __file__)} (forward)")
+    came_in = (f"cause: input: the batch held nan before the model ran: Regressor's argument 0 (f32[4, 4] cpu) held nan when it entered "
+               f"the model at {__file__}:{line_of('REGRESSOR CALL', __file__)}, so no op of the model made them")
     assert "optimizer step 2: the gradients about to be applied hold nan/inf" in text and came_in in text, text
-    assert "first made by" not in text, text
+    assert "first made by" not in text and callback.runner.ledger.replays == 0, text
     (row,) = callback.runner.ledger.rows()
-    assert row["origin"]["came_with"] == "input" and row["action"] == "skipped", row
+    assert row["action"] == "skipped", row
     # counted as a bad batch, as the guard that checks the model's inputs counts one
     assert row["cause"] == "input" and "1 failed (the batch held nan/inf), 1 of them skipped" in callback.runner.summary(), row
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())

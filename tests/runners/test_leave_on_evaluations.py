@@ -151,9 +151,7 @@ def test_a_bad_validation_batch_is_not_the_failing_training_step_s_batch():
     on a training batch of its own: the step's cause names the training batch's line."""
     from opwatch.runners.leave_on import LeaveOn
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = small_regressor()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", opwatch.OpwatchWarning)
         with LeaveOn(on_failure="skip", max_failed_in_a_row=None, file=io.StringIO()) as run:
@@ -204,6 +202,73 @@ def test_hf_trainer_guard_mode_tells_an_evaluation_whose_batch_held_nan(tmp_path
     assert "its x (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in told[0]
 
 
+@pytest.mark.parametrize("corrupt", [True, False], ids=["corrupted", "clean"])
+def test_lightning_guard_mode_checks_the_evaluations_of_a_module_whose_steps_call_an_inner_one(tmp_path, corrupt):
+    """The support module's steps call ``self.layer(x)``, never the LightningModule itself: the
+    batch and evaluation hooks went on the LightningModule (the trainer's model), which no call
+    reached, and a corrupted validation record was never told. They go on the first module the
+    audit saw called."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opwatch.runners.lightning import OpwatchCallback
+    from support.trainers import lightning_module, lightning_trainer, matched_loss, regression_data, regression_loader
+
+    x, y = regression_data(8)
+    if corrupt:
+        x[5, 1] = float("nan")  # a corrupted validation record
+    callback = OpwatchCallback(mode="guard", file=io.StringIO())
+    trainer = lightning_trainer(tmp_path, callback, steps=3, num_sanity_val_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        trainer.fit(lightning_module(matched_loss, eval_loss=matched_loss), regression_loader(), DataLoader(TensorDataset(x, y), batch_size=4))
+    told = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    assert callback.runner.ledger.failed == 0 and callback.runner.ledger.evaluations_nan == int(corrupt)
+    if corrupt:
+        (message,) = told
+        assert "a call of Linear with gradients off (an evaluation)" in message
+        assert "its argument 0 (f32[4, 2] cpu) held nan when it entered the model (cause: input)" in message
+    else:
+        assert told == []
+
+
+def test_an_evaluation_through_ddp_s_module_is_checked(tmp_path):
+    """DDP evaluation through ``model.module`` (the wrapped model, called without the wrapper):
+    the hooks went on the wrapper, which that call never reaches. They go on the module it wraps,
+    which every call reaches, the wrapper's own included."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from opwatch.runners.leave_on import LeaveOn
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        model, optimizer = small_regressor(DistributedDataParallel)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", opwatch.OpwatchWarning)
+            with LeaveOn(file=io.StringIO()) as run:
+                train_two_steps(model, optimizer, 8)
+                with torch.no_grad():
+                    clean = model(torch.randn(4, 8))  # through the wrapper: checked as before
+                    bad = torch.randn(4, 8)
+                    bad[2, 3] = float("nan")
+                    model.module(bad)  # the evaluation, around the wrapper
+                train_two_steps(model, optimizer, 8)
+    finally:
+        dist.destroy_process_group()
+    told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
+    assert torch.isfinite(clean).all() and run.ledger.evaluations_nan == 1 and run.ledger.failed == 0
+    assert len(told) == 1 and "a call of Sequential with gradients off" in told[0] and "held nan when it entered the model" in told[0]
+
+
+def small_regressor(wrap=lambda model: model):
+    """An 8-16-1 MLP (``wrap``ped: a DDP module) and its SGD optimizer, seeded."""
+    torch.manual_seed(0)
+    model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
 def train_two_steps(model, optimizer, features, batch=4):
     """Two optimizer steps: the first is leave-on's audit, after which it hooks the model."""
     for _ in range(2):
@@ -219,9 +284,7 @@ def test_a_long_evaluation_pass_is_read_every_so_many_calls(monkeypatch):
     from opwatch.runners.leave_on import LeaveOn
 
     monkeypatch.setattr(evaluations, "_MAX_KEPT", 3)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = small_regressor()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", opwatch.OpwatchWarning)
         with LeaveOn(file=io.StringIO()) as run:
