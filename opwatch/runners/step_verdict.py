@@ -41,7 +41,7 @@ import torch
 from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
 from ..core.finite import FusedFiniteCheck
 
-__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "KernelSkips", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
+__all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "KernelSkips", "ScalerSkips", "ScalerSkip", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
 # Where a verdict came from (StepVerdict.source): facts a test or a doc can name.
 CLIP, SCALER, FUSED_PASS = "clip", "scaler", "fused pass"
@@ -101,15 +101,11 @@ class StepReductions:
 
     def __init__(self):
         self.norms: list = []
-        # Optimizers unscaled since their last step, {id: (weak reference, its GradScaler's)}: a
-        # dict, whose reads on every step (empty, but for GradScaler's) cost no Python call as a
-        # WeakSet's do.
-        self._unscaled: dict = {}
+        self._scaler_skips = ScalerSkips()  # the optimizers GradScaler checked, and what they did
         # The GradScaler that skipped the step before the latest backward, and its optimizer
         # (after_backward); whether the optimizer's step ran and skipped inside its kernel.
         self.skipped_by = self.skipped_optimizer = None
         self.skipped_in_kernel = False
-        self._kernel_skips = KernelSkips()  # fused optimizers' steps, GradScaler's flag kept
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -141,7 +137,7 @@ class StepReductions:
             result = original(scaler, optimizer)
             reductions = kept()
             if reductions is not None and scaler.is_enabled():
-                reductions._unscaled[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(scaler))
+                reductions._scaler_skips.checked(optimizer, scaler)
             return result
 
         def step(original, scaler, optimizer, *args, **kwargs):
@@ -151,7 +147,7 @@ class StepReductions:
             # whose own unscale_ the wrap above does not see).
             reductions = kept()
             if reductions is not None and scaler.is_enabled():
-                reductions._unscaled.setdefault(id(optimizer), (weakref.ref(optimizer), weakref.ref(scaler)))
+                reductions._scaler_skips.checked(optimizer, scaler, again=False)
             return original(scaler, optimizer, *args, **kwargs)
 
         self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
@@ -204,45 +200,26 @@ class StepReductions:
         """Whether GradScaler skipped an optimizer step since the last call (see
         :meth:`after_backward`; the run's end asks it too), its scaler and optimizer in
         :attr:`skipped_by` and :attr:`skipped_optimizer`."""
-        self.skipped_by = self.skipped_optimizer = None
-        self.skipped_in_kernel = False
-        if not self._unscaled:  # no GradScaler in the loop: every step
+        skipped, _ = self._scaler_skips.read()
+        if skipped is None:
+            self.skipped_by = self.skipped_optimizer = None
+            self.skipped_in_kernel = False
             return False
-        skipped = self._not_stepped()
-        self._unscaled.clear()
-        if skipped is not None:
-            optimizer, scaler = skipped
-            self.skipped_by, self.skipped_optimizer = scaler(), optimizer()
-        return skipped is not None
-
-    def _not_stepped(self):
-        """``(optimizer, scaler)`` weak references of an optimizer unscaled and alive that has
-        not stepped since, or whose fused step skipped inside its kernel, or ``None``."""
-        in_kernel = self._kernel_skips.read()  # {id: whether the kernel skipped it}, of the fused steps
-        for ident, (optimizer, scaler) in self._unscaled.items():
-            if optimizer() is not None and in_kernel.get(ident, True):
-                self.skipped_in_kernel = ident in in_kernel
-                return optimizer, scaler
-        return None
+        self.skipped_optimizer, self.skipped_by, self.skipped_in_kernel = skipped
+        return True
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
-        if self._unscaled and not self._kernel_skips.stepped(optimizer):  # a fused step: decided when its flag is read
-            self._unscaled.pop(id(optimizer), None)
+        self._scaler_skips.stepped(optimizer)
 
     def forget(self) -> None:
         self.norms.clear()
-        self._unscaled.clear()
-        self._kernel_skips = KernelSkips()
+        self._scaler_skips = ScalerSkips()
 
     def unscaled(self, optimizer) -> bool:
         """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
         (its kernel checked every one of them; it skips the step itself when one is not finite)."""
-        refs = self._unscaled.get(id(optimizer)) if self._unscaled else None
-        if refs is None:
-            return False
-        unscaled, _ = refs
-        return unscaled() is optimizer
+        return self._scaler_skips.checking(optimizer)
 
     def norm_covering(self, grads) -> ClipNorm | None:
         """The newest kept norm that covered every tensor of ``grads``, or ``None``."""
@@ -419,6 +396,78 @@ class KernelSkips:
 class _KeptFlag(NamedTuple):
     optimizer: weakref.ref
     flag: DeferredFlag
+
+
+class ScalerSkip(NamedTuple):
+    """A step GradScaler skipped: its optimizer, the GradScaler, and whether the step was called
+    and skipped inside a fused optimizer's kernel."""
+
+    optimizer: object
+    scaler: object
+    in_kernel: bool
+
+
+class ScalerSkips:
+    """What GradScaler did with each optimizer whose gradients it checked, from one :meth:`read`
+    to the next (a backward, a guarded call): the optimizer stepped, or did not (GradScaler skipped
+    its step), or was a fused one that stepped with the ``found_inf`` GradScaler handed it and
+    skipped inside its kernel when that flag is set (:class:`KernelSkips`, read then). Told of
+    the checks (GradScaler's ``unscale_`` and ``step``) and of each step (the post-hook): no
+    kernel, no host read but a kept flag's."""
+
+    def __init__(self):
+        # Optimizers checked, {id: (weak reference, its GradScaler's)}, and the ids of those that
+        # stepped since: a dict and a set, whose reads on every step (empty, but under
+        # GradScaler) cost no Python call as a WeakSet's do.
+        self._checked: dict = {}
+        self._stepped: set = set()
+        self._kernel_skips = KernelSkips()
+
+    def checked(self, optimizer, scaler, *, again: bool = True) -> None:
+        """GradScaler ``scaler`` checked ``optimizer``'s gradients (``again=False``: its ``step``,
+        which changes nothing when its ``unscale_`` did since the optimizer's last step)."""
+        ident = id(optimizer)
+        if again or ident not in self._checked or ident in self._stepped:
+            self._checked[ident] = (weakref.ref(optimizer), weakref.ref(scaler))
+            self._stepped.discard(ident)
+
+    def checking(self, optimizer) -> bool:
+        """Whether GradScaler checked ``optimizer``'s gradients since its last step."""
+        refs = self._checked.get(id(optimizer)) if self._checked else None
+        if refs is None or id(optimizer) in self._stepped:
+            return False
+        checked, _ = refs
+        return checked() is optimizer
+
+    def stepped(self, optimizer, scaler=None) -> None:
+        """``optimizer`` stepped. A fused one holding GradScaler's ``found_inf`` is decided when
+        that flag is read; ``scaler``: the GradScaler it is put down to when none was seen
+        checking it (a guard's, which follows only ``unscale_``)."""
+        if not self._checked and scaler is None:  # no GradScaler in the loop: every step
+            return
+        ident = id(optimizer)
+        if self._kernel_skips.stepped(optimizer):
+            if ident not in self._checked and scaler is not None:
+                self._checked[ident] = (weakref.ref(optimizer), weakref.ref(scaler))
+        elif ident in self._checked:
+            self._stepped.add(ident)
+
+    def read(self) -> tuple:
+        """``(skip, stepped)`` since the last read: a :class:`ScalerSkip` of an optimizer checked
+        and alive that did not step or whose kernel skipped the step (with several, the first),
+        or ``None``; whether one stepped. Forgets them."""
+        if not self._checked:
+            return None, False
+        in_kernel = self._kernel_skips.read()  # {id: whether the kernel skipped the step}, of the fused steps
+        skip = None
+        for ident, (reference, scaler) in self._checked.items():
+            optimizer = reference()
+            if skip is None and optimizer is not None and in_kernel.get(ident, ident not in self._stepped):
+                skip = ScalerSkip(optimizer, scaler(), ident in in_kernel)
+        stepped = bool(self._stepped) or not all(in_kernel.values())
+        self._checked.clear()
+        self._stepped.clear()
+        return skip, stepped
 
 
 class LateVerdict(NamedTuple):

@@ -838,18 +838,15 @@ print("scale", scaler.get_scale())
 """
 
 
-def test_guard_cli_a_run_gradscaler_skips_from_its_first_step_is_stuck_with_the_op_its_audit_saw(tmp_path):
+def test_guard_cli_a_run_gradscaler_skips_from_its_first_step_is_stuck_with_the_op_its_audit_saw(tmp_path, capsys, monkeypatch):
     """sqrt's backward at 0 makes every gradient nan while the loss stays finite: GradScaler
     skips every step from the first, so the first step's audit is still running when the run
     is stuck. It saw the origin: the summary reports it (with its cause, the scale below 1 made
     it an anomaly) and RunStuck names it. Before: "opwatch: no anomalies." beside the stuck run
     and "A full watch names the op: python -m opwatch train.py", whose watch said the same."""
-    (tmp_path / "train.py").write_text(METRIC_FP16)
-    environment = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
-                            env=environment, timeout=300)
-    text = result.stderr
-    assert result.returncode == 1 and "no anomalies" not in text, text[-3000:]
+    monkeypatch.chdir(tmp_path)  # lines are shown relative to it: train.py:13
+    status, _, text = guard_in_process(tmp_path, capsys, METRIC_FP16)
+    assert status == 1 and "no anomalies" not in text, text[-3000:]
     assert "opwatch: 1 anomaly at 1 place:\n\nnan in aten.div.Tensor at train.py:13 (backward)" in text
     assert "cause:    undefined math: the divisor holds 0, and so does the dividend: 0 / 0 = nan" in text
     assert "GradScaler found it with its scale down to 0.5 and skipped the step" in text
@@ -863,7 +860,7 @@ FUSED_FP16 = fp16_regression_script("torch.optim.AdamW(model.parameters(), lr=1e
                                     "2.0**40", 30)
 
 
-def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_path):
+def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_path, capsys, monkeypatch):
     """A fused optimizer steps under GradScaler with its gradients still scaled: GradScaler
     checked them and hands it found_inf, and the kernel skips an overflowing update itself.
     leave-on used to check the scaled gradients again, fail every overflow step of a healthy
@@ -871,26 +868,36 @@ def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_
     steps the kernel skipped as steps that ran ("30 optimizer steps ran"): they are GradScaler's
     skips, counted as the same loop's with an unfused AdamW (4 ran, 26 skipped). The first
     step's audit watched a step the kernel skipped: no step that ran was audited."""
-    (tmp_path / "train.py").write_text(FUSED_FP16)
-    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
-                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
-    assert result.returncode == 0 and "RunStuck" not in result.stderr, result.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    status, out, err = guard_in_process(tmp_path, capsys, FUSED_FP16)
+    assert status == 0 and "RunStuck" not in err, err[-3000:]
     assert ("opwatch guard: 4 optimizer steps ran, 0 audited under a full watch, 0 failed; GradScaler skipped 26 more "
-            "(overflows of its scaled gradients).") in result.stderr
-    assert float(result.stdout.split()[-1]) < 2.0**40  # GradScaler did skip the overflow steps
+            "(overflows of its scaled gradients).") in err
+    assert float(out.split()[-1]) < 2.0**40  # GradScaler did skip the overflow steps
 
 
-def test_guard_cli_stops_a_fused_optimizer_s_run_that_grad_scaler_skips_for_good(tmp_path):
+def guard_in_process(tmp_path, capsys, script):
+    """``python -m opwatch --guard train.py`` run in this process (``script`` written to
+    ``tmp_path/train.py``, the working directory there): its status, stdout and stderr."""
+    from opwatch.runners.cli import main
+
+    (tmp_path / "train.py").write_text(script)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
+        status = main(["--guard", "train.py"])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_guard_cli_stops_a_fused_optimizer_s_run_that_grad_scaler_skips_for_good(tmp_path, capsys, monkeypatch):
     """The stuck run above with the fused AdamW (the Hugging Face Trainer's default): GradScaler
     never skips its step, the kernel does, on the found_inf GradScaler hands it. leave-on used to
     count 60 steps that ran, say "no anomalies" and exit 0 with the scale at 5.7e-14, and the
     watch contained every origin (the fused check's dummy scale of 1 says nothing of the scale).
     The kernel's skips are GradScaler's now, the run is stopped, and its audit names the op."""
-    (tmp_path / "train.py").write_text(METRIC_FP16.replace("lr=1e-3)", "lr=1e-3, fused=True)"))
-    result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "train.py"], capture_output=True, text=True, cwd=tmp_path,
-                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
-    text = result.stderr
-    assert result.returncode == 1 and "no anomalies." not in text, text[-3000:]
+    monkeypatch.chdir(tmp_path)  # lines are shown relative to it: train.py:13
+    status, _, text = guard_in_process(tmp_path, capsys, METRIC_FP16.replace("lr=1e-3)", "lr=1e-3, fused=True)"))
+    assert status == 1 and "no anomalies." not in text, text[-3000:]
     assert "opwatch guard: 0 optimizer steps ran, 0 audited under a full watch, 0 failed; GradScaler skipped 20 more" in text
     assert ("RunStuck: opwatch: the run is stuck: GradScaler skipped 20 optimizer steps in a row (from the first step), and its scale "
             "fell to 0.0625") in text

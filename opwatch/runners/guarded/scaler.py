@@ -6,6 +6,10 @@ optimizer the scaler unscaled that did not step since was skipped; the guard lea
 next call (:meth:`ScalerSteps.since_last_call`), from two things the program does anyway: the
 scaler's ``unscale_`` (its class's method wrapped once, for the process) and the optimizer
 step post-hook (:data:`~opwatch.session.optimizer_steps.steps_followed`). No kernel, no host read.
+A fused optimizer (``fused=True``) is never unscaled: GradScaler calls its step with a
+``found_inf``, and its kernel skips the update when that flag is set; the post-hook keeps the
+flag, read at the next call (:class:`~opwatch.runners.step_verdict.ScalerSkips`, which also
+keeps leave-on's count).
 
 A call the guard skipped itself leaves its gradients to the scaler the same way: filled with nan
 (:meth:`ScalerSteps.leave_to_scaler`), so that ``scaler.step()`` skips the update as it skips an
@@ -23,7 +27,7 @@ import weakref
 import torch
 
 from ...session.optimizer_steps import steps_followed
-from ..step_verdict import KernelSkips
+from ..step_verdict import ScalerSkips
 
 __all__ = ["ScalerSteps"]
 
@@ -71,10 +75,8 @@ class ScalerSteps:
 
     def __init__(self, scaler):
         self.scaler = scaler
-        self._unscaled: dict = {}  # id(optimizer) -> a weak reference, unscaled since the last call
-        self._stepped: set = set()  # of those, the ones that stepped since
+        self._skips = ScalerSkips()  # the optimizers it unscaled since the last call, and what they did
         self._left = False  # the guard skipped the latest call: its nan gradients were left to the scaler
-        self._kernel_skips = KernelSkips()  # fused optimizers' steps: GradScaler's found_inf, read at the next call
         _unscales.follow(self)
         steps_followed.follow(self)
 
@@ -83,31 +85,24 @@ class ScalerSteps:
         return self.scaler.is_enabled()
 
     def unscaled(self, optimizer) -> None:
-        self._unscaled[id(optimizer)] = weakref.ref(optimizer)
-        self._stepped.discard(id(optimizer))
+        self._skips.checked(optimizer, self.scaler)
 
     def stepped(self, optimizer) -> None:
         """Any optimizer's step (the global post-hook): a skipped one never gets here, but for a
-        fused one GradScaler handed ``found_inf``, which skips inside its kernel (decided when
-        its flag is read, at the next call)."""
-        if self.enabled and self._kernel_skips.stepped(optimizer):
-            self._unscaled[id(optimizer)] = weakref.ref(optimizer)
-        elif self._unscaled and id(optimizer) in self._unscaled:
-            self._stepped.add(id(optimizer))
+        fused one GradScaler handed ``found_inf`` (it never unscales it), which skips inside its
+        kernel (decided when its flag is read, at the next call)."""
+        self._skips.stepped(optimizer, self.scaler)
 
     def since_last_call(self) -> tuple:
         """``(skipped, stepped)`` since the latest call: an optimizer the scaler unscaled that
         did not step (it skipped that call's step; with several optimizers, one is enough), or
         ``None``; whether one it unscaled stepped. A call the guard skipped itself counts as
         neither (it is counted as failed). Forgets both."""
-        in_kernel = self._kernel_skips.read()  # {id: whether its kernel skipped the step}, of the fused steps
-        skipped = next((optimizer() for ident, optimizer in self._unscaled.items()
-                        if in_kernel.get(ident, ident not in self._stepped) and optimizer() is not None), None)
-        stepped = bool(self._stepped) or not all(in_kernel.values())
+        skip, stepped = self._skips.read()
         left, self._left = self._left, False
-        self._unscaled.clear()
-        self._stepped.clear()
-        return (None, False) if left else (skipped, stepped)
+        if left:
+            return None, False
+        return (None if skip is None else skip.optimizer), stepped
 
     def leave_to_scaler(self, params) -> bool:
         """A call the guard skipped: fill the ``.grad`` it left with nan, so that the scaler
