@@ -35,6 +35,7 @@ __all__ = [
     "foreach_norm",
     "foreach_copy_",
     "TOTAL_NORM_HOME",
+    "CLIP_HOME",
     "takes_found_inf",
     "version_counter",
     "version_counters",
@@ -166,6 +167,9 @@ foreach_copy_ = torch._foreach_copy_
 # ``torch.nn.utils.clip_grad._get_total_norm``, looked up at each call, so a wrap of it sees every
 # clip however the program imported ``clip_grad_norm_``. torch >= 2.6 (the supported floor).
 TOTAL_NORM_HOME = ("torch.nn.utils.clip_grad", "_get_total_norm")
+# What multiplies the gradients by that norm: the same module's ``_clip_grads_with_norm_`` (which
+# ``clip_grad_norm_`` calls), and its public name in ``torch.nn.utils`` (torch >= 2.6).
+CLIP_HOME = ("_clip_grads_with_norm_", "clip_grads_with_norm_")
 
 
 def takes_found_inf(optimizer) -> bool:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.compat import TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf
+from ..core.compat import CLIP_HOME, TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf, version_counter, version_counters
 from ..core.finite import FusedFiniteCheck
 
 __all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "KernelSkips", "ScalerSkips", "ScalerSkip", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
@@ -57,12 +57,30 @@ class DeviceVerdict(NamedTuple):
 
 
 class ClipNorm(NamedTuple):
-    """One total norm the program computed: the norm tensor, the ids of the tensors it covered,
-    and whether it is the same on every rank (FSDP2's norm, reduced across the ranks)."""
+    """One total norm the program computed: the norm tensor, the tensors it covered (``{id:
+    version counter}`` when it was computed), whether it is the same on every rank (FSDP2's
+    norm, reduced across the ranks), and the same counters once the clip multiplied them by the
+    norm (``None`` until a clip did)."""
 
     total: torch.Tensor
-    covered: frozenset
+    covered: dict
     shared: bool = False
+    clipped: dict | None = None
+
+    def unwritten(self, grads) -> bool:
+        """Whether nothing wrote into ``grads`` since this norm was taken (or since its clip)."""
+        return unwritten_since(grads, self.covered if self.clipped is None else self.clipped)
+
+
+def unwritten_since(grads, versions: dict) -> bool:
+    """Whether no in-place op wrote into any of ``grads`` since ``versions`` (``{id: version
+    counter}``) were read (``False`` for one not there: a ``.grad`` replaced since). A program's
+    own check (GradScaler's unscale, a clip's norm) speaks for the values it read, not for a
+    write after it."""
+    for grad in grads:  # a loop, not a generator: this runs once a step
+        if versions.get(id(grad)) != version_counter(grad):
+            return False
+    return True
 
 
 class _ScopedWrap:
@@ -133,6 +151,13 @@ class StepReductions:
                     decide()
             return norm
 
+        def clip(original, parameters, *args, **kwargs):
+            result = original(parameters, *args, **kwargs)
+            reductions = kept()
+            if reductions is not None:
+                reductions.saw_clip(parameters)
+            return result
+
         def unscale_(original, scaler, optimizer):
             result = original(scaler, optimizer)
             reductions = kept()
@@ -150,8 +175,10 @@ class StepReductions:
                 reductions._scaler_skips.checked(optimizer, scaler, again=False)
             return original(scaler, optimizer, *args, **kwargs)
 
-        self._wraps = [_ScopedWrap(home, name, total_norm), _ScopedWrap(torch.nn.utils, "get_total_norm", total_norm),
-                       _ScopedWrap(torch.amp.GradScaler, "unscale_", unscale_), _ScopedWrap(torch.amp.GradScaler, "step", step)]
+        clip_name, public_clip = CLIP_HOME
+        wrapped = [(home, name, total_norm), (torch.nn.utils, "get_total_norm", total_norm), (home, clip_name, clip),
+                   (torch.nn.utils, public_clip, clip), (torch.amp.GradScaler, "unscale_", unscale_), (torch.amp.GradScaler, "step", step)]
+        self._wraps = [_ScopedWrap(owner, attribute, wrapper) for owner, attribute, wrapper in wrapped if hasattr(owner, attribute)]
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -185,8 +212,24 @@ class StepReductions:
             total, placements, _ = dtensor_parts(norm)
             shared = all(placement.is_replicate() for placement in placements)
         covered = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-        self.norms.append(ClipNorm(total, frozenset(map(id, covered)), shared))
+        self.norms.append(ClipNorm(total, dict(zip(map(id, covered), version_counters(covered))), shared))
         return norm
+
+    def saw_clip(self, parameters) -> None:
+        """A clip multiplied the gradients of ``parameters`` by its norm: the newest kept norm
+        that covered them speaks for them as they are now (the counters read again). Parameters
+        given as a generator (spent by the clip) are left alone: their norm then stops at them."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        if not isinstance(parameters, (list, tuple)) or not self.norms:
+            return
+        grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+        wanted = set(map(id, grads))
+        for position in range(len(self.norms) - 1, -1, -1):
+            norm = self.norms[position]
+            if wanted <= norm.covered.keys():
+                self.norms[position] = norm._replace(clipped=dict(zip(map(id, grads), version_counters(grads))))
+                return
 
     def after_backward(self) -> bool:
         """A backward ran: a norm computed before it covers gradients that changed since.
@@ -216,19 +259,29 @@ class StepReductions:
         self.norms.clear()
         self._scaler_skips = ScalerSkips()
 
-    def unscaled(self, optimizer) -> bool:
-        """Whether an enabled GradScaler unscaled ``optimizer``'s gradients since its last step
-        (its kernel checked every one of them; it skips the step itself when one is not finite)."""
-        return self._scaler_skips.checking(optimizer)
+    def scaler_checked(self, optimizer, grads) -> bool:
+        """Whether an enabled GradScaler's check of ``optimizer``'s gradients ``grads`` speaks for
+        them now (its kernel checked every one; it skips the step itself when one is not finite):
+        it ran inside its ``step()``, right before the optimizer's, or at its ``unscale_`` with
+        nothing written into them since but by a clip whose norm was taken right after it."""
+        if not self._scaler_skips.checking(optimizer):
+            return False
+        versions = self._scaler_skips.versions_at_check(optimizer)
+        if versions is None or unwritten_since(grads, versions):
+            return True
+        norm = self.norm_covering(grads)  # a clip right after the unscale, and nothing since
+        return norm is not None and norm.clipped is not None and norm.covered.items() >= versions.items()
 
     def norm_covering(self, grads) -> ClipNorm | None:
-        """The newest kept norm that covered every tensor of ``grads``, or ``None``."""
+        """The newest kept norm that covered every tensor of ``grads`` and still speaks for them,
+        or ``None``: none of them written since, but by the clip's own multiplication (by at most
+        1, which keeps finite values finite)."""
         if not self.norms:
             return None
         wanted = set(map(id, grads))
         for norm in reversed(self.norms):
-            if wanted <= norm.covered:
-                return norm
+            if wanted <= norm.covered.keys():
+                return norm if norm.unwritten(grads) else None
         return None
 
 
@@ -246,7 +299,7 @@ class VerdictFromStep:
         """One verdict, at most one host read (none when a scaler decided and the losses are CPU scalars)."""
         reductions = self.reductions
         self.shared = False
-        if reductions is not None and reductions.unscaled(optimizer):
+        if reductions is not None and reductions.scaler_checked(optimizer, grads):
             self.source = SCALER  # the scaler skips an overflowing step itself: it never gets here
             return scalars_finite(losses, self.fused)
         norm = reductions.norm_covering(grads) if reductions is not None and grads else None
@@ -398,6 +451,12 @@ class _KeptFlag(NamedTuple):
     flag: DeferredFlag
 
 
+class _Checked(NamedTuple):
+    optimizer: weakref.ref
+    scaler: weakref.ref
+    versions: dict | None  # {id(grad): version counter} after GradScaler's unscale_, None: checked in its step()
+
+
 class ScalerSkip(NamedTuple):
     """A step GradScaler skipped: its optimizer, the GradScaler, and whether the step was called
     and skipped inside a fused optimizer's kernel."""
@@ -424,20 +483,26 @@ class ScalerSkips:
         self._kernel_skips = KernelSkips()
 
     def checked(self, optimizer, scaler, *, again: bool = True) -> None:
-        """GradScaler ``scaler`` checked ``optimizer``'s gradients (``again=False``: its ``step``,
-        which changes nothing when its ``unscale_`` did since the optimizer's last step)."""
+        """GradScaler ``scaler`` checked ``optimizer``'s gradients: at its ``unscale_``, their
+        version counters read now, or (``again=False``) inside its ``step()``, which changes
+        nothing when its ``unscale_`` did since the optimizer's last step."""
         ident = id(optimizer)
         if again or ident not in self._checked or ident in self._stepped:
-            self._checked[ident] = (weakref.ref(optimizer), weakref.ref(scaler))
+            grads = [parameter.grad for parameter in trained(optimizer)] if again else None
+            versions = None if grads is None else dict(zip(map(id, grads), version_counters(grads)))
+            self._checked[ident] = _Checked(weakref.ref(optimizer), weakref.ref(scaler), versions)
             self._stepped.discard(ident)
 
     def checking(self, optimizer) -> bool:
         """Whether GradScaler checked ``optimizer``'s gradients since its last step."""
-        refs = self._checked.get(id(optimizer)) if self._checked else None
-        if refs is None or id(optimizer) in self._stepped:
-            return False
-        checked, _ = refs
-        return checked() is optimizer
+        checked = self._checked.get(id(optimizer)) if self._checked else None
+        return checked is not None and id(optimizer) not in self._stepped and checked.optimizer() is optimizer
+
+    def versions_at_check(self, optimizer) -> dict | None:
+        """``{id(grad): version counter}`` of the gradients GradScaler's ``unscale_`` checked
+        (:meth:`checking` first), or ``None`` where its ``step()`` checked them, right before the
+        optimizer's."""
+        return self._checked[id(optimizer)].versions
 
     def stepped(self, optimizer, scaler=None) -> None:
         """``optimizer`` stepped. A fused one holding GradScaler's ``found_inf`` is decided when
@@ -448,7 +513,7 @@ class ScalerSkips:
         ident = id(optimizer)
         if self._kernel_skips.stepped(optimizer):
             if ident not in self._checked and scaler is not None:
-                self._checked[ident] = (weakref.ref(optimizer), weakref.ref(scaler))
+                self._checked[ident] = _Checked(weakref.ref(optimizer), weakref.ref(scaler), None)
         elif ident in self._checked:
             self._stepped.add(ident)
 
@@ -460,7 +525,7 @@ class ScalerSkips:
             return None, False
         in_kernel = self._kernel_skips.read()  # {id: whether the kernel skipped the step}, of the fused steps
         skip = None
-        for ident, (reference, scaler) in self._checked.items():
+        for ident, (reference, scaler, _) in self._checked.items():
             optimizer = reference()
             if skip is None and optimizer is not None and in_kernel.get(ident, ident not in self._stepped):
                 skip = ScalerSkip(optimizer, scaler(), ident in in_kernel)

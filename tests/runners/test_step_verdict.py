@@ -320,6 +320,43 @@ def test_a_grad_scaler_overflow_is_the_scaler_s_and_its_unscale_decides_healthy_
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+def layer_wise_trust_ratio(model, broken=False):
+    """LARS's layer-wise scaling, written into the gradients after the clip: each by its
+    parameter's norm over its own; ``broken``: over a norm that came out 0 (inf everywhere)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.grad.mul_(parameter.norm() / (parameter.grad.norm() * (0.0 if broken else 1.0)))  # THE TRUST RATIO
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["clip", "grad-scaler-and-clip"])
+def test_a_write_into_the_gradients_after_the_program_s_own_check_is_checked(scaled):
+    """The clip's norm (and GradScaler's unscale_) checked the gradients; a layer-wise trust
+    ratio then wrote inf into them. Both checks spoke for values that were no more: the step
+    passed, the optimizer applied inf, and the next step said an earlier step "wrote them from
+    finite gradients". A gradient written since the program's check (its version counter moved,
+    but for the clip's own multiplication) is checked by leave-on's own fused pass; a loop that
+    writes nothing after its check keeps the check that costs nothing."""
+    model, optimizer = fresh()
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    with told_run() as (run, caught):
+        for step in (1, 2, 3, 4):
+            scaler.scale(model(*batch(step))).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step == 4:
+                before = [parameter.detach().clone() for parameter in model.parameters()]
+            layer_wise_trust_ratio(model, broken=step == 4)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    assert [failure.step for failure in run.failures] == [4] and run.skipped == 1
+    assert run.policy.verdict.source == step_verdict.FUSED_PASS  # the writes after the check: its own pass
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the weights as they were
+    told = [str(warning.message) for warning in caught]
+    assert any("optimizer step 4: the gradients about to be applied hold nan/inf" in message for message in told), told
+    assert not any("from finite gradients" in message for message in told), told
+
+
 @pytest.mark.usefixtures("handed_off_on_the_cpu")
 def test_a_fused_optimizer_gets_the_verdict_as_found_inf_and_skips_the_failing_step_on_the_device():
     model, optimizer = fresh(fused=True)
