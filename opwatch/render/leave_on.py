@@ -404,10 +404,11 @@ def batch_words(batch: dict) -> str:
             f"{_fed_at(batch.get('where'), batch.get('call'))}{on_rank}")
 
 
-def evaluation_nan(told, *, rerun: str | None, rank: int | None = None) -> str:
+def evaluation_nan(told, *, rerun: str | None, rank: int | None = None, poisoned_since: int | None = None) -> str:
     """A call of the model with gradients off returned nan (``told``: an
     :class:`~opwatch.runners.evaluations.EvaluationNan`): the batch's, when one of its arguments
-    held nan/inf, else the model's. No gradient holds it, so no step fails."""
+    held nan/inf, else the weights' when they held nan/inf since optimizer step
+    ``poisoned_since`` (told then), else the model's. No gradient holds it, so no step fails."""
     on_rank = "" if rank is None else f" (rank {rank})"
     call = (f"opwatch{on_rank}: a call of {told.model} with gradients off (an evaluation){_fed_at(told.where, None)}, "
             f"after optimizer step {told.after_step}, returned nan")
@@ -415,6 +416,9 @@ def evaluation_nan(told, *, rerun: str | None, rank: int | None = None) -> str:
         return (f"{call}: its {_fed_argument(told.argument)} held {told.kind} when it entered the model (cause: input), so no op of "
                 "the model made it: the data did (the line that made the batch, or what it read: a file, a sample). No gradient "
                 "holds it: training goes on, and what the evaluation computes from it (a validation loss) is nan.")
+    if poisoned_since is not None:
+        return (f"{call} from finite arguments: the weights hold nan/inf since optimizer step {poisoned_since} (told then), and "
+                "every call of the model reads them. What the evaluation computes from it (a validation loss) is nan.")
     how = rerun or "opwatch.watch() around the evaluation"
     return (f"{call} from finite arguments: an op of the model made it; a full watch names it: {how}. No gradient holds it: "
             "training goes on, and what the evaluation computes from it (a validation loss) is nan.")

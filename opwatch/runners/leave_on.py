@@ -261,7 +261,6 @@ class LeaveOn(LedgerCounts):
         if not self.watch.enabled:
             return False
         step = self.ledger.step(audited=self._auditing)
-        self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass since the last step
         self.batches.after_step = False  # what ran since the last step is judged here
         losses, self._losses = self._losses, []
         named = partial(_named, optimizer, self._names)
@@ -275,6 +274,7 @@ class LeaveOn(LedgerCounts):
             return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules)
         finally:
             self.batches.step_judged()  # the next step's batches are its own
+            self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass since the last step, once it is judged
 
     def replayed(self) -> None:
         """The trainer's replay ran: its own ``backward()`` is not the next step's."""

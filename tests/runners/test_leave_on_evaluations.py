@@ -262,6 +262,30 @@ def test_an_evaluation_through_ddp_s_module_is_checked(tmp_path):
     assert len(told) == 1 and "a call of Sequential with gradients off" in told[0] and "held nan when it entered the model" in told[0]
 
 
+def test_an_evaluation_after_the_weights_took_nan_names_the_weights():
+    """``on_failure="apply"``: a corrupted record's nan gradients were applied, and every
+    evaluation after returns nan from finite arguments. Each was told as "an op of the model made
+    it; a full watch names it", beside the failure that said the weights hold nan; it names them."""
+    from opwatch.runners.leave_on import LeaveOn
+
+    model, optimizer = small_regressor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        with LeaveOn(on_failure="apply", max_failed_in_a_row=None, file=io.StringIO()) as run:
+            train_two_steps(model, optimizer, 8)
+            x = torch.randn(4, 8)
+            x[1, 2] = float("nan")  # a corrupted training record
+            model(x).pow(2).mean().backward()
+            optimizer.step()  # step 3, applied
+            with torch.no_grad():
+                model(torch.randn(4, 8))  # the validation pass
+            train_two_steps(model, optimizer, 8)
+    told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
+    assert run.ledger.poisoned_since == 3 and run.ledger.evaluations_nan == 1 and len(told) == 1, told
+    assert ("returned nan from finite arguments: the weights hold nan/inf since optimizer step 3 (told then), and every call of "
+            "the model reads them") in told[0]
+
+
 def small_regressor(wrap=lambda model: model):
     """An 8-16-1 MLP (``wrap``ped: a DDP module) and its SGD optimizer, seeded."""
     torch.manual_seed(0)

@@ -112,10 +112,13 @@ class OptimizerSteps:
         for told in evaluations.read():
             ledger.evaluations_nan += 1
             ledger.evaluations_from_input += told.argument is not None
-            key = ("evaluation", told.where, told.argument is not None)
+            since = ledger.poisoned_since
+            poisoned = since if since is not None and told.argument is None and told.after_step >= since else None
+            key = ("evaluation", told.where, told.argument is not None, poisoned is not None)
             if key not in self.told_evaluations:
                 self.told_evaluations.add(key)
-                warn_at(OpwatchWarning(words.evaluation_nan(told, rerun=rerun, rank=self.rank)), told)  # at the evaluation's line
+                text = words.evaluation_nan(told, rerun=rerun, rank=self.rank, poisoned_since=poisoned)
+                warn_at(OpwatchWarning(text), told)  # at the evaluation's line
 
     def _skips_alike(self, scaler, optimizer, modules) -> bool:
         """Whether every rank's GradScaler skips the same steps: a process on its own, DDP's
