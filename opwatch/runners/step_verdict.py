@@ -475,9 +475,9 @@ class ScalerSkips:
     kernel, no host read but a kept flag's."""
 
     def __init__(self):
-        # Optimizers checked, {id: (weak reference, its GradScaler's)}, and the ids of those that
-        # stepped since: a dict and a set, whose reads on every step (empty, but under
-        # GradScaler) cost no Python call as a WeakSet's do.
+        # Optimizers checked, {id: _Checked}, and the ids of those that stepped since: a dict
+        # and a set, whose reads on every step (empty, but under GradScaler) cost no Python call
+        # as a WeakSet's do.
         self._checked: dict = {}
         self._stepped: set = set()
         self._kernel_skips = KernelSkips()
@@ -508,13 +508,11 @@ class ScalerSkips:
         """``optimizer`` stepped. A fused one holding GradScaler's ``found_inf`` is decided when
         that flag is read; ``scaler``: the GradScaler it is put down to when none was seen
         checking it (a guard's, which follows only ``unscale_``)."""
-        if not self._checked and scaler is None:  # no GradScaler in the loop: every step
-            return
         ident = id(optimizer)
-        if self._kernel_skips.stepped(optimizer):
-            if ident not in self._checked and scaler is not None:
+        if ident not in self._checked:  # no GradScaler in the loop: every step
+            if scaler is not None and self._kernel_skips.stepped(optimizer):
                 self._checked[ident] = _Checked(weakref.ref(optimizer), weakref.ref(scaler), None)
-        elif ident in self._checked:
+        elif not self._kernel_skips.stepped(optimizer):
             self._stepped.add(ident)
 
     def read(self) -> tuple:
