@@ -348,16 +348,16 @@ class LeaveOn(LedgerCounts):
         """The audits' summary (``every_rank``: the job's :class:`~opwatch.findings.ranks.AllAnomalies`
         instead, whose combined summary follows the guard's lines; the ranks decide each step
         together, so this rank's ledger counts for all); where it would say "no anomalies"
-        alone while a step failed or the run ended unjudged, a line that says what the ledger
-        holds instead."""
+        alone while a step failed, an evaluation returned nan (on any rank) or the run ended
+        unjudged, a line that says what the ledger holds instead."""
         found = self.watch.anomalies if every_rank is None else every_rank
         text = self.watch.summary() if every_rank is None else every_rank.summary()
-        if self.ledger.clean or found:
+        evaluations = self.policy.evaluations_of_the_job(every_rank)  # each rank's own
+        if (self.ledger.clean and not evaluations) or found:
             return text
-        world = None if every_rank is None else every_rank.world
         origin = self.ledger.first_origin()
-        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=world,
-                                 told=getattr(origin, "message", None), evaluations=self.ledger.evaluations_nan)
+        return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=getattr(every_rank, "world", None),
+                                 told=getattr(origin, "message", None), evaluations=evaluations)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

@@ -236,3 +236,26 @@ def test_ddp_healthy_batches_fail_no_step():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OpwatchWarning" not in result.stderr
     assert result.stderr.count("opwatch guard: 6 optimizer steps ran, 1 audited under a full watch, 0 failed.") == 2
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("clean", [False, True], ids=["corrupted", "clean"])
+def test_an_evaluation_nan_on_rank_1_is_in_the_combined_summary(clean):
+    """Each rank checks its own evaluations and tells what it finds; the combined summary on rank 0
+    read rank 0's ledger alone and said "all 2 ranks: no anomalies." beside rank 1's evaluation
+    nan. Every rank's count reaches it at the run's end (the program destroyed its group: the
+    store is the one held since the first step)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard",
+               "dist_evaluation.py"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **({"CLEAN": "1"} if clean else {})}
+    result = run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=environment)
+    text = result.stderr
+    assert result.returncode == 0, text[-3000:]
+    if clean:
+        assert "opwatch, all 2 ranks: no anomalies." in text and "gradients off" not in text, text[-3000:]
+        return
+    line = line_of("# THE EVALUATION", str(SCENARIOS / "dist_evaluation.py"))
+    assert (f"opwatch (rank 1): a call of Sequential with gradients off (an evaluation) at dist_evaluation.py:{line}, after optimizer step 4, "
+            "returned nan") in text, text[-3000:]
+    assert ("opwatch, all 2 ranks: no anomalies in the fully watched steps, but 1 call with gradients off (evaluations) returned nan "
+            "(see the guard's line above).") in text, text[-3000:]

@@ -37,6 +37,7 @@ import torch
 
 from ...checks.collectives import TIMEOUT_VARIABLE
 from ...core.collective_ops import group_store, store_prefix
+from ...findings.exchange import agent_store
 from ...findings.ranks import DEFAULT_TIMEOUT, Exchange, RankAnomaly, decode, encode
 from ...render import guard as words
 
@@ -195,6 +196,8 @@ class Agreement:
         self._flag = torch.zeros(world, device=device)
         self._max = dist.ReduceOp.MAX
         self.timeout = _timeout()
+        self._store = group_store()  # held: it stays reachable after the program destroys its group
+        self._end: Exchange | None = None  # the run's end counts (publish_evaluations)
 
     @classmethod
     def start(cls) -> Agreement | None:
@@ -291,6 +294,28 @@ class Agreement:
         except Exception:
             pass
         return None
+
+    # -- the run's end ---------------------------------------------------------------------------
+
+    def publish_evaluations(self, count: int) -> None:
+        """This rank's calls with gradients off that returned nan, at the run's end (one store
+        key): each rank checks its own evaluations, and rank 0's combined summary speaks for all."""
+        try:
+            self._end = Exchange.open(self._store or agent_store(), self.rank, self.world, f"guard/{self.number}/end")
+            self._end.publish(json.dumps({"evaluations_nan": count}).encode("utf-8"))
+        except Exception:
+            self._end = None  # no store: the combined summary counts this rank's alone
+
+    def evaluations_elsewhere(self) -> int:
+        """The other ranks' counts (:meth:`publish_evaluations`), waiting at most
+        :attr:`wait_s` seconds for them; a rank that did not publish counts none."""
+        if self._end is None:
+            return 0
+        try:
+            found, _ = self._end.collect(self.wait_s)
+            return sum(int(json.loads(data.decode("utf-8")).get("evaluations_nan", 0)) for data in found.values())
+        except Exception:
+            return 0
 
     # -- a rank that does not answer --------------------------------------------------------------
 

@@ -101,6 +101,16 @@ class OptimizerSteps:
                                            origin=origin_facts(origin), unit=self.unit)
         raise RunStuck(text, step=ledger.scaler_streak_after + 1, parameters=[], failed_in_a_row=ledger.scaler_in_a_row)
 
+    def evaluations_of_the_job(self, every_rank) -> int:
+        """The calls with gradients off that returned nan: this rank's, and where it prints the
+        job's combined summary (``every_rank``: the job's anomalies, from every rank) the other
+        ranks' too, which each checked and told on its own (steps are decided together; the
+        evaluations are not)."""
+        count, agreement = self.ledger.evaluations_nan, self.joined
+        if every_rank is None or agreement is None or every_rank.missing:
+            return count
+        return count + agreement.evaluations_elsewhere()
+
     def evaluations_read(self, evaluations, rerun: str | None = None) -> None:
         """The calls with gradients off since the last read (``evaluations``: the trigger's
         :class:`~opwatch.runners.evaluations.EvaluationCalls`), read now (at an optimizer
@@ -399,8 +409,11 @@ class OptimizerSteps:
 
     def run_ended(self, steps: int, error, trigger) -> None:
         """The run ended (``error``: what ended it): a failure whose re-check never saw another
-        optimizer step is told (or raised) as such."""
+        optimizer step is told (or raised) as such. In a job, this rank's count of evaluations
+        that returned nan goes to the others (:meth:`evaluations_of_the_job`)."""
         ledger = self.ledger
+        if self.joined is not None:
+            self.joined.publish_evaluations(ledger.evaluations_nan)
         latest = ledger.latest
         pending = latest if self.recheck_of is not None and latest is not None and latest.step == self.recheck_of == steps else None
         if error is not None and self._agreement is not None:  # for the others' NoAnswer: where this rank went
