@@ -326,8 +326,8 @@ class LeaveOn(LedgerCounts):
         if it did): the policy counts it, and stops a stuck run with the op a full watch of the
         skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
-        if (at_end and not reductions.skipped_since()) or not policy.scaler_skipped(
-                reductions.skipped_by, reductions.skipped_optimizer, modules=self._modules, in_kernel=reductions.skipped_in_kernel):
+        skip = reductions.skipped if not at_end or reductions.skipped_since() else None  # at the end: the last step's, read now
+        if skip is None or not policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel):
             return
         if not at_end:
             policy.stop_stuck_in_scaler_skips(self, rerun=self.rerun)

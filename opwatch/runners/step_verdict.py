@@ -120,10 +120,7 @@ class StepReductions:
     def __init__(self):
         self.norms: list = []
         self._scaler_skips = ScalerSkips()  # the optimizers GradScaler checked, and what they did
-        # The GradScaler that skipped the step before the latest backward, and its optimizer
-        # (after_backward); whether the optimizer's step ran and skipped inside its kernel.
-        self.skipped_by = self.skipped_optimizer = None
-        self.skipped_in_kernel = False
+        self.skipped: ScalerSkip | None = None  # the step before the latest backward, if GradScaler skipped it
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -235,21 +232,15 @@ class StepReductions:
         """A backward ran: a norm computed before it covers gradients that changed since.
         Returns whether GradScaler skipped the step before this backward: an optimizer it
         unscaled never stepped, or a fused one it handed ``found_inf`` skipped inside its
-        kernel (:attr:`skipped_in_kernel`: that step was counted as one that ran)."""
+        kernel (:attr:`skipped`'s ``in_kernel``: that step was counted as one that ran)."""
         self.norms.clear()
         return self.skipped_since()
 
     def skipped_since(self) -> bool:
         """Whether GradScaler skipped an optimizer step since the last call (see
-        :meth:`after_backward`; the run's end asks it too), its scaler and optimizer in
-        :attr:`skipped_by` and :attr:`skipped_optimizer`."""
-        skipped, _ = self._scaler_skips.read()
-        if skipped is None:
-            self.skipped_by = self.skipped_optimizer = None
-            self.skipped_in_kernel = False
-            return False
-        self.skipped_optimizer, self.skipped_by, self.skipped_in_kernel = skipped
-        return True
+        :meth:`after_backward`; the run's end asks it too), that step in :attr:`skipped`."""
+        self.skipped, _ = self._scaler_skips.read()
+        return self.skipped is not None
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()

@@ -348,7 +348,7 @@ class Origins:
         if facts.is_collective:
             fed = self._inputs_when_issued(state, entry, fed)
         if facts.is_grad_scaler_check:
-            _step_grad_scaler(state, fed, _scale_below_one(state, entry), _dummy_inv_scale(state, entry))
+            _step_grad_scaler(state, fed, *_scale_below_one(state, entry))
         elif facts.is_fused_step and state.fused_checked:
             _step_fused_under_scaler(state, entry)
         # Gradient accumulation: a backward op autograd runs with no forward op behind it.
@@ -839,22 +839,15 @@ def _left_to_the_check(fused_checked: dict, keep=frozenset()) -> None:
             del fused_checked[ident]
 
 
-def _scale_below_one(state, entry) -> float | None:
-    """The scale GradScaler's check ran at when it is below 1 (its ``inv_scale``, the last input,
-    known to be above 1; the fused optimizers' check passes a dummy of exactly 1), else ``None``
-    (1 or more, or not known)."""
+def _scale_below_one(state, entry) -> tuple:
+    """``(below_one, dummy)`` of GradScaler's check: the scale it ran at when it is below 1 (its
+    ``inv_scale``, the last input, known to be above 1), else ``None`` (1 or more, or not known);
+    and whether that ``inv_scale`` is exactly 1, the dummy a fused optimizer's check passes."""
     *_, inv_scale = entry_inputs(entry)
     known = range_of(state, inv_scale)
-    if known is None or known.within or not known.low > 1:
-        return None
-    return 1 / known.low
-
-
-def _dummy_inv_scale(state, entry) -> bool:
-    """Whether GradScaler's check ran with an ``inv_scale`` of exactly 1: a fused optimizer's."""
-    *_, inv_scale = entry_inputs(entry)
-    known = range_of(state, inv_scale)
-    return known is not None and not known.within and known.low == known.high == 1
+    if known is None or known.within:
+        return None, False
+    return (1 / known.low if known.low > 1 else None), known.low == known.high == 1
 
 
 def range_of(state, meta) -> ValueRange | None:
