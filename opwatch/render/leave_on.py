@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
+__all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "same_backward", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
            "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
            "evaluation_nan", "evaluations_nan", "evaluation_check_failed"]
 
@@ -193,6 +193,14 @@ def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=Non
             "they came in with the weights, the batch or the optimizer's state."
         )
     return f"{_who(rank)}: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
+
+
+def same_backward(step: int, failed_step: int, bad: list, on_failure: str, *, rank=None) -> str:
+    """A step whose gradients came from the backward the step before (``failed_step``) failed
+    on: several optimizers, each stepping on its own parameters after one backward."""
+    return (f"{_who(rank)}: optimizer step {step}: its gradients hold nan/inf too{_held(bad, ())}; they came from the same "
+            f"backward as those of step {failed_step} (no backward and no call of the model ran between the two steps), "
+            f"so that failure's story is theirs.{_ACTIONS[on_failure]}")
 
 
 def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None) -> str:

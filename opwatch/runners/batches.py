@@ -75,6 +75,13 @@ class FedBatches:
         self._hook = self._latest = None
         self.step_judged()
 
+    def judged(self) -> bool:
+        """An optimizer step's check begins: whether the model ran since the last one (``True``
+        before it is hooked: not known). What runs from now on is the next step's."""
+        ran = self.after_step or self._hook is None
+        self.after_step = False
+        return ran
+
     def step_judged(self) -> None:
         """The optimizer step's check ran: the next calls are the next step's."""
         self._earlier, self._calls = [], 0

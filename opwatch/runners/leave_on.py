@@ -261,7 +261,7 @@ class LeaveOn(LedgerCounts):
         if not self.watch.enabled:
             return False
         step = self.ledger.step(audited=self._auditing)
-        self.batches.after_step = False  # what ran since the last step is judged here
+        fresh = self.batches.judged() or bool(self._losses)  # a batch since the last step, judged here
         losses, self._losses = self._losses, []
         named = partial(_named, optimizer, self._names)
         try:
@@ -271,7 +271,7 @@ class LeaveOn(LedgerCounts):
                 except AnomalyError as error:  # strict: the step does not run; counted if it failed
                     self.policy.failed_at_check(step, named, gradients(optimizer), losses, error)
                     raise
-            return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules)
+            return self.policy.check_step(step, named, gradients(optimizer), losses, self, optimizer=optimizer, modules=self._modules, fresh=fresh)
         finally:
             self.batches.step_judged()  # the next step's batches are its own
             self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass since the last step, once it is judged

@@ -20,7 +20,7 @@ import opwatch
 from opwatch.runners.leave_on import LeaveOn
 from support import needs
 from support.equivalence import opwatch_warnings
-from support.helpers import fp16_regression_script, line_of
+from support.helpers import fp16_regression_script, guard_in_process, line_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its opwatch in the subprocesses
 
@@ -874,19 +874,6 @@ def test_guard_cli_leaves_a_fused_optimizer_s_overflow_steps_to_grad_scaler(tmp_
     assert ("opwatch guard: 4 optimizer steps ran, 0 audited under a full watch, 0 failed; GradScaler skipped 26 more "
             "(overflows of its scaled gradients).") in err
     assert float(out.split()[-1]) < 2.0**40  # GradScaler did skip the overflow steps
-
-
-def guard_in_process(tmp_path, capsys, script):
-    """``python -m opwatch --guard train.py`` run in this process (``script`` written to
-    ``tmp_path/train.py``, the working directory there): its status, stdout and stderr."""
-    from opwatch.runners.cli import main
-
-    (tmp_path / "train.py").write_text(script)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", opwatch.OpwatchWarning)
-        status = main(["--guard", "train.py"])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def test_guard_cli_stops_a_fused_optimizer_s_run_that_grad_scaler_skips_for_good(tmp_path, capsys, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -143,3 +145,19 @@ def watch_story(story, *args, expect_error=None, **options):
             with w:
                 story(*args)
     return w
+
+
+def guard_in_process(tmp_path, capsys, script, *options):
+    """``python -m opwatch --guard [options] train.py`` run in this process (``script`` written
+    to ``tmp_path/train.py``; the test makes ``tmp_path`` the working directory): its status,
+    stdout, and its warnings (as they would print) followed by its stderr."""
+    import opwatch  # noqa: PLC0415
+    from opwatch.runners.cli import main  # noqa: PLC0415
+
+    (tmp_path / "train.py").write_text(script)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        status = main(["--guard", *options, "train.py"])
+    out, err = capsys.readouterr()
+    told = "".join(f"{warning.message}\n" for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning))
+    return status, out, told + err

@@ -129,7 +129,7 @@ NORM_VARIANCE = "norm_variance"
 WRITTEN = "written"
 
 
-def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=None) -> None:
+def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
     recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
     and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
@@ -140,9 +140,9 @@ def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=Non
     (:func:`~opwatch.core.finite.value_extremes`). ``outside_since(ident, index, tensor)``:
     the watch's :meth:`~.tracker.EarlierBlocks.outside_since`, which tells a tensor
     made outside the watch's ops from an older one whose id it took;
-    ``made_by_an_earlier_block(ident, index)``: its
-    :meth:`~.tracker.EarlierBlocks.made_by_an_earlier_block`, the same for a tensor read only
-    through views; given (after a guard told a failure), ``origin.reads_made_before`` is worked
+    ``earlier_blocks``: the watch's :class:`~.tracker.EarlierBlocks`, which tells the same for
+    a tensor read only through views and which tensors an earlier block made; given (after a
+    guard told a failure), ``origin.reads_made_before`` is worked
     out too, else it stays ``False``. Never on a healthy step."""
     # A reduction of deliberate infs has its cause already, and needs no walk of the live
     # objects (most are masking constants that never reach a loss).
@@ -151,7 +151,7 @@ def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=Non
     if not origins:
         return
     wanted: dict = {}
-    writes = _Writes(log, outside_since, made_by_an_earlier_block)
+    writes = _Writes(log, outside_since, earlier_blocks)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
@@ -178,7 +178,7 @@ def decide_causes(origins, log, outside_since=None, made_by_an_earlier_block=Non
         written = written_inputs(origin.record.inputs, origin.record.outputs)
         origin.input_ranges = [(meta, _worked_out(value, health if meta[M_IDENT] not in written else {})) for meta, value in recipes]
         _where_made(origin, recipes, found, wanted, writes)
-        if made_by_an_earlier_block is not None:
+        if earlier_blocks is not None:
             origin.reads_made_before = _reads_made_before(origin, recipes, writes)
         if not origin.skipped_by_grad_scaler and not facts_of(origin.record.func).is_collective:
             origin.cause = _decide(origin, recipes, found, health, writes, live)
@@ -204,13 +204,16 @@ _MOVES_FOLLOWED = 8  # value-moving ops followed back from an input (detach, clo
 
 def _moved_from_before(meta, index, writes) -> bool:
     """Whether the tensor ``meta`` read by op ``index`` holds what a tensor made before the
-    watch held: made by no op of it, or by ops that only move values (``x.detach().clone()``)
-    from one made by none."""
+    block held: made by no op of the watch, or by an op of an earlier block and kept (a
+    running total ``+=`` each step: the steps between the blocks wrote it unwatched), or by
+    ops that only move values (``x.detach().clone()``) from one such."""
     for _ in range(_MOVES_FOLLOWED):
         ident = meta[M_IDENT]
         maker = writes.made_by(ident, index, like=meta)
-        earlier = writes.made_by_an_earlier_block
-        if maker is not None and earlier is not None and not earlier(ident, maker.index):
+        blocks = writes.earlier_blocks
+        if maker is not None and blocks is not None and maker.index < blocks.block_start:
+            if blocks.made_by_an_earlier_block(ident, maker.index):
+                return True  # kept from an earlier block: the ops between the blocks (unwatched) may have written it
             maker = None  # an older tensor's op, whose id this one took (read only through views, never first read)
         if maker is None:
             return not writes.lost_ops or writes.outside(ident, index)
@@ -282,10 +285,10 @@ class _Writes:
     that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
     view of it, its base: :class:`~.aliases.Aliases`)."""
 
-    def __init__(self, log, outside_since=None, made_by_an_earlier_block=None):
+    def __init__(self, log, outside_since=None, earlier_blocks=None):
         self._log = log
         self._outside_since = outside_since
-        self.made_by_an_earlier_block = made_by_an_earlier_block
+        self.earlier_blocks = earlier_blocks
         self._last = None
         self._wrote: dict = {}  # ident -> the last op that wrote it in place
 

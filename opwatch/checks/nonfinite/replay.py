@@ -26,7 +26,7 @@ from ...core.notation import TensorMeta
 from ...core.ops import facts_of
 from ...core.records import BACKWARD, E_FORWARD_FUNC, E_FUNC, E_INDEX, E_PHASE, E_SITE, M_DTYPE, M_IDENT, M_SHAPE, M_SHARDING, SH_LOCAL_IDENT, ModuleCall, entry_inputs, entry_outputs
 from .aliases import Aliases
-from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, WEIGHTS, Cause, written_inputs
+from .cause import DATA, DELIBERATE_CAUSE, INPUT, MATH, NAN_CONSTANT_CAUSE, OVERFLOWS, PRECISION, UNKNOWN, WEIGHTS, WRITTEN, Cause, written_inputs
 from .collectives import delivered
 from .origin import LeafRecipe, MovedRecipe, Origin
 from .rules import CHECKED_DTYPES, ValueRange, has_sentinel_constant, moved_range
@@ -528,7 +528,7 @@ class Origins:
         found in tensors made before the block are that step's leftovers (its loss summed into
         a running total, a metric of its outputs, a loss all-reduced for the log), already
         told: they matter only once they reach the gradients or a parameter (a bad batch of
-        this block does)."""
+        this block does), other than by the op writing into such a tensor (:func:`_wrote_into_before`)."""
         entered = self.entered
         alive = {id(origin) for ident, (_, origin, _) in self.carry.items() if origin is not None and ident not in entered}
         judged = []
@@ -563,7 +563,7 @@ class Origins:
                     continue  # a masking constant that stayed one: not reported, not contained
                 judged.append(origin)
                 continue
-            if self.failure_told and _from_before_the_block(origin) and not (origin.reached_parameter or origin.reached_gradient):
+            if self.failure_told and _from_before_the_block(origin) and not (origin.reached_parameter or (origin.reached_gradient and not _wrote_into_before(origin))):
                 if is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
                     waiting.append(origin)
                 continue  # the told failure's leftovers: not reported, not contained
@@ -595,6 +595,16 @@ def _from_before_the_block(origin) -> bool:
         return False
     cause = origin.cause
     return cause is None or cause.kind not in (INPUT, WEIGHTS)
+
+
+def _wrote_into_before(origin) -> bool:
+    """Whether ``origin``'s op wrote its result into a tensor made before the watch whose values
+    before the write were never read (cause ``unknown``, ``written``): autograd accumulating
+    into a ``.grad`` that a skipped step left holding nan (a GAN's generator backward runs
+    through the discriminator, whose ``zero_grad`` comes only at its own next step). The
+    gradient it reached is that tensor itself."""
+    cause = origin.cause
+    return cause is not None and (cause.kind, cause.detail) == (UNKNOWN, WRITTEN)
 
 
 def _the_programs_data(origin) -> bool:

@@ -556,7 +556,7 @@ class NonFiniteTracker:
         new = origins.replay(window(), flags, reading)
         if new:
             # Whether an origin reads a told failure's leftovers is asked only after one (a walk of the log per input).
-            earlier = self._blocks.made_by_an_earlier_block if self._blocks.failure_told else None
+            earlier = self._blocks if self._blocks.failure_told else None
             decide_causes(new, self._log, self._blocks.outside_since, earlier)
             new, folded = fold_same_source(new)
             if folded:

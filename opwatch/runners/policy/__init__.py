@@ -70,6 +70,7 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._replayed_at: int | None = None
         self._watched_all_at: int | None = None
         self._decided_origin = None
+        self._same_backward = False  # the step being decided applies the gradients the step before did
         # The GradScaler streak a full watch was started for (its first step's count), and the
         # skips in a row then: the run stops once that watch saw a whole skipped step.
         self._stuck_watched: int | None = None

@@ -147,14 +147,17 @@ class OptimizerSteps:
         self.recheck_of = None
         trigger.end_audit()
 
-    def check_step(self, step: int, named, gradients: list, losses: list, trigger, *, optimizer=None, modules=()) -> bool:
+    def check_step(self, step: int, named, gradients: list, losses: list, trigger, *, optimizer=None, modules=(),
+                   fresh: bool = True) -> bool:
         """Decide optimizer step ``step`` (``named()``: its parameters, ``(name, parameter)``,
         made only for a failed step;
         the ``gradients`` it is about to apply, the ``losses`` ``backward()`` ran on since the
         last step; ``optimizer``: the one stepping; ``modules``: the models the run saw, whose
-        DDP wrappers make the gradients the same on every rank); returns whether the step must
-        not run."""
+        DDP wrappers make the gradients the same on every rank; ``fresh``: a backward or the
+        model ran since the last optimizer step, whose batch this step is not); returns whether
+        the step must not run."""
         ledger = self.ledger
+        self._same_backward = not fresh
         if self._held is not None:
             self.raise_held(trigger)  # a late failure a read of the counts took in, raised at this check
         recheck = self.recheck_of
@@ -187,7 +190,7 @@ class OptimizerSteps:
         decision = None if shared and finite else self.agree(code, step, "", "gradients")
         if decision is not None:
             finite = not decision.failed
-        if finite and recheck is not None and self.on_failure == "raise":
+        if finite and recheck is not None and fresh and self.on_failure == "raise":
             failed = ledger.latest
             self.stop_rechecking(trigger)
             raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss),
@@ -199,6 +202,7 @@ class OptimizerSteps:
         bad = self.verdict.bad_gradients(named)
         loss = None if bad else self.verdict.loss_kind(losses)
         elsewhere = () if decision is None or bad else decision.nonfinite
+        before = ledger.latest
         failure = ledger.fail(step, bad, "loss" if loss is not None and not elsewhere else "gradients", loss=loss)
         if failure.action:  # another trigger (guard_trainer's step) failed this step and told it already
             return failure.action != "applied"
@@ -207,6 +211,8 @@ class OptimizerSteps:
         self.stop_when_stuck(failure, trigger)
         if ledger.poisoned_since is not None:
             return self.act(failure)
+        if not fresh and before is not None and before.step == step - 1:  # the step before failed on this backward's gradients
+            return self._same_backward_failure(failure, before, bad)
         weights = self.poisoned(named, step)
         if weights is not None:  # written between two optimizer steps: by the last one (from finite gradients) or by the program
             failure.cause = "weights"
@@ -311,6 +317,16 @@ class OptimizerSteps:
             warn(text)
         return self.act(failure)
 
+    def _same_backward_failure(self, failure, before, bad) -> bool:
+        """A failed step whose gradients came from the backward the step before (``before``, a
+        failure) failed on: several optimizers stepping after one backward. It takes that
+        failure's cause and origin and is told in one line; the next batch's step re-checks both."""
+        failure.cause, failure.batch = before.cause, before.batch
+        self.ledger.explain(failure, before.origin)
+        if self.told():
+            warn(words.same_backward(failure.step, before.step, bad, self.on_failure, rank=self.rank))
+        return self.act(failure)
+
     def failed_at_check(self, step: int, named, gradients: list, losses: list, error: AnomalyError) -> None:
         """A strict audit raised at this step's check point: the ledger counts the step as
         failed (with the origin the error names) when its gradients or loss are not finite."""
@@ -370,6 +386,8 @@ class OptimizerSteps:
         audited_now = trigger.auditing or self._replayed_at == step
         if self._agreement is not None:
             audited_now = self._watched_all_at == step
+        if self._same_backward:  # the failed step's batch still: its re-check waits for the next one
+            return
         if trigger.auditing:
             self._rechecked(step, failed_now, trigger)
         if not failed_now or ledger.poisoned_since is not None:
@@ -400,7 +418,9 @@ class OptimizerSteps:
             origin = None
         rechecked = next((failure for failure in self.ledger.failures if failure.step == recheck), None)
         if origin is not None and not failed_now:  # a failing re-check kept it already
-            self.ledger.explain(rechecked, origin)
+            for failure in self.ledger.failures:  # with the steps that failed on the same backward
+                if recheck <= failure.step < step:
+                    self.ledger.explain(failure, origin)
         trigger.end_audit()
         # A bad batch told as such needs no "did not recur": only an origin the re-check found is news.
         quiet = rechecked is not None and rechecked.cause == "input" and origin is None

@@ -1,0 +1,137 @@
+"""Several optimizers in one run (``python -m opwatch --guard``): a split of the parameters
+between optimizers that all step after one backward (Muon with AdamW for the rest, a sparse
+embedding's SparseAdam beside a dense one), and a GAN's two optimizers, each after its own
+backward. A failed batch is one story, however many optimizers step on its gradients, and the
+re-check of a failure waits for the next batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.helpers import guard_in_process
+
+# Two optimizers after one backward: the trunk's AdamW, the head's SGD with momentum.
+SPLIT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+head = nn.Linear(32, 1)
+opt_trunk = torch.optim.AdamW(trunk.parameters(), lr=1e-3)
+opt_head = torch.optim.SGD(head.parameters(), lr=1e-2, momentum=0.9)
+for step in range(8):
+    x = torch.randn(32, 16)
+    y = x.sum(-1)
+    if step == BAD_LABEL: y[3] = float("nan")  # a bad label in one batch
+    features = trunk(x)
+    if step == BAD_BACKWARD: features = features + (features * 0).sqrt()  # sqrt'(0): nan into the trunk's gradients only
+    loss = ((head(features).squeeze(-1) - y) ** 2).mean()
+    opt_trunk.zero_grad(); opt_head.zero_grad()
+    loss.backward()
+    opt_trunk.step(); opt_head.step()
+print("weights finite:", all(bool(p.isfinite().all()) for p in [*trunk.parameters(), *head.parameters()]))
+"""
+
+
+def split(bad_label=-1, bad_backward=-1) -> str:
+    return SPLIT.replace("BAD_LABEL", str(bad_label)).replace("BAD_BACKWARD", str(bad_backward))
+
+
+def test_a_bad_batch_fails_every_optimizer_of_its_backward_in_one_story(tmp_path, capsys, monkeypatch):
+    """The label of batch 3 holds nan: both optimizers' gradients do (steps 7 and 8). The
+    second optimizer's step used to be taken for the re-check of the first's: "the failure of
+    step 7 recurred at step 8, but no op of that step made the nan/inf: they came in with the
+    weights, the batch or the optimizer's state", though no op ran between the two steps. It is
+    the same failure now, and the re-check runs on the next batch."""
+    monkeypatch.chdir(tmp_path)
+    status, out, err = guard_in_process(tmp_path, capsys, split(bad_label=3))
+    assert status == 0 and "weights finite: True" in out, err
+    assert "optimizer step 7: the gradients about to be applied hold nan/inf: 0.weight (nan), 0.bias (nan)." in err
+    assert ("optimizer step 8: its gradients hold nan/inf too: weight (nan), bias (nan); they came from the same backward as "
+            "those of step 7 (no backward and no call of the model ran between the two steps)") in err
+    assert "recurred" not in err
+    assert "the failure of step 7 did not recur: step 9 ran under a full watch and its gradients were finite." in err
+    assert "opwatch guard: 16 optimizer steps ran, 3 audited under a full watch, 2 failed (nan/inf in the gradients), 2 of them skipped." in err
+
+
+def test_raise_waits_for_the_next_batch_when_the_other_optimizer_s_gradients_are_finite(tmp_path, capsys, monkeypatch):
+    """sqrt at 0 makes nan in the trunk's gradients only: the head's optimizer steps on finite
+    gradients from the same backward. ``--on-failure raise`` used to raise there, saying "step 8
+    ran under a full watch and its gradients were finite": no op had run. It raises at the next
+    batch's step, which the watch did see."""
+    monkeypatch.chdir(tmp_path)
+    status, out, err = guard_in_process(tmp_path, capsys, split(bad_backward=3), "--on-failure", "raise")
+    assert status == 1, err
+    assert "optimizer step 7: the gradients held nan/inf: 0.weight (nan), 0.bias (nan). That step did not run" in err
+    assert "did not recur: step 9 ran under a full watch" in err and "step 8 ran" not in err
+
+
+@pytest.mark.parametrize("bad_label", [-1, 3])
+def test_a_gan_s_optimizers_each_judge_their_own_backward(tmp_path, capsys, monkeypatch, bad_label):
+    """A GAN: the discriminator's step after its backward on real and fake batches, the
+    generator's after its own. A nan in one real batch fails the discriminator's step; the
+    generator's step is another backward's, so it is the re-check (and it passes); healthy, the
+    run is silent."""
+    monkeypatch.chdir(tmp_path)
+    gan = f"""
+import torch
+from torch import nn
+torch.manual_seed(0)
+generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+opt_g = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+bce = nn.BCEWithLogitsLoss()
+for step in range(6):
+    real = torch.randn(16, 8) + 2
+    if step == {bad_label}: real[5, 1] = float("nan")  # one corrupt sample
+    fake = generator(torch.randn(16, 4))
+    d_loss = bce(discriminator(real), torch.ones(16, 1)) + bce(discriminator(fake.detach()), torch.zeros(16, 1))
+    opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+    g_loss = bce(discriminator(fake), torch.ones(16, 1))
+    opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+print("done")
+"""
+    status, out, err = guard_in_process(tmp_path, capsys, gan)
+    assert status == 0 and "done" in out, err
+    assert "same backward" not in err
+    if bad_label < 0:
+        assert "opwatch: no anomalies." in out + err
+        assert "opwatch guard: 12 optimizer steps ran, 1 audited under a full watch, 0 failed." in err
+    else:
+        assert "optimizer step 7: the gradients about to be applied hold nan/inf" in err
+        assert "the failure of step 7 did not recur: step 8 ran under a full watch" in err
+        assert "1 failed" in err
+
+
+def test_a_running_total_of_the_loss_is_the_failed_step_s_leftover_not_a_recurrence(tmp_path, capsys, monkeypatch):
+    """The loop sums its losses for the log in place (``total += loss.detach()``), a tensor the
+    first audit made. After the bad batch it holds nan, and the re-check used to name its ``+=``:
+    "the failure of step 3 recurred at step 4: nan first made by aten.add_.Tensor", and list it
+    at the end as made from finite inputs. The steps between two audits wrote it unwatched: what
+    it holds is the told failure's."""
+    monkeypatch.chdir(tmp_path)
+    script = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+total = torch.zeros(())
+for step in range(6):
+    x = torch.randn(32, 16)
+    y = x.sum(-1)
+    if step == 2: y[3] = float("nan")  # a bad label in one batch
+    loss = ((model(x).squeeze(-1) - y) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    total += loss.detach()  # the running total for the log
+    optimizer.step()
+print("total finite:", bool(total.isfinite()))
+"""
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "total finite: False" in out, err
+    assert "optimizer step 3: the gradients about to be applied hold nan/inf" in err
+    assert "the failure of step 3 did not recur: step 4 ran under a full watch and its gradients were finite." in err
+    assert "recurred" not in err and "aten.add_" not in out + err
+    assert "opwatch guard: 6 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped." in err
