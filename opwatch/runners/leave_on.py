@@ -323,13 +323,13 @@ class LeaveOn(LedgerCounts):
 
     def scaler_skipped(self, *, at_end: bool = False) -> None:
         """GradScaler skipped the step before this backward (``at_end``: the run's last step,
-        if it did): the policy counts it, and stops a stuck run with the op a full watch of the
+        if it did): the policy counts each optimizer's, and stops a stuck run with the op a full watch of the
         skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
-        skip = reductions.skipped if not at_end or reductions.skipped_since() else None  # at the end: the last step's, read now
-        if skip is None or not policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel):
-            return
-        if not at_end:
+        skips = reductions.skipped if not at_end or reductions.skipped_since() else []  # at the end: the last step's, read now
+        # Each optimizer step skipped is counted (several optimizers after one backward).
+        stuck = [policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel) for skip in skips]
+        if any(stuck) and not at_end:
             policy.stop_stuck_in_scaler_skips(self, rerun=self.rerun)
 
     def summary(self, *, rerun: str | None = None) -> str:

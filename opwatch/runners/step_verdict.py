@@ -120,7 +120,7 @@ class StepReductions:
     def __init__(self):
         self.norms: list = []
         self._scaler_skips = ScalerSkips()  # the optimizers GradScaler checked, and what they did
-        self.skipped: ScalerSkip | None = None  # the step before the latest backward, if GradScaler skipped it
+        self.skipped: list = []  # ScalerSkip of each optimizer step before the latest backward GradScaler skipped
         self._wraps: list = []
         self._depth = 0
         # Called once, right after the next norm is kept (Lightning's guard mode decides its step
@@ -240,7 +240,7 @@ class StepReductions:
         """Whether GradScaler skipped an optimizer step since the last call (see
         :meth:`after_backward`; the run's end asks it too), that step in :attr:`skipped`."""
         self.skipped, _ = self._scaler_skips.read()
-        return self.skipped is not None
+        return bool(self.skipped)
 
     def after_step(self, optimizer) -> None:
         self.norms.clear()
@@ -507,21 +507,22 @@ class ScalerSkips:
             self._stepped.add(ident)
 
     def read(self) -> tuple:
-        """``(skip, stepped)`` since the last read: a :class:`ScalerSkip` of an optimizer checked
-        and alive that did not step or whose kernel skipped the step (with several, the first),
-        or ``None``; whether one stepped. Forgets them."""
+        """``(skips, stepped)`` since the last read: a :class:`ScalerSkip` of each optimizer
+        checked and alive that did not step or whose kernel skipped the step (several optimizers
+        after one backward: each is an optimizer step skipped), in the order GradScaler checked
+        them; whether one stepped. Forgets them."""
         if not self._checked:
-            return None, False
+            return [], False
         in_kernel = self._kernel_skips.read()  # {id: whether the kernel skipped the step}, of the fused steps
-        skip = None
+        skips = []
         for ident, (reference, scaler, _) in self._checked.items():
             optimizer = reference()
-            if skip is None and optimizer is not None and in_kernel.get(ident, ident not in self._stepped):
-                skip = ScalerSkip(optimizer, scaler(), ident in in_kernel)
+            if optimizer is not None and in_kernel.get(ident, ident not in self._stepped):
+                skips.append(ScalerSkip(optimizer, scaler(), ident in in_kernel))
         stepped = bool(self._stepped) or not all(in_kernel.values())
         self._checked.clear()
         self._stepped.clear()
-        return skip, stepped
+        return skips, stepped
 
 
 class LateVerdict(NamedTuple):

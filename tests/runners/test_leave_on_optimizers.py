@@ -135,3 +135,30 @@ print("total finite:", bool(total.isfinite()))
     assert "the failure of step 3 did not recur: step 4 ran under a full watch and its gradients were finite." in err
     assert "recurred" not in err and "aten.add_" not in out + err
     assert "opwatch guard: 6 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped." in err
+
+
+@pytest.mark.parametrize("bad_label", [-1, 3])
+def test_grad_scaler_s_skip_of_two_optimizers_counts_two_optimizer_steps(tmp_path, capsys, monkeypatch, bad_label):
+    """float16 autocast, one GradScaler, ``scaler.step`` for each of the two optimizers: the bad
+    batch's overflow skips both. The summary counted one skip beside the 2 steps that did not
+    run (14 ran, "skipped 1 more" of 16); it counts each optimizer step. Healthy, nothing is
+    skipped."""
+    monkeypatch.chdir(tmp_path)
+    script = split(bad_label=bad_label).replace(
+        "opt_head = torch.optim.SGD(head.parameters(), lr=1e-2, momentum=0.9)",
+        'opt_head = torch.optim.SGD(head.parameters(), lr=1e-2, momentum=0.9)\nscaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)',
+    ).replace(
+        "    features = trunk(x)\n", '    with torch.autocast("cpu", dtype=torch.float16):\n        features = trunk(x)\n',
+    ).replace(
+        "loss = ((head(features).squeeze(-1) - y) ** 2).mean()",
+        'with torch.autocast("cpu", dtype=torch.float16):\n        out = head(features).squeeze(-1)\n    loss = ((out.float() - y) ** 2).mean()',
+    ).replace("    loss.backward()\n    opt_trunk.step(); opt_head.step()",
+              "    scaler.scale(loss).backward()\n    scaler.step(opt_trunk); scaler.step(opt_head)\n    scaler.update()")
+    assert "scaler.step(opt_head)" in script and "dtype=torch.float16" in script
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "weights finite: True" in out, err
+    if bad_label < 0:
+        assert "opwatch guard: 16 optimizer steps ran, 1 audited under a full watch, 0 failed." in err
+    else:
+        assert ("opwatch guard: 14 optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped 2 more "
+                "(overflows of its scaled gradients)") in err

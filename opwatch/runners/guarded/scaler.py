@@ -98,11 +98,12 @@ class ScalerSteps:
         did not step (it skipped that call's step; with several optimizers, one is enough), or
         ``None``; whether one it unscaled stepped. A call the guard skipped itself counts as
         neither (it is counted as failed). Forgets both."""
-        skip, stepped = self._skips.read()
+        skips, stepped = self._skips.read()
         left, self._left = self._left, False
         if left:
             return None, False
-        return (None if skip is None else skip.optimizer), stepped
+        first = next(iter(skips), None)
+        return (None if first is None else first.optimizer), stepped
 
     def leave_to_scaler(self, params) -> bool:
         """A call the guard skipped: fill the ``.grad`` it left with nan, so that the scaler
