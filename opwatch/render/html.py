@@ -23,7 +23,7 @@ from html import escape
 from ..checks.nonfinite.origin import OriginFacts
 from ..core.records import BACKWARD, M_IDENT, short_op_name
 from ..core.sites import location
-from .leave_on import NamedOrigin, batch_words, evaluations_nan, origin_words, scaler_skips
+from .leave_on import NamedOrigin, batch_words, evaluations_nan, origin_words, scaler_skips, stage_words
 from .messages import message_parts
 from .phrases import module_of
 from .summary import count_places
@@ -381,7 +381,8 @@ def guard_section(guarded: dict) -> str:
             if origin:
                 made = origin_words(NamedOrigin(origin["kind"], origin["op"], origin["where"], origin["phase"], came_with=origin.get("came_with")))
             else:
-                made = "not named" if not row.get("batch") else batch_words(row["batch"])
+                where = stage_words(row.get("stage"))
+                made = batch_words(row["batch"]) if row.get("batch") else f"not named; {where}" if where else "not named"
             held = ", ".join(f"{name} ({kind})" for name, kind in row.get("parameters") or []) or (f'the loss ({row["loss"]})' if row.get("loss") else "")
             parts.append(f'<tr class="bad"><td>{row["step"]}</td><td>{escape(row["cause"])}</td><td>{escape(row["action"])}</td>'
                          f"<td>{escape(made)}</td><td>{escape(held)}</td></tr>")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "same_backward", "did_not_recur", "no_origin", "loop_ended", "summary", "unjudged_end",
+__all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "same_backward", "did_not_recur", "stage_words", "no_origin", "loop_ended", "summary", "unjudged_end",
            "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
            "evaluation_nan", "evaluations_nan", "evaluation_check_failed"]
 
@@ -85,15 +85,32 @@ def _held_then(bad: list, loss: str | None) -> str:
     return _loss_line(loss) if loss is not None and not bad else f"the gradients held nan/inf: {parameters(bad)}"
 
 
+def stage_words(stage: str | None, called: str | None = None) -> str:
+    """Where a failure no full watch saw began (``stage``, a :class:`~opwatch.runners.ledger.Failure`'s),
+    from what the model (``called``: ``Sequential at train.py:12``) returned; ``""`` when not known."""
+    model = "the model" if called is None else f"the model ({called})"
+    if stage == "model":
+        return f"the batch was finite when it entered {model}, and what the model returned was not: an op of its forward made them"
+    if stage == "after_model":
+        return (f"the batch was finite when it entered {model}, and so was what the model returned; the loss backward() ran on "
+                "was not: they came in after the model returned, with what the loss was computed from beside its output (the "
+                "targets, a mask, a weight), or from the loss's own math")
+    if stage == "backward":
+        return (f"the batch, what {model} returned and the loss backward() ran on were finite: the backward made them (a "
+                "derivative that is infinite where its function is finite: sqrt or a norm at 0, pow with an exponent below 1)")
+    return ""
+
+
 def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, replayed: bool = False, origin=None, last: bool = False,
-            elsewhere=(), rank=None, loss: str | None = None) -> str:
+            elsewhere=(), rank=None, loss: str | None = None, stage: str | None = None, called: str | None = None) -> str:
     """The gradients about to be applied at ``step`` hold nan/inf, and what ``on_failure`` did;
     ``audited``: the step ran under the full watch (``origin``: the facts of
     the first nan/inf it made: a :class:`NamedOrigin`, or ``None``);
     ``replayed``: its batch ran again from its start under the full watch; ``last``: the last
     failure told one by one; ``elsewhere``: in a job, the ranks whose gradients held them when
     this rank's were finite; ``rank``: this rank, in a job; ``loss``: ``"nan"`` or ``"inf"``
-    when the gradients were finite and the loss was not."""
+    when the gradients were finite and the loss was not; ``stage``, ``called``: where it
+    began, when known (:func:`stage_words`)."""
     if loss is not None and not bad and not elsewhere:
         head = f"{_who(rank)}: optimizer step {step}: {_loss_line(loss)}." + _ACTIONS[on_failure]
     else:
@@ -109,6 +126,9 @@ def failure(step: int, bad: list, on_failure: str, *, audited: bool = False, rep
         then = " The next step runs under a full watch to find the op that makes them; then opwatch raises."
     else:
         then = " The next step runs under a full watch to find the op that makes them."
+    where = stage_words(stage, called)
+    if where and not (audited or replayed):
+        then = f" In this step {where}.{then}"
     tail = " Later failures are only counted in the summary." if last else ""
     return head + then + tail
 
@@ -203,10 +223,12 @@ def same_backward(step: int, failed_step: int, bad: list, on_failure: str, *, ra
             f"so that failure's story is theirs.{_ACTIONS[on_failure]}")
 
 
-def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None) -> str:
-    """``on_failure="raise"``: the fully watched step after a failure had finite gradients."""
+def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None, stage: str | None = None) -> str:
+    """``on_failure="raise"``: the fully watched step after a failure had finite gradients
+    (``stage``: where the failure began, when known: :func:`stage_words`)."""
+    where = stage_words(stage)
     return (
-        f"opwatch: optimizer step {failed_step}: {_held_then(bad, loss)}. That step did not run, and the failure "
+        f"opwatch: optimizer step {failed_step}: {_held_then(bad, loss)}{f'; in that step {where}' if where else ''}. That step did not run, and the failure "
         f"did not recur: step {step} ran under a full watch (every op's outputs checked for nan/inf, forward and backward) and its "
         "gradients were finite, so no op can be named: the values of that one batch made them. The optimizer did not run on them: "
         "the weights are as they were."

@@ -1,5 +1,7 @@
 """What a guarded step fed its model, read only when the step fails: a batch that held nan/inf
 before any op of the model ran is the step's cause (``input``), named with the line that fed it.
+What the model returned, kept by weak reference, says where a finite batch's failure began
+(:meth:`FedBatches.output_kind`): in the model's forward, after it, or in the backward.
 
 The leave-on runner (``python -m opwatch --guard``, the trainers' guard mode) watches the model
 this way after its first audit; nothing here reads a value on a healthy step."""
@@ -7,11 +9,12 @@ this way after its first audit; nothing here reads a value on a healthy step."""
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import NamedTuple
 
 import torch
 
-from ..core.compat import compiled_module_inner, module_class_name, no_python_dispatch, run_uncompiled
+from ..core.compat import compiled_module_inner, module_class_name, no_python_dispatch, run_uncompiled, version_counter
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
 
@@ -20,6 +23,8 @@ __all__ = ["FedBatches", "FedInput", "floating_arguments", "hooked_module", "mod
 # The model's earlier calls kept between two optimizer steps (accumulated micro-batches); the
 # calls past it are not read (as the losses kept then, ``leave_on._MAX_LOSSES``).
 _MAX_EARLIER_CALLS = 64
+# The model's floating outputs followed (weak references) for a failed step: its logits, its loss.
+_MAX_OUTPUTS = 8
 
 
 class FedInput(NamedTuple):
@@ -56,8 +61,9 @@ class FedBatches:
 
     def __init__(self, auditing) -> None:
         self._auditing = auditing
-        self._hook = None
+        self._hook = self._returns = None
         self._latest = None  # (model, args, kwargs, (code, offset)) of the latest call
+        self._outputs: tuple = ()  # (weak reference, version counter) of the latest call's floating outputs
         self._earlier: list = []  # (model's class name, [(argument, extremes on its device)], file:line)
         self._calls = 0
         self.after_step = False  # the model ran since the last optimizer step
@@ -68,11 +74,14 @@ class FedBatches:
             # First of the model's pre-hooks: the batch as the program fed it, before a hook of
             # the model's own changes it (FSDP2's mixed precision casts it to bfloat16).
             self._hook = hooked_module(model).register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True, prepend=True)
+            self._returns = hooked_module(model).register_forward_hook(run_uncompiled(self._returned))
 
     def unwatch(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = self._latest = None
+        for hook in (self._hook, self._returns):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._returns = self._latest = None
+        self._outputs = ()
         self.step_judged()
 
     def judged(self) -> bool:
@@ -96,6 +105,39 @@ class FedBatches:
             self._latest = (module, args, kwargs, (code, lasti))
             self._calls += 1
         self.after_step = True
+
+    def _returned(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and not self._auditing():
+            floating = [tensor for tensor in tensors_in(output) if tensor.is_floating_point() or tensor.is_complex()]
+            self._outputs = tuple((weakref.ref(tensor), version_counter(tensor)) for tensor in floating[:_MAX_OUTPUTS])
+
+    def called(self) -> str | None:
+        """``Sequential at train.py:12``: the model of the step's latest call and where it was
+        called, or ``None`` when it was not called since the last step."""
+        if self._latest is None or not self._calls:
+            return None
+        module, _, _, site = self._latest
+        return f"{model_name(module)} at {file_line(*site)}"
+
+    def output_kind(self) -> str | None:
+        """What the model returned at the step's one call (read after a failed check only):
+        ``"nan"`` or ``"inf"`` when an output held one, ``"finite"`` when every one it returned
+        is alive, unwritten since and finite; ``None`` when that is not known (an output the
+        program did not keep, or wrote since; several calls since the last step, whose earlier
+        outputs are gone; none floating)."""
+        if self._calls != 1 or not self._outputs:
+            return None
+        found = "finite"
+        with torch.no_grad(), no_python_dispatch():
+            for reference, version in self._outputs:
+                tensor = reference()
+                if tensor is not None and version_counter(tensor) == version:
+                    kind = nonfinite_kind(tensor)
+                    if kind is not None:
+                        return kind
+                else:
+                    found = None
+        return found
 
     def _keep_extremes(self, module, args, kwargs, site) -> None:
         if len(self._earlier) >= _MAX_EARLIER_CALLS:

@@ -49,7 +49,9 @@ class Failure:
     ``batch``: for cause ``"input"``, what the batch held (``model``, ``argument`` as ``[name,
     dtype, shape, device]``, ``kind``, ``where``, ``call`` as ``[number, calls]`` or ``None``,
     ``rank``: the rank whose batch it was in a job, else ``None``), else ``None``; only
-    ``rank`` when another rank's facts did not arrive."""
+    ``rank`` when another rank's facts did not arrive; ``stage``: for a told failure no full
+    watch saw, where in the step it began, from what the model returned (``"model"``: its
+    forward; ``"after_model"``: between its output and the loss; ``"backward"``), else ``None``."""
 
     step: int
     parameters: list
@@ -58,6 +60,7 @@ class Failure:
     action: str = ""
     loss: str | None = field(default=None)  # "nan" or "inf": the loss, when it was not finite
     batch: dict | None = field(default=None)
+    stage: str | None = field(default=None)
 
 
 class RunLedger:
@@ -241,7 +244,7 @@ class RunLedger:
             origin = failure.origin
             rows.append({
                 "step": failure.step, "cause": failure.cause, "action": failure.action or "applied",
-                "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss, "batch": failure.batch,
+                "parameters": [list(pair) for pair in failure.parameters[:8]], "loss": failure.loss, "batch": failure.batch, "stage": failure.stage,
                 "origin": None if origin is None else {
                     "kind": origin.kind, "op": origin.op, "where": origin.where, "phase": origin.phase, "came_with": came_with(origin),
                     "message": next(iter(origin.message.splitlines()), "")},

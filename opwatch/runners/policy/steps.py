@@ -53,7 +53,8 @@ class OptimizerSteps:
     audit found), ``replay`` (``None`` or a callable that runs the batch again under a full
     watch: ``(ran, origin)``), ``compiled_verdict``, ``bad_input()`` (the
     :class:`~opwatch.runners.batches.FedInput` of a batch that held nan/inf when it entered the
-    model, or ``None``) and ``rerun``."""
+    model, or ``None``), ``batches`` (its :class:`~opwatch.runners.batches.FedBatches`: what the
+    model returned) and ``rerun``."""
 
     def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None, in_kernel: bool = False) -> bool:
         """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, at the
@@ -193,7 +194,7 @@ class OptimizerSteps:
         if finite and recheck is not None and fresh and self.on_failure == "raise":
             failed = ledger.latest
             self.stop_rechecking(trigger)
-            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss),
+            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss, stage=failed.stage),
                                      step=failed.step, parameters=failed.parameters)
         if finite:
             ledger.passed(step)
@@ -225,7 +226,26 @@ class OptimizerSteps:
         fed = self._fed_input(own_input, decision, step)
         if fed is not None:  # a batch held them before the model ran: no op of the step made them
             return self._input_failure(failure, bad, fed, elsewhere, trigger)
-        return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger)
+        failure.stage = self._stage(trigger, bad, losses, decision)
+        return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger, called=trigger.batches.called())
+
+    def _stage(self, trigger, bad, losses, decision) -> str | None:
+        """Where a told failure of a step no full watch saw began, from what the step computed
+        (read now, once a step): ``"model"``, its forward made them (what the model returned
+        held them; its batch did not); ``"after_model"``, it returned finite values and the loss
+        ``backward()`` ran on is not finite; ``"backward"``, both were finite and this rank's
+        gradients are not (on a process alone: in a job the reduced gradients hold what any
+        rank made). ``None`` when not known: what the model returned was not kept."""
+        if trigger.auditing or not self.told():
+            return None
+        output = trigger.batches.output_kind()
+        if output is None:
+            return None
+        if output != "finite":
+            return "model"
+        if self.verdict.loss_kind(losses) is not None:
+            return "after_model"
+        return "backward" if losses and bad and decision is None else None
 
     def _fed_input(self, own: FedInput | None, decision, step: int):
         """The batch that held nan/inf when it entered the model: ``(what it held, the ranks
@@ -245,8 +265,9 @@ class OptimizerSteps:
         facts = self.agreement.input_of(first, step)
         return (None if facts is None else FedInput.from_facts(facts)), ranks
 
-    def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger) -> bool:
-        """A failed step whose origin a full watch may name: the audit's, or a replay's."""
+    def _explained(self, failure, bad, loss, elsewhere, decision, recheck, trigger, called=None) -> bool:
+        """A failed step whose origin a full watch may name: the audit's, or a replay's.
+        ``called``: the model the step called, and where (:meth:`FedBatches.called`)."""
         ledger, step = self.ledger, failure.step
         watched = audited = trigger.auditing
         origin = trigger.audit_origin() if watched else None
@@ -294,7 +315,8 @@ class OptimizerSteps:
         if recheck is None and self.told():
             last = len(ledger.failures) == _TOLD_FAILURES
             text = words.failure(step, bad, self.on_failure, audited=watched and audited, replayed=watched and not audited,
-                                 origin=origin_facts(origin), last=last, elsewhere=elsewhere, rank=self.rank, loss=loss)
+                                 origin=origin_facts(origin), last=last, elsewhere=elsewhere, rank=self.rank, loss=loss,
+                                 stage=failure.stage, called=called)
             warn(text if verdict is None else f"{text}\n{guard_words.replayed_verdict(verdict)}")
         return self.act(failure)
 
@@ -321,7 +343,7 @@ class OptimizerSteps:
         """A failed step whose gradients came from the backward the step before (``before``, a
         failure) failed on: several optimizers stepping after one backward. It takes that
         failure's cause and origin and is told in one line; the next batch's step re-checks both."""
-        failure.cause, failure.batch = before.cause, before.batch
+        failure.cause, failure.batch, failure.stage = before.cause, before.batch, before.stage
         self.ledger.explain(failure, before.origin)
         if self.told():
             warn(words.same_backward(failure.step, before.step, bad, self.on_failure, rank=self.rank))
