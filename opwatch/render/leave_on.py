@@ -87,17 +87,19 @@ def _held_then(bad: list, loss: str | None) -> str:
 
 def stage_words(stage: str | None, called: str | None = None) -> str:
     """Where a failure no full watch saw began (``stage``, a :class:`~opwatch.runners.ledger.Failure`'s),
-    from what the model (``called``: ``Sequential at train.py:12``) returned; ``""`` when not known."""
-    model = "the model" if called is None else f"the model ({called})"
+    from what the hooked model (``called``: ``Sequential at train.py:12``, the first module the
+    first audit saw called: in a GAN, the generator) was fed and returned; ``""`` when not known."""
+    model = "the model" if called is None else called.replace(" at ", " (called at ", 1) + ")"
     if stage == "model":
-        return f"the batch was finite when it entered {model}, and what the model returned was not: an op of its forward made them"
+        return f"the arguments of {model} were finite, and what it returned was not: an op of its forward made them"
     if stage == "after_model":
-        return (f"the batch was finite when it entered {model}, and so was what the model returned; the loss backward() ran on "
-                "was not: they came in after the model returned, with what the loss was computed from beside its output (the "
-                "targets, a mask, a weight), or from the loss's own math")
+        return (f"the arguments of {model} were finite, and so was what it returned; the loss backward() ran on was not: "
+                "they came in after that call, with what the loss was computed from beside what it returned (the targets, "
+                "another model's inputs, a mask, a weight), or from the loss's own math")
     if stage == "backward":
-        return (f"the batch, what {model} returned and the loss backward() ran on were finite: the backward made them (a "
-                "derivative that is infinite where its function is finite: sqrt or a norm at 0, pow with an exponent below 1)")
+        return (f"the arguments of {model}, what it returned and the loss backward() ran on were finite: the backward made "
+                "them (a derivative that is infinite where its function is finite: sqrt or a norm at 0, pow with an exponent "
+                "below 1)")
     return ""
 
 

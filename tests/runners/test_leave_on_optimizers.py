@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.helpers import guard_in_process
+from support.helpers import guard_in_process, line_of
 
 # Two optimizers after one backward: the trunk's AdamW, the head's SGD with momentum.
 SPLIT = """
@@ -162,3 +162,68 @@ def test_grad_scaler_s_skip_of_two_optimizers_counts_two_optimizer_steps(tmp_pat
     else:
         assert ("opwatch guard: 14 optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped 2 more "
                 "(overflows of its scaled gradients)") in err
+
+
+def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_backward(tmp_path):
+    """The same GAN as a LightningModule with manual optimization, in the callback's guard mode:
+    a corrupt real batch fails the discriminator's step; the generator's step re-checks it and
+    passes; the told failure says where it began from the hooked module, the generator (the
+    real batch entered only the discriminator)."""
+    import io
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from support import needs
+
+    needs("lightning")
+    import lightning
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import opwatch
+    from opwatch.runners.lightning import OpwatchCallback
+
+    class GAN(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+            self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            (real,) = batch
+            opt_g, opt_d = self.optimizers()
+            fake = self.generator(torch.randn(len(real), 4))  # GENERATOR CALL
+            bce = nn.functional.binary_cross_entropy_with_logits
+            ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+            d_loss = bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+            g_loss = bce(self.discriminator(fake), ones)
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.generator.parameters(), 2e-4), torch.optim.Adam(self.discriminator.parameters(), 2e-4)
+
+    torch.manual_seed(0)
+    data = torch.randn(16 * 6, 8) + 2
+    data[16 * 3 + 5, 1] = float("nan")  # batch 3: steps 7 (discriminator) and 8 (generator)
+    callback = OpwatchCallback(mode="guard", file=io.StringIO())
+    trainer = lightning.Trainer(max_epochs=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[callback],
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", opwatch.OpwatchWarning)
+        trainer.fit(GAN(), DataLoader(TensorDataset(data), batch_size=16))
+    told = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    assert len(told) == 2, told
+    failed, rechecked = told
+    assert failed.startswith("opwatch: optimizer step 7: the gradients about to be applied hold nan/inf: discriminator.0.weight (nan)")
+    assert "In this step the arguments of Sequential (called at " in failed
+    assert f"test_leave_on_optimizers.py:{line_of('GENERATOR CALL', __file__)}) were finite, and so was what it returned" in failed
+    assert "they came in after that call, with what the loss was computed from beside what it returned" in failed
+    assert rechecked == "opwatch: the failure of step 7 did not recur: step 8 ran under a full watch and its gradients were finite."
+    assert (callback.runner.steps, callback.runner.failed) == (12, 1)

@@ -42,7 +42,7 @@ for step in range(8):
     optimizer.step()
 print("done")
 """
-CALLED = f"Scorer at train.py:{SCORER.splitlines().index('    SCORE_AND_LOSS') + 1}"  # the line that calls the model
+CALLED = f"Scorer (called at train.py:{SCORER.splitlines().index('    SCORE_AND_LOSS') + 1})"  # the line that calls the model
 KEPT = "score = model(a, b)\n    loss = nn.functional.mse_loss(score, target)"
 
 
@@ -51,13 +51,13 @@ def scorer(bad: str, score_and_loss: str = KEPT, after_backward: str = "pass") -
 
 
 @pytest.mark.parametrize("bad, where", [
-    ("label", f"In this step the batch was finite when it entered the model ({CALLED}), and so was what the model "
-              "returned; the loss backward() ran on was not: they came in after the model returned, with what the loss was "
-              "computed from beside its output (the targets, a mask, a weight), or from the loss's own math."),
-    ("pair", f"In this step the batch, what the model ({CALLED}) returned and the loss backward() ran on were finite: "
+    ("label", f"In this step the arguments of {CALLED} were finite, and so was what it returned; the loss backward() ran on "
+              "was not: they came in after that call, with what the loss was computed from beside what it returned (the targets, "
+              "another model's inputs, a mask, a weight), or from the loss's own math."),
+    ("pair", f"In this step the arguments of {CALLED}, what it returned and the loss backward() ran on were finite: "
              "the backward made them"),
-    ("overflow", f"In this step the batch was finite when it entered the model ({CALLED}), and what the model "
-                 "returned was not: an op of its forward made them."),
+    ("overflow", f"In this step the arguments of {CALLED} were finite, and what it returned was not: an op of its forward "
+                 "made them."),
 ])
 def test_a_failed_step_says_where_it_began(tmp_path, capsys, monkeypatch, bad, where):
     monkeypatch.chdir(tmp_path)
@@ -85,7 +85,7 @@ def test_the_where_is_in_the_jsonl_rows_and_the_report(tmp_path, capsys, monkeyp
     assert [(row["step"], row["stage"]) for row in failures] == [(5, "after_model")], rows
     assert run_report(["run.jsonl", "-o", "run.html"]) == 0
     page = (tmp_path / "run.html").read_text()
-    assert "<td>not named; the batch was finite when it entered the model, and so was what the model returned; the loss" in page
+    assert "<td>not named; the arguments of the model were finite, and so was what it returned; the loss" in page
 
 
 @pytest.mark.parametrize("score_and_loss, after_backward", [
@@ -117,6 +117,6 @@ def test_raise_says_where_the_failure_that_did_not_recur_began(tmp_path, capsys,
     status, out, err = guard_in_process(tmp_path, capsys, scorer("label"), "--on-failure", "raise")
     assert status == 1, err
     assert ("GradientsNotFinite: opwatch: optimizer step 5: the gradients held nan/inf: embed.0.weight (nan), embed.0.bias (nan), "
-            "head.weight (nan), head.bias (nan); in that step the batch was finite when it entered the model, and so was what the "
-            "model returned; the loss backward() ran on was not") in err
+            "head.weight (nan), head.bias (nan); in that step the arguments of the model were finite, and so was what it "
+            "returned; the loss backward() ran on was not") in err
     assert "did not recur: step 6 ran under a full watch" in err
