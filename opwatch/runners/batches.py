@@ -67,6 +67,8 @@ class FedBatches:
         self._earlier: list = []  # (model's class name, [(argument, extremes on its device)], file:line)
         self._calls = 0
         self.after_step = False  # the model ran since the last optimizer step
+        self._sentinel = None  # a weak reference to one trained parameter of the model
+        self._grad_left = None  # (its .grad, a weak reference, and version counter) as the latest backward left it
 
     def watch(self, model) -> None:
         """Hook ``model`` (the first module the audit saw called; its :func:`hooked_module`); once."""
@@ -75,12 +77,14 @@ class FedBatches:
             # the model's own changes it (FSDP2's mixed precision casts it to bfloat16).
             self._hook = hooked_module(model).register_forward_pre_hook(run_uncompiled(self._fed), with_kwargs=True, prepend=True)
             self._returns = hooked_module(model).register_forward_hook(run_uncompiled(self._returned))
+            trained = next((parameter for parameter in hooked_module(model).parameters() if parameter.requires_grad), None)
+            self._sentinel = None if trained is None else weakref.ref(trained)
 
     def unwatch(self) -> None:
         for hook in (self._hook, self._returns):
             if hook is not None:
                 hook.remove()
-        self._hook = self._returns = self._latest = None
+        self._hook = self._returns = self._latest = self._sentinel = self._grad_left = None
         self._outputs = ()
         self.step_judged()
 
@@ -105,6 +109,29 @@ class FedBatches:
             self._latest = (module, args, kwargs, (code, lasti))
             self._calls += 1
         self.after_step = True
+
+    def gradients_dropped(self) -> bool:
+        """At a backward's start: whether the program dropped or zeroed the gradients the latest
+        backward left, with no optimizer step since (``zero_grad()`` after a step the program
+        skipped itself: ``if not torch.isfinite(grad_norm): continue``), so that the losses of
+        the backward runs before made none of the gradients the next step applies. Read from
+        one trained parameter of the model: its ``.grad`` gone, another tensor, or written
+        since (two attribute reads a backward)."""
+        left, self._grad_left = self._grad_left, None
+        if left is None:
+            return False
+        grad, version = left
+        now = self._sentinel_grad()
+        return now is None or now is not grad() or version_counter(now) != version
+
+    def backward_ended(self) -> None:
+        """A backward ended: what it left in the sentinel parameter's ``.grad``."""
+        grad = self._sentinel_grad()
+        self._grad_left = None if grad is None else (weakref.ref(grad), version_counter(grad))
+
+    def _sentinel_grad(self):
+        parameter = None if self._sentinel is None else self._sentinel()
+        return None if parameter is None else parameter.grad
 
     def _returned(self, module, args, output) -> None:
         if torch.is_grad_enabled() and not self._auditing():

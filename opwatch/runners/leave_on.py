@@ -383,6 +383,8 @@ def _keeping_losses(runner, original):
         if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
             seen._losses = []
             seen.scaler_skipped()  # RunStuck when stuck
+        elif seen.batches.gradients_dropped():  # the program skipped that step itself: those losses made no gradient now
+            seen._losses = []
         if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():
             seen._losses.append(unseen_by_dispatch_modes(tensor.detach))
         running = tensor
@@ -390,6 +392,7 @@ def _keeping_losses(runner, original):
             return original(tensor, *args, **kwargs)
         finally:
             running = None
+            seen.batches.backward_ended()
 
     backward.__wrapped__ = original
     return backward

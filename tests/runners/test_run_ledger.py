@@ -213,6 +213,57 @@ class _ProgramsFunctionMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def gpt_loop_with_its_own_skip(runner, *, ignored_at, micro_batches=1, steps=8):
+    """nanoGPT's loop that skips a step itself when its loss is not finite (``zero_grad`` at the
+    next iteration drops that backward's gradients), with ``micro_batches`` backward calls per
+    step; the micro-batch ``ignored_at`` (counted over the run) has every target -100."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    skipped = 0
+    with runner:
+        runner.know(model)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for micro in range(micro_batches):
+                ids = torch.randint(0, 48, (4, 16))
+                targets = torch.roll(ids, -1, dims=1)
+                if step * micro_batches + micro == ignored_at:
+                    targets[:] = -100
+                loss = model(ids, targets) / micro_batches
+                loss.backward()
+                finite = finite and bool(torch.isfinite(loss))
+            if micro_batches == 1 and not finite:
+                skipped += 1
+                continue  # the program's own guard: this step's gradients are dropped at the next zero_grad
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+    return skipped
+
+
+def test_a_step_the_program_skipped_itself_leaves_no_loss_to_the_next_step():
+    """The loop skips its step when the loss is nan (every target ignored at step 3) and drops
+    those gradients at the next ``zero_grad``. The next step is healthy, but leave-on kept the
+    skipped step's nan loss with its own and failed it: "optimizer step 4: the loss backward()
+    ran on is nan while the gradients about to be applied are finite", skipping a good update.
+    A backward whose gradients the program dropped leaves no loss to the step now."""
+    runner = LeaveOn(warn=False, file=io.StringIO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", opwatch.OpwatchWarning)
+        assert gpt_loop_with_its_own_skip(runner, ignored_at=3) == 1
+    assert (runner.steps, runner.failed, runner.skipped) == (7, 0, 0) and runner.ledger.clean
+
+
+def test_an_accumulated_micro_batch_s_nan_loss_still_fails_its_step():
+    """Gradient accumulation keeps each micro-batch's gradients (no ``zero_grad`` between): the
+    nan loss of micro-batch 1 of step 3 (every target ignored) still fails that step."""
+    runner = LeaveOn(warn=False, file=io.StringIO())
+    with pytest.warns(opwatch.OpwatchWarning, match=r"optimizer step 3: the loss backward\(\) ran on is nan while the gradients"):
+        gpt_loop_with_its_own_skip(runner, ignored_at=2 * 2 + 1, micro_batches=2)
+    assert (runner.steps, runner.failed) == (8, 1) and runner.failures[0].cause == "loss"
+
+
 def test_under_the_program_s_own_function_mode_each_backward_keeps_its_loss_once():
     # torch's Tensor.backward hands the call to a function mode as Tensor.backward, which is
     # leave-on's wrapper again: the loss was kept twice (and the cap on kept losses halved).
