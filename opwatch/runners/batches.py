@@ -68,10 +68,12 @@ class FedBatches:
         self._calls = 0
         self.after_step = False  # the model ran since the last optimizer step
         self._sentinel = None  # a weak reference to one trained parameter of the model
+        self._looked = None  # (the optimizer's id, the modules seen) when no module seen was the one it trains
         self._grad_left = None  # (its .grad, a weak reference, and version counter) as the latest backward left it
 
     def watch(self, model) -> None:
-        """Hook ``model`` (the first module the audit saw called; its :func:`hooked_module`); once."""
+        """Hook ``model`` (the first module the audit saw called that the optimizer trains; its
+        :func:`hooked_module`); once."""
         if self._hook is None:
             # First of the model's pre-hooks: the batch as the program fed it, before a hook of
             # the model's own changes it (FSDP2's mixed precision casts it to bfloat16).
@@ -79,6 +81,27 @@ class FedBatches:
             self._returns = hooked_module(model).register_forward_hook(run_uncompiled(self._returned))
             trained = next((parameter for parameter in hooked_module(model).parameters() if parameter.requires_grad), None)
             self._sentinel = None if trained is None else weakref.ref(trained)
+
+    def trained_model(self, modules: dict, optimizer):
+        """The model whose calls stand for the step's (to :meth:`watch`, and for its evaluations):
+        the first module the audit saw called (``modules``: module -> where it was first called,
+        or ``None`` when not seen; a LightningModule's step may call only ``self.net``) that
+        ``optimizer`` trains, so that a frozen teacher a distillation step calls first under
+        ``torch.no_grad()`` is not taken for it; ``None`` when none is, looked up again only
+        once another module or optimizer comes (an optimizer of tensors no module holds: a
+        soft prompt, an image)."""
+        seen = [module for module, site in modules.items() if site is not None]
+        if self._looked == (id(optimizer), len(seen)):
+            return None
+        ids = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        model = next((module for module in seen if any(id(parameter) in ids for parameter in module.parameters())), None)
+        self._looked = None if model is not None else (id(optimizer), len(seen))
+        return model
+
+    @property
+    def watching(self) -> bool:
+        """Whether a model is hooked."""
+        return self._hook is not None
 
     def unwatch(self) -> None:
         for hook in (self._hook, self._returns):

@@ -288,8 +288,7 @@ class LeaveOn(LedgerCounts):
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.policy.writes.stepped(optimizer)
         self.policy.step_done(self.ledger.steps, lambda: _named(optimizer, self._names()), self, optimizer)
-        # The first module the audit saw called (a LightningModule's step may call only self.net).
-        model = next((module for module, site in self._modules.items() if site is not None), None)
+        model = None if self.batches.watching else self.batches.trained_model(self._modules, optimizer)
         if model is not None:
             self.batches.watch(model)
             self.evaluations.watch(model)

@@ -361,3 +361,49 @@ def test_an_output_the_check_cannot_read_stops_the_check_not_the_evaluation():
     assert len(outputs) == 3 and run.ledger.evaluations_nan == 0
     told = [str(warning.message) for warning in caught if "could not check" in str(warning.message)]
     assert len(told) == 1 and told[0].startswith("opwatch could not check what the model returned with gradients off (")
+
+
+DISTILLATION = """\
+import torch
+from torch import nn
+torch.manual_seed(0)
+teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+student = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+for step in range(8):
+    x = torch.randn(32, 16)
+    if step == {corrupt_at}: x[4, 2] = float("nan")  # a corrupt sample
+    with torch.no_grad():
+        soft = teacher(x).softmax(-1)  # the frozen teacher, called first
+    logits = student(x)  # STUDENT CALL
+    loss = nn.functional.kl_div(logits.log_softmax(-1), soft, reduction="batchmean")
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("corrupt_at", [-1, 3])
+def test_a_distillation_s_frozen_teacher_is_neither_the_model_nor_an_evaluation(tmp_path, capsys, monkeypatch, corrupt_at):
+    """Knowledge distillation calls the frozen teacher first, under ``torch.no_grad()``. The
+    batch hook took it for the model: its calls were told as evaluations ("a call of Sequential
+    with gradients off (an evaluation) ... returned nan ... No gradient holds it: training goes
+    on") and counted in the summary, and the student's bad batch was a plain "nan/inf in the
+    gradients". The hooked model is the first one the optimizer trains: the student."""
+    from support.helpers import guard_in_process, line_of
+
+    monkeypatch.chdir(tmp_path)
+    script = DISTILLATION.format(corrupt_at=corrupt_at)
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "done" in out, err
+    assert "gradients off" not in err and "evaluation" not in err
+    if corrupt_at < 0:
+        assert "opwatch guard: 8 optimizer steps ran, 1 audited under a full watch, 0 failed." in err
+        return
+    (tmp_path / "copy.py").write_text(script)
+    called = line_of("STUDENT CALL", str(tmp_path / "copy.py"))
+    assert f"optimizer step 4: the gradients about to be applied hold nan/inf: 0.weight (Sequential at train.py:{called}) (nan)" in err
+    assert ("cause: input: the batch held nan before the model ran: Sequential's argument 0 (f32[32, 16] cpu) held nan when it "
+            f"entered the model at train.py:{called}") in err
+    assert "opwatch guard: 8 optimizer steps ran, 2 audited under a full watch, 1 failed (the batch held nan/inf), 1 of them skipped." in err
