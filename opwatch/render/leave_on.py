@@ -403,20 +403,36 @@ def stuck(first_step: int, step: int, in_a_row: int, bad: list, origin, *, poiso
     )
 
 
-def unjudged_end(step: int, rerun: str | None, scaler_in_a_row: int = 0) -> str:
+def unjudged_end(step: int, rerun: str | None, scaler_in_a_row: int = 0, *, left=None) -> str:
     """The run went on after its last optimizer step (``step``) with no watch on, and no
     gradient check followed: its summary cannot speak for those ops. ``rerun``: the command
-    that checks every op; ``scaler_in_a_row``: the steps GradScaler skipped since."""
+    that checks every op; ``scaler_in_a_row``: the steps GradScaler skipped since; ``left``:
+    what those ops left, when it says something (a
+    :class:`~opwatch.runners.ledger.LeftUnjudged`)."""
     after = f"after optimizer step {step}" if step else "before any optimizer step"
     command = f": {rerun}" if rerun else " (opwatch.watch() or opwatch.strict())"
     if scaler_in_a_row:
         why = f"GradScaler skipped the {scaler_in_a_row} step{'s' if scaler_in_a_row != 1 else ''} after it"
     else:
-        why = "a script that stops on a nan loss before backward() ends so"
+        why = "a script that stops on a nan loss ends so"
     return (
         f"opwatch guard: the run ended before opwatch judged its last ops: the model ran forward {after} and no optimizer step "
-        f"followed ({why}), so no check saw them; a full watch checks every op{command}"
+        f"followed ({why}), so no check saw them{_left_words(left)}; a full watch checks every op{command}"
     )
+
+
+def _left_words(left) -> str:
+    """``; what they left: the loss backward() ran on was nan, ...``, or ``""``."""
+    if left is None:
+        return ""
+    fed = left.fed
+    if fed is not None:
+        return (f"; what they left: the batch held {fed.kind} before the model ran: {fed.model}'s {_fed_argument(fed.argument)} "
+                f"held {fed.kind} when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made it: the data did")
+    where = stage_words(left.stage, left.called)
+    if where:
+        return f"; what they left: {where}"
+    return f"; what they left: the loss backward() ran on was {left.loss}"
 
 
 def batch_words(batch: dict) -> str:

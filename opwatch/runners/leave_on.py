@@ -142,16 +142,15 @@ class LeaveOn(LedgerCounts):
 
     def __exit__(self, exc_type, exc, traceback_) -> bool:
         """End the run (again: nothing happens)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        while self._handles:
+            self._handles.pop().remove()
+        # The run's last ops ran after its last optimizer step with no watch on: no gradient
+        # check followed them (a script that stops on a nan loss, an evaluation pass), so this
+        # run's summary cannot speak for them; what they left is read before the hooks go.
+        self.policy.ended_unjudged(self, self._losses, unjudged=self.batches.after_step and not self._auditing)
         self.batches.unwatch()
         self.evaluations.unwatch()
         self.policy.evaluations_read(self.evaluations, self.rerun)  # an evaluation pass that ended the run
-        # The run's last ops ran after its last optimizer step with no watch on: no gradient
-        # check followed them (a script that stops on a nan loss before backward(), an
-        # evaluation pass), so this run's summary cannot speak for them.
-        self.ledger.unjudged_end = self.batches.after_step and not self._auditing
         self.scaler_skipped(at_end=True)  # the last step's, if skipped
         self.policy.run_ended(self.ledger.steps, exc, self)
         self._unsee_losses()
@@ -340,7 +339,7 @@ class LeaveOn(LedgerCounts):
                              scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale),
                              evaluations=(ledger.evaluations_nan, ledger.evaluations_from_input))
         if ledger.unjudged_end:
-            text += "\n" + words.unjudged_end(steps, rerun, ledger.scaler_in_a_row)
+            text += "\n" + words.unjudged_end(steps, rerun, ledger.scaler_in_a_row, left=ledger.unjudged_left)
         return text
 
     def watch_summary(self, every_rank=None) -> str:

@@ -18,10 +18,11 @@ origin.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..findings.anomaly import CAME_WITH_INPUT, CAME_WITH_WEIGHTS
 
-__all__ = ["RunLedger", "Failure", "MAX_FAILED_IN_A_ROW", "CAUSES", "CAME_WITH_INPUT", "CAME_WITH_WEIGHTS", "came_with"]
+__all__ = ["RunLedger", "Failure", "LeftUnjudged", "MAX_FAILED_IN_A_ROW", "CAUSES", "CAME_WITH_INPUT", "CAME_WITH_WEIGHTS", "came_with"]
 
 
 def came_with(origin) -> str | None:
@@ -63,6 +64,20 @@ class Failure:
     stage: str | None = field(default=None)
 
 
+class LeftUnjudged(NamedTuple):
+    """What the ops a run ended with, after its last optimizer step and unjudged, left
+    (:attr:`RunLedger.unjudged_left`): ``fed``, the model's batch that held nan/inf (a
+    :class:`~opwatch.runners.batches.FedInput`), or ``None``; ``stage``, where a finite batch's
+    nan/inf began (:attr:`Failure.stage`'s values), or ``None``; ``loss``, ``"nan"`` or ``"inf"``
+    when the loss ``backward()`` ran on was not finite; ``called``, the model and where it was
+    called (``Sequential at train.py:12``)."""
+
+    fed: object
+    stage: str | None
+    loss: str | None
+    called: str | None
+
+
 class RunLedger:
     """The facts of one run; the runners write, every reader reads."""
 
@@ -80,6 +95,7 @@ class RunLedger:
         self.first_in_a_row: Failure | None = None  # the first failure of the running streak
         self.poisoned_since: int | None = None  # the optimizer step after which the weights held nan/inf
         self.unjudged_end = False  # the run ended with ops that nothing checked
+        self.unjudged_left: LeftUnjudged | None = None  # what they left, when it says something
         # Optimizer steps GradScaler skipped (they never call the step, so they are none of the
         # above): all of them, the running streak, the steps that ran before it began, and the
         # scale GradScaler fell to at its latest skip.

@@ -120,3 +120,26 @@ def test_raise_says_where_the_failure_that_did_not_recur_began(tmp_path, capsys,
             "head.weight (nan), head.bias (nan); in that step the arguments of the model were finite, and so was what it "
             "returned; the loss backward() ran on was not") in err
     assert "did not recur: step 6 ran under a full watch" in err
+
+
+@pytest.mark.parametrize("bad", ["label", "sample"])
+def test_a_run_the_clip_stops_on_nan_gradients_says_what_its_last_ops_left(tmp_path, capsys, monkeypatch, bad):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` raises before the optimizer step, so no
+    check of leave-on's saw the failing batch: it said only that the run ended with ops no check
+    saw. What they left is read at the run's end: a bad sample is the batch; a nan label came in
+    after the model's call."""
+    monkeypatch.chdir(tmp_path)
+    script = scorer("", after_backward="torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)")
+    corrupt = {"label": 'target[2] = float("nan")', "sample": 'a[3, 1] = float("nan")'}[bad]
+    script = script.replace("    target = torch.rand(16, 1)\n", f"    target = torch.rand(16, 1)\n    if step == 4: {corrupt}\n")
+    line = script.splitlines().index("    score = model(a, b)") + 1  # the model's call
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 1 and "The total norm of order 2.0 for gradients from `parameters` is non-finite" in err, err
+    assert ("opwatch guard: the run ended before opwatch judged its last ops: the model ran forward after optimizer step 4 and no "
+            "optimizer step followed (a script that stops on a nan loss ends so), so no check saw them; what they left: ") in err
+    if bad == "label":
+        assert (f"what they left: the arguments of Scorer (called at train.py:{line}) were finite, and so was what it returned; "
+                "the loss backward() ran on was not: they came in after that call") in err
+    else:
+        assert ("what they left: the batch held nan before the model ran: Scorer's argument 0 (f32[16, 8] cpu) held nan when it "
+                f"entered the model at train.py:{line}, so no op of the model made it: the data did") in err

@@ -14,7 +14,7 @@ from ...render import guard as guard_words
 from ...render import leave_on as words
 from ..batches import FedInput
 from ..guarded.ranks import BAD_INPUT, NONFINITE, WATCHED
-from ..ledger import CAME_WITH_INPUT, came_with
+from ..ledger import CAME_WITH_INPUT, LeftUnjudged, came_with
 from ..step_verdict import shared_gradients, trained
 from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, origin_facts, warn, warn_at
 
@@ -31,6 +31,25 @@ def _scales_of(scaler) -> tuple:
         return scale, scale / float(scaler.get_backoff_factor())
     except Exception:
         return None, None
+
+
+def _stage(batches, loss: str | None, gradients_bad: bool) -> str | None:
+    """Where a failure no full watch saw began, from what the step computed (``batches``: the
+    trigger's :class:`~opwatch.runners.batches.FedBatches`, whose model was fed a finite batch):
+    ``"model"``, its forward made them (what the model returned held them); ``"after_model"``,
+    it returned finite values and the loss ``backward()`` ran on (``loss``: its kind, or
+    ``None`` when finite or not known) is not finite; ``"backward"``, both were finite and the
+    gradients are not (``gradients_bad``: on a process alone, with a loss kept; in a job the
+    reduced gradients hold what any rank made). ``None`` when not known: what the model
+    returned was not kept."""
+    output = batches.output_kind()
+    if output is None:
+        return None
+    if output != "finite":
+        return "model"
+    if loss is not None:
+        return "after_model"
+    return "backward" if gradients_bad else None
 
 
 def _audit_at_next_forward(trigger) -> None:
@@ -226,26 +245,9 @@ class OptimizerSteps:
         fed = self._fed_input(own_input, decision, step)
         if fed is not None:  # a batch held them before the model ran: no op of the step made them
             return self._input_failure(failure, bad, fed, elsewhere, trigger)
-        failure.stage = self._stage(trigger, bad, losses, decision)
+        if not trigger.auditing and self.told():  # where it began, read once a told failure
+            failure.stage = _stage(trigger.batches, self.verdict.loss_kind(losses), bool(losses and bad and decision is None))
         return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger, called=trigger.batches.called())
-
-    def _stage(self, trigger, bad, losses, decision) -> str | None:
-        """Where a told failure of a step no full watch saw began, from what the step computed
-        (read now, once a step): ``"model"``, its forward made them (what the model returned
-        held them; its batch did not); ``"after_model"``, it returned finite values and the loss
-        ``backward()`` ran on is not finite; ``"backward"``, both were finite and this rank's
-        gradients are not (on a process alone: in a job the reduced gradients hold what any
-        rank made). ``None`` when not known: what the model returned was not kept."""
-        if trigger.auditing or not self.told():
-            return None
-        output = trigger.batches.output_kind()
-        if output is None:
-            return None
-        if output != "finite":
-            return "model"
-        if self.verdict.loss_kind(losses) is not None:
-            return "after_model"
-        return "backward" if losses and bad and decision is None else None
 
     def _fed_input(self, own: FedInput | None, decision, step: int):
         """The batch that held nan/inf when it entered the model: ``(what it held, the ranks
@@ -448,6 +450,22 @@ class OptimizerSteps:
         quiet = rechecked is not None and rechecked.cause == "input" and origin is None
         if recheck is not None and not quiet:
             warn(words.recheck(recheck, step, origin_facts(origin), failed_again=failed_now, rank=self.rank))
+
+    def ended_unjudged(self, trigger, losses: list, *, unjudged: bool) -> None:
+        """The run ends; ``unjudged``: with ops after its last optimizer step that no check saw
+        (a script that stops on a nan loss, or on the clip's error over nan gradients; an
+        evaluation pass). The ledger says so, with what they left, read now while it is alive
+        (``losses``: what ``backward()`` ran on since the step): the batch the model was fed,
+        held nan/inf; or where they began (:func:`_stage`); or only the loss's kind
+        (:class:`~opwatch.runners.ledger.LeftUnjudged`)."""
+        ledger = self.ledger
+        ledger.unjudged_end, ledger.unjudged_left = unjudged, None
+        if not unjudged:
+            return
+        fed, loss = trigger.bad_input(), self.verdict.loss_kind(losses)
+        stage = None if fed is not None else _stage(trigger.batches, loss, False)
+        if fed is not None or stage is not None or loss is not None:
+            ledger.unjudged_left = LeftUnjudged(fed, stage, loss, trigger.batches.called())
 
     def run_ended(self, steps: int, error, trigger) -> None:
         """The run ended (``error``: what ended it): a failure whose re-check never saw another
