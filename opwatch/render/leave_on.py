@@ -87,8 +87,9 @@ def _held_then(bad: list, loss: str | None) -> str:
 
 def stage_words(stage: str | None, called: str | None = None) -> str:
     """Where a failure no full watch saw began (``stage``, a :class:`~opwatch.runners.ledger.Failure`'s),
-    from what the hooked model (``called``: ``Sequential at train.py:12``, the first module the
-    first audit saw called: in a GAN, the generator) was fed and returned; ``""`` when not known."""
+    from what the hooked model (``called``: ``Sequential at train.py:12``, the module the
+    optimizer trains that the first audit saw called first) was fed and returned; ``""`` when
+    not known."""
     model = "the model" if called is None else called.replace(" at ", " (called at ", 1) + ")"
     if stage == "model":
         return f"the arguments of {model} were finite, and what it returned was not: an op of its forward made them"
@@ -96,10 +97,13 @@ def stage_words(stage: str | None, called: str | None = None) -> str:
         return (f"the arguments of {model} were finite, and so was what it returned; the loss backward() ran on was not: "
                 "they came in after that call, with what the loss was computed from beside what it returned (the targets, "
                 "another model's inputs, a mask, a weight), or from the loss's own math")
+    if stage == "forward_or_loss":
+        return (f"the arguments of {model} were finite, and the loss backward() ran on was not: its forward made them, or what "
+                "the loss was computed from after it (the targets, a mask, a weight); what it returned was not kept to tell which")
     if stage == "backward":
-        return (f"the arguments of {model}, what it returned and the loss backward() ran on were finite: the backward made "
-                "them (a derivative that is infinite where its function is finite: sqrt or a norm at 0, pow with an exponent "
-                "below 1)")
+        return ("the loss backward() ran on was finite: the backward made them (a derivative that is infinite where its function "
+                "is finite: sqrt or a norm at 0, pow with an exponent below 1; or 0 * nan from a value torch.where or a mask left "
+                "out of the loss)")
     return ""
 
 

@@ -51,8 +51,9 @@ class Failure:
     dtype, shape, device]``, ``kind``, ``where``, ``call`` as ``[number, calls]`` or ``None``,
     ``rank``: the rank whose batch it was in a job, else ``None``), else ``None``; only
     ``rank`` when another rank's facts did not arrive; ``stage``: for a told failure no full
-    watch saw, where in the step it began, from what the model returned (``"model"``: its
-    forward; ``"after_model"``: between its output and the loss; ``"backward"``), else ``None``."""
+    watch saw, where in the step it began, from what the model was fed and returned and the loss
+    (``"model"``: its forward; ``"after_model"``: between its output and the loss;
+    ``"forward_or_loss"``: one of the two, its output not kept; ``"backward"``), else ``None``."""
 
     step: int
     parameters: list

@@ -62,7 +62,8 @@ def test_raise_waits_for_the_next_batch_when_the_other_optimizer_s_gradients_are
     monkeypatch.chdir(tmp_path)
     status, out, err = guard_in_process(tmp_path, capsys, split(bad_backward=3), "--on-failure", "raise")
     assert status == 1, err
-    assert "optimizer step 7: the gradients held nan/inf: 0.weight (nan), 0.bias (nan). That step did not run" in err
+    assert "optimizer step 7: the gradients held nan/inf: 0.weight (nan), 0.bias (nan); in that step the loss backward() ran on was finite" in err
+    assert "That step did not run" in err
     assert "did not recur: step 9 ran under a full watch" in err and "step 8 ran" not in err
 
 

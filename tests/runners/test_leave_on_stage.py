@@ -54,8 +54,8 @@ def scorer(bad: str, score_and_loss: str = KEPT, after_backward: str = "pass") -
     ("label", f"In this step the arguments of {CALLED} were finite, and so was what it returned; the loss backward() ran on "
               "was not: they came in after that call, with what the loss was computed from beside what it returned (the targets, "
               "another model's inputs, a mask, a weight), or from the loss's own math."),
-    ("pair", f"In this step the arguments of {CALLED}, what it returned and the loss backward() ran on were finite: "
-             "the backward made them"),
+    ("pair", "In this step the loss backward() ran on was finite: the backward made them (a derivative that is infinite where "
+             "its function is finite: sqrt or a norm at 0"),
     ("overflow", f"In this step the arguments of {CALLED} were finite, and what it returned was not: an op of its forward "
                  "made them."),
 ])
@@ -97,9 +97,28 @@ def test_the_where_is_in_the_jsonl_rows_and_the_report(tmp_path, capsys, monkeyp
     # Written in place after the backward: not what the model returned any more.
     (KEPT, "score.clamp_(max=1e4)"),
 ])
-def test_no_where_is_told_when_what_the_model_returned_is_not_known(tmp_path, capsys, monkeypatch, score_and_loss, after_backward):
+def test_without_what_the_model_returned_the_where_stays_open(tmp_path, capsys, monkeypatch, score_and_loss, after_backward):
+    """What the model returned is not known: its forward or what came after it, the failure of a
+    finite batch with a nan loss says, and not which (the Hugging Face Trainer's compute_loss
+    drops the model's outputs before the step)."""
     monkeypatch.chdir(tmp_path)
     status, out, err = guard_in_process(tmp_path, capsys, scorer("label", score_and_loss, after_backward))
+    assert status == 0 and "done" in out, err
+    assert "optimizer step 5: the gradients about to be applied hold nan/inf" in err
+    assert (f"In this step the arguments of {CALLED} were finite, and the loss backward() ran on was not: its forward made them, "
+            "or what the loss was computed from after it (the targets, a mask, a weight); what it returned was not kept to tell "
+            "which.") in err
+    assert "after that call" not in err
+
+
+def test_no_where_is_told_when_neither_the_loss_nor_what_the_model_returned_is_known(tmp_path, capsys, monkeypatch):
+    """``torch.autograd.backward(loss)`` keeps no loss (only ``Tensor.backward`` is followed) and
+    the model's output is not kept: nothing says where the failure began."""
+    monkeypatch.chdir(tmp_path)
+    script = scorer("label", "loss = nn.functional.mse_loss(model(a, b), target)").replace(
+        "    loss.backward()\n", "    torch.autograd.backward(loss)\n")
+    assert "torch.autograd.backward(loss)" in script
+    status, out, err = guard_in_process(tmp_path, capsys, script)
     assert status == 0 and "done" in out, err
     assert "optimizer step 5: the gradients about to be applied hold nan/inf" in err
     assert "In this step" not in err

@@ -35,21 +35,20 @@ def _scales_of(scaler) -> tuple:
 
 def _stage(batches, loss: str | None, gradients_bad: bool) -> str | None:
     """Where a failure no full watch saw began, from what the step computed (``batches``: the
-    trigger's :class:`~opwatch.runners.batches.FedBatches`, whose model was fed a finite batch):
-    ``"model"``, its forward made them (what the model returned held them); ``"after_model"``,
-    it returned finite values and the loss ``backward()`` ran on (``loss``: its kind, or
-    ``None`` when finite or not known) is not finite; ``"backward"``, both were finite and the
-    gradients are not (``gradients_bad``: on a process alone, with a loss kept; in a job the
-    reduced gradients hold what any rank made). ``None`` when not known: what the model
-    returned was not kept."""
-    output = batches.output_kind()
-    if output is None:
-        return None
-    if output != "finite":
+    trigger's :class:`~opwatch.runners.batches.FedBatches`, whose model was fed a finite batch,
+    if it was called): ``"model"``, its forward made them (what the model returned held them);
+    with the loss ``backward()`` ran on not finite (``loss``: its kind, else ``None``),
+    ``"after_model"`` when the model returned finite values, ``"forward_or_loss"`` when what it
+    returned is not known; ``"backward"``, the loss was finite and the gradients are not
+    (``gradients_bad``: on a process alone, with a loss kept; in a job the reduced gradients
+    hold what any rank made). ``None`` when none is known."""
+    called = batches.called() is not None
+    output = batches.output_kind() if called else None
+    if output not in (None, "finite"):
         return "model"
-    if loss is not None:
-        return "after_model"
-    return "backward" if gradients_bad else None
+    if loss is not None and called:
+        return "after_model" if output == "finite" else "forward_or_loss"
+    return "backward" if loss is None and gradients_bad else None
 
 
 def _audit_at_next_forward(trigger) -> None:
