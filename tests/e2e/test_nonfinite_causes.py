@@ -304,6 +304,28 @@ def test_a_batch_holding_nan_from_the_data_loader_is_named_as_the_input():
     assert "check the data" in anomaly.message
 
 
+def test_a_label_holding_nan_that_the_step_only_reshapes_came_with_the_batch():
+    """A regression step takes its labels out of the batch and squeezes them for the loss (a
+    Hugging Face ``compute_loss``): the watch began after the batch was made, and the squeeze only
+    moved the label's nan. Its cause named the squeeze as where the input was made ("made by
+    aten.squeeze.dim"), so the guard's replay counted a bad batch as "nan/inf in the gradients";
+    it came with the batch (``came_with``: input)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, labels = torch.randn(8, 4), torch.rand(8, 1)
+    labels[3] = float("nan")  # one bad label, in the batch before the step
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        target = labels.squeeze(-1)
+        loss = F.mse_loss(model(x).squeeze(-1), target)  # LABELS SQUEEZED
+        loss.backward()
+    (anomaly,) = nonfinite(w)
+    cause = anomaly.finding.facts["cause"]
+    assert cause.kind == INPUT and cause.held == "nan" and cause.made.how == "before_watch"
+    assert anomaly.came_with == "input"
+    assert anomaly.lineno == line_of("LABELS SQUEEZED", __file__)
+    assert "made by aten.squeeze" not in anomaly.message
+
+
 def test_a_clean_loader_reports_nothing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

@@ -651,11 +651,24 @@ def _loaded_by(writes, ident, index, tensor=None, like=None) -> Place | None:
 def _made_where(writes, ident, index, tensor=None, like=None) -> MadeBy | BeforeWatch | None:
     """The logged op that made ``ident`` before op ``index`` (``tensor``: the object, when
     alive); else before the watch, when no op of the watch made it or the log holds every op of
-    the watch; else ``None`` (its maker may have left the bounded log)."""
+    the watch; else ``None`` (its maker may have left the bounded log). A maker that only moved
+    the values of a tensor made before the watch (``labels.squeeze(-1)``, ``.float()`` of a
+    batch) did not make them: before the watch, as that tensor was."""
     maker = writes.made_by(ident, index, tensor, like=like)
-    if maker is not None:
-        return MadeBy("made_by", Place.of(maker))
-    return BeforeWatch() if not writes.lost_ops or writes.outside(ident, index, tensor) else None
+    if maker is None:
+        return BeforeWatch() if not writes.lost_ops or writes.outside(ident, index, tensor) else None
+    source = _moved_source(maker)
+    if source is not None and _moved_from_before(source, maker.index, writes):
+        return BeforeWatch()
+    return MadeBy("made_by", Place.of(maker))
+
+
+def _moved_source(record):
+    """The floating input whose values op ``record`` only moved (a view, a copy, a cast), or ``None``."""
+    facts = facts_of(record.func)
+    if not facts.preserves_values or facts.mutated_args:
+        return None
+    return next((source for source in record.inputs if source[M_DTYPE] in CHECKED_DTYPES), None)
 
 
 def _owner(tensor, path, modules) -> Owned | None:
