@@ -56,8 +56,11 @@ class FedBatches:
     arguments and where it was made, and, for the calls before it (a step that accumulates
     gradients over micro-batches), their floating arguments' (min, max) left on their device,
     taken when the next call comes: one reduction per argument per call but the last, no host
-    read, no reference kept. ``auditing``: a callable, whether an audit's full watch runs (its
-    calls are the watch's to judge)."""
+    read, no reference kept. A forward hook keeps weak references to what the latest call
+    returned (:meth:`output_kind`), and one trained parameter's ``.grad`` tells whether the
+    program dropped a backward's gradients without a step (:meth:`gradients_dropped`). The
+    model is the one the optimizer trains (:meth:`trained_model`). ``auditing``: a callable,
+    whether an audit's full watch runs (its calls are the watch's to judge)."""
 
     def __init__(self, auditing) -> None:
         self._auditing = auditing
