@@ -67,6 +67,20 @@ def test_raise_waits_for_the_next_batch_when_the_other_optimizer_s_gradients_are
     assert "did not recur: step 9 ran under a full watch" in err and "step 8 ran" not in err
 
 
+def test_a_failure_of_the_second_optimizer_alone_is_re_checked_at_the_next_batch(tmp_path, capsys, monkeypatch):
+    """The head's optimizer steps first on finite gradients, the trunk's fails (sqrt at 0): a
+    first failure, though on the same backward as the step before. It is told and re-checked at
+    the next batch (the rule above must not keep its re-check from starting)."""
+    monkeypatch.chdir(tmp_path)
+    script = split(bad_backward=3).replace("opt_trunk.step(); opt_head.step()", "opt_head.step(); opt_trunk.step()")
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "weights finite: True" in out, err
+    assert "optimizer step 8: the gradients about to be applied hold nan/inf: 0.weight (nan), 0.bias (nan)." in err
+    assert "same backward" not in err
+    assert "the failure of step 8 did not recur: step 9 ran under a full watch and its gradients were finite." in err
+    assert "opwatch guard: 16 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped." in err
+
+
 @pytest.mark.parametrize("corrupt", ["", "nan", "huge"])
 def test_a_gan_s_optimizers_each_judge_their_own_backward(tmp_path, capsys, monkeypatch, corrupt):
     """A GAN: the discriminator's step after its backward on real and fake batches, the

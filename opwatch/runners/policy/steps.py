@@ -409,8 +409,9 @@ class OptimizerSteps:
         audited_now = trigger.auditing or self._replayed_at == step
         if self._agreement is not None:
             audited_now = self._watched_all_at == step
-        if self._same_backward:  # the failed step's batch still: its re-check waits for the next one
-            return
+        same_backward, self._same_backward = self._same_backward, False
+        if same_backward and trigger.auditing and self.recheck_of is not None:
+            return  # a step on the re-checked failure's backward: the re-check waits for the next batch
         if trigger.auditing:
             self._rechecked(step, failed_now, trigger)
         if not failed_now or ledger.poisoned_since is not None:
