@@ -217,9 +217,8 @@ def _moved_from_before(meta, index, writes) -> bool:
             maker = None  # an older tensor's op, whose id this one took (read only through views, never first read)
         if maker is None:
             return not writes.lost_ops or writes.outside(ident, index)
-        facts = facts_of(maker.func)
-        source = next((source for source in maker.inputs if source[M_DTYPE] in CHECKED_DTYPES), None)
-        if not facts.preserves_values or facts.mutated_args or source is None:
+        source = _moved_source(maker)
+        if source is None:
             return False
         meta, index = source, maker.index
     return False

@@ -33,20 +33,19 @@ def _scales_of(scaler) -> tuple:
         return None, None
 
 
-def _stage(batches, loss: str | None, gradients_bad: bool) -> str | None:
+def _stage(batches, called: str | None, loss: str | None, gradients_bad: bool) -> str | None:
     """Where a failure no full watch saw began, from what the step computed (``batches``: the
     trigger's :class:`~opwatch.runners.batches.FedBatches`, whose model was fed a finite batch,
-    if it was called): ``"model"``, its forward made them (what the model returned held them);
+    if it was called: ``called``, :meth:`~opwatch.runners.batches.FedBatches.called`): ``"model"``, its forward made them (what the model returned held them);
     with the loss ``backward()`` ran on not finite (``loss``: its kind, else ``None``),
     ``"after_model"`` when the model returned finite values, ``"forward_or_loss"`` when what it
     returned is not known; ``"backward"``, the loss was finite and the gradients are not
     (``gradients_bad``: on a process alone, with a loss kept; in a job the reduced gradients
     hold what any rank made). ``None`` when none is known."""
-    called = batches.called() is not None
-    output = batches.output_kind() if called else None
+    output = None if called is None else batches.output_kind()
     if output not in (None, "finite"):
         return "model"
-    if loss is not None and called:
+    if loss is not None and called is not None:
         return "after_model" if output == "finite" else "forward_or_loss"
     return "backward" if loss is None and gradients_bad else None
 
@@ -244,9 +243,10 @@ class OptimizerSteps:
         fed = self._fed_input(own_input, decision, step)
         if fed is not None:  # a batch held them before the model ran: no op of the step made them
             return self._input_failure(failure, bad, fed, elsewhere, trigger)
+        called = trigger.batches.called()
         if not trigger.auditing and self.told():  # where it began, read once a told failure
-            failure.stage = _stage(trigger.batches, self.verdict.loss_kind(losses), bool(losses and bad and decision is None))
-        return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger, called=trigger.batches.called())
+            failure.stage = _stage(trigger.batches, called, self.verdict.loss_kind(losses), bool(losses and bad and decision is None))
+        return self._explained(failure, bad, loss, elsewhere, decision, recheck, trigger, called=called)
 
     def _fed_input(self, own: FedInput | None, decision, step: int):
         """The batch that held nan/inf when it entered the model: ``(what it held, the ranks
@@ -462,10 +462,10 @@ class OptimizerSteps:
         ledger.unjudged_end, ledger.unjudged_left = unjudged, None
         if not unjudged:
             return
-        fed, loss = trigger.bad_input(), self.verdict.loss_kind(losses)
-        stage = None if fed is not None else _stage(trigger.batches, loss, False)
+        fed, loss, called = trigger.bad_input(), self.verdict.loss_kind(losses), trigger.batches.called()
+        stage = None if fed is not None else _stage(trigger.batches, called, loss, False)
         if fed is not None or stage is not None or loss is not None:
-            ledger.unjudged_left = LeftUnjudged(fed, stage, loss, trigger.batches.called())
+            ledger.unjudged_left = LeftUnjudged(fed, stage, loss, called)
 
     def run_ended(self, steps: int, error, trigger) -> None:
         """The run ended (``error``: what ended it): a failure whose re-check never saw another
