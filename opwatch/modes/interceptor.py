@@ -285,7 +285,7 @@ class OpInterceptor(TorchDispatchMode):
             if outputs:
                 for observe in plan.observers:
                     observe(entry, inputs, outputs, metas)
-            for observe in plan.input_observers:  # ops that write no input: they are as they were
+            for observe in plan.input_observers:  # in-place writes and detach only note what they read
                 observe(head[E_INDEX], tensors)
         except Exception as error:
             self.internal_error(error)

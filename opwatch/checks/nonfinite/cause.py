@@ -129,7 +129,7 @@ NORM_VARIANCE = "norm_variance"
 WRITTEN = "written"
 
 
-def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None:
+def decide_causes(origins, log, blocks=None, earlier_blocks=None) -> None:
     """Work out, for the origins found at a check point, the input ranges the replay left as
     recipes (see ``replay._carry_range``), where each input whose range stays unknown was made
     and whether it was alive (``origin.input_made`` / ``origin.input_alive``, see
@@ -137,10 +137,11 @@ def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None
     (recipes' leaves, the origin ops' own inputs) are looked up among the live objects in one
     walk of the garbage collector's list, and only those that no op wrote after the origin's op
     read them (else they hold other values now); each is read once
-    (:func:`~opwatch.core.finite.value_extremes`). ``outside_since(ident, index, tensor)``:
-    the watch's :meth:`~.tracker.EarlierBlocks.outside_since`, which tells a tensor
-    made outside the watch's ops from an older one whose id it took;
-    ``earlier_blocks``: the watch's :class:`~.tracker.EarlierBlocks`, which tells the same for
+    (:func:`~opwatch.core.finite.value_extremes`). ``blocks``: the watch's
+    :class:`~.tracker.EarlierBlocks`, whose :meth:`~.tracker.EarlierBlocks.outside_since` tells
+    a tensor made outside the watch's ops from an older one whose id it took, and whose
+    :meth:`~.tracker.EarlierBlocks.may_be` tells a live object from a tensor that took a dead
+    one's id; ``earlier_blocks``: the watch's :class:`~.tracker.EarlierBlocks`, which tells the same for
     a tensor read only through views and which tensors an earlier block made; given (after a
     guard told a failure), ``origin.reads_made_before`` is worked
     out too, else it stays ``False``. Never on a healthy step."""
@@ -151,7 +152,7 @@ def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None
     if not origins:
         return
     wanted: dict = {}
-    writes = _Writes(log, outside_since, earlier_blocks)
+    writes = _Writes(log, None if blocks is None else blocks.outside_since, earlier_blocks)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
@@ -161,7 +162,7 @@ def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None
             if meta[M_IDENT] not in written:  # it holds the result now, and so may its base
                 _want(value, wanted, writes)
         if origin.from_deliberate and origin.entered_inf is not None:
-            wanted[origin.entered_inf[M_IDENT]] = origin.entered_inf  # is it a module's mask?
+            _wanted_at(wanted, origin.entered_inf, origin.record.index)  # is it a module's mask?
         if not facts_of(origin.record.func).is_collective:
             index = origin.record.index
             target = _nll_target(origin)
@@ -169,8 +170,8 @@ def decide_causes(origins, log, outside_since=None, earlier_blocks=None) -> None
             for meta in origin.record.inputs:
                 # Not written by the op itself either (``x.log_()``): it holds the result now.
                 if (meta[M_DTYPE] in CHECKED_DTYPES or meta[M_IDENT] == target) and not writes.after(meta[M_IDENT], index - 1):
-                    wanted[meta[M_IDENT]] = meta
-    live = _LiveObjects()
+                    _wanted_at(wanted, meta, index)
+    live = _LiveObjects(None if blocks is None else blocks.may_be)
     found = live.tensors(wanted)
     health = {ident: _health(tensor) for ident, tensor in found.items() if tensor.dtype in CHECKED_DTYPES}
     for origin in origins:
@@ -361,31 +362,47 @@ def _want(value, wanted, writes) -> None:
         for part in value.parts:
             _want(part, wanted, writes)
     elif isinstance(value, LeafRecipe) and not writes.after(value.meta[M_IDENT], value.read_at - 1):
-        wanted[value.meta[M_IDENT]] = value.meta
+        _wanted_at(wanted, value.meta, value.read_at)
+
+
+def _wanted_at(wanted, meta, index) -> None:
+    """Note that op ``index`` read the tensor ``meta``: its live object is looked for as the
+    tensor its latest read read (ident -> (metadata, op index))."""
+    ident = meta[M_IDENT]
+    _, noted_at = wanted.get(ident, (None, -1))
+    if noted_at < index:
+        wanted[ident] = (meta, index)
 
 
 class _LiveObjects:
     """The tensors and modules alive now, from one walk of the garbage collector's list, made
     when first asked. The causes of one check point ask several times (the origins' inputs, then
     the ops before an origin that :class:`_Chain` runs again), and a walk visits every object of
-    the process: 50-100 ms with torch loaded, more in a large program."""
+    the process: 50-100 ms with torch loaded, more in a large program. ``may_be(ident, tensor,
+    index)``: whether a live ``tensor`` may be the one op ``index`` read under its id
+    (:meth:`~.tracker.EarlierBlocks.may_be`); else same id, shape, dtype and device are taken
+    as the same tensor."""
 
-    def __init__(self):
+    def __init__(self, may_be=None):
         self._tensors: dict | None = None  # ident -> tensor
         self._modules: list = []
+        self._may_be = may_be
 
     def tensors(self, wanted) -> dict:
-        """ident -> tensor, for the ``wanted`` tensors (ident -> metadata) still alive with the
-        shape, dtype and device they had."""
+        """ident -> tensor, for the ``wanted`` tensors (ident -> (metadata, the op index that
+        read it)) still alive with the shape, dtype and device they had: the objects themselves,
+        not newer tensors that took a dead one's id, as far as the watch can tell."""
         if not wanted:
             return {}
         if self._tensors is None:
             self._walk()
         found = {}
-        for ident, meta in wanted.items():
+        may_be = self._may_be
+        for ident, (meta, index) in wanted.items():
             candidate = self._tensors.get(ident)
             if candidate is not None and tuple(candidate.shape) == tuple(meta[M_SHAPE]) and candidate.dtype == meta[M_DTYPE] and candidate.device == meta[M_DEVICE]:
-                found[ident] = candidate
+                if may_be is None or may_be(ident, candidate, index):
+                    found[ident] = candidate
         return found
 
     @property
@@ -797,7 +814,7 @@ class _Chain:
             key = (meta[M_IDENT], before)
             if key in self._plan:
                 continue
-            wanted[meta[M_IDENT]] = meta
+            _wanted_at(wanted, meta, before)
             producer = self._writes.made_by(meta[M_IDENT], before) if depth < _CHAIN_DEPTH and len(self._plan) < _CHAIN_OPS else None
             if producer is not None and not _rerunnable(producer):
                 producer = None

@@ -98,19 +98,23 @@ class EarlierBlocks:
     made between two steps, ``torch.from_numpy``), unless an op of an earlier block made it.
     The log may still hold an older, freed tensor's op under the same id (CPython gives a new
     object a freed one's address), and only these tables tell the two apart
-    (:meth:`outside_since`). Dead entries are dropped whenever a table
-    has doubled, so memory stays flat however many blocks run."""
+    (:meth:`outside_since`). ``unchecked`` does the same for the live objects a check point
+    finds under the ids the log names (:meth:`may_be`): id -> (weak reference, op index) of
+    the tensors that views and in-place writes read, which check no input, when no op of the
+    watch made them known. Dead entries are dropped whenever a table has doubled, so memory
+    stays flat however many blocks run."""
 
-    __slots__ = ("known", "made", "outside", "origins", "failure_told", "block_start", "_made_limit", "_outside_limit")
+    __slots__ = ("known", "made", "outside", "unchecked", "origins", "failure_told", "block_start", "_made_limit", "_outside_limit", "_unchecked_limit")
 
     def __init__(self) -> None:
         self.known: dict = {}
         self.made: dict = {}
         self.outside: dict = {}
+        self.unchecked: dict = {}
         self.origins: Origins | None = None  # the last block's replay state (_hand_on)
         self.failure_told = False
         self.block_start = 0  # the op index of the block's first op
-        self._made_limit = self._outside_limit = _KNOWN_START
+        self._made_limit = self._outside_limit = self._unchecked_limit = _KNOWN_START
 
     def next_block(self, known: dict, origins: Origins, start: int = 0) -> None:
         """A block starts at op index ``start``, its tracker knowing ``known`` (its table, handed
@@ -158,6 +162,39 @@ class EarlierBlocks:
         if len(self.outside) > self._outside_limit:
             self.outside = {key: (ref, since) for key, (ref, since) in self.outside.items() if ref() is not None}
             self._outside_limit = max(_KNOWN_START, 2 * len(self.outside))
+
+    def read_unchecked(self, tensor, index: int) -> None:
+        """``tensor``, which no op of the watch made known, was read at op ``index`` by a view
+        or an in-place write: kept as the object under its id from then on (:meth:`may_be`)."""
+        unchecked = self.unchecked
+        ident = id(tensor)
+        ref, _ = unchecked.get(ident, _UNKNOWN)
+        if ref() is tensor:
+            return
+        unchecked[ident] = (weakref.ref(tensor), index)
+        if len(unchecked) > self._unchecked_limit:
+            self.unchecked = {key: (ref, at) for key, (ref, at) in unchecked.items() if ref() is not None}
+            self._unchecked_limit = max(_KNOWN_START, 2 * len(self.unchecked))
+
+    def may_be(self, ident: int, tensor, index: int) -> bool:
+        """Whether ``tensor``, alive now under ``ident``, may be the tensor op ``index`` read
+        under it. Not when the watch saw a tensor under the id at or after that op (first read
+        outside its ops, or read by a view or an in-place write) that is dead now: the tensor
+        read then died, and ``tensor`` took its id later (a tensor made outside the watch's
+        ops: a guard's own gradient norm at the check point, a loss of the next step made
+        before the watch). Where no table tells, it may be. Slow path: causes only."""
+        for table in (self.known, self.made):
+            ref = table.get(ident)
+            if ref is not None and ref() is tensor:
+                return True
+        for table in (self.outside, self.unchecked):
+            ref, at = table.get(ident, _UNKNOWN)
+            seen = ref()
+            if seen is tensor:
+                return True
+            if seen is None and at >= index:
+                return False
+        return True
 
     def made_by_an_earlier_block(self, ident: int, index: int) -> bool:
         """Whether the op of index ``index``, logged under the id ``ident`` before this block,
@@ -253,15 +290,19 @@ class NonFiniteTracker:
 
     def for_inputs(self, func):
         """The check of ``func``'s inputs made before the watch, called after its kernel as
-        ``first_seen(index, tensors)``; ``None`` for ops that only view, make new data, or write
-        in place (a destination's old values may be uninitialised memory it is about to fill: a
-        cache made with ``torch.empty``; and ``copy_``'s source may be a buffer a collective
-        filled, which the collectives' reads follow)."""
+        ``first_seen(index, tensors)``; ``None`` for ops that make new data or only view (the
+        op that reads the view reads its base). Ops that write in place check none (a
+        destination's old values may be uninitialised memory it is about to fill: a cache made
+        with ``torch.empty``; and ``copy_``'s source may be a buffer a collective filled, which
+        the collectives' reads follow), nor do views that keep no link to their base
+        (``detach``): they only note the objects they read (:meth:`_note_unchecked_reads`)."""
         facts = facts_of(func)
-        if facts.makes_new_data or facts.is_lift or facts.collective is not None or facts.is_view:
+        if facts.makes_new_data or facts.is_lift or facts.collective is not None:
             return None
-        if facts.mutated_args:
-            return None
+        if facts.mutated_args or (facts.is_view and facts.needs_carrier):
+            return self._note_unchecked_reads
+        if facts.is_view:
+            return None  # the reader of the view notes its base
         return self._check_first_seen
 
     @property
@@ -339,6 +380,24 @@ class NonFiniteTracker:
                     self._first(index, tensor)
             else:
                 self._first(index, tensor)
+
+    def _note_unchecked_reads(self, index, tensors) -> None:
+        """The inputs of an in-place write or of ``detach`` that no op of the watch made known
+        (for a view, its base), noted as the objects read at op ``index``
+        (:meth:`EarlierBlocks.read_unchecked`): by the check point one may be dead and its id
+        a newer tensor's. No reduction."""
+        known = self._known
+        for tensor in tensors:
+            ref = known.get(id(tensor))
+            if ref is not None and ref() is tensor:
+                continue
+            base = tensor_base(tensor)
+            if base is not None:
+                ref = known.get(id(base))
+                if ref is not None and ref() is base:
+                    continue
+                tensor = base
+            self._blocks.read_unchecked(tensor, index)
 
     def _first(self, index, tensor) -> None:
         seen = self._first_seen.get(index, ())
@@ -557,7 +616,7 @@ class NonFiniteTracker:
         if new:
             # Whether an origin reads a told failure's leftovers is asked only after one (a walk of the log per input).
             earlier = self._blocks if self._blocks.failure_told else None
-            decide_causes(new, self._log, self._blocks.outside_since, earlier)
+            decide_causes(new, self._log, self._blocks, earlier)
             new, folded = fold_same_source(new)
             if folded:
                 origins.fold(folded)
