@@ -17,6 +17,7 @@ import torch
 from ..core.compat import compiled_module_inner, module_class_name, no_python_dispatch, run_uncompiled, version_counter
 from ..core.finite import extremes_kind, extremes_on_device, nonfinite_kind, tensors_in
 from ..core.sites import file_line, user_frame
+from ..session.optimizer_steps import optimizer_parameters
 
 __all__ = ["FedBatches", "FedInput", "floating_arguments", "hooked_module", "model_name", "named_argument"]
 
@@ -96,7 +97,7 @@ class FedBatches:
         seen = [module for module, site in modules.items() if site is not None]
         if self._looked == (id(optimizer), len(seen)):
             return None
-        ids = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        ids = {id(parameter) for parameter in optimizer_parameters(optimizer)}
         model = next((module for module in seen if any(id(parameter) in ids for parameter in module.parameters())), None)
         self._looked = None if model is not None else (id(optimizer), len(seen))
         return model

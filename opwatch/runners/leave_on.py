@@ -52,6 +52,7 @@ from ..session import Watch, strict, watch
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from .batches import FedBatches
+from .step_verdict import trained
 from .evaluations import EvaluationCalls
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, LedgerCounts
 from .policy import GradientsNotFinite, RunStuck, StepPolicy, nonfinite_of, origin_facts
@@ -406,7 +407,8 @@ def _named(optimizer, names) -> list:
 
 
 def gradients(optimizer) -> list:
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    """The gradients of the parameters ``optimizer`` trains (those that have one)."""
+    return [parameter.grad for parameter in trained(optimizer)]
 
 
 def nonfinite_names(optimizer, names: dict) -> list:

@@ -15,6 +15,7 @@ Lightning (``lightning`` or the older ``pytorch_lightning``) is imported when
 
 from __future__ import annotations
 
+from ..session.optimizer_steps import optimizer_parameters
 from .trainers import StepWatch, WatchedSteps, lazy_callback, leave_on_runner, metrics, phase_metrics
 
 __all__ = ["OpwatchCallback"]
@@ -326,9 +327,8 @@ __getattr__ = lazy_callback(__name__, _load_base, _Hooks)
 
 def _drop_gradients(optimizer) -> None:
     """A skipped step: the update after the closure reads no gradient."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = None
+    for parameter in optimizer_parameters(optimizer):
+        parameter.grad = None
 
 
 def _by_norm(algorithm) -> bool:

@@ -40,6 +40,7 @@ import torch
 
 from ..core.compat import CLIP_HOME, TOTAL_NORM_HOME, amp_non_finite_check, dtensor_class, dtensor_parts, takes_found_inf, version_counter, version_counters
 from ..core.finite import FusedFiniteCheck
+from ..session.optimizer_steps import optimizer_parameters
 
 __all__ = ["StepReductions", "VerdictFromStep", "FoundInfHandOff", "HOST_DEVICES", "LateVerdict", "DeferredFlag", "KernelSkips", "ScalerSkips", "ScalerSkip", "DeviceVerdict", "ClipNorm", "reduced_norm", "shared_gradients", "trained", "CLIP", "SCALER", "FUSED_PASS"]
 
@@ -564,7 +565,7 @@ class FoundInfHandOff:
         the step is decided before it runs, with no verdict told late)."""
         if not takes_found_inf(optimizer) or getattr(optimizer, "found_inf", None) is not None:
             return False
-        first = next((parameter for group in optimizer.param_groups for parameter in group["params"]), None)
+        first = next(iter(optimizer_parameters(optimizer)), None)
         return first is not None and first.device.type not in HOST_DEVICES
 
     def hand(self, optimizer, verdict: DeviceVerdict, step: int, losses) -> None:
@@ -605,7 +606,7 @@ class FoundInfHandOff:
 
 def trained(optimizer) -> list:
     """The parameters of ``optimizer`` that have a gradient."""
-    return [parameter for group in optimizer.param_groups for parameter in group["params"] if parameter.grad is not None]
+    return [parameter for parameter in optimizer_parameters(optimizer) if parameter.grad is not None]
 
 
 def shared_gradients(params, modules) -> bool:

@@ -15,7 +15,7 @@ import torch
 from ..core.compat import optimizer_step_runs_only, run_uncompiled
 from ..core.records import CLIPPING, OPTIMIZER
 
-__all__ = ["OptimizerCheckPoints", "StepFollowers", "steps_checked", "steps_followed"]
+__all__ = ["OptimizerCheckPoints", "StepFollowers", "optimizer_parameters", "steps_checked", "steps_followed"]
 
 
 class OptimizerCheckPoints:
@@ -167,6 +167,11 @@ class StepFollowers:
     def _stepped(self, optimizer, args, kwargs) -> None:
         for follower in list(self._followers):
             follower.stepped(optimizer)
+
+
+def optimizer_parameters(optimizer) -> list:
+    """Every parameter ``optimizer`` trains, in the order of its ``param_groups``."""
+    return [parameter for group in optimizer.param_groups for parameter in group["params"]]
 
 
 def _closure_unspanned(args, kwargs, watches):

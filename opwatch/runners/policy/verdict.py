@@ -12,7 +12,7 @@ import torch
 
 from ...core.compat import no_python_dispatch, unseen_by_dispatch_modes, version_counters
 from ...core.finite import nonfinite_kind
-from ...session.optimizer_steps import steps_followed
+from ...session.optimizer_steps import optimizer_parameters, steps_followed
 from ..guarded.check import FiniteCheck
 from ..guarded.ranks import local
 from ..step_verdict import DeviceVerdict, StepReductions, VerdictFromStep
@@ -121,7 +121,7 @@ class ProgramWrites:
 
     def stepped(self, optimizer) -> None:
         """``optimizer`` finished a step (torch's optimizer step post-hook)."""
-        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        parameters = optimizer_parameters(optimizer)
         key = id(optimizer)
         left = self._left.get(key)
         reference = left.optimizer if left is not None and left.optimizer() is optimizer else None
