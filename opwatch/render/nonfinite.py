@@ -17,7 +17,7 @@ from ..core.notation import format_dtype, format_meta
 from ..core.ops import named_new_data
 from ..core.records import BACKWARD
 from ..core.sites import display_path
-from .phrases import where_made
+from .phrases import location, where_made
 from .rules import causes, explains
 
 __all__ = ["explain_origin", "explain_received", "explain_overflow_risk", "explain_cause"]
@@ -203,12 +203,13 @@ def _story(finding) -> str:
 def _inputs(finding) -> str:
     """``finite inputs (input f32[6] cpu: min 0, max 0.67 -> log(0) = -inf)``."""
     facts = finding.facts
-    if facts.from_deliberate and getattr(_cause(finding), "detail", None) == ENTERED_INF:
-        inputs = "inputs whose only non-finite values were infs that came in with a tensor made before the watch (a mask, or data holding inf)"
+    cause = _cause(finding)
+    if facts.from_deliberate and getattr(cause, "detail", None) == ENTERED_INF:
+        came = "Python or NumPy data" if _lifted(cause.made) else "a tensor made before the watch"
+        inputs = f"inputs whose only non-finite values were infs that came in with {came} (a mask, or data holding inf)"
     elif facts.from_deliberate:
         inputs = "inputs whose only non-finite values were deliberate infs (masking constants such as masked_fill(mask, -inf))"
     else:
-        cause = _cause(finding)
         if cause is not None and cause.kind in (INPUT, WEIGHTS):
             inputs = f"an input that already held {cause.held}"
         elif _not_known_finite(facts):
@@ -478,11 +479,7 @@ def explain_cause(finding) -> str | None:
         )
     if kind == MATH:
         if cause.detail == ENTERED_INF:
-            return (
-                f"undefined math: an inf that came in with {format_meta(cause.tensor)}, made before the watch (a mask made "
-                f"before it, or data holding inf: the batch, a feature read from a file), met another inf or a 0 in {name} "
-                "(inf - inf, 0 * inf)"
-            )
+            return f"undefined math: an inf that came in with {format_meta(cause.tensor)}, {_came_in(cause.made)}, met another inf or a 0 in {name} (inf - inf, 0 * inf)"
         reason = _reason(finding) if cause.detail != "masked" else "a masking -inf met another one or a 0"
         if cause.detail == "masked":
             return f"undefined math: {reason} (-inf - -inf, 0 * inf, softmax of a fully masked row)"
@@ -593,6 +590,22 @@ _ATTENTION_SCORES_FIX = (
 )
 
 
+def _lifted(made) -> bool:
+    """Whether an ``entered_inf`` cause's tensor came into torch as Python or NumPy data in the
+    watch (its ``made`` names that op), not made before the watch."""
+    return getattr(made, "how", None) == "made_by"
+
+
+def _came_in(made) -> str:
+    """Where the inf of an ``entered_inf`` cause came into the watch, and what it may be."""
+    if _lifted(made):
+        return (
+            f"Python or NumPy data that came into torch at {location(made.place)} (a mask built in NumPy, or data "
+            "holding inf: a feature divided by a zero scale, a value read from a file)"
+        )
+    return "made before the watch (a mask made before it, or data holding inf: the batch, a feature read from a file)"
+
+
 def _cause_fix(finding, cause) -> str | None:
     what = cause.held or finding.kind  # what the input held (inf, where the op made nan of it)
     if cause.kind == PRECISION and cause.detail == ATTENTION_SCORES:
@@ -628,6 +641,13 @@ def _cause_fix(finding, cause) -> str | None:
             f"the parameter was {what} before this step: an earlier optimizer step wrote it (a {what} gradient, "
             "a too-high learning rate: watch the step that updated it), or it was loaded so (check the checkpoint: "
             "all(p.isfinite().all() for p in model.parameters()))"
+        )
+    if cause.kind == MATH and cause.detail == ENTERED_INF and _lifted(cause.made):
+        return (
+            f"if {format_meta(cause.tensor)} is data, it held inf when it came into torch at {location(cause.made.place)}: check "
+            "it where it is computed or read (np.isfinite(array).all(), torch.isfinite(x).all() in the dataset's __getitem__) "
+            "and fix or leave out those samples (a zero scale, a log of 0); if it is a mask, mask with "
+            "torch.finfo(dtype).min instead of inf, or zero the masked entries before a matmul or Linear"
         )
     if cause.kind == MATH and cause.detail == ENTERED_INF:
         return (

@@ -588,6 +588,60 @@ def test_an_inf_a_batch_brought_that_a_linear_turns_to_nan_is_not_called_a_mask(
     assert saved.finding.facts["cause"] == cause  # the cause survives the JSON Lines round trip
 
 
+def train_on_numpy_features(array, tmp_path=None):
+    """``train_on_features`` with the table made into a tensor inside the watch, as a whole
+    script under ``python -m opwatch`` does (a dataset read with NumPy at the top)."""
+    torch.manual_seed(0)
+    model = FeatureRegressor()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
+    w = opwatch.watch(warn=False, dump_on_error=False)
+    with w:
+        features = torch.from_numpy(array)  # THE TABLE COMES INTO TORCH
+        targets = features.nan_to_num(0, 0, 0).sum(-1)
+        for start in range(0, len(features), 8):
+            loss = F.mse_loss(model(features[start:start + 8]), targets[start:start + 8])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    if tmp_path is not None:
+        w.export_jsonl(tmp_path / "run.jsonl")
+    return w
+
+
+def a_table_with_a_zero_scale(zero: bool) -> np.ndarray:
+    """Features divided by a per-row scale read with the data; with ``zero``, one row's scale
+    is 0 and its features turn to inf of both signs."""
+    generator = np.random.default_rng(0)
+    raw = generator.standard_normal((32, 6)).astype(np.float32)
+    scale = np.abs(raw[:, :1]) + 0.5
+    if zero:
+        scale[3] = 0.0
+    with np.errstate(divide="ignore"):
+        return raw / scale
+
+
+def test_an_inf_numpy_data_brought_into_the_watch_is_not_called_a_mask(tmp_path):
+    """Before, an inf in an array that came into torch under the watch counted as a masking
+    constant: ``a masking -inf met another one or a 0``, fix ``zero the masked entries``. The
+    inf came in with the data: both are told, with where the data came into torch."""
+    w = train_on_numpy_features(a_table_with_a_zero_scale(zero=True), tmp_path)
+    (first, *_) = nonfinite(w)
+    cause = first.finding.facts["cause"]
+    assert first.kind == "nan" and cause.kind == MATH and cause.detail == "entered_inf", cause
+    assert tuple(cause.tensor.shape) == (32, 6) and cause.made.how == "made_by", cause
+    made_at = f"{__file__}:{line_of('# THE TABLE COMES INTO TORCH', __file__)}"
+    assert f"an inf that came in with f32[32, 6] cpu, Python or NumPy data that came into torch at {made_at}" in cause_line(first)
+    assert "masking" not in cause_line(first), cause_line(first)
+    assert f"it held inf when it came into torch at {made_at}" in fix_line(first) and "np.isfinite(array).all()" in fix_line(first)
+    assert "infs that came in with Python or NumPy data (a mask, or data holding inf)" in first.message.split("  cause:")[0], first.message
+    (saved, *_) = [a for a in load(tmp_path / "run.jsonl").anomalies if a.kind == "nan"]
+    assert saved.finding.facts["cause"] == cause and saved.message == first.message
+
+
+def test_the_same_numpy_table_with_no_zero_scale_reports_nothing():
+    assert nonfinite(train_on_numpy_features(a_table_with_a_zero_scale(zero=False))) == []
+
+
 def test_the_same_table_without_the_zero_count_reports_nothing():
     generator = torch.Generator().manual_seed(0)
     assert nonfinite(train_on_features(torch.randn(32, 6, generator=generator))) == []
@@ -607,6 +661,27 @@ class BufferedMaskAttention(nn.Module):
     def forward(self, x):
         scores = self.query(x) @ x.transpose(-1, -2) + self.mask
         return scores.softmax(-1) @ x  # MASKED SOFTMAX
+
+
+class NumpyMaskAttention(BufferedMaskAttention):
+    """The same mask built in NumPy when the module is made (under the watch, as a whole script
+    under ``python -m opwatch`` makes it), kept as a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        mask = np.triu(np.full((4, 4), -np.inf, dtype=np.float32), 1)
+        mask[2] = -np.inf  # every key of query 2 masked
+        self.register_buffer("mask", torch.from_numpy(mask))
+
+
+def test_a_module_s_mask_built_in_numpy_under_the_watch_stays_a_mask():
+    torch.manual_seed(0)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        model = NumpyMaskAttention()
+        model(torch.randn(4, 8)).sum().backward()
+    (first, *_) = nonfinite(w)
+    cause = first.finding.facts["cause"]
+    assert first.op == "aten._softmax.default" and cause.kind == MATH and cause.detail == "masked", cause
 
 
 def test_a_module_s_mask_made_before_the_watch_stays_a_mask():

@@ -32,8 +32,9 @@ The causes, tried in this order:
   an nll_loss mean over finite log-probabilities that is nan divided by a total weight of 0
   (``all_ignored``: every target was ``ignore_index``; ``zero_weight``: each target was
   ignored or of a class of weight 0); a nan made of infs where one came in with a tensor made
-  before the watch (``entered_inf``, ``tensor`` names it: a mask made before the watch, or data
-  holding inf; else ``masked``, the infs of masks the watched ops made);
+  before the watch or an array of Python data (``entered_inf``, ``tensor`` names it, ``made``
+  where it came into torch: a mask made before the watch or built in NumPy, or data holding
+  inf; else ``masked``, the infs of masks the watched ops made);
 - ``unknown``: an input made before the watch is no longer alive, or the op wrote its result
   into it (``detail`` ``"written"``: ``buf.mul_(0.9)`` on a buffer made before the watch, its
   values before the write never read): whether it held the value cannot be told (``tensor``
@@ -518,12 +519,15 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
         # mask: its -inf is not the matter then.
         return Cause(PRECISION, ATTENTION_SCORES, scores.dtype, torch.float64 if scores.dtype != torch.float64 else None, scores.bound, bound=True)
     if origin.from_deliberate and origin.entered_inf is not None:
-        # An inf came in with a tensor made before the watch: a module's mask (a buffer, an
-        # attribute) is deliberate; anything else may be data holding inf, not a mask.
+        # An inf came in with a tensor made before the watch, or with an array of Python data:
+        # a module's mask (a buffer, an attribute) is deliberate; anything else may be data
+        # holding inf, not a mask.
         entered = TensorMeta(*origin.entered_inf)
         tensor = found.get(entered.ident)
         if tensor is None or not _kept_by_a_module(tensor, live.modules):
-            return Cause(MATH, ENTERED_INF, tensor=entered, made=BeforeWatch())
+            lift = writes.made_by(entered.ident, index, tensor, like=entered)
+            made = MadeBy("made_by", Place.of(lift)) if lift is not None and facts_of(lift.func).is_lift else BeforeWatch()
+            return Cause(MATH, ENTERED_INF, tensor=entered, made=made)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
     counted = _nothing_counted(origin, found)

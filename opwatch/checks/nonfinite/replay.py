@@ -740,7 +740,10 @@ def _step_lift(state, entry, outputs, origins) -> None:
     one value (a Python scalar: ``x[i] = float("nan")`` lifts its nan); a nan one is followed
     as an origin to be (:meth:`Origins._nan_constant`). A nan in an array (``torch.from_numpy``,
     ``torch.tensor(array)``, a DataLoader's collate) came with the data: an origin whose cause
-    is the input (:meth:`Origins._data`). An inf stays a constant (a mask built in numpy)."""
+    is the input (:meth:`Origins._data`). An inf stays a constant; in an array it may be a mask
+    built in numpy or data holding inf (a feature divided by a zero scale), so it is noted as
+    having come in (``entered_infs``), as one in a tensor made before the watch is: a nan later
+    made of it tells both (``Origin.entered_inf``)."""
     index = entry[E_INDEX]
     flags = state.flags
     for position, meta in enumerate(outputs):
@@ -756,6 +759,8 @@ def _step_lift(state, entry, outputs, origins) -> None:
             record = state.log.view(entry)
             origin = origins._nan_constant(state, entry, record) if not meta[M_SHAPE] else origins._data(state, entry, record, meta)
             _mark_sinks(origin, flags.refs[key], state.accumulates)
+        elif meta[M_SHAPE]:
+            state.entered_infs.setdefault(ident, meta)
         state.status[ident] = (kind, origin)
         state.live[ident] = flags.refs[key]
 
