@@ -17,7 +17,7 @@ from ..core.notation import format_dtype, format_meta
 from ..core.ops import named_new_data
 from ..core.records import BACKWARD
 from ..core.sites import display_path
-from .phrases import location, where_made
+from .phrases import place_location, where_made
 from .rules import causes, explains
 
 __all__ = ["explain_origin", "explain_received", "explain_overflow_risk", "explain_cause"]
@@ -600,7 +600,7 @@ def _came_in(made) -> str:
     """Where the inf of an ``entered_inf`` cause came into the watch, and what it may be."""
     if _lifted(made):
         return (
-            f"Python or NumPy data that came into torch at {location(made.place)} (a mask built in NumPy, or data "
+            f"Python or NumPy data that came into torch at {place_location(made.place)} (a mask built in NumPy, or data "
             "holding inf: a feature divided by a zero scale, a value read from a file)"
         )
     return "made before the watch (a mask made before it, or data holding inf: the batch, a feature read from a file)"
@@ -644,7 +644,7 @@ def _cause_fix(finding, cause) -> str | None:
         )
     if cause.kind == MATH and cause.detail == ENTERED_INF and _lifted(cause.made):
         return (
-            f"if {format_meta(cause.tensor)} is data, it held inf when it came into torch at {location(cause.made.place)}: check "
+            f"if {format_meta(cause.tensor)} is data, it held inf when it came into torch at {place_location(cause.made.place)}: check "
             "it where it is computed or read (np.isfinite(array).all(), torch.isfinite(x).all() in the dataset's __getitem__) "
             "and fix or leave out those samples (a zero scale, a log of 0); if it is a mask, mask with "
             "torch.finfo(dtype).min instead of inf, or zero the masked entries before a matmul or Linear"

@@ -12,7 +12,7 @@ from ..core.notation import format_meta
 from ..core.records import BACKWARD, short_op_name
 from ..core.sites import display_path
 
-__all__ = ["location", "module_label", "module_of", "named", "place", "where_made"]
+__all__ = ["module_label", "module_of", "named", "place", "place_location", "where_made"]
 
 
 def module_label(path: str, cls: str | None) -> str:
@@ -54,7 +54,7 @@ def where_made(made) -> str:
         return text
     if detail.how == "python_data":
         lifted = detail.lifted
-        data = f"made by {_call(detail.expression)} at {location(made.place if lifted is None else lifted)} (Python or NumPy data entering torch)"
+        data = f"made by {_call(detail.expression)} at {place_location(made.place if lifted is None else lifted)} (Python or NumPy data entering torch)"
         return data if lifted is None else f"{data}, then taken by {place(made.place)}"
     if detail.how == "from_module":
         return f"taken from {_held(detail.kind, detail.cls, detail.name, detail.path)} by {place(made.place)}"
@@ -90,10 +90,10 @@ def place(where) -> str:
     a JSON round trip makes of one)."""
     if not isinstance(where, Place):
         where = Place(*where)
-    return f"{short_op_name(where.op)} at {location(where)}"
+    return f"{short_op_name(where.op)} at {place_location(where)}"
 
 
-def location(where) -> str:
+def place_location(where) -> str:
     """``train.py:23`` of a :class:`Place` (or the list a JSON round trip makes of one), in
     the one location format."""
     if not isinstance(where, Place):
