@@ -14,12 +14,13 @@ import sysconfig
 import types
 import warnings
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from .compat import engine_entry_code
 
-__all__ = ["display_path", "file_line", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "lone_call", "warn_at_user"]
+__all__ = ["display_path", "file_line", "location", "USER", "INTERNAL", "ENGINE", "classify_code", "user_frame", "Position", "position_of", "source_line", "lone_call", "UserLine", "user_line", "warn_at_user"]
 
 # How a code object is classified by the frame walk (cached per code object).
 INTERNAL = 0  # torch, opwatch or the interpreter's own machinery: keep walking outwards
@@ -129,13 +130,20 @@ def program_line(frame) -> str | None:
     return None
 
 
-def warn_at_user(warning: Warning, *, frame=None) -> None:
-    """Issue ``warning`` at the user's line, the way Python shows its own warnings: the
-    innermost frame from ``frame`` (the caller's by default) outwards that runs the program's
-    own code, not torch, opwatch, the standard library or an installed package (a trainer's
-    ``call.py``, ``torch/optim/optimizer.py``); when there is none, the innermost user frame as
-    ops are attributed (:func:`classify_code`), else the caller. Python's once-per-location
-    filters then apply to that line."""
+class UserLine(NamedTuple):
+    """The line a warning is issued at (:func:`user_line`), kept after its frame returned."""
+
+    filename: str
+    lineno: int
+    module_globals: dict  # the module's: its name, its warning registry, its loader
+
+
+def user_line(frame=None) -> UserLine:
+    """The user's line, the way Python shows its own warnings: the innermost frame from
+    ``frame`` (the caller's by default) outwards that runs the program's own code, not torch,
+    opwatch, the standard library or an installed package (a trainer's ``call.py``,
+    ``torch/optim/optimizer.py``); when there is none, the innermost user frame as ops are
+    attributed (:func:`classify_code`), else the caller."""
     start = frame if frame is not None else sys._getframe(1)
     found = fallback = None
     walk = start
@@ -149,19 +157,29 @@ def warn_at_user(warning: Warning, *, frame=None) -> None:
         walk = walk.f_back
     at = found or fallback or start
     try:
-        context = at.f_globals
-        registry = context.setdefault("__warningregistry__", {})
-        place = (warning, type(warning), at.f_code.co_filename, at.f_lineno)
-        module = context.get("__name__", "<string>")
-        try:
-            warnings.warn_explicit(*place, module=module, registry=registry, module_globals=context)
-        except (ImportError, OSError):
-            # The module's loader cannot give its source by that name: a script run with
-            # ``python -m package.main`` is ``__main__`` to its loader's ``package.main``.
-            # Python reads the line from the file instead (nothing was warned yet).
-            warnings.warn_explicit(*place, module=module, registry=registry)
+        return UserLine(at.f_code.co_filename, at.f_lineno, at.f_globals)
     finally:
         del start, walk, at, found, fallback
+
+
+def warn_at_user(warning: Warning, *, frame=None, line: UserLine | None = None) -> None:
+    """Issue ``warning`` at the user's line (:func:`user_line` from ``frame``, the caller's by
+    default), or at ``line``, kept from an earlier moment (a run that ended after a failed
+    step: the step's line, not opwatch's own). Python's once-per-location filters then apply
+    to that line."""
+    if line is None:
+        line = user_line(frame if frame is not None else sys._getframe(1))
+    context = line.module_globals
+    registry = context.setdefault("__warningregistry__", {})
+    place = (warning, type(warning), line.filename, line.lineno)
+    module = context.get("__name__", "<string>")
+    try:
+        warnings.warn_explicit(*place, module=module, registry=registry, module_globals=context)
+    except (ImportError, OSError):
+        # The module's loader cannot give its source by that name: a script run with
+        # ``python -m package.main`` is ``__main__`` to its loader's ``package.main``.
+        # Python reads the line from the file instead (nothing was warned yet).
+        warnings.warn_explicit(*place, module=module, registry=registry)
 
 
 class Position:

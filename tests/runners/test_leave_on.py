@@ -333,6 +333,14 @@ def test_guard_cli_strict_names_the_command_when_the_loop_ends_before_the_rechec
     assert "To find the op that made them: python -m opwatch --strict train.py." in result.stderr
 
 
+def test_guard_cli_tells_a_loop_that_ended_before_the_recheck_at_the_failed_step_s_line(tmp_path):
+    """The run ends after the failed step's check: no frame of the script runs any more when it
+    is told. Before, it was told at opwatch's own line (``opwatch/runners/policy/outcomes.py``)."""
+    result = run_guard(tmp_path, NAN_AT=6)
+    (told,) = [line for line in result.stderr.splitlines() if "loop ended before another optimizer step" in line]
+    assert re.match(rf"\S*train\.py:{train_line('optimizer.step()')}: OpwatchWarning: opwatch: optimizer step 6: ", told), told
+
+
 DATA_GLITCH = """\
 import torch
 from torch import nn

@@ -64,9 +64,12 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._agreement: Agreement | None = None
         self._job_read = False
         # The optimizer-step triggers' state (leave-on): the failed step the running audit
-        # re-checks; the step a trainer replayed; in a job, the step every rank watched (audit
-        # or replay); the origin told at the latest failure (in a job, maybe another rank's).
+        # re-checks, and the line of the program that stepped it (core.sites.UserLine: a run
+        # that ends before the re-check is told there); the step a trainer replayed; in a job,
+        # the step every rank watched (audit or replay); the origin told at the latest failure
+        # (in a job, maybe another rank's).
         self.recheck_of: int | None = None
+        self._recheck_line = None
         self._replayed_at: int | None = None
         self._watched_all_at: int | None = None
         self._decided_origin = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 
-from ...core.sites import warn_at_user
+from ...core.sites import UserLine, warn_at_user
 from ...findings.anomaly import OpwatchWarning
 from ...findings.ranks import RankAnomaly
 from ...render import leave_on as words
@@ -47,9 +47,9 @@ def max_failed_option(value) -> int | None:
     return value
 
 
-def warn(text: str) -> None:
-    """Warn, attributed to the user's line that called the optimizer step (or ended the run)."""
-    warn_at_user(OpwatchWarning(text))
+def warn(text: str, line: UserLine | None = None) -> None:
+    """Warn, attributed to the user's line that called the optimizer step, or to ``line``."""
+    warn_at_user(OpwatchWarning(text), line=line)
 
 
 def warn_at(warning, anomaly) -> None:

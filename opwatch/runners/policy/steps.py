@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from ...core.sites import user_line
 from ...findings.anomaly import AnomalyError, OpwatchWarning
 from ...render import guard as guard_words
 from ...render import leave_on as words
@@ -422,7 +423,7 @@ class OptimizerSteps:
                 warn(words.poisoned(step, weights, from_finite=False, rank=self.rank))
                 return
         if self.told() and not audited_now and ledger.latest.origin is None:  # guard_trainer's replay may have named it
-            self.recheck_of = step
+            self.recheck_of, self._recheck_line = step, user_line()  # where a run that ends first is told
             trigger.start_audit()
 
     def _rechecked(self, step: int, failed_now: bool, trigger) -> None:
@@ -487,4 +488,4 @@ class OptimizerSteps:
             text = words.loop_ended(pending.step, pending.parameters, trigger.rerun, raising=self.on_failure == "raise", loss=pending.loss)
             if self.on_failure == "raise":
                 raise GradientsNotFinite(text, step=pending.step, parameters=pending.parameters)
-            warn(text)
+            warn(text, self._recheck_line)
