@@ -57,8 +57,10 @@ def message_parts(finding, record: OpRecord) -> MessageParts:
     header += f" ({record.phase})" if rank is None else f" ({record.phase}, rank {rank})"
     note = None
     if record.phase == BACKWARD and position.filename:
-        of = f" of {short_op_name(record.forward_func)}" if record.forward_func is not None else ""
-        note = f"(a backward op{of}: the line is the forward op whose gradient it computes)"
+        if record.forward_func is not None:  # run by autograd: its line is its forward op's
+            note = f"(a backward op of {short_op_name(record.forward_func)}: the line is the forward op whose gradient it computes)"
+        else:
+            note = "(a backward op your own code ran: a custom autograd.Function's backward, a hook, or a checkpoint recomputing its forward)"
     problem, expected, fix = explain(finding)
     return MessageParts(header, position.caret_lines(), note, problem, expected, fix, cause_line(finding))
 

@@ -14,6 +14,8 @@ import sys
 import torch
 from torch import nn
 
+import opwatch
+
 from support.equivalence import assert_transparent, ops, run_reference  # noqa: E402
 from support.helpers import MLP, line_of  # noqa: E402
 
@@ -192,3 +194,47 @@ def test_double_backward_ops_point_at_the_forward_line():
     unattributed = [(r.index, r.op, r.where) for r in second if r.filename is None]
     assert unattributed == [], f"double-backward ops without a line: {unattributed}"
     assert {r.lineno for r in second} <= {pow_line, gsum_line}
+
+
+# --------------------------------------------------------------------------------------------
+# a custom autograd.Function's backward: its ops run on its own lines
+# --------------------------------------------------------------------------------------------
+
+
+class SqrtWithItsOwnGradient(torch.autograd.Function):
+    """``sqrt`` of the clamped input, with a backward written by hand (as research code does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clamp_min(0).sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad / (2 * y)  # @custom-backward: y is 0 where the input was not positive
+
+
+def _train_with_a_custom_backward(clamp_from: float):
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 16), nn.Linear(16, 1)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=1e-2)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for _ in range(2):
+            loss = second(SqrtWithItsOwnGradient.apply(first(torch.randn(16, 8)) + clamp_from)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return w
+
+
+def test_a_custom_backward_s_op_is_told_as_run_by_its_own_line_not_as_a_forward_op_s_gradient():
+    (found, *_) = [a for a in _train_with_a_custom_backward(clamp_from=0.0).anomalies if a.kind in ("nan", "inf")]
+    assert (found.op, found.lineno, found.phase) == ("aten.div.Tensor", line_of("# @custom-backward", HERE), "backward")
+    assert "(a backward op your own code ran: a custom autograd.Function's backward, a hook, or a checkpoint recomputing its forward)" in found.message
+    assert "whose gradient it computes" not in found.message, found.message
+
+
+def test_the_same_custom_backward_on_positive_inputs_reports_nothing():
+    assert _train_with_a_custom_backward(clamp_from=10.0).anomalies == []
