@@ -10,7 +10,9 @@ import math
 import torch
 
 from ..checks.finding import Place
-from ..checks.nonfinite.cause import ATTENTION_SCORES, DATA, DELIBERATE, ENTERED_INF, INPUT, MATH, NORM_VARIANCE, PRECISION, UNKNOWN, WEIGHTS, WRITTEN
+from ..checks.nonfinite.cause import (
+    ATTENTION_SCORES, DATA, DELIBERATE, EMPTY_MEAN, ENTERED_INF, INPUT, MATH, NORM_VARIANCE, PRECISION, TOO_FEW_FOR_SPREAD, UNKNOWN, WEIGHTS, WRITTEN,
+)
 from ..checks.nonfinite.rules import HEADROOM_FACTOR, attention_scores
 from ..core.finite import FLOAT8_DTYPES
 from ..core.notation import format_dtype, format_meta
@@ -53,6 +55,14 @@ _CAUSE_FIXES = {
         "every target of this batch was ignore_index, so the mean has nothing to average: skip the loss of such a batch "
         "(if (target != ignore_index).any(): loss.backward()), or take the sum and divide by the count clamped "
         "(F.cross_entropy(..., reduction='sum') / (target != ignore_index).sum().clamp_min(1))"
+    ),
+    EMPTY_MEAN: (
+        "the input is empty at this step (a mask or an index that selected nothing, an empty batch): skip this term when "
+        "it has no values (if mask.any(): ...), or take the sum and divide by the count clamped (x.sum() / mask.sum().clamp_min(1))"
+    ),
+    TOO_FEW_FOR_SPREAD: (
+        "reduce over more values than the correction (a last batch of one: DataLoader(..., drop_last=True)), or take the "
+        "biased estimate (correction=0, unbiased=False), which is 0 for one value"
     ),
     "zero_weight": (
         "no target of this batch weighs anything (each is ignore_index or of a class whose weight is 0), so the mean divides "
@@ -269,6 +279,8 @@ def _input_health(finding) -> str:
             parts.append(f"input {format_meta(meta)}, which {name} wrote its result into: {before} ({_written_why(where)})" if value_range is None else f"input {format_meta(meta)}, before {name} wrote its result into it: {before}")
         elif value_range is None and meta.ident == held:
             parts.append(f"input {format_meta(meta)}: already held {cause.held}")
+        elif meta.shape is not None and 0 in meta.shape:
+            parts.append(f"input {format_meta(meta)}: empty")  # no values: any range it carries says nothing
         elif value_range is None:
             parts.append(f"input {format_meta(meta)}: range unknown ({_unknown_why(where, living)})")
         else:
@@ -376,6 +388,11 @@ _REASONS = {
     "atanh_unit": "atanh(+-1) = +-inf, and outside [-1, 1] it is nan",
     "all_ignored": "every target was ignore_index ({ignore_index}): the mean divided a sum of 0 by a count of 0, 0 / 0 = nan",
     "zero_weight": "every target was ignore_index or of a class of weight 0: the mean divided a sum of 0 by a total weight of 0, 0 / 0 = nan",
+    EMPTY_MEAN: "{name} averages its input, which holds no values: a sum of 0 divided by a count of 0, 0 / 0 = nan",
+    TOO_FEW_FOR_SPREAD: (
+        "{name} divides by the number of values less its correction (1 unless given), and it reduced no more values than "
+        "that (a batch of one): a division by 0, nan"
+    ),
     "ctc_no_alignment": (
         "CTC's loss is inf for a sample no alignment fits: its input is shorter than its target "
         "(plus one step between each pair of repeated labels)"
@@ -384,7 +401,7 @@ _REASONS = {
 
 
 # Details of a mean over no counted target: a 0 / 0 in any dtype.
-_COUNTS = frozenset(("all_ignored", "zero_weight"))
+_COUNTS = frozenset(("all_ignored", "zero_weight", EMPTY_MEAN, TOO_FEW_FOR_SPREAD))
 
 
 def _overflow_reason(detail, name, facts) -> str | None:

@@ -692,3 +692,77 @@ def test_a_module_s_mask_made_before_the_watch_stays_a_mask():
     cause = first.finding.facts["cause"]
     assert first.op == "aten._softmax.default" and cause.kind == MATH and cause.detail == "masked", cause
     assert "a masking -inf met another one or a 0" in cause_line(first)
+
+
+# -- too few values: a mean over none, a variance over one -------------------------------------
+
+
+def train_two_tasks(empty_at: int | None):
+    """A model with two heads; task b is labelled on a random half of each batch's rows, and on
+    none at step ``empty_at``: its loss is the mean over the labelled rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for step in range(6):
+            x, y_a, y_b = torch.randn(16, 8), torch.randn(16), torch.randn(16)
+            labelled = torch.arange(16) % 2 == 0 if step != empty_at else torch.zeros(16, dtype=torch.bool)
+            out = model(x)
+            loss = F.mse_loss(out[:, 0], y_a) + F.mse_loss(out[labelled, 1], y_b[labelled])  # TASK B'S LOSS
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return w
+
+
+def test_a_mean_over_rows_a_mask_left_empty_is_told_as_no_values_not_undecided():
+    """Before: ``not decided: mse_loss could not be run again in a wider dtype``."""
+    (first, *_) = nonfinite(train_two_tasks(empty_at=3))
+    cause = first.finding.facts["cause"]
+    assert (first.op, first.lineno) == ("aten.mse_loss.default", line_of("# TASK B'S LOSS", __file__))
+    assert cause.kind == MATH and cause.detail == "empty_mean", cause
+    assert "mse_loss averages its input, which holds no values" in cause_line(first), cause_line(first)
+    assert "input f32[0] cpu: empty" in first.message and "skip this term when it has no values" in fix_line(first)
+
+
+def test_the_same_two_tasks_with_rows_for_each_report_nothing():
+    assert nonfinite(train_two_tasks(empty_at=None)) == []
+
+
+class Features(Dataset):
+    def __init__(self, count):
+        generator = torch.Generator().manual_seed(0)
+        self.rows = torch.randn(count, 6, generator=generator)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def train_with_batch_statistics(count: int, drop_last: bool):
+    """Each batch standardised by its own statistics, as a hand-written batch norm does."""
+    torch.manual_seed(0)
+    model = FeatureRegressor()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
+    with opwatch.watch(warn=False, dump_on_error=False) as w:
+        for batch in DataLoader(Features(count), batch_size=8, drop_last=drop_last):
+            batch = (batch - batch.mean(0)) / batch.std(0)  # STANDARDISED
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return w
+
+
+def test_the_spread_of_a_last_batch_of_one_is_told_as_too_few_values():
+    (first, *_) = nonfinite(train_with_batch_statistics(count=17, drop_last=False))
+    cause = first.finding.facts["cause"]
+    assert (first.op, first.lineno) == ("aten.std.correction", line_of("# STANDARDISED", __file__))
+    assert cause.kind == MATH and cause.detail == "too_few_for_spread", cause
+    assert "drop_last=True" in fix_line(first), fix_line(first)
+
+
+def test_the_same_loader_dropping_the_last_batch_reports_nothing():
+    assert nonfinite(train_with_batch_statistics(count=17, drop_last=True)) == []

@@ -31,7 +31,9 @@ The causes, tried in this order:
   show, when they do);
   an nll_loss mean over finite log-probabilities that is nan divided by a total weight of 0
   (``all_ignored``: every target was ``ignore_index``; ``zero_weight``: each target was
-  ignored or of a class of weight 0); a nan made of infs where one came in with a tensor made
+  ignored or of a class of weight 0); a mean over no values or a variance over no more values
+  than its correction (``empty_mean``, ``too_few_for_spread``: :func:`_too_few_values`); a
+  nan made of infs where one came in with a tensor made
   before the watch or an array of Python data (``entered_inf``, ``tensor`` names it, ``made``
   where it came into torch: a mask made before the watch or built in NumPy, or data holding
   inf; else ``masked``, the infs of masks the watched ops made);
@@ -72,7 +74,7 @@ from .aliases import Aliases
 from .origin import LeafRecipe, MovedRecipe
 from .rules import CHECKED_DTYPES, COMPLEX, PLAIN_TYPES, STRIDED, ValueRange, attention_scores, largest_magnitude, moved_range, read_ranges, written_inputs
 
-__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES", "NORM_VARIANCE"]
+__all__ = ["Cause", "decide_causes", "fold_same_source", "range_cause", "read_ranges", "written_inputs", "WRITTEN", "PRECISION", "MATH", "INPUT", "WEIGHTS", "UNKNOWN", "DELIBERATE", "DELIBERATE_CAUSE", "NAN_CONSTANT_CAUSE", "NLL_OPS", "DATA", "ENTERED_INF", "ATTENTION_SCORES", "NORM_VARIANCE", "EMPTY_MEAN", "TOO_FEW_FOR_SPREAD"]
 
 PRECISION, MATH, INPUT, WEIGHTS, UNKNOWN, DELIBERATE = "precision", "math", "input", "weights", "unknown", "deliberate"
 
@@ -530,6 +532,9 @@ def _decide(origin, recipes, found, health, writes, live) -> Cause | None:
             return Cause(MATH, ENTERED_INF, tensor=entered, made=made)
     if origin.from_deliberate:
         return Cause(MATH, "masked")
+    few = _too_few_values(origin)
+    if few is not None:
+        return Cause(MATH, few)
     counted = _nothing_counted(origin, found)
     if counted is not None:
         return Cause(MATH, counted, constant=dict(record.args).get("ignore_index", -100) if counted == "all_ignored" else None)
@@ -613,6 +618,48 @@ def _nothing_counted(origin, found) -> str | None:
         except Exception:  # a tensor subclass that does not compare: the weights may be why
             pass
     return "zero_weight"
+
+
+# Ops that average their input's values (a loss by its default reduction, the mean), and those
+# whose variance divides by the count of values less a correction (1 unless given): on too few
+# values each divides by 0, a nan in any dtype.
+_MEANS = frozenset(("mean", "nanmean"))
+_MEAN_LOSSES = frozenset((
+    "mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "nll_loss_forward", "nll_loss2d_forward",
+))
+_SPREADS = frozenset(("std", "var", "std_mean", "var_mean"))
+# The ``detail`` of a MATH cause: a mean over no values (``x[mask].mean()`` with a mask that
+# selected none, a loss of an empty batch); a variance over no more values than its correction
+# (``x.std()`` of a batch of one).
+EMPTY_MEAN = "empty_mean"
+TOO_FEW_FOR_SPREAD = "too_few_for_spread"
+
+
+def _too_few_values(origin) -> str | None:
+    """:data:`EMPTY_MEAN` or :data:`TOO_FEW_FOR_SPREAD` for a nan such an op made from too few
+    values, read from its first floating input's shape and its arguments; else ``None``."""
+    record = origin.record
+    if origin.kind != "nan":
+        return None
+    name = facts_of(record.func).name
+    first = next((meta for meta in record.inputs if meta[M_DTYPE].is_floating_point), None)
+    if first is None or first[M_SHAPE] is None:
+        return None
+    args = dict(record.args)
+    if name in _MEANS or (name in _MEAN_LOSSES and args.get("reduction", _MEAN) == _MEAN):
+        return EMPTY_MEAN if math.prod(first[M_SHAPE]) == 0 else None
+    if name in _SPREADS:
+        correction = args.get("correction")
+        correction = (1 if args.get("unbiased", True) else 0) if correction is None else correction
+        shape, dims = first[M_SHAPE], args.get("dim")
+        if dims is None:
+            count = math.prod(shape)
+        else:
+            dims = (dims,) if isinstance(dims, int) else dims
+            count = math.prod(shape[dim] for dim in dims) if shape else 1
+        return TOO_FEW_FOR_SPREAD if count <= correction else None
+    return None
 
 
 def _unread(name, recipes):
