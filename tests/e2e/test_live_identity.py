@@ -6,8 +6,8 @@ sum of a failed step's loss (``running += loss.detach()``) was named as nan that
 an input made before the step" when a nan scalar of the guard's took the dead loss's id (one
 run in ten of ``test_failure_leftovers``), and as the told failure's leftover otherwise.
 
-The watch keeps the objects that views and in-place writes read (they check no input) weakly,
-with the op that read them: a dead one read at or after the op asked about means that the
+The watch keeps the objects that ``detach`` and in-place writes read (they check no input)
+weakly, with the op that read them: a dead one read at or after the op asked about means that the
 object found under its id now is a newer tensor."""
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def looked_up(w, ident, tensor, index):
     return _LiveObjects(w._earlier_blocks.may_be).tensors(wanted)  # the watch's own tables
 
 
-def test_a_tensor_that_took_the_id_of_a_dead_one_a_view_read_is_not_it():
+def test_a_tensor_that_took_the_id_of_a_dead_one_detach_read_is_not_it():
     running = torch.zeros(())
     loss = torch.tensor(float("nan"))  # a failed step's loss, made before the watch
     with opwatch.watch(warn=False, dump_on_error=False) as w:
-        running += loss.detach()  # a view and an in-place write: neither checks its input
+        running += loss.detach()  # detach and an in-place write: neither checks its input
     read_at = index_of(w, "aten.detach.default")
     ident = id(loss)
     del loss
@@ -59,7 +59,7 @@ def test_a_tensor_that_took_the_id_of_a_dead_one_a_view_read_is_not_it():
     assert looked_up(w, ident, newer, read_at) == {}
 
 
-def test_the_tensor_a_view_read_is_still_found_while_it_lives():
+def test_the_tensor_detach_read_is_still_found_while_it_lives():
     running = torch.zeros(())
     loss = torch.tensor(float("nan"))
     with opwatch.watch(warn=False, dump_on_error=False) as w:

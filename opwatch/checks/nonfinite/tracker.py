@@ -100,8 +100,8 @@ class EarlierBlocks:
     object a freed one's address), and only these tables tell the two apart
     (:meth:`outside_since`). ``unchecked`` does the same for the live objects a check point
     finds under the ids the log names (:meth:`may_be`): id -> (weak reference, op index) of
-    the tensors that views and in-place writes read, which check no input, when no op of the
-    watch made them known. Dead entries are dropped whenever a table has doubled, so memory
+    the tensors that in-place writes and ``detach`` read, which check no input, when no op of
+    the watch made them known. Dead entries are dropped whenever a table has doubled, so memory
     stays flat however many blocks run."""
 
     __slots__ = ("known", "made", "outside", "unchecked", "origins", "failure_told", "block_start", "_made_limit", "_outside_limit", "_unchecked_limit")
@@ -164,8 +164,9 @@ class EarlierBlocks:
             self._outside_limit = max(_KNOWN_START, 2 * len(self.outside))
 
     def read_unchecked(self, tensor, index: int) -> None:
-        """``tensor``, which no op of the watch made known, was read at op ``index`` by a view
-        or an in-place write: kept as the object under its id from then on (:meth:`may_be`)."""
+        """``tensor``, which no op of the watch made known, was read at op ``index`` by an
+        in-place write or ``detach``: kept as the object under its id from then on
+        (:meth:`may_be`)."""
         unchecked = self.unchecked
         ident = id(tensor)
         ref, _ = unchecked.get(ident, _UNKNOWN)
@@ -179,7 +180,7 @@ class EarlierBlocks:
     def may_be(self, ident: int, tensor, index: int) -> bool:
         """Whether ``tensor``, alive now under ``ident``, may be the tensor op ``index`` read
         under it. Not when the watch saw a tensor under the id at or after that op (first read
-        outside its ops, or read by a view or an in-place write) that is dead now: the tensor
+        outside its ops, or read by an in-place write or ``detach``) that is dead now: the tensor
         read then died, and ``tensor`` took its id later (a tensor made outside the watch's
         ops: a guard's own gradient norm at the check point, a loss of the next step made
         before the watch). Where no table tells, it may be. Slow path: causes only."""
