@@ -552,12 +552,21 @@ class FeatureRegressor(nn.Module):
 
 
 def train_on_features(features, tmp_path=None):
+    """SGD over the table ``features`` in batches of 8: a tensor made before the watch, or a
+    NumPy array made into one inside it, as a whole script under ``python -m opwatch`` does (a
+    dataset read with NumPy at the top)."""
     torch.manual_seed(0)
     model = FeatureRegressor()
     optimizer = torch.optim.SGD(model.parameters(), 1e-2)
-    targets = features.nan_to_num(0, 0, 0).sum(-1)
+    lifted = isinstance(features, np.ndarray)
+    if lifted:
+        targets = torch.from_numpy(np.nan_to_num(features, nan=0, posinf=0, neginf=0).sum(-1))
+    else:
+        targets = features.nan_to_num(0, 0, 0).sum(-1)
     w = opwatch.watch(warn=False, dump_on_error=False)
     with w:
+        if lifted:
+            features = torch.from_numpy(features)  # THE TABLE COMES INTO TORCH
         for start in range(0, len(features), 8):
             loss = F.mse_loss(model(features[start:start + 8]), targets[start:start + 8])
             optimizer.zero_grad()
@@ -588,26 +597,6 @@ def test_an_inf_a_batch_brought_that_a_linear_turns_to_nan_is_not_called_a_mask(
     assert saved.finding.facts["cause"] == cause  # the cause survives the JSON Lines round trip
 
 
-def train_on_numpy_features(array, tmp_path=None):
-    """``train_on_features`` with the table made into a tensor inside the watch, as a whole
-    script under ``python -m opwatch`` does (a dataset read with NumPy at the top)."""
-    torch.manual_seed(0)
-    model = FeatureRegressor()
-    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
-    w = opwatch.watch(warn=False, dump_on_error=False)
-    with w:
-        features = torch.from_numpy(array)  # THE TABLE COMES INTO TORCH
-        targets = features.nan_to_num(0, 0, 0).sum(-1)
-        for start in range(0, len(features), 8):
-            loss = F.mse_loss(model(features[start:start + 8]), targets[start:start + 8])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    if tmp_path is not None:
-        w.export_jsonl(tmp_path / "run.jsonl")
-    return w
-
-
 def a_table_with_a_zero_scale(zero: bool) -> np.ndarray:
     """Features divided by a per-row scale read with the data; with ``zero``, one row's scale
     is 0 and its features turn to inf of both signs."""
@@ -624,7 +613,7 @@ def test_an_inf_numpy_data_brought_into_the_watch_is_not_called_a_mask(tmp_path)
     """Before, an inf in an array that came into torch under the watch counted as a masking
     constant: ``a masking -inf met another one or a 0``, fix ``zero the masked entries``. The
     inf came in with the data: both are told, with where the data came into torch."""
-    w = train_on_numpy_features(a_table_with_a_zero_scale(zero=True), tmp_path)
+    w = train_on_features(a_table_with_a_zero_scale(zero=True), tmp_path)
     (first, *_) = nonfinite(w)
     cause = first.finding.facts["cause"]
     assert first.kind == "nan" and cause.kind == MATH and cause.detail == "entered_inf", cause
@@ -639,7 +628,7 @@ def test_an_inf_numpy_data_brought_into_the_watch_is_not_called_a_mask(tmp_path)
 
 
 def test_the_same_numpy_table_with_no_zero_scale_reports_nothing():
-    assert nonfinite(train_on_numpy_features(a_table_with_a_zero_scale(zero=False))) == []
+    assert nonfinite(train_on_features(a_table_with_a_zero_scale(zero=False))) == []
 
 
 def test_the_same_table_without_the_zero_count_reports_nothing():
