@@ -208,16 +208,24 @@ def loss_here_only(step: int, kind: str | None, rank: int) -> str:
             "so that their weights never drift apart).")
 
 
-def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None) -> str:
+def recheck(failed_step: int, step: int, origin, *, failed_again: bool, rank=None, turn: tuple[int, int] | None = None) -> str:
     """What the full watch of ``step`` found of the failure of ``failed_step``: ``origin`` is
-    the :class:`NamedOrigin` of the first nan/inf origin it found, or ``None``."""
+    the :class:`NamedOrigin` of the first nan/inf origin it found, or ``None``. ``turn``:
+    ``(the failed step before, the interval)`` when ``step`` was watched as the turn of a failure
+    that recurred at that interval, else ``None`` (the step after the failure)."""
+    before, every = turn or (None, None)
+    which = f"step {failed_step}" if turn is None else f"steps {before} and {failed_step}"
+    at = f"step {step}" if turn is None else f"step {step}, its next turn (every {every} steps, watched fully)"
     if origin is not None:
-        return f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}: {origin_words(origin)}."
+        return f"{_who(rank)}: the failure of {which} recurred at {at}: {origin_words(origin)}."
     if failed_again:
         return (
-            f"{_who(rank)}: the failure of step {failed_step} recurred at step {step}, but no op of that step made the nan/inf: "
+            f"{_who(rank)}: the failure of {which} recurred at {at}, but no op of that step made the nan/inf: "
             "they came in with the weights, the batch or the optimizer's state."
         )
+    if turn is not None:
+        return (f"{_who(rank)}: the failure of {which} did not recur at step {step}, its next turn (every {every} steps): "
+                "it ran under a full watch and its gradients were finite.")
     return f"{_who(rank)}: the failure of step {failed_step} did not recur: step {step} ran under a full watch and its gradients were finite."
 
 

@@ -217,6 +217,22 @@ def test_ddp_raise_every_rank_raises_naming_rank_1_s_batch():
     assert "The optimizer did not run on them. Every rank does the same." in result.stderr
 
 
+def test_ddp_a_nan_torch_makes_on_rank_1_every_third_step_is_named_at_its_turn_on_every_rank():
+    """Rank 1's loss takes the square root of a negative at steps 3, 6, 9 and 12. The step
+    after each failure passes its re-check; the ranks agree on the interval, watch step 9 together
+    and name rank 1's op and line on both."""
+    result = _bad_batch(OP_NAN="1", EVERY="3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stderr
+    line = line_of(".sqrt().mean()", str(SCENARIOS / "dist_bad_batch.py"))
+    for rank, where in ((0, " on rank 1"), (1, "")):
+        assert f"opwatch (rank {rank}): the failure of step 3 did not recur: step 4 ran under a full watch" in text, text[-4000:]
+        assert (f"opwatch (rank {rank}): the failure of steps 3 and 6 recurred at step 9, its next turn (every 3 steps, watched "
+                f"fully): nan first made by aten.sqrt.default at dist_bad_batch.py:{line} (forward){where}.") in text, text[-4000:]
+    assert text.count("opwatch guard: 12 optimizer steps ran, 4 audited under a full watch, 4 failed") == 2, text[-4000:]
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
+
+
 def test_ddp_a_nan_torch_made_on_rank_1_blames_no_batch():
     """Rank 1's loss takes the square root of a negative at step 4: every rank's batch was
     finite, so no rank names one; the re-check of step 5 finds it did not recur (the log's

@@ -9,7 +9,8 @@ every rank's hold the nan); ``$DDP=0`` keeps each rank's own gradients, with one
 step; ``$FSDP=1`` shards it with FSDP2's ``fully_shard`` instead, bfloat16 parameters (its
 pre-forward hook casts the batch to bfloat16) and float32 gradient reduction. ``$MICRO`` micro-batches a step (default 1). ``$OP_NAN=1``: no record is corrupted, and
 rank 1's loss takes the square root of a negative at its fourth batch instead (torch makes the
-nan: no batch is to blame). The process group times out after 30 s.
+nan: no batch is to blame); with ``$EVERY=k`` it does so at every k-th step of ``4 * k`` (a
+failure at a steady interval). The process group times out after 30 s.
 """
 
 import os
@@ -24,6 +25,9 @@ rank = dist.get_rank()
 bad_ranks = {int(name) for name in os.environ.get("BAD_RANKS", "1").split(",") if name}
 micro = int(os.environ.get("MICRO", "1"))
 op_nan = os.environ.get("OP_NAN") == "1"
+every = int(os.environ.get("EVERY", "0"))
+steps = 4 * every if every else 6
+nan_steps = set(range(every, steps + 1, every)) if every else {4}
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 if os.environ.get("FSDP") == "1":
@@ -38,13 +42,13 @@ elif os.environ.get("DDP", "1") == "1":
     model = nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 shard = torch.Generator().manual_seed(rank)
-data = [torch.randn(8, 8, generator=shard) for _ in range(6 * micro)]
+data = [torch.randn(8, 8, generator=shard) for _ in range(steps * micro)]
 if rank in bad_ranks and not op_nan:
     data[3 * micro][1, 1] = float("nan")  # a corrupted record, in the fourth optimizer step's first micro-batch
 for start in range(0, len(data), micro):
     for index in range(start, start + micro):
         out = model(data[index])  # the model is fed
-        shift = 100.0 if op_nan and rank == 1 and index == 3 * micro else 0.0
+        shift = 100.0 if op_nan and rank == 1 and index // micro + 1 in nan_steps and index % micro == 0 else 0.0
         loss = (out.float().pow(2) + 1 - shift).sqrt().mean() / micro
         loss.backward()
     optimizer.step()

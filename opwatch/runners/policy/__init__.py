@@ -37,6 +37,7 @@ from .calls import GuardedCalls
 from .late import LateVerdicts
 from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, max_failed_option, origin_facts, warn_at
 from .steps import OptimizerSteps
+from .turns import FailureTurns
 from .verdict import ProgramWrites, StepVerdict, nonfinite_of
 
 __all__ = ["StepPolicy", "StepVerdict", "ProgramWrites", "GradientsNotFinite", "RunStuck", "nonfinite_of", "origin_facts",
@@ -74,6 +75,8 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._watched_all_at: int | None = None
         self._decided_origin = None
         self._same_backward = False  # the step being decided applies the gradients the step before did
+        self.turns = FailureTurns()  # a failure that recurs every k steps: its next turn watched fully
+        self._turn: tuple[int, int] | None = None  # (the failed step before, the interval) of the turn being watched
         # The GradScaler streak a full watch was started for (its first step's count), and the
         # skips in a row then: the run stops once that watch saw a whole skipped step.
         self._stuck_watched: int | None = None

@@ -415,20 +415,38 @@ class OptimizerSteps:
             return  # a step on the re-checked failure's backward: the re-check waits for the next batch
         if trigger.auditing:
             self._rechecked(step, failed_now, trigger)
-        if not failed_now or ledger.poisoned_since is not None:
+        if not failed_now:
+            if ledger.poisoned_since is None and not trigger.auditing:
+                failed = self.turns.due(step)
+                if failed is not None:
+                    self._watch_turn(failed, trigger)
+            return
+        if ledger.poisoned_since is not None:
             return
         if self.on_failure == "apply":
             weights = self.poisoned(named(), step, since=step)
             if weights is not None:  # from now on every step carries them: no op of a later step is the origin
                 warn(words.poisoned(step, weights, from_finite=False, rank=self.rank))
                 return
-        if self.told() and not audited_now and ledger.latest.origin is None:  # guard_trainer's replay may have named it
+        if audited_now or ledger.latest.origin is not None:  # guard_trainer's replay may have named it
+            self.turns.named()
+        elif self.told():
+            self.turns.failed(step, ledger.latest.cause)
             self.recheck_of, self._recheck_line = step, user_line()  # where a run that ends first is told
             trigger.start_audit()
+
+    def _watch_turn(self, failed: int, trigger) -> None:
+        """The step after this one is the turn of failed step ``failed``, whose failure recurred
+        at a steady interval (:class:`~opwatch.runners.policy.turns.FailureTurns`): watched
+        fully, from its start, as that failure's re-check."""
+        self._turn = (self.turns.before, self.turns.every)
+        self.recheck_of, self._recheck_line = failed, user_line()
+        trigger.start_audit()
 
     def _rechecked(self, step: int, failed_now: bool, trigger) -> None:
         """The audit of ``step`` ends; when it re-checked a failure, what it found is told."""
         recheck, self.recheck_of = self.recheck_of, None
+        turn, self._turn = self._turn, None
         origin = trigger.audit_origin() if recheck is not None else None
         if recheck is not None and self._agreement is not None:  # every rank re-checked this step
             if failed_now:  # found and exchanged at the check before it
@@ -450,7 +468,7 @@ class OptimizerSteps:
         # A bad batch told as such needs no "did not recur": only an origin the re-check found is news.
         quiet = rechecked is not None and rechecked.cause == "input" and origin is None
         if recheck is not None and not quiet:
-            warn(words.recheck(recheck, step, origin_facts(origin), failed_again=failed_now, rank=self.rank))
+            warn(words.recheck(recheck, step, origin_facts(origin), failed_again=failed_now, rank=self.rank, turn=turn))
 
     def ended_unjudged(self, trigger, losses: list, *, unjudged: bool) -> None:
         """The run ends; ``unjudged``: with ops after its last optimizer step that no check saw
