@@ -138,19 +138,20 @@ class UserLine(NamedTuple):
     module_globals: dict  # the module's: its name, its warning registry, its loader
 
 
-def user_line(frame=None) -> UserLine:
+def user_line(frame=None, *, installed: bool = False) -> UserLine:
     """The user's line, the way Python shows its own warnings: the innermost frame from
     ``frame`` (the caller's by default) outwards that runs the program's own code, not torch,
     opwatch, the standard library or an installed package (a trainer's ``call.py``,
     ``torch/optim/optimizer.py``); when there is none, the innermost user frame as ops are
-    attributed (:func:`classify_code`), else the caller."""
+    attributed (:func:`classify_code`), else the caller. ``installed``: the innermost user frame
+    as ops are attributed, an installed package's included (a Hugging Face model's line)."""
     start = frame if frame is not None else sys._getframe(1)
     found = fallback = None
     walk = start
     while walk is not None:
         code = walk.f_code
         if classify_code(code) == USER:
-            if _top_level_package(code.co_filename) is None:
+            if installed or _top_level_package(code.co_filename) is None:
                 found = walk
                 break
             fallback = fallback or walk

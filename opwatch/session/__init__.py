@@ -23,6 +23,7 @@ from ..modes.interceptor import OpInterceptor, keep_dynamo_out
 from ..modes.module_calls import ModuleCalls
 from ..modes.modules import ModuleStack
 from ..modes.ranks import DistributedWatch
+from ..modes.torch_warnings import torch_warnings
 from ..findings.ranks import DEFAULT_TIMEOUT, AllAnomalies, all_anomalies, publish
 from ..core.records import OpLog, OpRecord
 from ..core.sites import warn_at_user
@@ -378,6 +379,7 @@ class Watch:
                 self._graphs = None
             raise
         self._interceptor, self._modules = interceptor, modules
+        torch_warnings.enter()  # torch's warnings at the program's line, not the modes'
         # The function mode is entered after the dispatch mode and left before it: it logs into
         # the interceptor's log and index, so it only ever runs while the interceptor does.
         # (The two modes live on separate stacks; torch runs a function mode's handler with the
@@ -420,6 +422,7 @@ class Watch:
             finally:
                 interceptor.__exit__(exc_type, exc, traceback_)
         finally:
+            torch_warnings.exit()
             self._modules.uninstall()
             self._modules = None
             _compiled.release(self._compiled_calls)

@@ -59,6 +59,7 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "modes/modules": ("e2e/test_attribution.py",),
     "modes/module_calls": ("e2e/test_dtype_device_rules.py",),
     "modes/ranks": (f"{DISTRIBUTED}::test_collective_mismatch_check",),
+    "modes/torch_warnings": ("e2e/test_torch_warnings.py",),
     "modes/reducer": (f"{DISTRIBUTED}::test_ddp_reducer_ops_are_backward_and_named",),
     # runners/
     "runners/batches": ("e2e/test_kept_batches.py::test_left_on_a_bad_micro_batch_is_named_with_its_call_in_the_step",),
