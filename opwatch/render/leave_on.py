@@ -440,7 +440,7 @@ def _left_words(left) -> str:
     fed = left.fed
     if fed is not None:
         return (f"; what they left: the batch held {fed.kind} before the model ran: {fed.model}'s {_fed_argument(fed.argument)} "
-                f"held {fed.kind} when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made it: the data did")
+                f"held {fed.kind} when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made it: it came in with the batch")
     where = stage_words(left.stage, left.called)
     if where:
         return f"; what they left: {where}"
@@ -474,7 +474,7 @@ def evaluation_nan(told, *, rerun: str | None, rank: int | None = None, poisoned
             f"after optimizer step {told.after_step}, returned nan")
     if told.argument is not None:
         return (f"{call}: its {_fed_argument(told.argument)} held {told.kind} when it entered the model (cause: input), so no op of "
-                "the model made it: the data did (the line that made the batch, or what it read: a file, a sample). No gradient "
+                "the model made it: it came in with the batch (the lines that made it, or what they read: a file, a sample). No gradient "
                 "holds it: training goes on, and what the evaluation computes from it (a validation loss) is nan.")
     if poisoned_since is not None:
         return (f"{call} from finite arguments: the weights hold nan/inf since optimizer step {poisoned_since} (told then), and "
@@ -535,12 +535,12 @@ def bad_input(step: int, bad: list, on_failure: str, fed, *, rerun: str | None =
     also = f" (also the batch of {_ranks(set(ranks) - {first})})" if ranks and len(ranks) > 1 else ""
     if fed is None:
         told = (f"{whose} held nan/inf before the model ran{also} (what it held did not reach this rank), so no op of the "
-                "model made them: the data did")
+                "model made them: they came in with the batch")
     else:
         told = (f"{whose} held {fed.kind} before the model ran{also}: {fed.model}'s {_fed_argument(fed.argument)} held {fed.kind} "
-                f"when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made them: the data did")
+                f"when it entered the model{_fed_at(fed.where, fed.call)}, so no op of the model made them: they came in with the batch")
     head = (
-        f"{_who(rank)}: optimizer step {step}: {held}. cause: input: {told} (the line that made the batch, or what it read: a file, "
+        f"{_who(rank)}: optimizer step {step}: {held}. cause: input: {told} (the lines that made it, or what they read: a file, "
         "a numpy array, a sample)."
     )
     every = " Every rank does the same." if rank is not None else ""

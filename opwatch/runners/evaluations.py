@@ -9,7 +9,7 @@ and of each floating argument it took, left on their device: one reduction each,
 no reference to the tensors. The next optimizer step's check (or the run's end) reads them all
 at once (one host read per device; every 4096 calls in a long pass) and tells each call whose
 output held **nan**, with what its
-batch held: nan/inf in an argument is the batch's (the data did it), finite arguments mean the
+batch held: nan/inf in an argument came in with the batch, finite arguments mean the
 model made it. An output holding only inf is not told: a ``-inf`` logit is a mask's, on purpose.
 A model that takes nan on purpose and returns finite values is never told.
 """

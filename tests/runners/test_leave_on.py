@@ -262,7 +262,7 @@ def test_guard_cli_says_when_the_run_ended_before_it_judged_the_last_ops(tmp_pat
     ), result.stderr
     # What those ops left is read at the run's end: the batch held the inf.
     assert ("what they left: the batch held inf before the model ran: Net's argument 0 (f32[8, 4] cpu) held inf when it entered "
-            f"the model at train.py:{train_line('LOSS: the broadcast')}, so no op of the model made it: the data did;") in result.stderr
+            f"the model at train.py:{train_line('LOSS: the broadcast')}, so no op of the model made it: it came in with the batch;") in result.stderr
     assert result.stderr.rstrip("\n").endswith("a full watch checks every op: python -m opwatch --strict train.py")
     # The command it gives finds the nan, at its line.
     environment = dict(os.environ, PYTHONPATH=ROOT, STOP_AT="4")

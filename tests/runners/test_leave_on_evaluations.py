@@ -63,8 +63,8 @@ def test_a_corrupted_validation_record_is_told_at_its_line_as_the_batch_s(tmp_pa
     assert status == 0 and out.out.count("val loss nan") == 2  # training goes on: no step failed
     assert told == [
         "opwatch: a call of Sequential with gradients off (an evaluation) at train.py:20, after optimizer step 6, returned nan: its "
-        "argument 0 (f32[16, 8] cpu) held nan when it entered the model (cause: input), so no op of the model made it: the data did "
-        "(the line that made the batch, or what it read: a file, a sample). No gradient holds it: training goes on, and what the "
+        "argument 0 (f32[16, 8] cpu) held nan when it entered the model (cause: input), so no op of the model made it: it came in with the batch "
+        "(the lines that made it, or what they read: a file, a sample). No gradient holds it: training goes on, and what the "
         "evaluation computes from it (a validation loss) is nan."
     ]  # told once, for both evaluations
     warning = next(warning for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning))

@@ -161,4 +161,4 @@ def test_a_run_the_clip_stops_on_nan_gradients_says_what_its_last_ops_left(tmp_p
                 "the loss backward() ran on was not: they came in after that call") in err
     else:
         assert ("what they left: the batch held nan before the model ran: Scorer's argument 0 (f32[16, 8] cpu) held nan when it "
-                f"entered the model at train.py:{line}, so no op of the model made it: the data did") in err
+                f"entered the model at train.py:{line}, so no op of the model made it: it came in with the batch") in err
