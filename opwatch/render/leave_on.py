@@ -312,7 +312,7 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
     losses = causes.get("loss", 0)
     if not failed:
         why = None  # nothing failed: no cause to give
-    elif set(causes) <= {"gradients", "loss"}:
+    elif set(causes) <= {"gradients", "loss"} and losses < failed:
         why = "nan/inf in the gradients" if not losses else f"nan/inf in the gradients, or in the loss for {losses} of them"
     elif len(causes) == 1:
         why = _CAUSE_WORDS[next(iter(causes))]

@@ -203,7 +203,21 @@ def test_a_nan_loss_with_finite_gradients_fails_its_step_and_the_step_is_skipped
     failure = runner.failures[0]
     assert (failure.step, failure.cause, failure.loss, failure.parameters, failure.action) == (4, "loss", "nan", [], "skipped")
     assert all(unchanged.values())  # AdamW's decay and momentum did not move the weights at the skipped step
-    assert "1 failed (nan/inf in the gradients, or in the loss for 1 of them), 1 of them skipped" in runner.summary()
+    assert "1 failed (a loss not finite), 1 of them skipped" in runner.summary()  # not "in the gradients, or in the loss for 1 of them"
+
+
+@pytest.mark.parametrize("causes, why", [
+    ({"loss": 4}, "a loss not finite"),  # every one a loss (a batch whose every label is ignored, each epoch)
+    ({"gradients": 2, "loss": 1}, "nan/inf in the gradients, or in the loss for 1 of them"),
+    ({"gradients": 3}, "nan/inf in the gradients"),
+    ({"input": 1, "loss": 2}, "the batch held nan/inf: 1; a loss not finite: 2"),
+])
+def test_the_summary_line_gives_each_mix_of_causes_its_words(causes, why):
+    from opwatch.render.leave_on import summary
+
+    failed = sum(causes.values())
+    assert summary(16, 4, failed, True, failed, causes=causes) == (
+        f"opwatch guard: 16 optimizer steps ran, 4 audited under a full watch, {failed} failed ({why}), {failed} of them skipped.")
 
 
 class _ProgramsFunctionMode(torch.overrides.TorchFunctionMode):
