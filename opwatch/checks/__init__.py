@@ -146,6 +146,11 @@ class ActiveChecks:
         finding = module_calls.check_call(module, args)
         return finding if finding is not None and finding.kind in self._enabled else None
 
+    def backward_from(self, tensors) -> None:
+        """``backward()`` runs on ``tensors`` (the loss): told to the nan/inf check, when it is on."""
+        if self.values is not None:
+            self.values.backward_from(tensors)
+
     def flags_wait_on(self, device) -> bool:
         """Whether nan/inf flags wait on ``device``: a host read there pays for a sync anyway."""
         return self.values is not None and self.values.pending_on(device)

@@ -52,19 +52,35 @@ from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
 
+# The calls that start a backward pass from the tensors they are given (the loss): the nan/inf
+# check counts a tensor backward() ran on as a sink. Tensor.backward and autograd.grad hand
+# themselves to a function mode; autograd.backward on the torch versions whose code does.
+_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_BACKWARD = ("backward", None)  # their table value
+
+
+def _backward_calls() -> tuple:
+    """:data:`_BACKWARD_CALLS`, and ``Tensor.backward`` as it is now: a wrapper of it (leave-on
+    keeps each loss) is what Tensor.backward hands to the mode."""
+    return (*_BACKWARD_CALLS, torch.Tensor.backward)
+
 _Tensor = torch.Tensor
 # The name torch gives an optimizer step's profiler region: "Optimizer.step#SGD.step".
 _STEP_REGION = "Optimizer.step#"
 
 
 class FunctionWatch(TorchFunctionMode):
-    """Judges the calls of :func:`opwatch.checks.pre_dispatch.table`'s functions. ``interceptor``
-    is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor` (its log, ``inert`` and the
-    exit of findings, ``findings``); ``kinds``: the anomaly kinds enabled."""
+    """Judges the calls of :func:`opwatch.checks.pre_dispatch.table`'s functions, and tells the
+    watch's ``checks`` (:class:`~opwatch.checks.ActiveChecks`) the tensors each ``backward()``
+    runs on. ``interceptor`` is the watch's :class:`~opwatch.modes.interceptor.OpInterceptor`
+    (its log, ``inert`` and the exit of findings, ``findings``); ``kinds``: the anomaly kinds
+    enabled."""
 
-    def __init__(self, *, modules, interceptor, kinds: frozenset, on_internal_error):
+    def __init__(self, *, modules, interceptor, checks, kinds: frozenset, on_internal_error):
         super().__init__()
-        self._table = pre_dispatch.table()
+        # One lookup a call: the judged functions and the backward calls share the table.
+        self._table = {**pre_dispatch.table(), **dict.fromkeys(_backward_calls(), _BACKWARD)}
+        self._checks = checks
         self._log = interceptor.log
         self._modules = modules
         self._interceptor = interceptor
@@ -128,6 +144,9 @@ class FunctionWatch(TorchFunctionMode):
         return func(*args)
 
     def _judge(self, func, entry, args, kwargs, caller) -> None:
+        if entry is _BACKWARD:
+            self._backward(args, kwargs)
+            return
         try:
             finding = pre_dispatch.judge(entry, args, kwargs, caller.f_code.co_name)
             if finding is None or finding.kind not in self._kinds:
@@ -141,6 +160,19 @@ class FunctionWatch(TorchFunctionMode):
             return
         if error is not None:
             raise error
+
+    def _backward(self, args, kwargs) -> None:
+        """``Tensor.backward(loss)``, ``autograd.backward(tensors)``, ``autograd.grad(outputs,
+        ...)``: the tensors the engine starts from, told to the checks."""
+        try:
+            roots = next(iter(args), None)
+            if roots is None:
+                roots = kwargs.get("tensors", kwargs.get("outputs"))
+            roots = [roots] if isinstance(roots, torch.Tensor) else [root for root in roots or () if isinstance(root, torch.Tensor)]
+            self._checks.backward_from(roots)
+        except Exception as internal:
+            self.inert = True
+            self._on_internal_error(internal, traceback.format_exc())
 
     def _log_call(self, func, name, finding, caller):
         """Log the call as an entry of its own, at the user's line, and return its record."""

@@ -184,6 +184,8 @@ def _story(finding) -> str:
         story += "; it reached a parameter"
     elif facts.reached_gradient:
         story += "; it reached a .grad"
+    elif facts.reached_backward:
+        story += "; backward() ran on it (the loss)"
     picked = _place(facts.picked_by)
     if picked is not None:
         story += (

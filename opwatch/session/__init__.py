@@ -360,7 +360,7 @@ class Watch:
             )
             modules.on_call = ModuleCalls(checks=active, modules=modules, interceptor=interceptor)
             # Under compiled=..., no function mode: Dynamo would trace into it.
-            functions = self._function_watch(interceptor, modules) if self._graphs_backend is None else None
+            functions = self._function_watch(interceptor, modules, active) if self._graphs_backend is None else None
             if self._graphs_backend is not None:
                 self._graphs = _graphs.hold(self._graphs_backend, interceptor, prints=active.prints)
             else:  # under compiled=..., no global module hooks either: Dynamo would trace them
@@ -395,7 +395,7 @@ class Watch:
             _steps_checked.hold(self)
         return self
 
-    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack) -> FunctionWatch | None:
+    def _function_watch(self, interceptor: OpInterceptor, modules: ModuleStack, checks) -> FunctionWatch | None:
         """The function mode of the pre-dispatch checks (opwatch.checks.pre_dispatch), when they
         are on (by default, or named in ``checks=``); it judges the device and dtype rules that are asked for too, or both."""
         if _checks.pre_dispatch.NAME not in self._checks:
@@ -404,6 +404,7 @@ class Watch:
         return FunctionWatch(
             modules=modules,
             interceptor=interceptor,
+            checks=checks,
             kinds=frozenset(kinds),
             on_internal_error=self._internal_error,
         )

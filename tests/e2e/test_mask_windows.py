@@ -39,9 +39,9 @@ def replays(monkeypatch):
         counts["absorbed"] += found
         return found
 
-    def counting_replay(self, window, flags, reading=()):
+    def counting_replay(self, window, flags, reading=(), roots=()):
         counts["replayed"] += 1
-        return replay(self, window, flags, reading)
+        return replay(self, window, flags, reading, roots)
 
     monkeypatch.setattr(Origins, "only_absorbed_constants", counting_absorbed)
     monkeypatch.setattr(Origins, "replay", counting_replay)

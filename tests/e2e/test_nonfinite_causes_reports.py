@@ -116,10 +116,13 @@ def test_class_weights_of_zero_for_every_target_counted_are_named():
     weight = torch.tensor([1.0, 0.0, 2.0, 0.0])  # classes 1 and 3 switched off
     with opwatch.watch(warn=False, dump_on_error=False) as w:
         F.cross_entropy(logits, target, weight=weight, ignore_index=-100).backward()
-    first, *_ = nonfinite(w)  # the loss was not kept: its backward is where the nan reached a .grad
-    assert first.op == "aten.nll_loss_backward.default"
-    assert first.finding.facts["cause"].detail == "zero_weight"
-    assert "of a class of weight 0" in cause_line(first) and "learning rate" not in fix_line(first)
+    # The loss (not kept: backward() ran on it) and its gradient each made nan: 0 / 0 twice.
+    first, second = nonfinite(w)
+    assert (first.op, second.op) == ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default")
+    for found in (first, second):
+        assert found.finding.facts["cause"].detail == "zero_weight"
+        assert "of a class of weight 0" in cause_line(found) and "learning rate" not in fix_line(found)
+    assert first.finding.facts["reached_backward"] and second.finding.facts["reached_gradient"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Facts of the first two: ``op``, ``inputs``, ``outputs`` (the record's signature:
 tensor metadata), ``op_name`` (short, ``div``), ``forward_op_name`` (for a backward op autograd
 ran, the forward op's short name, else ``None``), ``spread`` (later ops that carried it),
 ``last`` / ``became_nan`` / ``masked_by`` / ``back_in_backward`` (:class:`Place` or ``None``),
-``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``contained``,
+``masked_by_name``, ``reached_parameter``, ``reached_gradient``, ``reached_backward`` (``backward()``
+ran on a tensor holding them: the loss), ``contained``,
 ``skipped_by_grad_scaler``, ``grad_scaler_scale`` (the scale, below 1, at which GradScaler's
 check found it: not finite unscaled either, so not skipped in passing; else ``None``),
 ``from_deliberate``, ``input_ranges`` (``(meta, ValueRange or
@@ -65,6 +66,7 @@ class OriginFacts(RuleFacts):
     back_in_backward: Place | None = None
     reached_parameter: bool = False
     reached_gradient: bool = False
+    reached_backward: bool = False
     contained: bool = False
     skipped_by_grad_scaler: bool = False
     grad_scaler_scale: float | None = None
@@ -148,7 +150,7 @@ class Origin:
     """A nan/inf origin found at a check point, with how far its values spread and whether they
     reached a sink: a host read, a parameter. Judged once it is known whether it mattered."""
 
-    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "grad_scaler_scale", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf", "reads_made_before")
+    __slots__ = ("record", "kind", "from_deliberate", "reduces_deliberate", "loss", "loss_kind", "held", "input_ranges", "input_made", "input_alive", "masked_by", "back_in_backward", "spread", "last", "became_nan", "read_on_host", "reached_backward", "reached_gradient", "reached_parameter", "skipped_by_grad_scaler", "grad_scaler_scale", "matters", "cause", "absorbed", "absorbed_by", "picked_by", "entered", "entered_inf", "reads_made_before")
 
     def __init__(self, record, kind, from_deliberate=False, reduces_deliberate=False):
         self.record = record  # the OpRecord of the op that made the value
@@ -175,6 +177,7 @@ class Origin:
         self.last = record  # the last of them
         self.became_nan = None  # for an inf origin: the first op that turned its inf into nan
         self.read_on_host = False  # the program read one of its values (``.item()``, ``bool(t)``)
+        self.reached_backward = False  # ``backward()`` ran on a tensor holding its values (the loss)
         self.reached_gradient = False  # autograd accumulated its values into a ``.grad``
         self.reached_parameter = False  # an op wrote its values into an ``nn.Parameter``
         # Born in backward and found by GradScaler's overflow check, which skips the step.
@@ -240,6 +243,7 @@ class Origin:
             back_in_backward=_place(self.back_in_backward),
             reached_parameter=self.reached_parameter,
             reached_gradient=self.reached_gradient,
+            reached_backward=self.reached_backward,
             contained=contained,
             skipped_by_grad_scaler=self.skipped_by_grad_scaler,
             grad_scaler_scale=self.grad_scaler_scale,

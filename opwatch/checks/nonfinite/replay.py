@@ -182,15 +182,20 @@ class Origins:
         self.carry = {ident: (kind, folded.get(id(origin), origin), ref) for ident, (kind, origin, ref) in self.carry.items()}
         self._by_site = {site: folded.get(id(origin), origin) for site, origin in self._by_site.items()}
 
-    def replay(self, window, flags: Flags, reading=()) -> list[Origin]:
-        """Follow tensor identities through the window's ops to tell origins from spread."""
+    def replay(self, window, flags: Flags, reading=(), roots=()) -> list[Origin]:
+        """Follow tensor identities through the window's ops to tell origins from spread.
+        ``roots``: ``(op index, ident)`` of each tensor ``backward()`` ran on, in order, the
+        index the op logged next when it did (see :func:`_backward_ran_on`)."""
         state = _Window(self._log, flags, self.carry, self.sentinels, self.ranges, self.aliases, self._facts_for_log())
         state.fused_checked = self.fused_checked
         self._windows += bool(window)
         state.number = self._windows
         state.entered_infs.update(self.entered_infs)
         sharded = self._log.sharded  # ops on DTensors were logged
+        next_root, _ = next(iter(roots), (None, None))
         for entry in window:
+            if next_root is not None and next_root <= entry[E_INDEX]:
+                roots, next_root = _backward_ran_on(state, roots, entry[E_INDEX])
             outputs = entry_outputs(entry)
             if sharded:
                 _dtensors_hold_their_shards(state, entry_inputs(entry))
@@ -202,6 +207,7 @@ class Origins:
                 func = state.log.funcs[entry[E_FUNC]]
                 if not isinstance(func, ModuleCall) and facts_of(func).mutated_args:
                     _forget_written(state, entry)
+        _backward_ran_on(state, roots, None)  # after the window's last op
         for ident in reading:  # a host read
             found = state.status.get(ident)
             if found is not None and found[ST_ORIGIN] is not None:
@@ -515,8 +521,8 @@ class Origins:
         self._by_site.setdefault((entry[E_SITE], entry[E_FUNC]), origin)
 
     def judge(self, new, final) -> list[Origin]:
-        """Which origins mattered. An origin matters when its values reached a parameter or a
-        host read. One whose values are still alive waits, unless ``final``: the program may yet
+        """Which origins mattered. An origin matters when its values reached a parameter, a
+        host read or the tensor ``backward()`` ran on. One whose values are still alive waits, unless ``final``: the program may yet
         drop them (autograd keeps a softmax output until backward), use them, or hand them to
         GradScaler. Then, or once they died: GradScaler's skipped steps are contained; values
         accumulated into a ``.grad`` or alive at the end matter; nan values an argmax or top-k
@@ -552,7 +558,7 @@ class Origins:
                 loss = origin.loss is not None
                 if origin.cause == NAN_CONSTANT_CAUSE and (origin.reached_gradient or origin.reached_parameter):
                     origin.matters = True
-                elif loss and (origin.reached_parameter or origin.read_on_host):
+                elif loss and (origin.reached_parameter or origin.read_on_host or origin.reached_backward):
                     origin.matters = True
                 elif is_alive and (not final or (_the_programs_data(origin) and not loss)) and len(waiting) < self._MAX_UNJUDGED:
                     waiting.append(origin)
@@ -567,7 +573,8 @@ class Origins:
                 if is_alive and not final and len(waiting) < self._MAX_UNJUDGED:
                     waiting.append(origin)
                 continue  # the told failure's leftovers: not reported, not contained
-            if origin.reached_parameter or origin.picked_by is not None or (origin.read_on_host and not origin.skipped_by_grad_scaler):
+            if origin.reached_parameter or origin.picked_by is not None or (
+                    (origin.read_on_host or origin.reached_backward) and not origin.skipped_by_grad_scaler):
                 origin.matters = True
             elif _overflowed_in_forward(origin) and not is_alive and origin.absorbed_by is not None:
                 # Absorbed later (rsqrt(inf) = 0, 1 / inf = 0): the values that went on are
@@ -582,6 +589,21 @@ class Origins:
         self.unjudged = waiting
         judged.sort(key=lambda origin: origin.record.index)
         return judged
+
+
+def _backward_ran_on(state, roots, before: int | None) -> list:
+    """The origins whose values the tensors ``backward()`` ran on held then (``roots``:
+    ``(op index, ident)``, those before op ``before``, every one when ``None``) reached that
+    sink: the loss of a batch whose every label was ignored (0 / 0) has finite gradients, yet
+    the step trained on a nan loss. Returns the roots after ``before`` and the first one's index
+    (``None`` when none is left)."""
+    for number, (index, ident) in enumerate(roots):
+        if before is not None and index > before:
+            return roots[number:], index
+        found = state.status.get(ident)
+        if found is not None and found[ST_ORIGIN] is not None:
+            found[ST_ORIGIN].reached_backward = True
+    return [], None
 
 
 def _from_before_the_block(origin) -> bool:

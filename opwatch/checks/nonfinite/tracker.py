@@ -264,6 +264,7 @@ class NonFiniteTracker:
         self._blocks = EarlierBlocks() if earlier is None else earlier
         # op index -> ((position, ident), ...) of the inputs checked when first seen at that op
         self._first_seen: dict = {}
+        self._backward_roots: list = []  # (op index, ident) of each tensor backward() ran on, until the check point
         self._origins = Origins(log)  # the replay and judgement, across check points
         self._blocks.next_block(self._known, self._origins, log.next_index)
         self._reads = CollectiveReads(log, self._observe_carrier)  # collectives' outputs until read
@@ -318,6 +319,13 @@ class NonFiniteTracker:
         """A check point with nothing to resolve: the ranges known from earlier windows may
         be stale after its ops (see ``Origins.ranges``)."""
         self._origins.forget_ranges()
+
+    def backward_from(self, tensors) -> None:
+        """``backward()`` (or ``autograd.grad``) runs on ``tensors`` now: the next check point
+        tells the origins whose values they hold that they reached the loss (see
+        ``replay._backward_ran_on``); kept as identities with the index of the next op."""
+        index = self._log.next_index
+        self._backward_roots += [(index, id(tensor)) for tensor in tensors]
 
     def pending_on(self, device) -> bool:
         """Whether flags wait on ``device`` (a host read there already pays for a sync), or
@@ -594,6 +602,7 @@ class NonFiniteTracker:
         """
         carriers, self._carriers = self._carriers, {}
         written_bases, self._written_bases = self._written_bases, {}
+        roots, self._backward_roots = self._backward_roots, []
         if callable(window):
             window = _once(window)
         else:
@@ -613,7 +622,7 @@ class NonFiniteTracker:
             origins.remember_sentinels(flags.sentinels)
             origins.forget_ranges()  # this window's ops were not followed
             return risks
-        new = origins.replay(window(), flags, reading)
+        new = origins.replay(window(), flags, reading, roots)
         if new:
             # Whether an origin reads a told failure's leftovers is asked only after one (a walk of the log per input).
             earlier = self._blocks if self._blocks.failure_told else None
