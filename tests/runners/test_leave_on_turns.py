@@ -65,6 +65,27 @@ for step in range(1, 21):
 """
 
 
+# A GPT-2 from a small config, trained on token ids; every 4th batch is all prompt: every label
+# ignored, so the loss is 0 / 0 (its gradients are zero, finite).
+EMPTY_TARGETS = """\
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(1, 17):
+    ids = torch.randint(0, 100, (4, 16))
+    labels = ids.clone()
+    if EVERY and step % EVERY == 0:
+        labels[:] = -100  # a batch of prompts only
+    model(input_ids=ids, labels=labels).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
 def run_guard(tmp_path, script):
     (tmp_path / "train.py").write_text(script)
     return subprocess.run([sys.executable, "-W", "ignore::UserWarning:torch", "-m", "opwatch", "--guard", "train.py"],
@@ -104,6 +125,21 @@ def test_two_glitches_five_steps_apart_watch_the_turn_after_them_and_say_it_pass
     assert "recurred" not in result.stderr
     # One turn, then none: steps 1, 6, 11 and 15 audited.
     assert "opwatch guard: 20 optimizer steps ran, 4 audited under a full watch, 2 failed" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("every", [4, 0])
+def test_a_gpt2_batch_with_every_label_ignored_each_4_steps_is_named_at_its_turn(tmp_path, every):
+    result = run_guard(tmp_path, EMPTY_TARGETS.replace("EVERY", str(every)))
+    assert result.returncode == 0, result.stderr
+    if not every:  # the same training with targets in every batch: nothing fails, no turn
+        assert "OpwatchWarning" not in result.stderr and "turn" not in result.stderr, result.stderr
+        assert "opwatch guard: 16 optimizer steps ran, 1 audited under a full watch, 0 failed" in result.stderr, result.stderr
+        return
+    assert "optimizer step 4: the loss backward() ran on is nan while the gradients about to be applied are finite" in result.stderr
+    assert ("the failure of steps 4 and 8 recurred at step 12, its next turn (every 4 steps, watched fully): nan first made by "
+            "aten.nll_loss_forward.default at ") in result.stderr, result.stderr
+    assert "cause:    undefined math: every target was ignore_index (-100)" in result.stderr
+    assert "opwatch guard: 16 optimizer steps ran, 4 audited under a full watch, 4 failed (a loss not finite), 4 of them skipped." in result.stderr
 
 
 def test_turns_come_from_two_unnamed_failures_of_one_cause_two_or_more_steps_apart():
