@@ -64,6 +64,10 @@ class _TorchWarnings:
                 return previous(message, category, filename, lineno, file, line)
             _forget(message, category, filename, lineno, caller)
             warn_at_user(message if isinstance(message, Warning) else category(message), line=at)
+        except Warning:
+            raise  # the program's filter makes it an error at its line, as without the watch
+        except Exception:  # never the program's failure: shown as Python placed it
+            return previous(message, category, filename, lineno, file, line)
         finally:
             del caller
 

@@ -98,3 +98,29 @@ def test_the_programs_own_warnings_keep_their_place_and_the_watch_puts_showwarni
     assert warnings.showwarning is before
     (own,) = caught
     assert (own.filename, own.lineno) == (__file__, line_of("OWN WARNING", __file__))
+
+
+def test_an_error_filter_at_the_programs_module_raises_there_as_without_the_watch():
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Implicit dimension choice", module=__name__)
+        with pytest.raises(UserWarning, match="Implicit dimension choice"):
+            F.softmax(x)  # no watch
+        with pytest.raises(UserWarning, match="Implicit dimension choice"):
+            with opwatch.watch(warn=False):
+                F.softmax(x)
+
+
+def test_a_failure_of_the_wrap_shows_the_warning_where_python_placed_it(monkeypatch):
+    from opwatch.modes import torch_warnings as module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("opwatch's own bug")
+
+    monkeypatch.setattr(module, "user_line", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opwatch.watch(warn=False):
+            F.softmax(torch.randn(3, 4))
+    (shown,) = [w for w in caught if not issubclass(w.category, OpwatchWarning)]
+    assert "Implicit dimension choice" in str(shown.message) and "opwatch" in shown.filename
