@@ -73,8 +73,10 @@ def test_torch_warnings_in_a_watched_training_loop_are_shown_at_the_programs_lin
     plain = torch_warnings(action, watched=False)
     watched = torch_warnings(action, watched=True)
     here = __file__
-    lines = {line_of(marker, here) for marker in ("IMPLICIT DIM", "STANDARDISE", "LOGGED")}
-    assert {(filename, lineno) for _, _, filename, lineno in plain} == {(here, line) for line in lines}, plain
+    places = {(filename, lineno) for _, _, filename, lineno in plain}
+    every = {(here, line_of(marker, here)) for marker in ("IMPLICIT DIM", "STANDARDISE", "LOGGED")}
+    # float() of a tensor that requires grad warns on newer torch (not on 2.6): the other two on every version.
+    assert {(here, line_of("IMPLICIT DIM", here)), (here, line_of("STANDARDISE", here))} <= places <= every, plain
     assert watched == plain
 
 
