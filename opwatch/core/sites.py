@@ -138,20 +138,19 @@ class UserLine(NamedTuple):
     module_globals: dict  # the module's: its name, its warning registry, its loader
 
 
-def user_line(frame=None, *, installed: bool = False) -> UserLine:
+def user_line(frame=None) -> UserLine:
     """The user's line, the way Python shows its own warnings: the innermost frame from
     ``frame`` (the caller's by default) outwards that runs the program's own code, not torch,
     opwatch, the standard library or an installed package (a trainer's ``call.py``,
     ``torch/optim/optimizer.py``); when there is none, the innermost user frame as ops are
-    attributed (:func:`classify_code`), else the caller. ``installed``: the innermost user frame
-    as ops are attributed, an installed package's included (a Hugging Face model's line)."""
+    attributed (:func:`classify_code`), else the caller."""
     start = frame if frame is not None else sys._getframe(1)
     found = fallback = None
     walk = start
     while walk is not None:
         code = walk.f_code
         if classify_code(code) == USER:
-            if installed or _top_level_package(code.co_filename) is None:
+            if _top_level_package(code.co_filename) is None:
                 found = walk
                 break
             fallback = fallback or walk
@@ -161,6 +160,18 @@ def user_line(frame=None, *, installed: bool = False) -> UserLine:
         return UserLine(at.f_code.co_filename, at.f_lineno, at.f_globals)
     finally:
         del start, walk, at, found, fallback
+
+
+def attributed_line(frame) -> UserLine | None:
+    """The line an op run from ``frame`` is attributed to: the innermost user frame from it
+    outwards (:func:`classify_code`), an installed package's included (a Hugging Face model's
+    line); ``None`` where there is none (a backward op on a device's autograd thread)."""
+    while frame is not None:
+        code = frame.f_code
+        if classify_code(code) == USER:
+            return UserLine(code.co_filename, frame.f_lineno, frame.f_globals)
+        frame = frame.f_back
+    return None
 
 
 def warn_at_user(warning: Warning, *, frame=None, line: UserLine | None = None) -> None:

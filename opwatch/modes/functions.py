@@ -52,17 +52,17 @@ from ..core.sites import user_frame
 
 __all__ = ["FunctionWatch"]
 
-# The calls that start a backward pass from the tensors they are given (the loss): the nan/inf
-# check counts a tensor backward() ran on as a sink. Tensor.backward and autograd.grad hand
-# themselves to a function mode; autograd.backward on the torch versions whose code does.
-_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-_BACKWARD = ("backward", None)  # their table value
+_TENSOR_BACKWARD = torch.Tensor.backward
+_BACKWARD = ("backward", None)  # the table value of the calls that start a backward pass
 
 
 def _backward_calls() -> tuple:
-    """:data:`_BACKWARD_CALLS`, and ``Tensor.backward`` as it is now: a wrapper of it (leave-on
-    keeps each loss) is what Tensor.backward hands to the mode."""
-    return (*_BACKWARD_CALLS, torch.Tensor.backward)
+    """The calls that start a backward pass from the tensors they are given (the loss): the
+    nan/inf check counts a tensor backward() ran on as a sink. ``Tensor.backward`` as it is now
+    too: a wrapper of it (leave-on keeps each loss) is what Tensor.backward hands to the mode.
+    Tensor.backward and autograd.grad hand themselves to a function mode; autograd.backward on
+    the torch versions whose code does."""
+    return (_TENSOR_BACKWARD, torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 _Tensor = torch.Tensor
 # The name torch gives an optimizer step's profiler region: "Optimizer.step#SGD.step".

@@ -18,7 +18,7 @@ import sys
 import threading
 import warnings
 
-from ..core.sites import user_line, warn_at_user
+from ..core.sites import attributed_line, warn_at_user
 
 __all__ = ["torch_warnings"]
 
@@ -57,30 +57,31 @@ class _TorchWarnings:
         previous = self._previous
         if filename not in _WATCH_FILES:
             return previous(message, category, filename, lineno, file, line)
-        caller = sys._getframe(1)
+        issued = sys._getframe(1)
         try:
-            at = user_line(caller, installed=True)
-            if at.filename in _WATCH_FILES:  # no frame of the program's: as it was
+            while issued is not None and issued.f_code.co_filename != filename:
+                issued = issued.f_back  # out of the warnings machinery, to the mode's frame
+            at = None if issued is None else attributed_line(issued.f_back)
+            if at is None:  # no frame of the program's (a device's autograd thread): as Python placed it
                 return previous(message, category, filename, lineno, file, line)
-            _forget(message, category, filename, lineno, caller)
+            _forget(message, category, lineno, issued.f_globals)
             warn_at_user(message if isinstance(message, Warning) else category(message), line=at)
         except Warning:
             raise  # the program's filter makes it an error at its line, as without the watch
         except Exception:  # never the program's failure: shown as Python placed it
             return previous(message, category, filename, lineno, file, line)
         finally:
-            del caller
+            del issued
 
 
-def _forget(message, category, filename: str, lineno: int, frame) -> None:
+def _forget(message, category, lineno: int, module_globals: dict) -> None:
     """Take the warning out of what Python noted of it as shown at the watch's place: the
-    registry of the watch's module that issued it (``lineno`` for the default action, 0 for
-    ``module``) and, for ``once``, the process's; the issue at the program's line notes it there."""
+    registry of the watch's module that issued it (``module_globals``'; ``lineno`` for the
+    default action, 0 for ``module``) and, for ``once``, the process's; the issue at the
+    program's line notes it there."""
     text = str(message)
     warnings.onceregistry.pop((text, category), None)
-    while frame is not None and frame.f_code.co_filename != filename:
-        frame = frame.f_back
-    registry = None if frame is None else frame.f_globals.get("__warningregistry__")
+    registry = module_globals.get("__warningregistry__")
     if registry:
         for place in (lineno, 0):
             registry.pop((text, category, place), None)

@@ -119,7 +119,7 @@ def test_a_failure_of_the_wrap_shows_the_warning_where_python_placed_it(monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("opwatch's own bug")
 
-    monkeypatch.setattr(module, "user_line", broken)
+    monkeypatch.setattr(module, "attributed_line", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with opwatch.watch(warn=False):
