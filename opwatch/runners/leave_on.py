@@ -2,7 +2,8 @@
 ``mode="guard"``.
 
 Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
-optimizer step (the audit) sees them. After it the program runs with no dispatch mode, and
+optimizer step (the audit) sees them, one per optimizer stepped on its own loss
+(:mod:`opwatch.runners.policy.optimizers`). After it the program runs with no dispatch mode, and
 each optimizer step is preceded by one fused finiteness check of the gradients it is about to
 apply (``opwatch.core.finite``, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
 so any ``torch.optim`` optimizer is seen, however the loop is written.
@@ -237,7 +238,7 @@ class LeaveOn(LedgerCounts):
     def end_batch(self) -> None:
         """A trainer's batch ended: end an audit that saw no optimizer step (gradient
         accumulation); a re-check armed after a failed step goes on to the next step."""
-        if self.policy.recheck_of is None:
+        if self.policy.recheck_of is None and not self.policy.optimizer_audits.armed:
             self.end_audit()
 
     def _module_seen(self, module, args) -> None:

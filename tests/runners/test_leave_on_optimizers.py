@@ -81,20 +81,8 @@ def test_a_failure_of_the_second_optimizer_alone_is_re_checked_at_the_next_batch
     assert "opwatch guard: 16 optimizer steps ran, 2 audited under a full watch, 1 failed (nan/inf in the gradients), 1 of them skipped." in err
 
 
-@pytest.mark.parametrize("corrupt", ["", "nan", "huge"])
-def test_a_gan_s_optimizers_each_judge_their_own_backward(tmp_path, capsys, monkeypatch, corrupt):
-    """A GAN: the discriminator's step after its backward on real and fake batches, the
-    generator's after its own. One corrupt real sample fails the discriminator's step (step 7),
-    whose batch hook is the discriminator's (the module the first step trained): a nan sample is
-    told as its batch; an unscaled one (3e38, finite) overflows inside it. The generator's step
-    is another backward's, so it is the re-check; its backward runs through the discriminator and
-    accumulates into the gradients the skipped step left holding nan, which the re-check used to
-    name: "the failure of step 7 recurred at step 8: nan first made by aten.add_.Tensor at
-    autograd (backward)", listed at the end as an anomaly at an unknown line. Healthy, the run
-    is silent."""
-    monkeypatch.chdir(tmp_path)
-    sample = {"": "pass", "nan": 'real[5, 1] = float("nan")', "huge": "real[5] = 3e38"}[corrupt]
-    gan = f"""
+# A GAN, each optimizer after its own backward: the discriminator's, then the generator's.
+GAN = """
 import torch
 from torch import nn
 torch.manual_seed(0)
@@ -105,20 +93,41 @@ opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999)
 bce = nn.BCEWithLogitsLoss()
 for step in range(6):
     real = torch.randn(16, 8) + 2
-    if step == 3: {sample}  # one corrupt sample
+    if step == 3: SAMPLE  # one corrupt sample
     fake = generator(torch.randn(16, 4))
     d_loss = bce(discriminator(real), torch.ones(16, 1)) + bce(discriminator(fake.detach()), torch.zeros(16, 1))
     opt_d.zero_grad(); d_loss.backward(); opt_d.step()
-    g_loss = bce(discriminator(fake), torch.ones(16, 1))
+    g_loss = GENERATOR_LOSS
     opt_g.zero_grad(); g_loss.backward(); opt_g.step()
 print("done")
 """
+
+
+def gan_script(sample="pass", generator_loss="bce(discriminator(fake), torch.ones(16, 1))") -> str:
+    return GAN.replace("SAMPLE", sample).replace("GENERATOR_LOSS", generator_loss)
+
+
+@pytest.mark.parametrize("corrupt", ["", "nan", "huge"])
+def test_a_gan_s_optimizers_each_judge_their_own_backward(tmp_path, capsys, monkeypatch, corrupt):
+    """A GAN: the discriminator's step after its backward on real and fake batches, the
+    generator's after its own. One corrupt real sample fails the discriminator's step (step 7),
+    whose batch hook is the discriminator's (the module the first step trained): a nan sample is
+    told as its batch; an unscaled one (3e38, finite) overflows inside it. The generator's step
+    is another backward's, so it is the re-check; its backward runs through the discriminator and
+    accumulates into the gradients the skipped step left holding nan, which the re-check used to
+    name: "the failure of step 7 recurred at step 8: nan first made by aten.add_.Tensor at
+    autograd (backward)", listed at the end as an anomaly at an unknown line. Healthy, the run
+    is silent, with each optimizer's path audited: the discriminator's first step, then from the
+    generator's first step (no watch saw its loss) to its next, 3 steps."""
+    monkeypatch.chdir(tmp_path)
+    sample = {"": "pass", "nan": 'real[5, 1] = float("nan")', "huge": "real[5] = 3e38"}[corrupt]
+    gan = gan_script(sample=sample)
     status, out, err = guard_in_process(tmp_path, capsys, gan)
     assert status == 0 and "done" in out, err
     assert "same backward" not in err and "recurred" not in err and "aten.add_" not in out + err
     if not corrupt:
         assert "opwatch: no anomalies." in out + err
-        assert "opwatch guard: 12 optimizer steps ran, 1 audited under a full watch, 0 failed." in err
+        assert "opwatch guard: 12 optimizer steps ran, 3 audited under a full watch, 0 failed." in err
         return
     assert "optimizer step 7: the gradients about to be applied hold nan/inf: " in err
     if corrupt == "nan":
@@ -128,6 +137,48 @@ print("done")
     else:
         assert "the failure of step 7 did not recur: step 8 ran under a full watch" in err
         assert "1 failed (nan/inf in the gradients)" in err
+
+
+def test_a_shape_bug_in_the_generator_s_loss_alone_is_seen_by_the_audit_its_first_step_arms(tmp_path, capsys, monkeypatch):
+    """A least-squares generator loss whose target is ``(16,)`` beside the discriminator's
+    ``(16, 1)``: a ``(16, 16)`` loss, in the generator's path only. The run's audit ended at the
+    discriminator's first step, and the run used to end "opwatch: no anomalies." with 1 step
+    audited; the generator's first step arms an audit until its next step, which names it."""
+    monkeypatch.chdir(tmp_path)
+    script = gan_script(generator_loss="((discriminator(fake) - torch.ones(16)) ** 2).mean()")
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "done" in out, err
+    assert "broadcast in aten.sub.Tensor at train.py:16 (forward)" in out + err
+    assert "sub returns [16, 16], 16x more elements than its largest input" in out + err
+    assert "opwatch guard: 12 optimizer steps ran, 3 audited under a full watch, 0 failed." in err
+
+
+def test_an_optimizer_that_steps_once_arms_an_audit_of_at_most_16_steps(tmp_path, capsys, monkeypatch):
+    """A loop that calibrates a temperature once with its own optimizer, after step 5 of 40: its
+    step arms an audit until its next step, which never comes; the audit ends after 16 optimizer
+    steps (the model's steps 6 to 21), and the rest run unwatched."""
+    monkeypatch.chdir(tmp_path)
+    script = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+temperature = nn.Parameter(torch.ones(1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+calibration = torch.optim.Adam([temperature], lr=0.1)
+for step in range(40):
+    x, y = torch.randn(32, 8), torch.randn(32)
+    loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    if step == 4:
+        scaled = nn.functional.mse_loss(model(x).detach().squeeze(1) / temperature, y)
+        scaled.backward(); calibration.step()
+print("done")
+"""
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "done" in out, err
+    assert "opwatch: no anomalies." in out + err
+    assert "opwatch guard: 41 optimizer steps ran, 17 audited under a full watch, 0 failed." in err
 
 
 def test_a_running_total_of_the_loss_is_the_failed_step_s_leftover_not_a_recurrence(tmp_path, capsys, monkeypatch):
@@ -190,11 +241,11 @@ def test_grad_scaler_s_skip_of_two_optimizers_counts_two_optimizer_steps(tmp_pat
                 "(overflows of its scaled gradients)") in err
 
 
-def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_backward(tmp_path):
-    """The same GAN as a LightningModule with manual optimization, in the callback's guard mode:
-    a corrupt real batch fails the discriminator's step, told as the batch that entered the
-    discriminator (the module the first step's optimizer trains; the generator, called first,
-    was hooked before and named a finite call)."""
+def fit_lightning_gan(tmp_path, data, generator_target=(1,)):
+    """The GAN as a LightningModule with manual optimization, fit on ``data`` in batches of 16
+    under the callback's guard mode; the generator's least-squares target has shape
+    ``generator_target`` beside the discriminator's ``(16, 1)``. Returns the callback and the
+    OpwatchWarnings told."""
     import io
     import warnings
 
@@ -203,8 +254,7 @@ def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_ba
 
     from support import needs
 
-    needs("lightning")
-    import lightning
+    lightning = needs("lightning")
     from torch.utils.data import DataLoader, TensorDataset
 
     import opwatch
@@ -227,7 +277,7 @@ def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_ba
             opt_d.zero_grad()
             self.manual_backward(d_loss)
             opt_d.step()
-            g_loss = bce(self.discriminator(fake), ones)
+            g_loss = ((self.discriminator(fake) - torch.ones(len(real), *generator_target[1:])) ** 2).mean()  # GENERATOR'S LOSS
             opt_g.zero_grad()
             self.manual_backward(g_loss)
             opt_g.step()
@@ -235,19 +285,49 @@ def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_ba
         def configure_optimizers(self):
             return torch.optim.Adam(self.generator.parameters(), 2e-4), torch.optim.Adam(self.discriminator.parameters(), 2e-4)
 
-    torch.manual_seed(0)
-    data = torch.randn(16 * 6, 8) + 2
-    data[16 * 3 + 5, 1] = float("nan")  # batch 3: steps 7 (discriminator) and 8 (generator)
     callback = OpwatchCallback(mode="guard", file=io.StringIO())
     trainer = lightning.Trainer(max_epochs=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[callback],
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", opwatch.OpwatchWarning)
         trainer.fit(GAN(), DataLoader(TensorDataset(data), batch_size=16))
-    told = [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+    return callback, [str(warning.message) for warning in caught if issubclass(warning.category, opwatch.OpwatchWarning)]
+
+
+def test_a_lightning_gan_with_manual_optimization_judges_each_optimizer_s_own_backward(tmp_path):
+    """The GAN in Lightning, in the callback's guard mode: a corrupt real batch fails the
+    discriminator's step, told as the batch that entered the discriminator (the module the
+    first step's optimizer trains; the generator, called first, was hooked before and named a
+    finite call)."""
+    import torch
+
+    torch.manual_seed(0)
+    data = torch.randn(16 * 6, 8) + 2
+    data[16 * 3 + 5, 1] = float("nan")  # batch 3: steps 7 (discriminator) and 8 (generator)
+    callback, told = fit_lightning_gan(tmp_path, data, generator_target=(16, 1))
     assert len(told) == 1, told  # a bad batch told as such: its re-check at the generator's step is quiet
     assert told[0].startswith("opwatch: optimizer step 7: the gradients about to be applied hold nan/inf: discriminator.0.weight (nan)")
     assert ("cause: input: the batch held nan before the model ran: Sequential's argument 0 (f32[16, 8] cpu) held nan when it "
             "entered the model at ") in told[0]
     assert f"test_leave_on_optimizers.py:{line_of('DISCRIMINATOR ON REAL', __file__)} (call 1 of the 2" in told[0]
     assert (callback.runner.steps, callback.runner.failed) == (12, 1)
+
+
+@pytest.mark.parametrize("generator_target", [(16,), (16, 1)])
+def test_a_lightning_gan_s_generator_path_is_audited_from_its_first_step(tmp_path, generator_target):
+    """A ``(16,)`` target beside the discriminator's ``(16, 1)`` makes the generator's loss
+    ``(16, 16)``. The callback's audit of the first batch ended at the discriminator's step; the
+    generator's step arms an audit over the next batch's, which names it. With the target's
+    shape right the run is silent, 3 of its 12 steps audited."""
+    import torch
+
+    torch.manual_seed(0)
+    callback, told = fit_lightning_gan(tmp_path, torch.randn(16 * 6, 8) + 2, generator_target=generator_target)
+    assert (callback.runner.steps, callback.runner.audited, callback.runner.failed) == (12, 3, 0)
+    assert not [text for text in told if text.startswith("opwatch:")]  # no step failed
+    if generator_target == (16, 1):
+        assert callback.anomalies == [] and told == []
+        return
+    line = line_of("GENERATOR'S LOSS", __file__)
+    assert [(anomaly.kind, anomaly.op, anomaly.where) for anomaly in callback.anomalies] == [("broadcast", "aten.sub.Tensor", f"{__file__}:{line}")]
+    assert [text.splitlines()[0] for text in told] == [f"broadcast in aten.sub.Tensor at {__file__}:{line} (forward)"]

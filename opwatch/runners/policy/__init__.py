@@ -22,7 +22,9 @@ The decisions every trigger shares are here (:class:`StepPolicy`); each side a t
 is a module of its own, mixed into it: :mod:`.steps` (an optimizer step: leave-on and the
 trainers), :mod:`.late` (a fused optimizer's verdict, read a step late or when the counts are
 read), :mod:`.calls` (a guarded call: ``opwatch.guard``); :mod:`.verdict` holds the verdict seam
-and :mod:`.outcomes` what a decided step tells (its errors, its warnings, an origin's facts).
+and :mod:`.outcomes` what a decided step tells (its errors, its warnings, an origin's facts);
+:mod:`.turns` and :mod:`.optimizers` which later steps a full watch sees (a failure's next turn,
+each optimizer's own path).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .calls import GuardedCalls
 from .late import LateVerdicts
 from .outcomes import GradientsNotFinite, RunStuck, elsewhere_anomaly, max_failed_option, origin_facts, warn_at
 from .steps import OptimizerSteps
+from .optimizers import OptimizerAudits
 from .turns import FailureTurns
 from .verdict import ProgramWrites, StepVerdict, nonfinite_of
 
@@ -77,6 +80,7 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._same_backward = False  # the step being decided applies the gradients the step before did
         self.turns = FailureTurns()  # a failure that recurs every k steps: its next turn watched fully
         self._turn: tuple[int, int] | None = None  # (the failed step before, the interval) of the turn being watched
+        self.optimizer_audits = OptimizerAudits()  # each optimizer's path audited, not only the first's
         # The GradScaler streak a full watch was started for (its first step's count), and the
         # skips in a row then: the run stops once that watch saw a whole skipped step.
         self._stuck_watched: int | None = None

@@ -397,12 +397,12 @@ class OptimizerSteps:
         if optimizer is not None:
             self.hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
             self.verdict.reductions.after_step(optimizer)
-        self._step_done(step, named, trigger)
+        self._step_done(step, named, trigger, optimizer)
         if self.audit_next:  # a failure told late: the step after this one under the full watch
             self.audit_next = False
             trigger.start_audit()
 
-    def _step_done(self, step: int, named, trigger) -> None:
+    def _step_done(self, step: int, named, trigger, optimizer) -> None:
         ledger = self.ledger
         failed_now = bool(ledger.failures) and ledger.latest.step == step
         # A failure of a fully watched (or replayed) step was told with its origin; in a job,
@@ -411,8 +411,12 @@ class OptimizerSteps:
         if self._agreement is not None:
             audited_now = self._watched_all_at == step
         same_backward, self._same_backward = self._same_backward, False
+        if optimizer is not None:
+            self.optimizer_audits.stepped(optimizer, watched=trigger.auditing, same_backward=same_backward)
         if same_backward and trigger.auditing and self.recheck_of is not None:
             return  # a step on the re-checked failure's backward: the re-check waits for the next batch
+        if trigger.auditing and self.optimizer_audits.goes_on(optimizer, may=not failed_now and self.recheck_of is None):
+            return  # an audit armed for another optimizer, whose path no watch has seen yet
         if trigger.auditing:
             self._rechecked(step, failed_now, trigger)
         if not failed_now:
@@ -420,6 +424,8 @@ class OptimizerSteps:
                 failed = self.turns.due(step)
                 if failed is not None:
                     self._watch_turn(failed, trigger)
+                elif optimizer is not None and self.optimizer_audits.arm(optimizer):
+                    trigger.start_audit()  # this optimizer's path, watched until its next step
             return
         if ledger.poisoned_since is not None:
             return
