@@ -3,7 +3,7 @@
 
 Shape, dtype and device bugs belong to the code path, not to the values: one fully watched
 optimizer step (the audit) sees them, one per optimizer stepped on its own loss
-(:mod:`opwatch.runners.policy.optimizers`). After it the program runs with no dispatch mode, and
+(``opwatch.runners.policy.optimizers``). After it the program runs with no dispatch mode, and
 each optimizer step is preceded by one fused finiteness check of the gradients it is about to
 apply (``opwatch.core.finite``, the check ``opwatch.guard`` runs too: one kernel, one host read). Steps are found through torch's global optimizer step hooks,
 so any ``torch.optim`` optimizer is seen, however the loop is written.
