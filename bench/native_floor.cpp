@@ -348,7 +348,7 @@ static PyObject *watch_head_setup(PyObject *module, PyObject *args) {
         return NULL;
     PyObject *held[] = {heading.classify_code, heading.forward, heading.backward, heading.no_site, heading.drop_oldest_half};
     for (PyObject *object : held) Py_INCREF(object);  /* kept for the process */
-    const char *names[] = {"_modules", "call_frame", "call_answer", "current", "_forward_sites", "_log", "site_ids", "site_id", "_last_seq",
+    const char *names[] = {"_modules", "call_frame", "call_answer", "current", "forward_sites", "_log", "site_ids", "site_id", "_last_seq",
                            "_site_tuples", "_table_limit", "_context", "site", "phase", "args", "next_index", "func_id", "f_lasti"};
     PyObject **slots[] = {&heading.s_modules, &heading.s_call_frame, &heading.s_call_answer, &heading.s_current, &heading.s_forward_sites,
                           &heading.s_log, &heading.s_site_ids, &heading.s_site_id, &heading.s_last_seq, &heading.s_site_tuples,

@@ -18,6 +18,8 @@ import torch
 
 __all__ = [
     "get_sequence_nr",
+    "MODIFIED_SAVED_TENSOR",
+    "modified_saved_tensors",
     "current_autograd_node",
     "inference_mode_enabled",
     "no_python_dispatch",
@@ -566,6 +568,43 @@ def op_kernel(func):
 # The sequence number of an autograd node (``Node._sequence_nr()``, torch 1.x+): the same number
 # its forward op read from the thread's counter. A C-level caller: this runs per backward op.
 autograd_sequence_nr = operator.methodcaller("_sequence_nr")
+
+
+# torch's error when a backward unpacks a saved tensor written in place since it was saved.
+MODIFIED_SAVED_TENSOR = "modified by an inplace operation"
+
+
+def modified_saved_tensors(roots, *, limit: int = 200_000) -> list:
+    """``(node, name, first line of the error)`` of each saved tensor (``Node._saved_<name>``,
+    torch 1.x+) of the autograd graph under ``roots`` (tensors) whose unpack raises torch's
+    "modified by an inplace operation" error, the same error a backward raises for it, the
+    newest node first (the backward meets it first). Nodes whose saved tensors a backward freed
+    raise another error and are passed. Slow: called once a backward raised that error, over at
+    most ``limit`` nodes."""
+    stack = [root.grad_fn for root in roots if getattr(root, "grad_fn", None) is not None]
+    seen, found = set(), []
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(function for function, _ in node.next_functions)
+        for attribute in dir(node):
+            if not attribute.startswith("_saved_"):
+                continue
+            try:
+                getattr(node, attribute)
+            except RuntimeError as error:
+                text = str(error)
+                if MODIFIED_SAVED_TENSOR in text:
+                    message, _, _ = text.partition(" Hint:")
+                    found.append((node, attribute.removeprefix("_saved_"), message))
+    return sorted(found, key=_newest_node_first)
+
+
+def _newest_node_first(item: tuple) -> int:
+    node, _, _ = item
+    return -autograd_sequence_nr(node)
 
 
 def tensor_base(tensor):

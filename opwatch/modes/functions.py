@@ -44,11 +44,14 @@ from torch.overrides import TorchFunctionMode
 
 from ..checks import pre_dispatch
 from ..core.compat import (
-    current_autograd_node, function_mode_alone, put_function_mode_back, run_uncompiled, skip_dynamo_for_code, sole_function_mode,
+    MODIFIED_SAVED_TENSOR, current_autograd_node, function_mode_alone, put_function_mode_back, run_uncompiled, skip_dynamo_for_code, sole_function_mode,
     take_function_mode_off,
 )
 from ..core.records import BACKWARD, FORWARD, ModuleCall
 from ..core.sites import user_frame
+from ..findings.anomaly import add_note
+from ..render import overwritten_save_note
+from .saved_tensors import overwritten_save
 
 __all__ = ["FunctionWatch"]
 
@@ -138,15 +141,14 @@ class FunctionWatch(TorchFunctionMode):
         # Every torch call and tensor attribute read of the thread comes here: one dict lookup.
         entry = self._table.get(func)
         if entry is not None and not (self.inert or self._interceptor.inert):
+            if entry is _BACKWARD:
+                return self._backward(func, args, kwargs or {})
             self._judge(func, entry, args, kwargs or {}, sys._getframe(1))  # strict: raises here
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
 
     def _judge(self, func, entry, args, kwargs, caller) -> None:
-        if entry is _BACKWARD:
-            self._backward(args, kwargs)
-            return
         try:
             finding = pre_dispatch.judge(entry, args, kwargs, caller.f_code.co_name)
             if finding is None or finding.kind not in self._kinds:
@@ -161,18 +163,37 @@ class FunctionWatch(TorchFunctionMode):
         if error is not None:
             raise error
 
-    def _backward(self, args, kwargs) -> None:
+    def _backward(self, func, args, kwargs):
         """``Tensor.backward(loss)``, ``autograd.backward(tensors)``, ``autograd.grad(outputs,
-        ...)``: the tensors the engine starts from, told to the checks."""
+        ...)``: the tensors the engine starts from, told to the checks; then the call, whose
+        "modified by an inplace operation" error gets a note naming the op whose backward needed
+        the tensor and the op that wrote into it (:mod:`opwatch.modes.saved_tensors`)."""
+        roots = []
         try:
-            roots = next(iter(args), None)
-            if roots is None:
-                roots = kwargs.get("tensors", kwargs.get("outputs"))
-            roots = [roots] if isinstance(roots, torch.Tensor) else [root for root in roots or () if isinstance(root, torch.Tensor)]
+            first = next(iter(args), None)
+            if first is None:
+                first = kwargs.get("tensors", kwargs.get("outputs"))
+            roots = [first] if isinstance(first, torch.Tensor) else [root for root in first or () if isinstance(root, torch.Tensor)]
             self._checks.backward_from(roots)
         except Exception as internal:
             self.inert = True
             self._on_internal_error(internal, traceback.format_exc())
+        started = self._log.next_index
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            if MODIFIED_SAVED_TENSOR in str(error):
+                self._explain_overwritten(error, roots, started)
+            raise
+
+    def _explain_overwritten(self, error, roots, started) -> None:
+        try:
+            facts = overwritten_save(error, roots, self._log, self._interceptor.forward_sites, started)
+        except Exception as internal:
+            self._on_internal_error(internal, traceback.format_exc())
+            return
+        if facts is not None:
+            add_note(error, overwritten_save_note(facts))
 
     def _log_call(self, func, name, finding, caller):
         """Log the call as an entry of its own, at the user's line, and return its record."""

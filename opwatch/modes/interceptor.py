@@ -170,7 +170,7 @@ class OpInterceptor(TorchDispatchMode):
         self._window_start = log.next_index  # first op index not yet covered by a check point
         self._check_at = log.next_index + self._check_every - 1  # the op index that is one at the latest
         # autograd sequence number of a forward node -> (site id, module, op id) of its forward op
-        self._forward_sites: dict = {}
+        self.forward_sites: dict = {}
         self._site_tuples: dict = {}
         self._last_seq = get_sequence_nr()
         # (op index, id of the exception) when a kernel raised
@@ -370,7 +370,7 @@ class OpInterceptor(TorchDispatchMode):
             # Run by the autograd engine: point at the forward op that made this node. A
             # module running now is a checkpoint recomputing its forward: keep its path.
             phase = BACKWARD
-            site, forward_module, forward_func = self._forward_sites.get(autograd_sequence_nr(node), _NO_SITE)
+            site, forward_module, forward_func = self.forward_sites.get(autograd_sequence_nr(node), _NO_SITE)
             module = module or forward_module
             if not site and self._reducer_sites is not None:
                 # No forward line: a parameter's gradient hook (the DDP reducer's copy into its
@@ -392,7 +392,7 @@ class OpInterceptor(TorchDispatchMode):
             # This op created an autograd node (in forward, in a checkpoint's recomputation, or
             # in a backward pass with create_graph): remember where, for its backward ops.
             self._last_seq = seq
-            sites = self._forward_sites
+            sites = self.forward_sites
             known = (site, module, plan.func_id if forward_func < 0 else forward_func)
             # Interned: each step makes the same few, and kept tuples cost garbage collections.
             sites[seq - 1] = self._site_tuples.setdefault(known, known)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..core.sites import display_path, location
 from .messages import render_message
 from .ranks import format_ranks, render_combined_summary
-from .summary import exception_note, render_failure, render_summary, tagged
+from .summary import exception_note, overwritten_save_note, render_failure, render_summary, tagged
 from .table import TABLE_HEADERS, render_table
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "render_summary",
     "render_failure",
     "exception_note",
+    "overwritten_save_note",
     "render_combined_summary",
     "format_ranks",
     "tagged",

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "same_backward", "did_not_recur", "stage_words", "no_origin", "loop_ended", "summary", "unjudged_end",
            "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
-           "evaluation_nan", "evaluations_nan", "evaluation_check_failed"]
+           "evaluation_nan", "evaluations_nan", "evaluation_check_failed", "overwritten_unwatched"]
 
 
 def parameters(bad: list) -> str:
@@ -285,6 +285,13 @@ def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool, loss: 
         f"opwatch: optimizer step {step}: {_held_then(bad, loss)}, and the program's loop ended before another "
         f"optimizer step could run under a full watch, so no op is named.{then} To find the op that made them: {how}."
     )
+
+
+def overwritten_unwatched(rerun: str | None) -> str:
+    """The note on torch's "modified by an inplace operation" error of a backward no watch saw."""
+    how = rerun or "run the program under a full watch (python -m opwatch SCRIPT, without --guard; opwatch.watch())"
+    return (f"opwatch: no watch saw this backward's forward, so no op is named. To name the op whose backward needed the "
+            f"tensor and the op that wrote into it in place: {how}.")
 
 
 # What each cause of a failed step says in the summary line (opwatch.runners.ledger.CAUSES).

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from ..core.records import BaseRecord
+from ..core.records import BaseRecord, short_op_name
 from ..core.sites import location
 from .phrases import module_of
 from .table import DUMP_WIDTH, render_table
 
-__all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "tagged", "count_places", "group_messages", "for_the_command_line"]
+__all__ = ["in_phase", "render_summary", "render_disabled", "render_cut_short", "every_check", "raised_above", "render_failure", "exception_note", "overwritten_save_note", "tagged", "count_places", "group_messages", "for_the_command_line"]
 
 
 def tagged(rank) -> str:
@@ -127,6 +127,37 @@ def exception_note(failed: BaseRecord) -> str:
     if failed.module:
         note += f"\n  module: {module_of(failed)}"
     return note
+
+
+def overwritten_save_note(facts) -> str:
+    """The note added to torch's "modified by an inplace operation" error of a backward
+    (``facts``: :class:`~opwatch.modes.saved_tensors.OverwrittenSave`): the op whose backward
+    needed the tensor, the ops that wrote into it since, and the fix."""
+    needed = facts.needed_by
+    saved = "its result" if facts.saved.startswith("result") else f"its argument {facts.saved}"
+    if facts.tensor is not None:
+        saved += f" ({facts.tensor})"
+    note = f"{tagged(needed.rank)}: the backward of {short_op_name(needed.op)} needed {saved} as its forward op saved it, but it was written in place since:"
+    module = module_of(needed)
+    note += f"\n  saved by:   {short_op_name(needed.op)} (op #{needed.index}{f', module {module}' if module else ''}) at {_code_at(needed)}"
+    if not facts.writers:
+        return note + "\n  written by: an op the log no longer holds"
+    for writer in facts.writers:
+        step = ", an optimizer step" if writer.phase == "optimizer" else ""
+        note += f"\n  written by: {short_op_name(writer.op)} (op #{writer.index}{step}) at {_code_at(writer)}"
+    if any(writer.phase == "optimizer" for writer in facts.writers):
+        fix = ("run this backward before the optimizer step that updates the weights its graph saved (a GAN: compute the "
+               "generator's loss after the discriminator's step, or call both backward() before either step)")
+    else:
+        fix = "write it out of place (x = x + y, not x += y; nn.ReLU(inplace=False)), or clone it first (h = h.clone(); h[:, 0] = 0)"
+    return note + f"\n  fix:        {fix}"
+
+
+def _code_at(record) -> str:
+    """``file:line: code`` of ``record``, or ``file:line``."""
+    position = record.position
+    code = position.expression() or position.line_text()
+    return f"{location(record)}: {code}" if code else location(record)
 
 
 def count_places(groups) -> str:

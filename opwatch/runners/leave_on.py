@@ -45,9 +45,9 @@ from functools import partial
 
 import torch
 
-from ..core.compat import compiled_module_inner, module_class_name, run_uncompiled, unseen_by_dispatch_modes
+from ..core.compat import MODIFIED_SAVED_TENSOR, compiled_module_inner, module_class_name, run_uncompiled, unseen_by_dispatch_modes
 from ..core.sites import file_line, user_frame
-from ..findings.anomaly import AnomalyError
+from ..findings.anomaly import AnomalyError, add_note
 from ..render import leave_on as words
 from ..session import Watch, strict, watch
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
@@ -390,6 +390,10 @@ def _keeping_losses(runner, original):
         running = tensor
         try:
             return original(tensor, *args, **kwargs)
+        except RuntimeError as error:
+            if MODIFIED_SAVED_TENSOR in str(error) and not seen.auditing:  # an audit's watch names the ops itself
+                add_note(error, words.overwritten_unwatched(seen.rerun))
+            raise
         finally:
             running = None
             seen.batches.backward_ended()

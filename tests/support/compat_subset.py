@@ -78,6 +78,7 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "runners/leave_on": (f"{LEAVE_ON}::test_watch_reports_at_the_optimizer_step_and_the_step_runs",),
     "runners/lightning": (f"{INTEGRATIONS}::test_lightning_fit", f"{LEAVE_ON}::test_lightning_guard_replays_the_failing_batch_names_its_origin_and_skips_its_step"),
     "runners/pytest_plugin": ("runners/test_pytest_plugin.py::test_a_test_that_leaves_anomalies_fails_with_the_summary",),
+    "modes/saved_tensors": ("e2e/test_overwritten_saves.py::test_a_gan_that_reuses_the_discriminator_s_output_after_its_step_names_the_step",),
     "runners/policy": ("runners/test_step_policy.py::test_the_verdict_seam_answers_finite_and_which_parameters_are_bad",
                        "runners/test_step_policy.py::test_the_policy_stops_a_stuck_run_and_names_its_first_failure",
                        "runners/test_step_policy.py::test_guard_names_weights_the_program_wrote",

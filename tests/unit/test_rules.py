@@ -236,6 +236,8 @@ LITERALS_ALLOWED = {
     ("opwatch.storage.chrome_trace", "synthetic: op index, 1 us per op"),
     # The label of a site with no line (a name, stored in the log like a file name).
     ("opwatch.modes.reducer", "{}end of backward"),
+    # torch's own error text, matched to tell its in-place error of a backward: not opwatch's prose.
+    ("opwatch.core.compat", "modified by an inplace operation"),
 }
 
 
