@@ -370,10 +370,12 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
 
 
 def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None,
-                evaluations: int = 0) -> str:
+                evaluations: int = 0, rerun: str | None = None) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed, an
     evaluation returned nan (``evaluations``: how many calls with gradients off did) or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
+    ``rerun``: the command that runs a script under a full watch, given where a failure no batch
+    explains went unnamed and no step can be replayed (the CLI's loop).
     ``origin``: the :class:`NamedOrigin` a replay named, or ``None``; ``told``: that origin's
     own message (its problem, cause and fix), shown under the line, as a watch's summary shows
     the anomalies it found. ``world``: for the combined summary of a job of ``world`` ranks,
@@ -388,6 +390,10 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
     elif failed:
         said = (f"{who}: no op was named in the fully watched steps, but {failed} optimizer step{'s' if failed != 1 else ''} "
                 f"failed (see the guard's line {guard_line}).")
+        if rerun:  # a script's loop: no step of it can run again on its batch
+            said += (" A batch that fails once passes the re-check of the step after it; its op is named where that batch runs "
+                     f"again under a full watch: {rerun} (with the same seeds and data order), or opwatch.guard(train_step, model) "
+                     "around the step, which replays a failing batch.")
     elif evaluations:
         said = (f"{who}: no anomalies in the fully watched steps, but {evaluations} call{'s' if evaluations != 1 else ''} with "
                 f"gradients off (evaluations) returned nan (see the guard's line {guard_line}).")

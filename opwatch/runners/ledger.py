@@ -224,6 +224,11 @@ class RunLedger:
             counts[failure.cause] = counts.get(failure.cause, 0) + 1
         return counts
 
+    def unnamed(self) -> int:
+        """The kept failures no full watch named an origin for and no batch explains (cause
+        ``gradients`` or ``loss``: a batch that failed once, whose re-check passed)."""
+        return sum(failure.origin is None and failure.cause in ("gradients", "loss") for failure in self.failures)
+
     def stuck(self, limit: int | None) -> bool:
         return limit is not None and self.failed_in_a_row >= limit
 
