@@ -181,6 +181,27 @@ print("done")
     assert "opwatch guard: 41 optimizer steps ran, 17 audited under a full watch, 0 failed." in err
 
 
+def test_a_loop_that_makes_its_optimizer_anew_each_step_arms_at_most_8_audits(tmp_path, capsys, monkeypatch):
+    """Each step's optimizer is new, so each unwatched one would arm an audit: every other step
+    of the run would run watched. At most 8 audits are armed in a run."""
+    monkeypatch.chdir(tmp_path)
+    script = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+for step in range(60):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # made anew each step
+    x, y = torch.randn(32, 8), torch.randn(32)
+    loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+print("done")
+"""
+    status, out, err = guard_in_process(tmp_path, capsys, script)
+    assert status == 0 and "done" in out, err
+    assert "opwatch guard: 60 optimizer steps ran, 9 audited under a full watch, 0 failed." in err
+
+
 def test_a_running_total_of_the_loss_is_the_failed_step_s_leftover_not_a_recurrence(tmp_path, capsys, monkeypatch):
     """The loop sums its losses for the log in place (``total += loss.detach()``), a tensor the
     first audit made. After the bad batch it holds nan, and the re-check used to name its ``+=``:

@@ -6,7 +6,8 @@ stepped on its own loss (a GAN's discriminator and generator, an actor and a cri
 per optimizer: the run's first audit ends at the first optimizer's step and never saw the
 others' forward, loss or backward. So the first step of an optimizer that no full watch has seen
 arms one audit, from right after that step until its next step (at most ``MAX_ARMED_STEPS``
-optimizer steps, for an optimizer that steps once), which watches its path whole. An optimizer
+optimizer steps, for an optimizer that steps once; at most ``MAX_ARMED`` such audits a run, for a
+loop that makes a new optimizer each step), which watches its path whole. An optimizer
 that steps on a backward a watch saw (``opt_a.step(); opt_b.step()`` after one ``backward()``)
 was seen by that watch: it arms none; nor does any optimizer of a run that audits no step.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["OptimizerAudits", "MAX_ARMED_STEPS"]
+__all__ = ["OptimizerAudits", "MAX_ARMED_STEPS", "MAX_ARMED"]
 
 MAX_ARMED_STEPS = 16  # a GAN's critic steps up to 15 times per generator step; a one-step optimizer's audit ends there
+MAX_ARMED = 8  # audits armed in a run: a loop that makes an optimizer each step (an inner loop's) must not run watched
 
 
 class OptimizerAudits:
@@ -31,6 +33,7 @@ class OptimizerAudits:
     def __init__(self) -> None:
         self._watched = weakref.WeakSet()  # optimizers with a step whose backward a watch saw
         self._armed_once = weakref.WeakSet()
+        self._armed_count = 0
         self._until = None  # a weak reference to the optimizer whose next step ends the armed audit
         self._left = 0  # optimizer steps the armed audit may still watch past
         self._backward_watched = False  # the newest step's backward ran under a watch
@@ -63,9 +66,10 @@ class OptimizerAudits:
     def arm(self, optimizer) -> bool:
         """Whether ``optimizer``'s step, which no watch saw, arms an audit until its next step:
         its first such step only, in a run that audited another optimizer's step (a trainer
-        that audits no step arms none)."""
-        if not self._audited or optimizer in self._watched or optimizer in self._armed_once:
+        that audits no step arms none), ``MAX_ARMED`` times at most."""
+        if not self._audited or optimizer in self._watched or optimizer in self._armed_once or self._armed_count >= MAX_ARMED:
             return False
         self._armed_once.add(optimizer)
+        self._armed_count += 1
         self._until, self._left = weakref.ref(optimizer), MAX_ARMED_STEPS - 1  # the steps after the first it watches
         return True
