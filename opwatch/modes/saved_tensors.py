@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import islice
 
 from ..core.compat import autograd_sequence_nr, modified_saved_tensors
 from ..core.records import (
@@ -26,6 +27,7 @@ from ..core.records import (
 __all__ = ["OverwrittenSave", "overwritten_save"]
 
 _MAX_WRITERS = 3  # the writes told; a loop that writes the tensor each pass is one story
+_MAX_CANDIDATES = 32  # calls at the op's line searched, newest first (each a pass over the log)
 _TENSOR_IN_MESSAGE = re.compile(r"\[[\w.]+ \[([\d, ]*)\]\]")  # [torch.FloatTensor [8, 32]]
 
 
@@ -59,9 +61,9 @@ def overwritten_save(error: BaseException, roots, log, forward_sites: dict, star
     if site is None:
         return None
     shape = _shape_in(text)
-    candidates = [entry for entry in reversed(log.entries)
-                  if entry[E_INDEX] < started and entry[E_PHASE] != BACKWARD and entry[E_FUNC] == func_id
-                  and entry[E_SITE] == site and entry[E_MODULE] == module]
+    candidates = list(islice((entry for entry in reversed(log.entries)
+                              if entry[E_INDEX] < started and entry[E_PHASE] != BACKWARD and entry[E_FUNC] == func_id
+                              and entry[E_SITE] == site and entry[E_MODULE] == module), _MAX_CANDIDATES))
     # The newest call at that line whose saved tensor was written since (a loop runs it again).
     for entry in candidates:
         writers = _writers(log, entry, saved, shape)
