@@ -289,7 +289,8 @@ def loop_ended(step: int, bad: list, rerun: str | None, *, raising: bool, loss: 
 
 def overwritten_unwatched(rerun: str | None) -> str:
     """The note on torch's "modified by an inplace operation" error of a backward no watch saw."""
-    how = rerun or "run the program under a full watch (python -m opwatch SCRIPT, without --guard; opwatch.watch())"
+    how = rerun or ("run the step under a full watch (python -m opwatch SCRIPT, opwatch.watch() around it, or a trainer's "
+                    "OpwatchCallback() in its default watch mode)")
     return (f"opwatch: no watch saw this backward's forward, so no op is named. To name the op whose backward needed the "
             f"tensor and the op that wrote into it in place: {how}.")
 
