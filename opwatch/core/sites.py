@@ -187,10 +187,12 @@ def warn_at_user(warning: Warning, *, frame=None, line: UserLine | None = None) 
     module = context.get("__name__", "<string>")
     try:
         warnings.warn_explicit(*place, module=module, registry=registry, module_globals=context)
-    except (ImportError, OSError):
+    except (ImportError, OSError, IndexError):
         # The module's loader cannot give its source by that name: a script run with
-        # ``python -m package.main`` is ``__main__`` to its loader's ``package.main``.
-        # Python reads the line from the file instead (nothing was warned yet).
+        # ``python -m package.main`` is ``__main__`` to its loader's ``package.main``; or
+        # gives a source shorter than the line: code run by exec(open(path).read()) in a
+        # script's globals, whose loader holds the script. Python reads the line from the file
+        # instead (nothing was warned yet).
         warnings.warn_explicit(*place, module=module, registry=registry)
 
 

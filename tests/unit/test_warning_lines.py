@@ -112,3 +112,31 @@ def test_a_program_run_as_a_module_gets_its_warnings_and_finishes(tmp_path):
     assert "loss = (compiled(torch.randn(5, 4)) - torch.randn(5)).pow(2).mean()" in done.stderr  # the source line, read from the file
     told = [line for line in done.stderr.splitlines() if "OpwatchWarning: opwatch ran compiled code uncompiled" in line]
     assert told and told[0].startswith(f"{script}:{line_of('# @watch', script)}: "), done.stderr
+
+
+def test_a_loop_run_by_exec_in_a_one_line_script_is_told_not_crashed(tmp_path, capsys, monkeypatch):
+    """``exec(open("loop.py").read())`` (a launcher's idiom, nanoGPT's configurator's) runs the
+    loop as ``<string>`` in the script's globals, whose loader holds the one-line script: Python's
+    warnings asked it for line 10 and raised IndexError out of the optimizer's hook, ending the run
+    at its first failed step. The warning is told at ``<string>:10`` and the run goes on."""
+    from support.helpers import guard_in_process
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop.py").write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for step in range(6):
+            x, y = torch.randn(16, 8), torch.randn(16)
+            if step == 3: x[0, 0] = float("nan")  # a bad sample
+            loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+        print("done")
+        """))
+    status, out, err = guard_in_process(tmp_path, capsys, 'exec(open("loop.py").read())\n')
+    assert status == 0 and "done" in out, err
+    assert "IndexError" not in err
+    assert "optimizer step 4: the gradients about to be applied hold nan/inf" in err
+    assert "1 failed (the batch held nan/inf), 1 of them skipped" in err
