@@ -2,7 +2,7 @@
 
     python -m bench.leave_on            # 600-step script, 5 interleaved repeats each; trainers 1000 steps
     python -m bench.leave_on --quick    # 600-step script, 3 repeats; trainers 300 steps
-    python -m bench.leave_on --only cli --only lightning --only hf
+    python -m bench.leave_on --only cli --only cli_batchnorm --only lightning --only hf
 
 Every figure is CPU time (user + system, the process's or the child's), and every ratio is
 taken within this one run, the contenders interleaved (A B A B ...), so that a noisy machine
@@ -11,6 +11,8 @@ shifts both alike:
 - cli: ``python -m opwatch --guard train.py`` against ``python train.py`` on a 600-step
   training script (an MLP, Adam, a ``loss.item()`` every 50 steps), start-up included: each
   run is a fresh process (``OMP_NUM_THREADS=1``), timed by ``RUSAGE_CHILDREN``.
+- cli_batchnorm: the same on a small conv net with two BatchNorms, whose running statistics
+  leave-on keeps after each optimizer step (to put them back at a skipped step).
 - lightning: ``Trainer.fit`` with ``OpwatchCallback(mode="guard")`` against the same fit with
   no callback (in this process, both warmed up by a 5-step fit first: imports are not timed).
   The guarded fit audits its first batch (one fully watched step, a few eager steps' worth):
@@ -54,6 +56,27 @@ for step in range({steps}):
 """
 
 
+# A small conv net with BatchNorm: each step's forward writes its running statistics, which
+# leave-on keeps after every optimizer step (one _foreach_copy_) to put them back at a skip.
+SCRIPT_BATCHNORM = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                      nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+for step in range({steps}):
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    if step % 50 == 0:
+        loss.item()
+"""
+
+
 def child_cpu(command: list[str], cwd: str) -> float:
     """CPU seconds (user + system) of one run of ``command`` in a fresh process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -86,10 +109,10 @@ def ratio_line(what: str, times: dict, base: str, other: str) -> str:
     )
 
 
-def bench_cli(steps: int, repeats: int) -> str:
+def bench_cli(steps: int, repeats: int, template: str = SCRIPT, what: str = "") -> str:
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "train.py"), "w") as script:
-            script.write(SCRIPT.format(steps=steps))
+            script.write(template.format(steps=steps))
         python = [sys.executable]
         runs = {
             "python": lambda: child_cpu(python + ["train.py"], folder),
@@ -97,7 +120,7 @@ def bench_cli(steps: int, repeats: int) -> str:
         }
         child_cpu(python + ["train.py"], folder)  # warm the file cache
         times = interleaved(runs, repeats)
-    return ratio_line(f"python -m opwatch --guard vs python, {steps}-step script, start-up included", times, "python", "opwatch --guard")
+    return ratio_line(f"python -m opwatch --guard vs python, {steps}-step {what}script, start-up included", times, "python", "opwatch --guard")
 
 
 def _cpu(run) -> float:
@@ -188,9 +211,9 @@ def bench_hf(steps: int, repeats: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.leave_on", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and trainer steps")
-    parser.add_argument("--only", action="append", choices=("cli", "lightning", "hf"), help="run only these (repeatable)")
+    parser.add_argument("--only", action="append", choices=("cli", "cli_batchnorm", "lightning", "hf"), help="run only these (repeatable)")
     options = parser.parse_args(argv)
-    which = options.only or ["cli", "lightning", "hf"]
+    which = options.only or ["cli", "cli_batchnorm", "lightning", "hf"]
     repeats = 3 if options.quick else 5
     trainer_steps = 300 if options.quick else 1000
     warnings.simplefilter("ignore")
@@ -199,7 +222,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     print(f"leave-on bench: torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"{repeats} interleaved repeats, CPU time, torch threads 1 in-process", flush=True)
-    benches = {"cli": lambda: bench_cli(600, repeats), "lightning": lambda: bench_lightning(trainer_steps, repeats), "hf": lambda: bench_hf(trainer_steps, repeats)}
+    benches = {"cli": lambda: bench_cli(600, repeats), "cli_batchnorm": lambda: bench_cli(600, repeats, SCRIPT_BATCHNORM, "BatchNorm conv net "),
+               "lightning": lambda: bench_lightning(trainer_steps, repeats), "hf": lambda: bench_hf(trainer_steps, repeats)}
     for name in which:
         try:
             print(benches[name](), flush=True)

@@ -53,6 +53,7 @@ from ..session import Watch, strict, watch
 from .guarded.audit import signature  # what an audit depends on: one definition for guard and leave-on
 from .guarded.check import ON_FAILURE, on_failure_option
 from .batches import FedBatches
+from .written_buffers import WrittenBuffers
 from .step_verdict import trained
 from .evaluations import EvaluationCalls
 from .ledger import MAX_FAILED_IN_A_ROW, Failure, LedgerCounts
@@ -114,6 +115,7 @@ class LeaveOn(LedgerCounts):
         self.replay = None
         self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
         self.batches = FedBatches(lambda: self._auditing)  # what each step fed the model, after the first audit
+        self.policy.buffers = WrittenBuffers(lambda: list(self._modules))  # what a step that does not run wrote, put back
         self.evaluations = EvaluationCalls(lambda: self._auditing, lambda: self.ledger.steps,  # what it returned with gradients off
                                            lambda: self.policy.evaluations_read(self.evaluations, self.rerun))
         self._losses: list = []  # what backward() ran on since the last optimizer step (detached views, no copy)
@@ -232,8 +234,10 @@ class LeaveOn(LedgerCounts):
         return (found[-1] if last else found[0]) if found else None
 
     def know(self, module) -> None:
-        """Name the parameters after ``module`` (the trainer's model) before any other."""
+        """Name the parameters after ``module`` (the trainer's model) before any other; its
+        buffers are kept as the run starts with them."""
         self._modules.setdefault(module, None)
+        self.policy.buffers.start()
 
     def end_batch(self) -> None:
         """A trainer's batch ended: end an audit that saw no optimizer step (gradient
@@ -246,6 +250,8 @@ class LeaveOn(LedgerCounts):
             # Where it was first called (code, offset): told only beside a name two parameters share.
             code, lasti, _ = user_frame(sys._getframe(1))
             self._modules[module] = (code, lasti)
+            if self.ledger.steps == 0:  # the run's first forward: its buffers as the run starts with them
+                self.policy.buffers.start()
 
     # -- the optimizer hooks ------------------------------------------------------------------
 
@@ -303,23 +309,8 @@ class LeaveOn(LedgerCounts):
     # -- names and summaries ------------------------------------------------------------------
 
     def _names(self) -> dict:
-        """``{id(parameter): name}``: its name in the outermost module seen that holds it. Where
-        modules called one by one (``model[0](x)``, then ``model[2](h)``) give two parameters
-        one name, each is told with its module's class and where that was first called:
-        ``weight (Linear at train.py:8)``."""
-        names, owners = {}, {}
-        for module, site in list(self._modules.items()):  # outermost first: a module's hook runs before its children's
-            module = compiled_module_inner(module) or module  # torch.compile's wrapper: the model's own names, no _orig_mod.
-            for name, parameter in module.named_parameters():
-                if id(parameter) not in names:
-                    names[id(parameter)], owners[id(parameter)] = name, (module, site)
-        taken = Counter(names.values())
-        for ident, name in names.items():
-            if taken[name] > 1:
-                module, site = owners[ident]
-                where = None if site is None else file_line(*site)
-                names[ident] = f"{name} ({module_class_name(module)}" + (f" at {where}" if where else "") + ")"
-        return names
+        """``{id(parameter): name}`` of the modules seen (:func:`parameter_names`)."""
+        return parameter_names(self._modules)
 
     def scaler_skipped(self, *, at_end: bool = False) -> None:
         """GradScaler skipped the step before this backward (``at_end``: the run's last step,
@@ -365,6 +356,27 @@ class LeaveOn(LedgerCounts):
         if watch_summary:
             text = prefix + self.watch_summary() + "\n" + text
         print(text, file=self._file if self._file is not None else sys.stderr)
+
+
+def parameter_names(modules) -> dict:
+    """``{id(parameter): name}``: its name in the outermost module seen that holds it
+    (``modules``: module -> where it was first called, outermost first). Where modules called
+    one by one (``model[0](x)``, then ``model[2](h)``) give two parameters one name, each is
+    told with its module's class and where that was first called: ``weight (Linear at
+    train.py:8)``."""
+    names, owners = {}, {}
+    for module, site in list(modules.items()):  # outermost first: a module's hook runs before its children's
+        module = compiled_module_inner(module) or module  # torch.compile's wrapper: the model's own names, no _orig_mod.
+        for name, parameter in module.named_parameters():
+            if id(parameter) not in names:
+                names[id(parameter)], owners[id(parameter)] = name, (module, site)
+    taken = Counter(names.values())
+    for ident, name in names.items():
+        if taken[name] > 1:
+            module, site = owners[ident]
+            where = None if site is None else file_line(*site)
+            names[ident] = f"{name} ({module_class_name(module)}" + (f" at {where}" if where else "") + ")"
+    return names
 
 
 def _keeping_losses(runner, original):

@@ -97,6 +97,7 @@ COMPAT: dict[str, tuple[str, ...]] = {
     "runners/guarded/graph_repro": ("runners/test_compiled_narrowing.py::test_a_miscompiled_softmax_is_narrowed_to_its_node_and_line_with_a_repro_that_reproduces",),
     "runners/guarded/narrow": ("runners/test_compiled_narrowing.py::test_the_message_names_the_node_its_line_and_both_values",),
     "runners/guarded/ranks": ("runners/test_guard_distributed.py::test_the_ranks_line_names_the_origin_and_the_ranks_that_did_not_report",),
+    "runners/written_buffers": ("runners/test_leave_on_buffers.py::test_a_skipped_bad_batch_leaves_batchnorm_as_a_run_that_never_saw_it",),
     "runners/evaluations": ("runners/test_leave_on_evaluations.py::test_a_bad_validation_batch_is_not_the_failing_training_step_s_batch",),
     "runners/guarded/scaler": ("runners/test_guard_grad_scaler.py",),
     "runners/guarded/replay": (f"{GUARD}::test_forward_inf_is_replayed_and_named_with_the_model_as_one_run_left_it",),

@@ -86,6 +86,10 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         self._stuck_watched: int | None = None
         self._stuck_watched_from = 0
         self.told_evaluations: set = set()  # (kind, line, from the batch) of the evaluations told
+        # The trigger's runners.written_buffers.WrittenBuffers (leave-on and the trainers), or None
+        # (opwatch.guard restores a failing call's buffers from its own start): put back when a
+        # step does not run, so that its forward's BatchNorm statistics go with its update.
+        self.buffers = None
 
     # -- ranks ----------------------------------------------------------------------------------
 
@@ -170,11 +174,18 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
             self.ledger.decide(failure, "applied")
             return False
         self.ledger.decide(failure, "skipped")
+        self._put_back_buffers()
         return True
 
+    def _put_back_buffers(self) -> None:
+        if self.buffers is not None:
+            self.buffers.put_back()
+
     def raised(self, failure: Failure, error: BaseException) -> BaseException:
-        """``failure`` raises ``error`` (returned, for ``raise policy.raised(...)``)."""
+        """``failure`` raises ``error`` (returned, for ``raise policy.raised(...)``): its step
+        does not run, and the buffers its forward wrote are put back too."""
         self.ledger.decide(failure, "raised")
+        self._put_back_buffers()
         return error
 
     def stop_when_stuck(self, failure: Failure, trigger=None) -> None:

@@ -394,6 +394,8 @@ class OptimizerSteps:
     def step_done(self, step: int, named, trigger, optimizer=None) -> None:
         """After optimizer step ``step``: end an audit or re-check, and start the re-check of a failure."""
         self.decide_undecided(trigger)  # a step to be decided at a clip that never came (Lightning's)
+        if self.buffers is not None:
+            self.buffers.keep()  # what the next step's forward writes is put back if that step does not run
         if optimizer is not None:
             self.hand_off.after_step(optimizer)  # GradScaler's contract: the flag lives for one step
             self.verdict.reductions.after_step(optimizer)
