@@ -22,8 +22,8 @@ def parameters(bad: list) -> str:
 
 
 _ACTIONS = {
-    "skip": " The optimizer step did not run (skipped, as GradScaler skips an overflow step): the weights are as they were.",
-    "raise": " The optimizer step did not run: the weights are as they were.",
+    "skip": " The optimizer step did not run (skipped, as GradScaler skips an overflow step): the weights and the buffers its forward wrote are as they were.",
+    "raise": " The optimizer step did not run: the weights and the buffers its forward wrote are as they were.",
     "apply": " The optimizer applies them (on_failure='apply').",
 }
 
@@ -245,7 +245,7 @@ def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = 
         f"opwatch: optimizer step {failed_step}: {_held_then(bad, loss)}{f'; in that step {where}' if where else ''}. That step did not run, and the failure "
         f"did not recur: step {step} ran under a full watch (every op's outputs checked for nan/inf, forward and backward) and its "
         "gradients were finite, so no op can be named: the values of that one batch made them. The optimizer did not run on them: "
-        "the weights are as they were."
+        "the weights and the buffers its forward wrote are as they were."
     )
 
 

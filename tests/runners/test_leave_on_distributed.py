@@ -164,7 +164,7 @@ def test_ddp_a_bad_batch_on_rank_1_is_named_on_every_rank(tmp_path):
             f"module.2.weight (nan), module.2.bias (nan). cause: input: this rank's batch held nan before the model ran: {fed}") in text, text[-4000:]
     assert f"opwatch (rank 0): optimizer step 4: the gradients about to be applied hold nan/inf: module.0.weight (nan)" in text
     assert f"cause: input: rank 1's batch held nan before the model ran: {fed}" in text
-    assert text.count("the weights are as they were. Every rank does the same.") == 2
+    assert text.count("the weights and the buffers its forward wrote are as they were. Every rank does the same.") == 2
     # The re-check of step 5 reads step 4's loss (cloned and all-reduced for the log): that
     # step's leftovers, not a recurrence, on either rank.
     assert "recur" not in text and "anomal" not in text, text[-4000:]

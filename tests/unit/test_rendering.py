@@ -232,7 +232,7 @@ def test_a_bad_batch_is_told_with_the_rank_whose_batch_it_was():
     assert "Every rank" not in alone
     own = bad_input(3, bad, "skip", fed, rank=1, ranks=(1, 2))
     assert own.startswith("opwatch (rank 1): optimizer step 3:") and "cause: input: this rank's batch held nan before the model ran (also the batch of rank 2): " in own
-    assert own.endswith("the weights are as they were. Every rank does the same.")
+    assert own.endswith("the weights and the buffers its forward wrote are as they were. Every rank does the same.")
     other = bad_input(3, [], "raise", fed, rank=0, ranks=(1, 2), elsewhere=(1, 2), rerun="python -m opwatch --strict train.py")
     assert ("opwatch (rank 0): optimizer step 3: the gradients about to be applied hold nan/inf on ranks 1, 2 (this rank's were finite; "
             "the ranks decide each optimizer step together). cause: input: rank 1's batch held nan before the model ran (also the batch "
