@@ -75,6 +75,59 @@ def test_a_healthy_run_s_weights_and_buffers_are_the_plain_run_s(tmp_path, capsy
         assert torch.equal(value, plain[name]), name
 
 
+MOCO = """
+import copy
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+class MoCo(nn.Module):
+    def __init__(self, dim=16, size=256, momentum=0.99, temperature=0.1):
+        super().__init__()
+        self.size, self.momentum, self.temperature = size, momentum, temperature
+        self.encoder_q = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, dim))
+        self.encoder_k = copy.deepcopy(self.encoder_q)
+        for parameter in self.encoder_k.parameters():
+            parameter.requires_grad = False
+        self.register_buffer("queue", F.normalize(torch.randn(dim, size), dim=0))
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+    def forward(self, a, b):
+        q = F.normalize(self.encoder_q(a), dim=1)
+        with torch.no_grad():
+            for p_q, p_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+                p_k.mul_(self.momentum).add_(p_q.detach(), alpha=1 - self.momentum)
+            k = F.normalize(self.encoder_k(b), dim=1)
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone()], dim=1) / self.temperature
+        with torch.no_grad():  # the keys go into the queue of negatives
+            ptr = int(self.queue_ptr)
+            self.queue[:, ptr:ptr + len(k)] = k.T
+            self.queue_ptr[0] = (ptr + len(k)) % self.size
+        return F.cross_entropy(logits, torch.zeros(len(a), dtype=torch.long))
+model = MoCo()
+optimizer = torch.optim.SGD(model.encoder_q.parameters(), lr=0.03, momentum=0.9)
+for step in range(30):
+    x = torch.randn(32, 32)
+    a, b = x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)
+    if step == BAD: b[5, 3] = float("nan")  # a corrupt view
+    loss = model(a, b)
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+print("loss finite:", bool(loss.isfinite()), "queue finite:", bool(model.queue.isfinite().all()))
+"""
+
+
+@pytest.mark.parametrize("bad", [10, -1])
+def test_moco_s_queue_of_negatives_is_put_back_with_its_skipped_step(tmp_path, capsys, monkeypatch, bad):
+    """MoCo writes each batch's keys into a queue buffer by index assignment, and its key
+    encoder's BatchNorm statistics: one corrupt view put nan into both, and the next 8 steps'
+    losses read the nan keys until the queue came round (9 failed steps, each skipped). Its
+    writes are put back with the skipped step now: 1 failed. Healthy, none."""
+    monkeypatch.chdir(tmp_path)
+    status, out, err = guard_in_process(tmp_path, capsys, MOCO.replace("BAD", str(bad)))
+    assert status == 0, err
+    assert "loss finite: True queue finite: True" in out
+    assert ("1 failed (the batch held nan/inf), 1 of them skipped" if bad >= 0 else "0 failed") in err
+
+
 def test_lightning_s_guard_mode_puts_the_batchnorm_statistics_back(tmp_path):
     import torch
     from torch import nn
