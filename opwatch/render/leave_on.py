@@ -237,16 +237,22 @@ def same_backward(step: int, failed_step: int, bad: list, on_failure: str, *, ra
             f"so that failure's story is theirs.{_ACTIONS[on_failure]}")
 
 
-def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None, stage: str | None = None) -> str:
+def did_not_recur(failed_step: int, step: int, bad: list, *, loss: str | None = None, stage: str | None = None,
+                  rerun: str | None = None) -> str:
     """``on_failure="raise"``: the fully watched step after a failure had finite gradients
-    (``stage``: where the failure began, when known: :func:`stage_words`)."""
+    (``stage``: where the failure began, when known: :func:`stage_words`; ``rerun``: the
+    command that runs a script under a full watch, where no step of its loop can be replayed)."""
     where = stage_words(stage)
-    return (
+    text = (
         f"opwatch: optimizer step {failed_step}: {_held_then(bad, loss)}{f'; in that step {where}' if where else ''}. That step did not run, and the failure "
         f"did not recur: step {step} ran under a full watch (every op's outputs checked for nan/inf, forward and backward) and its "
         "gradients were finite, so no op can be named: the values of that one batch made them. The optimizer did not run on them: "
         "the weights and the buffers its forward wrote are as they were."
     )
+    if rerun:
+        text += (f" Its op is named where that batch runs again under a full watch: {rerun} (with the same seeds and data order), "
+                 "or opwatch.guard(train_step, model) around the step, which replays a failing batch.")
+    return text
 
 
 def no_origin(step: int, bad: list, recheck: int | None, *, elsewhere=(), loss: str | None = None) -> str:

@@ -59,3 +59,12 @@ def test_a_healthy_run_and_a_bad_batch_told_as_such_give_no_command(tmp_path, ca
     assert status == 0 and "cause: input: the batch held nan before the model ran" in err
     assert "opwatch: no op was named in the fully watched steps, but 1 optimizer step failed (see the guard's line below)." in err
     assert "runs again" not in err
+
+
+def test_strict_raises_did_not_recur_with_the_command_that_names_the_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = guard_in_process(tmp_path, capsys, CTC.replace("CUT", "4"), "--strict")
+    assert status == 1 and "done" not in out
+    assert "GradientsNotFinite: opwatch: optimizer step 5: " in err and "did not recur: step 6 ran under a full watch" in err
+    assert ("Its op is named where that batch runs again under a full watch: python -m opwatch --strict train.py (with the same "
+            "seeds and data order), or opwatch.guard(train_step, model) around the step, which replays a failing batch.") in err

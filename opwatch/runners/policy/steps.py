@@ -212,7 +212,8 @@ class OptimizerSteps:
         if finite and recheck is not None and fresh and self.on_failure == "raise":
             failed = ledger.latest
             self.stop_rechecking(trigger)
-            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss, stage=failed.stage),
+            raise GradientsNotFinite(words.did_not_recur(failed.step, step, failed.parameters, loss=failed.loss, stage=failed.stage,
+                                                         rerun=trigger.rerun),
                                      step=failed.step, parameters=failed.parameters)
         if finite:
             ledger.passed(step)
