@@ -275,3 +275,20 @@ def test_an_evaluation_nan_on_rank_1_is_in_the_combined_summary(clean):
             "returned nan") in text, text[-3000:]
     assert ("opwatch, all 2 ranks: no anomalies in the fully watched steps, but 1 call with gradients off (evaluations) returned nan "
             "(see the guard's line above).") in text, text[-3000:]
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("target", ["wide", "right"])
+def test_ddp_gan_audits_the_generator_s_path_on_every_rank(target):
+    """The run's audit ends at the discriminator's first step; the generator's first step arms
+    one on every rank alike (the arming follows the order of optimizer steps, the same on every
+    rank), which names its loss's broadcast on both. Healthy: 3 of 12 steps audited on each."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard", "dist_gan.py"]
+    result = run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "TARGET": target})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: done" in result.stdout and "rank 1: done" in result.stdout
+    text = result.stderr
+    assert text.count("opwatch guard: 12 optimizer steps ran, 3 audited under a full watch, 0 failed.") == 2, text[-3000:]
+    line = line_of("# the generator's loss", str(SCENARIOS / "dist_gan.py"))
+    named = f"broadcast in aten.sub.Tensor at dist_gan.py:{line} (forward, rank "
+    assert (named in text) == (target == "wide"), text[-3000:]
