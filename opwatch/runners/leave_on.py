@@ -348,7 +348,7 @@ class LeaveOn(LedgerCounts):
             return text
         origin = self.ledger.first_origin()
         return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=getattr(every_rank, "world", None),
-                                 told=getattr(origin, "message", None), evaluations=evaluations, rerun=self.ledger.unnamed() and self.rerun)
+                                 told=getattr(origin, "message", None), evaluations=evaluations, rerun=self.rerun if self.ledger.unnamed() else None)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

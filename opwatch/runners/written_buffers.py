@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core.compat import version_counter
-from .guarded.snapshot import Copies
+from .guarded.snapshot import Copies, buffer_slots
 
 __all__ = ["WrittenBuffers"]
 
@@ -48,7 +48,7 @@ class WrittenBuffers:
             models = self._models()
             if not models:  # no model seen yet (a trainer that audited no batch): looked for at the next step
                 return
-            self._kept = _buffer_slots(models)
+            self._kept = buffer_slots(models)
             self._first = {slot: _state(slot) for slot in self._kept}
         elif not self._narrowed:
             # BatchNorm's kernel writes its running statistics without moving their version: a
@@ -56,7 +56,7 @@ class WrittenBuffers:
             self._narrowed = True
             values = dict(zip(self._kept, self._copies.values))
             first = self._first
-            self._kept = [slot for slot in _buffer_slots(self._models()) if slot not in first or _moved(slot, first[slot], values.get(slot))]
+            self._kept = [slot for slot in buffer_slots(self._models()) if slot not in first or _moved(slot, first[slot], values.get(slot))]
             self._first = None
         if self._kept:
             self._copies.save([module._buffers[name] for module, name in self._kept])
@@ -73,18 +73,6 @@ class WrittenBuffers:
                 if buffer is not None and buffer.shape == value.shape:
                     buffer.copy_(value)
         return slots
-
-
-def _buffer_slots(models) -> list:
-    """``(module, name)`` of each buffer of ``models`` (and their submodules), each once."""
-    seen, slots = set(), []
-    for model in models:
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and (id(module), name) not in seen:
-                    seen.add((id(module), name))
-                    slots.append((module, name))
-    return slots
 
 
 def _moved(slot, before: tuple, value) -> bool:

@@ -54,9 +54,7 @@ class Snapshots:
 
     def __init__(self, params, model=None):
         self.params = params
-        self.buffer_slots = [] if model is None else [
-            (module, name) for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None
-        ]
+        self.buffer_slots = [] if model is None else buffer_slots([model])
         self._buffers = Copies()
 
     def take(self, args, kwargs) -> Start:
@@ -120,6 +118,19 @@ class Snapshots:
         with torch.no_grad():
             values = [buffer.clone() for _, _, buffer in slots if buffer is not None]
         return slots, values
+
+
+def buffer_slots(models) -> list:
+    """``(module, name)`` of each buffer of ``models`` (and their submodules), each once: slots,
+    so that a buffer the model replaces is still found."""
+    seen, slots = set(), []
+    for model in models:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and (id(module), name) not in seen:
+                    seen.add((id(module), name))
+                    slots.append((module, name))
+    return slots
 
 
 def put_buffers(slots, values) -> None:
