@@ -155,7 +155,7 @@ def decide_causes(origins, log, blocks=None, earlier_blocks=None) -> None:
     if not origins:
         return
     wanted: dict = {}
-    writes = _Writes(log, None if blocks is None else blocks.outside_since, earlier_blocks)
+    writes = _Writes(log, blocks, earlier_blocks)
     # GradScaler's skipped steps tell their own story (how the scaler finds its scale): no cause,
     # and no walk of the live objects at every skipped step of a float16 run.
     decided = [origin for origin in origins if not origin.skipped_by_grad_scaler]
@@ -286,11 +286,12 @@ class _Health(NamedTuple):
 class _Writes:
     """Which ops wrote a tensor, by op index (a walk of the log, once, when first asked): an op
     that made it or wrote it in place, or wrote in place a tensor that shares its storage (a
-    view of it, its base: :class:`~.aliases.Aliases`)."""
+    view of it, its base: :class:`~.aliases.Aliases`). ``blocks``: the watch's
+    :class:`~.tracker.EarlierBlocks`, which tells a tensor from an older one whose id it took."""
 
-    def __init__(self, log, outside_since=None, earlier_blocks=None):
+    def __init__(self, log, blocks=None, earlier_blocks=None):
         self._log = log
-        self._outside_since = outside_since
+        self._blocks = blocks
         self.earlier_blocks = earlier_blocks
         self._last = None
         self._wrote: dict = {}  # ident -> the last op that wrote it in place
@@ -335,19 +336,20 @@ class _Writes:
         """The latest op before op ``index`` that output ``ident``, or ``None``; not an op
         from before the watch knew a tensor no op of it made (``tensor``: the object, when
         alive), nor one whose output under the id differed from ``like`` (the tensor's
-        metadata) in shape, dtype or device: that op made an older tensor, whose id this one
-        took."""
+        metadata) in shape, dtype or device, nor an earlier block's op whose tensor was dead
+        when this block began: that op made an older tensor, whose id this one took."""
         record = self._log.producer_of(ident, before=index, like=like)
-        if record is not None and self._outside_since is not None:
-            since = self._outside_since(ident, index, tensor)
-            if since is not None and record.index < since:
+        blocks = self._blocks
+        if record is not None and blocks is not None:
+            since = blocks.outside_since(ident, index, tensor)
+            if (since is not None and record.index < since) or blocks.read_a_newer_tensor(ident, record.index):
                 return None
         return record
 
     def outside(self, ident, index, tensor=None) -> bool:
         """Whether no op of the watch made the tensor ``ident`` read by op ``index`` (made
         before the watch or outside torch ops: its first read found it unknown)."""
-        return self._outside_since is not None and self._outside_since(ident, index, tensor) is not None
+        return self._blocks is not None and self._blocks.outside_since(ident, index, tensor) is not None
 
     def find(self, index):
         """The logged op of index ``index``, or ``None``."""

@@ -86,8 +86,8 @@ class EarlierBlocks:
     """What a watch's nan/inf trackers hand on from block to block (a watch re-entered step
     after step, as the trainers' callbacks do): ``outside``, the tensors no op of the watch
     made (id -> (weak reference, the op index from which the watch knew it)), kept for the
-    watch's life; ``made``, the live tensors an op of an earlier block made (id -> weak
-    reference); ``known``, the last block's known tensors, folded into ``made`` when the next
+    watch's life; ``made``, the tensors an op of an earlier block made that were alive when this block
+    began (id -> weak reference); ``known``, the last block's known tensors, folded into ``made`` when the next
     block starts (:meth:`next_block`); ``origins``, the last block's replay state, whose live
     carried tensors and waiting origins the next block takes on (:meth:`next_block`);
     ``failure_told``, set for the watch's life once a guard told a failed optimizer step that
@@ -101,10 +101,10 @@ class EarlierBlocks:
     (:meth:`outside_since`). ``unchecked`` does the same for the live objects a check point
     finds under the ids the log names (:meth:`may_be`): id -> (weak reference, op index) of
     the tensors that in-place writes and ``detach`` read, which check no input, when no op of
-    the watch made them known. Dead entries are dropped whenever a table has doubled, so memory
-    stays flat however many blocks run."""
+    the watch made them known. Dead entries are dropped from ``made`` when a block starts, from
+    the others whenever a table has doubled, so memory stays flat however many blocks run."""
 
-    __slots__ = ("known", "made", "outside", "unchecked", "origins", "failure_told", "block_start", "_made_limit", "_outside_limit", "_unchecked_limit")
+    __slots__ = ("known", "made", "outside", "unchecked", "origins", "failure_told", "block_start", "_outside_limit", "_unchecked_limit")
 
     def __init__(self) -> None:
         self.known: dict = {}
@@ -114,23 +114,23 @@ class EarlierBlocks:
         self.origins: Origins | None = None  # the last block's replay state (_hand_on)
         self.failure_told = False
         self.block_start = 0  # the op index of the block's first op
-        self._made_limit = self._outside_limit = self._unchecked_limit = _KNOWN_START
+        self._outside_limit = self._unchecked_limit = _KNOWN_START
 
     def next_block(self, known: dict, origins: Origins, start: int = 0) -> None:
         """A block starts at op index ``start``, its tracker knowing ``known`` (its table, handed
-        on to the next block): the live tensors the last block knew that an op of the watch
-        made join ``made``; its replay state ``origins`` takes on the last block's
-        (:meth:`_hand_on`). Once a block, off the per-op path."""
+        on to the next block): ``made`` keeps its live tensors, and the live tensors the last
+        block knew that an op of the watch made join them (so that an id missing from ``made``
+        was no earlier block's live tensor when this one began: :meth:`read_a_newer_tensor`);
+        its replay state ``origins`` takes on the last block's (:meth:`_hand_on`). Once a
+        block, off the per-op path: a walk of the tensors earlier blocks made and left alive."""
         self.block_start = start
         self._hand_on(origins)
         last, self.known = self.known, known
-        made, outside = self.made, self.outside
+        outside = self.outside
+        self.made = made = {ident: ref for ident, ref in self.made.items() if ref() is not None}
         for ident, ref in last.items():
             if ident not in outside and ref() is not None:
                 made[ident] = ref
-        if len(made) > self._made_limit:
-            self.made = made = {ident: ref for ident, ref in made.items() if ref() is not None}
-            self._made_limit = max(_KNOWN_START, 2 * len(made))
 
     def _hand_on(self, origins: Origins) -> None:
         """A block starts, its replay state ``origins``: what the last block's left alive
@@ -205,6 +205,16 @@ class EarlierBlocks:
             return True
         ref = self.made.get(ident)
         return ref is not None and ref() is not None
+
+    def read_a_newer_tensor(self, ident: int, made_at: int) -> bool:
+        """Whether the tensor this block read under ``ident`` is newer than the one op
+        ``made_at`` of an earlier block output under it: that one was dead when the block began
+        (not in ``made``), and this block knows a tensor under the id (so one the watch
+        remembers: of a checked dtype, as the older one was). An in-place write checks no
+        input, so such a tensor is not in ``outside``: a ``.grad`` that autograd accumulates
+        into, made unwatched between two blocks (a skipped step's backward), under the id of an
+        older ``.grad``. Slow path: causes only."""
+        return made_at < self.block_start and ident not in self.made and ident in self.known
 
     def outside_since(self, ident: int, index: int, tensor=None) -> int | None:
         """The op index from which the watch knew the tensor ``ident``, read by op ``index``,
