@@ -231,35 +231,62 @@ def test_lightning_guard_mode_checks_the_evaluations_of_a_module_whose_steps_cal
         assert told == []
 
 
+# The DDP evaluation, in a process of its own: a process group of one rank, DDP around the
+# model, two steps (the first is leave-on's audit), an evaluation through the wrapper and one
+# around it, two more steps. It prints what the run counted and told, as JSON.
+DDP_EVALUATION = """
+import datetime, io, json, os, sys, warnings
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import opwatch
+from opwatch.runners.leave_on import LeaveOn
+
+def train_two_steps(model, optimizer):
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", opwatch.OpwatchWarning)
+    with LeaveOn(file=io.StringIO()) as run:
+        train_two_steps(model, optimizer)
+        with torch.no_grad():
+            clean = model(torch.randn(4, 8))  # through the wrapper: checked as before
+            bad = torch.randn(4, 8)
+            bad[2, 3] = float("nan")
+            model.module(bad)  # the evaluation, around the wrapper
+        train_two_steps(model, optimizer)
+told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
+print(json.dumps({"clean": bool(torch.isfinite(clean).all()), "evaluations_nan": run.ledger.evaluations_nan, "failed": run.ledger.failed,
+                  "told": told}), flush=True)
+os._exit(0)  # no teardown: freeing the DDP model may wait on gloo's worker thread (see the test)
+"""
+
+
 def test_an_evaluation_through_ddp_s_module_is_checked(tmp_path):
     """DDP evaluation through ``model.module`` (the wrapped model, called without the wrapper):
     the hooks went on the wrapper, which that call never reaches. They go on the module it wraps,
-    which every call reaches, the wrapper's own included."""
-    import datetime
+    which every call reaches, the wrapper's own included. In a process of its own, bounded: in
+    the test's process, freeing the DDP model once hung (gloo's worker thread, dropping the
+    audit's all-reduce, waited for the GIL that the thread joining it held)."""
+    import json
+    import subprocess
+    import sys
 
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from opwatch.runners.leave_on import LeaveOn
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        model, optimizer = small_regressor(DistributedDataParallel)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", opwatch.OpwatchWarning)
-            with LeaveOn(file=io.StringIO()) as run:
-                train_two_steps(model, optimizer, 8)
-                with torch.no_grad():
-                    clean = model(torch.randn(4, 8))  # through the wrapper: checked as before
-                    bad = torch.randn(4, 8)
-                    bad[2, 3] = float("nan")
-                    model.module(bad)  # the evaluation, around the wrapper
-                train_two_steps(model, optimizer, 8)
-    finally:
-        dist.destroy_process_group()
-    told = [str(warning.message) for warning in caught if "gradients off" in str(warning.message)]
-    assert torch.isfinite(clean).all() and run.ledger.evaluations_nan == 1 and run.ledger.failed == 0
-    assert len(told) == 1 and "a call of Sequential with gradients off" in told[0] and "held nan when it entered the model" in told[0]
+    (tmp_path / "evaluate.py").write_text(DDP_EVALUATION)
+    result = subprocess.run([sys.executable, "evaluate.py", str(tmp_path / "store")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["clean"] and found["evaluations_nan"] == 1 and found["failed"] == 0
+    (told,) = found["told"]
+    assert "a call of Sequential with gradients off" in told and "held nan when it entered the model" in told
 
 
 def test_an_evaluation_after_the_weights_took_nan_names_the_weights():
