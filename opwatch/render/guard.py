@@ -454,6 +454,8 @@ _WAITED = {
     "gradients": "the check of the gradients before optimizer step {call} (every rank decides each optimizer step together)",
     "left": "the end of the program, which raised before optimizer step {call} ({detail})",
     "poisoned": "the question whether the parameters hold nan/inf after call {call} of {name}",
+    "scaler_loss": ("the question whether the loss of the step GradScaler skipped after optimizer step {call} was finite before it "
+                    "was scaled (every rank counts GradScaler's skips alike)"),
     "raised": "call {call} of {name}, which raised there ({detail}), on its way to the failure flag",
 }
 

@@ -371,7 +371,7 @@ def guard_section(guarded: dict) -> str:
     parts = [
         '<section id="guard"><h2>The guarded run</h2>',
         f'<p>{steps} optimizer steps ran, {guarded.get("audited", 0)} audited under a full watch, {guarded.get("failed", 0)} failed, '
-        f'{guarded.get("skipped", 0)} of them skipped{scaler_skips(guarded.get("scaler_skipped", 0), 0, None)}'
+        f'{guarded.get("skipped", 0)} of them skipped{scaler_skips(guarded.get("scaler_skipped", 0), 0, None, guarded.get("scaler_skipped_loss", 0))}'
         f'{evaluations_nan(guarded.get("evaluations_nan", 0), 0)}.</p>',
     ]
     if failures:

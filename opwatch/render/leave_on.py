@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["NamedOrigin", "origin_words", "parameters", "failure", "poisoned", "recheck", "same_backward", "did_not_recur", "stage_words", "no_origin", "loop_ended", "summary", "unjudged_end",
-           "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "no_op_named", "bad_input", "batch_words",
+           "made_elsewhere", "stuck", "stuck_in_scaler_skips", "scaler_skips", "scaler_skipped_loss", "no_op_named", "bad_input", "batch_words",
            "evaluation_nan", "evaluations_nan", "evaluation_check_failed", "overwritten_unwatched"]
 
 
@@ -312,13 +312,14 @@ _CAUSE_WORDS = {
 
 
 def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int = 0, *, causes: dict | None = None,
-            scaler: tuple = (0, 0, None), evaluations: tuple = (0, 0)) -> str:
+            scaler: tuple = (0, 0, None, 0), evaluations: tuple = (0, 0)) -> str:
     """The end-of-run line: steps run, audited, failed and skipped (or that the runner was off);
     ``causes``: how many failed steps had each cause (``{"input": 1, ...}``), so that no step
     whose cause was the batch or the weights is summed up as "nan/inf in the gradients";
-    ``scaler``: the steps GradScaler skipped, how many of them in a row at the end, and its
-    scale then; ``evaluations``: the calls with gradients off that returned nan, and of them
-    those whose batch held nan/inf."""
+    ``scaler``: the steps GradScaler skipped, how many of them in a row at the end, its scale
+    then, and how many it skipped on a loss that was not finite (:func:`scaler_skips`);
+    ``evaluations``: the calls with gradients off that returned nan, and of them those whose
+    batch held nan/inf."""
     if not enabled:
         return "opwatch guard: off (OPWATCH_DISABLE)."
     tail = f", {skipped} of them skipped" if skipped else ""
@@ -338,16 +339,47 @@ def summary(steps: int, audited: int, failed: int, enabled: bool, skipped: int =
     )
 
 
-def scaler_skips(skipped: int, in_a_row: int, scale) -> str:
-    """``; GradScaler skipped 3 more (overflows of its scaled gradients)``, and for a run that
-    ended skipping with its scale below 1, what that means."""
+def scaler_skips(skipped: int, in_a_row: int, scale, losses: int = 0) -> str:
+    """``; GradScaler skipped 3 more (overflows of its scaled gradients)``; ``losses`` of them
+    on a loss that was not finite before it was scaled, which no scale mends, told apart; and
+    for a run that ended skipping with its scale below 1, what that means."""
     if not skipped:
         return ""
-    text = f"; GradScaler skipped {skipped} more (overflows of its scaled gradients)"
+    overflows = skipped - losses
+    if not losses:
+        why = "overflows of its scaled gradients"
+    elif not overflows:
+        why = "the loss was not finite before it was scaled" if losses == 1 else "each on a loss not finite before it was scaled"
+    else:
+        why = (f"{overflows} overflow{'s' if overflows != 1 else ''} of its scaled gradients, {losses} on a loss not finite "
+               "before it was scaled")
+    text = f"; GradScaler skipped {skipped} more ({why})"
     if in_a_row > 1 and scale is not None and scale < 1:
         text += (f", the last {in_a_row} in a row with its scale down to {scale:.3g}: the gradients are not finite even "
                  "unscaled, which no scale mends")
     return text
+
+
+def scaler_skipped_loss(after: int, in_a_row: int, kind: str, fed, *, batch_finite: bool = False, rerun: str | None = None,
+                        rank: int | None = None) -> str:
+    """GradScaler skipped an optimizer step, ``in_a_row`` in a row since step ``after``, and a
+    loss ``backward()`` ran on held ``kind`` before GradScaler scaled it: no scale mends that,
+    and the scaler's skip is no overflow. ``fed``: the :class:`~opwatch.runners.batches.FedInput`
+    of a call of the model since the last optimizer step whose arguments held nan/inf, or
+    ``None``; ``batch_finite``: every call's arguments were read and were finite; ``rerun``:
+    the command that runs the script under a full watch."""
+    since = f"after optimizer step {after}" if after else "from the first step"
+    step = f"the optimizer step {since}" if in_a_row == 1 else f"an optimizer step ({in_a_row} in a row {since})"
+    head = (f"{_who(rank)}: GradScaler skipped {step}: the loss backward() ran on held {kind} before "
+            "GradScaler scaled it, which no scale mends (its skips are for gradients that overflow once scaled)")
+    if fed is not None:
+        return (f"{head}. cause: input: {fed.model}'s {_fed_argument(fed.argument)} held {fed.kind} when it entered the model"
+                f"{_fed_at(fed.where, fed.call)}, so no op of the model made it: it came in with the batch (the lines that made "
+                "it, or what they read: a file, a numpy array, a sample).")
+    where = (f"; to name the op that made it, run the step where it fails under a full watch: {rerun} (with the same seeds and "
+             "data order), or opwatch.guard(train_step, model) around the step, which replays a failing batch") if rerun else ""
+    made = "; the batch was finite when it entered the model, so an op of the step made it" if batch_finite else ""
+    return f"{head}{made}{where}."
 
 
 def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str | None, limit: int, command_line: bool,
@@ -377,7 +409,7 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
 
 
 def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None,
-                evaluations: int = 0, rerun: str | None = None) -> str:
+                evaluations: int = 0, rerun: str | None = None, scaler_losses: int = 0) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed, an
     evaluation returned nan (``evaluations``: how many calls with gradients off did) or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
@@ -386,7 +418,8 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
     ``origin``: the :class:`NamedOrigin` a replay named, or ``None``; ``told``: that origin's
     own message (its problem, cause and fix), shown under the line, as a watch's summary shows
     the anomalies it found. ``world``: for the combined summary of a job of ``world`` ranks,
-    printed after every guard's line."""
+    printed after every guard's line. ``scaler_losses``: the steps GradScaler skipped on a loss
+    that was not finite before it was scaled (none failed: GradScaler skipped them)."""
     who = "opwatch" if world is None else f"opwatch, all {world} ranks"
     guard_line = "below" if world is None else "above"
     if failed and origin is not None:
@@ -401,6 +434,10 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
             said += (" A batch that fails once passes the re-check of the step after it; its op is named where that batch runs "
                      f"again under a full watch: {rerun} (with the same seeds and data order), or opwatch.guard(train_step, model) "
                      "around the step, which replays a failing batch.")
+    elif scaler_losses:
+        said = (f"{who}: no op was named in the fully watched steps, but GradScaler skipped {scaler_losses} optimizer "
+                f"step{'s' if scaler_losses != 1 else ''} on a loss that was not finite before it was scaled (see the guard's "
+                f"line {guard_line}).")
     elif evaluations:
         said = (f"{who}: no anomalies in the fully watched steps, but {evaluations} call{'s' if evaluations != 1 else ''} with "
                 f"gradients off (evaluations) returned nan (see the guard's line {guard_line}).")

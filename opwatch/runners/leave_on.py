@@ -314,12 +314,18 @@ class LeaveOn(LedgerCounts):
 
     def scaler_skipped(self, *, at_end: bool = False) -> None:
         """GradScaler skipped the step before this backward (``at_end``: the run's last step,
-        if it did): the policy counts each optimizer's, and stops a stuck run with the op a full watch of the
-        skipped steps names."""
+        if it did): the policy counts each optimizer's, tells one whose loss was not finite
+        before it was scaled (the losses kept for that step: one host read, on a skipped step
+        only), and stops a stuck run with the op a full watch of the skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
         skips = reductions.skipped if not at_end or reductions.skipped_since() else []  # at the end: the last step's, read now
+        own = policy.verdict.unscaled_loss_kind(self._losses) if skips else None
+        loss = own if at_end else policy.scaler_loss_of_the_job(own, skips, self._modules)  # at the end a rank may be gone
         # Each optimizer step skipped is counted (several optimizers after one backward).
-        stuck = [policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel) for skip in skips]
+        stuck = [policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel, loss=loss)
+                 for skip in skips]
+        if own is not None and not self._auditing:  # an audit's watch names what made it
+            policy.tell_scaler_skipped_loss(own, self.batches, rerun=self.rerun)
         if any(stuck) and not at_end:
             policy.stop_stuck_in_scaler_skips(self, rerun=self.rerun)
 
@@ -329,7 +335,7 @@ class LeaveOn(LedgerCounts):
         ledger = self.ledger
         steps, audited, failed, skipped = ledger.counts().values()  # settled: every step that ran
         text = words.summary(steps, audited, failed, self.watch.enabled, skipped, causes=ledger.causes(),
-                             scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale),
+                             scaler=(ledger.scaler_skipped, ledger.scaler_in_a_row, ledger.scale, ledger.scaler_skipped_loss),
                              evaluations=(ledger.evaluations_nan, ledger.evaluations_from_input))
         if ledger.unjudged_end:
             text += "\n" + words.unjudged_end(steps, rerun, ledger.scaler_in_a_row, left=ledger.unjudged_left)
@@ -348,7 +354,8 @@ class LeaveOn(LedgerCounts):
             return text
         origin = self.ledger.first_origin()
         return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=getattr(every_rank, "world", None),
-                                 told=getattr(origin, "message", None), evaluations=evaluations, rerun=self.rerun if self.ledger.unnamed() else None)
+                                 told=getattr(origin, "message", None), evaluations=evaluations, rerun=self.rerun if self.ledger.unnamed() else None,
+                                 scaler_losses=self.ledger.scaler_skipped_loss)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""
@@ -393,8 +400,8 @@ def _keeping_losses(runner, original):
         if seen is None or running is tensor:
             return original(tensor, *args, **kwargs)
         if seen.policy.verdict.reductions.after_backward():  # GradScaler skipped the step those losses made
-            seen._losses = []
             seen.scaler_skipped()  # RunStuck when stuck
+            seen._losses = []
         elif seen.batches.gradients_dropped():  # the program skipped that step itself: those losses made no gradient now
             seen._losses = []
         if len(seen._losses) < _MAX_LOSSES and tensor.is_floating_point():

@@ -101,6 +101,7 @@ class RunLedger:
         # above): all of them, the running streak, the steps that ran before it began, and the
         # scale GradScaler fell to at its latest skip.
         self.scaler_skipped = 0
+        self.scaler_skipped_loss = 0  # of them, those whose loss was not finite before it was scaled
         self.scaler_in_a_row = 0
         self.scaler_streak_after = 0
         self.scale: float | None = None
@@ -127,7 +128,7 @@ class RunLedger:
             self.scaler_stepped()
         return self.steps
 
-    def skipped_in_kernel(self, scale: float | None, checked_at: float | None = None) -> None:
+    def skipped_in_kernel(self, scale: float | None, checked_at: float | None = None, *, on_loss: bool = False) -> None:
         """The latest step counted ran a fused optimizer that skipped its update inside its
         kernel (GradScaler handed it ``found_inf``, read a step later): a step GradScaler
         skipped, as it skips any other optimizer's by not calling its step. It is taken off
@@ -137,15 +138,17 @@ class RunLedger:
         self.audited -= audited
         self.scaler_in_a_row = in_a_row
         self._last_step = (False, in_a_row)
-        self.skipped_by_scaler(scale, checked_at)
+        self.skipped_by_scaler(scale, checked_at, on_loss=on_loss)
 
-    def skipped_by_scaler(self, scale: float | None, checked_at: float | None = None, *, after: int | None = None) -> None:
+    def skipped_by_scaler(self, scale: float | None, checked_at: float | None = None, *, after: int | None = None,
+                          on_loss: bool = False) -> None:
         """GradScaler skipped an optimizer step: its gradients were not finite at the scale
         ``checked_at``, which it lowered to ``scale``; ``after``: the steps that ran before it
-        (:attr:`steps` by default)."""
+        (:attr:`steps` by default); ``on_loss``: its loss was not finite before it was scaled."""
         if not self.scaler_in_a_row:
             self.scaler_streak_after = self.steps if after is None else after
         self.scaler_skipped += 1
+        self.scaler_skipped_loss += on_loss
         self.scaler_in_a_row += 1
         self.scale, self.skipped_at_scale = scale, checked_at
 
@@ -212,10 +215,11 @@ class RunLedger:
 
     @property
     def clean(self) -> bool:
-        """Whether nothing failed, no evaluation returned nan and every op was judged: only
-        then may a summary say "no anomalies" alone (settled first)."""
+        """Whether nothing failed, no evaluation returned nan, GradScaler skipped no step on a
+        loss that was not finite, and every op was judged: only then may a summary say "no
+        anomalies" alone (settled first)."""
         self.settle()
-        return not self.failed and not self.unjudged_end and not self.evaluations_nan
+        return not self.failed and not self.unjudged_end and not self.evaluations_nan and not self.scaler_skipped_loss
 
     def causes(self) -> dict:
         """How many kept failures had each cause, the first seen first."""
@@ -255,7 +259,8 @@ class RunLedger:
     def log(self) -> dict:
         """:meth:`counts`, the steps GradScaler skipped, the calls with gradients off that
         returned nan, and :meth:`rows`: what a ``--jsonl`` log keeps of the run (``write_jsonl(guard=)``)."""
-        return {**self.counts(), "scaler_skipped": self.scaler_skipped, "evaluations_nan": self.evaluations_nan,
+        return {**self.counts(), "scaler_skipped": self.scaler_skipped, "scaler_skipped_loss": self.scaler_skipped_loss,
+                "evaluations_nan": self.evaluations_nan,
                 "failures": self.rows()}
 
     def rows(self) -> list[dict]:

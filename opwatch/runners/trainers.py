@@ -149,7 +149,8 @@ def metrics(source) -> dict[str, int]:
       seen), ``opwatch/audited`` (of them, run under the full watch), ``opwatch/failed``
       (steps whose gradients held nan/inf), ``opwatch/skipped`` (of those, the steps that
       did not run), ``opwatch/scaler_skipped`` (the steps GradScaler skipped, which never
-      call the optimizer: counted apart, at the next ``backward()``) and
+      call the optimizer: counted apart, at the next ``backward()``), ``opwatch/scaler_skipped_loss``
+      (of them, those whose loss was not finite before it was scaled, which no scale mends) and
       ``opwatch/evaluations_nan`` (the model's calls with gradients off that returned nan,
       read at the next step's check).
 
@@ -178,6 +179,7 @@ def metrics(source) -> dict[str, int]:
         # the ledger's counts as the device finished them (no wait: a trainer logs every batch)
         values.update((f"opwatch/{name}", count) for name, count in source.ledger.counts(wait=False).items())
         values["opwatch/scaler_skipped"] = source.ledger.scaler_skipped  # GradScaler's, none of the steps above
+        values["opwatch/scaler_skipped_loss"] = source.ledger.scaler_skipped_loss  # of them, on a loss not finite unscaled
         values["opwatch/evaluations_nan"] = source.ledger.evaluations_nan  # calls with gradients off: no step's
     return values
 

@@ -396,7 +396,8 @@ class SavedLog:
     @property
     def guard(self) -> dict | None:
         """A ``--guard`` run's ledger as saved: its counts (``steps``, ``audited``, ``failed``,
-        ``skipped``; ``scaler_skipped``, the steps GradScaler skipped, and ``evaluations_nan``,
+        ``skipped``; ``scaler_skipped``, the steps GradScaler skipped, ``scaler_skipped_loss``,
+        those of them whose loss was not finite before it was scaled, and ``evaluations_nan``,
         the calls with gradients off that returned nan, in a log saved since each was counted) and ``failures``, a dict per failed step (``step``, ``cause``, ``action``,
         ``parameters``, ``loss``, ``origin``, ``batch``: what a bad batch held, its ``model``,
         ``argument``, ``kind``, ``where``, ``call`` and ``rank``); ``None`` for a log of no

@@ -803,15 +803,21 @@ def test_guard_cli_a_run_gradscaler_skips_for_good_is_stuck(tmp_path, limit):
     result = subprocess.run([sys.executable, "-m", "opwatch", "--guard", "--jsonl", "run.jsonl", *limit, "train.py"], capture_output=True,
                             text=True, cwd=tmp_path, env=environment, timeout=300)
     text = result.stderr
+    # The weights grow until the forward overflows: some batches' gradients overflow at
+    # GradScaler's scale, others' loss is inf itself, which no scale mends (told once, counted).
     counts = re.search(r"opwatch guard: (\d+) optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped (\d+) more "
-                       r"\(overflows of its scaled gradients\), the last (\d+) in a row with its scale down to ([0-9.e-]+): the gradients are "
-                       r"not finite even unscaled, which no scale mends\.", text)
+                       r"\((\d+) overflows of its scaled gradients, (\d+) on a loss not finite before it was scaled\), the last (\d+) in a row "
+                       r"with its scale down to ([0-9.e-]+): the gradients are not finite even unscaled, which no scale mends\.", text)
     assert counts is not None, text[-3000:]
-    steps, skipped, in_a_row, scale = int(counts[1]), int(counts[2]), int(counts[3]), float(counts[4])
-    assert scale < 1 and in_a_row <= skipped
+    steps, skipped, overflows, on_loss, in_a_row, scale = *map(int, counts.groups()[:5]), float(counts[6])
+    assert scale < 1 and in_a_row <= on_loss and overflows + on_loss == skipped
+    assert text.count("before GradScaler scaled it, which no scale mends") == 1
+    assert re.search(rf"OpwatchWarning: opwatch: GradScaler skipped (the optimizer step|an optimizer step \(\d+ in a row) after optimizer step {steps}\)?: "
+                     "the loss backward\\(\\) ran on held inf before GradScaler scaled it", text), text[:2000]
     saved = load(tmp_path / "run.jsonl").guard  # the log and its report count them alike
-    assert (saved["steps"], saved["failed"], saved["scaler_skipped"]) == (steps, 0, skipped)
-    assert f"0 failed, 0 of them skipped; GradScaler skipped {skipped} more (overflows of its scaled gradients).</p>" in guard_section(saved)
+    assert (saved["steps"], saved["failed"], saved["scaler_skipped"], saved["scaler_skipped_loss"]) == (steps, 0, skipped, on_loss)
+    assert (f"0 failed, 0 of them skipped; GradScaler skipped {skipped} more ({overflows} overflows of its scaled gradients, {on_loss} on "
+            "a loss not finite before it was scaled).</p>") in guard_section(saved)
     if limit:
         assert result.returncode == 0 and steps + skipped == 300 and "RunStuck" not in text
         assert f"(GradScaler skipped the {in_a_row} steps after it)" in text  # the run's last ops: judged by no check

@@ -292,3 +292,30 @@ def test_ddp_gan_audits_the_generator_s_path_on_every_rank(target):
     line = line_of("# the generator's loss", str(SCENARIOS / "dist_gan.py"))
     named = f"broadcast in aten.sub.Tensor at dist_gan.py:{line} (forward, rank "
     assert (named in text) == (target == "wide"), text[-3000:]
+
+
+@pytest.mark.parametrize("bad_rank", [1, -1], ids=["rank 1's batch", "healthy"])
+def test_ddp_float16_a_bad_batch_s_nan_loss_is_counted_alike_on_every_rank(bad_rank):
+    """One corrupt sample in rank 1's batch: its loss is nan, DDP's all-reduce carries the nan
+    into rank 0's gradients too, and GradScaler skips the step on both. Rank 1 tells it with its
+    batch; both ranks count it as a skip on a loss not finite (one all-reduce at that skipped step),
+    so that the job's summary does not say "no anomalies" nor call it an overflow."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch", "--guard",
+               "dist_fp16_bad_batch.py"]
+    result = run_ranks(command, cwd=SCENARIOS, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "BAD_RANK": str(bad_rank)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: weights finite: True" in result.stdout and "rank 1: weights finite: True" in result.stdout
+    text = result.stderr
+    if bad_rank < 0:
+        assert text.count("opwatch guard: 12 optimizer steps ran, 1 audited under a full watch, 0 failed.") == 2, text[-3000:]
+        assert "opwatch, all 2 ranks: no anomalies." in text and "GradScaler skipped" not in text
+        return
+    assert text.count("opwatch guard: 11 optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped 1 more (the "
+                      "loss was not finite before it was scaled).") == 2, text[-3000:]
+    told = "GradScaler skipped the optimizer step after optimizer step 6: the loss backward() ran on held nan before GradScaler scaled it"
+    assert text.count(told) == 1 and f"opwatch (rank 1): {told}" in text
+    assert "cause: input: Sequential's argument 0 (f32[32, 16] cpu) held nan when it entered the model" in text
+    assert ("opwatch, all 2 ranks: no op was named in the fully watched steps, but GradScaler skipped 1 optimizer step on a loss that "
+            "was not finite before it was scaled") in text
+    assert "no anomalies" not in text and "overflows" not in text

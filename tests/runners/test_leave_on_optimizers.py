@@ -238,9 +238,9 @@ print("total finite:", bool(total.isfinite()))
 @pytest.mark.parametrize("bad_label", [-1, 3])
 def test_grad_scaler_s_skip_of_two_optimizers_counts_two_optimizer_steps(tmp_path, capsys, monkeypatch, bad_label):
     """float16 autocast, one GradScaler, ``scaler.step`` for each of the two optimizers: the bad
-    batch's overflow skips both. The summary counted one skip beside the 2 steps that did not
-    run (14 ran, "skipped 1 more" of 16); it counts each optimizer step. Healthy, nothing is
-    skipped."""
+    batch's nan loss skips both. The summary counted one skip beside the 2 steps that did not
+    run (14 ran, "skipped 1 more" of 16); it counts each optimizer step, and tells the nan loss
+    once (it was counted as "overflows of its scaled gradients"). Healthy, nothing is skipped."""
     monkeypatch.chdir(tmp_path)
     script = split(bad_label=bad_label).replace(
         "opt_head = torch.optim.SGD(head.parameters(), lr=1e-2, momentum=0.9)",
@@ -259,7 +259,8 @@ def test_grad_scaler_s_skip_of_two_optimizers_counts_two_optimizer_steps(tmp_pat
         assert "opwatch guard: 16 optimizer steps ran, 1 audited under a full watch, 0 failed." in err
     else:
         assert ("opwatch guard: 14 optimizer steps ran, 1 audited under a full watch, 0 failed; GradScaler skipped 2 more "
-                "(overflows of its scaled gradients)") in err
+                "(each on a loss not finite before it was scaled)") in err
+        assert err.count("the loss backward() ran on held nan before GradScaler scaled it") == 1
 
 
 def fit_lightning_gan(tmp_path, data, generator_target=(1,)):

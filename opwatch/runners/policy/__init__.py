@@ -85,6 +85,7 @@ class StepPolicy(OptimizerSteps, LateVerdicts, GuardedCalls):
         # skips in a row then: the run stops once that watch saw a whole skipped step.
         self._stuck_watched: int | None = None
         self._stuck_watched_from = 0
+        self._scaler_loss_told: int | None = None  # the streak of GradScaler's skips whose non-finite loss was told
         self.told_evaluations: set = set()  # (kind, line, from the batch) of the evaluations told
         # The trigger's runners.written_buffers.WrittenBuffers (leave-on and the trainers), or None
         # (opwatch.guard restores a failing call's buffers from its own start): put back when a

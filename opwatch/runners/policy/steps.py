@@ -74,11 +74,14 @@ class OptimizerSteps:
     model, or ``None``), ``batches`` (its :class:`~opwatch.runners.batches.FedBatches`: what the
     model returned) and ``rerun``."""
 
-    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None, in_kernel: bool = False) -> bool:
+    def scaler_skipped(self, scaler, optimizer=None, *, modules=(), after: int | None = None, in_kernel: bool = False,
+                       loss: str | None = None) -> bool:
         """GradScaler ``scaler`` skipped ``optimizer``'s step (seen at the next backward, at the
         next guarded call, or at the run's end; ``None``: none was skipped): count it
         (``after``: the steps that ran before it, the ledger's count by default; ``in_kernel``:
-        a fused optimizer's step that ran, counted, and skipped inside its kernel). Returns
+        a fused optimizer's step that ran, counted, and skipped inside its kernel; ``loss``:
+        ``"nan"`` or ``"inf"`` when the step's loss was not finite before it was scaled,
+        :meth:`tell_scaler_skipped_loss`). Returns
         whether the run is stuck now: ``max_failed_in_a_row`` skipped in a row, the last at a
         scale below 1 (read on a skipped step only), where every rank skips alike (then the
         trigger calls :meth:`stuck_in_scaler_skips`)."""
@@ -86,10 +89,38 @@ class OptimizerSteps:
             return False
         ledger = self.ledger
         if in_kernel:
-            ledger.skipped_in_kernel(*_scales_of(scaler))
+            ledger.skipped_in_kernel(*_scales_of(scaler), on_loss=loss is not None)
         else:
-            ledger.skipped_by_scaler(*_scales_of(scaler), after=after)
+            ledger.skipped_by_scaler(*_scales_of(scaler), after=after, on_loss=loss is not None)
         return ledger.stuck_in_scaler_skips(self.max_failed_in_a_row) and self._skips_alike(scaler, optimizer, modules)
+
+    def scaler_loss_of_the_job(self, kind: str | None, skips: list, modules=()) -> str | None:
+        """Whether the loss of the step GradScaler skipped was not finite before it was scaled
+        on any rank (``kind``: this rank's, :meth:`StepVerdict.unscaled_loss_kind`; ``skips``:
+        the :class:`~opwatch.runners.step_verdict.ScalerSkip` of that step): in a job whose ranks
+        skip alike (DDP's reduced gradients: every rank is here at the same backward), one
+        all-reduce at a skipped step only, so that every rank counts it alike and the summary
+        printed once speaks for the job; ``"nan/inf"`` where only another rank's was."""
+        if self.agreement is None or not skips or not all(self._skips_alike(skip.scaler, skip.optimizer, modules) for skip in skips):
+            return kind
+        decision = self.agree(NONFINITE if kind is not None else 0, self.ledger.steps, "", "scaler_loss")
+        return kind if kind is not None else "nan/inf" if decision.nonfinite else None
+
+    def tell_scaler_skipped_loss(self, kind: str, batches, *, rerun: str | None = None) -> None:
+        """GradScaler skipped a step whose loss held ``kind`` before it was scaled (the trigger
+        read it: :meth:`StepVerdict.unscaled_loss_kind`): no overflow, and none of GradScaler's
+        scales mends it. Told at the first such skip of a streak of skips, with the batch when
+        it held nan/inf (``batches``: the trigger's :class:`~opwatch.runners.batches.FedBatches`,
+        read now), else the command that names the op (``rerun``), by the ranks whose loss it
+        was; the summary counts them."""
+        ledger = self.ledger
+        if self._scaler_loss_told == ledger.scaler_streak_after:
+            return
+        self._scaler_loss_told = ledger.scaler_streak_after
+        fed = batches.bad_input() if batches.watching else None
+        text = words.scaler_skipped_loss(ledger.scaler_streak_after, ledger.scaler_in_a_row, kind, fed, batch_finite=batches.watching and fed is None,
+                                         rerun=rerun if fed is None else None, rank=self.rank)
+        warn(text)
 
     def stop_stuck_in_scaler_skips(self, trigger, *, rerun: str | None = None) -> None:
         """A run GradScaler skips for good (:meth:`scaler_skipped` said so), stopped with the op a

@@ -92,6 +92,21 @@ class StepVerdict:
         with torch.no_grad(), no_python_dispatch():
             return next((kind for kind in map(nonfinite_kind, losses) if kind is not None), None)
 
+    @staticmethod
+    def unscaled_loss_kind(losses) -> str | None:
+        """``"nan"`` or ``"inf"`` when a loss ``backward()`` ran on (GradScaler's scaled one,
+        ``scaler.scale(loss)``) was not finite before it was scaled, else ``None``: read at a
+        step GradScaler skipped, which reads the scale anyway. A nan is the loss's own at any
+        scale; so is an inf in float32 or bfloat16 (the loss times the scale overflows those
+        beyond 1e31 only), not in float16, whose loss times 65536 overflows past 1: GradScaler's
+        to mend."""
+        with torch.no_grad(), no_python_dispatch():
+            for loss in losses:
+                kind = nonfinite_kind(loss)
+                if kind == "nan" or (kind == "inf" and loss.dtype != torch.float16):
+                    return kind
+        return None
+
 
 class _StepLeft(NamedTuple):
     """What an optimizer's latest step left: the optimizer (a weak reference), its parameters and
