@@ -233,6 +233,19 @@ def _checks_option(parser: argparse.ArgumentParser, text: str | None) -> tuple[s
     return names
 
 
+def _launcher(prog: str) -> list:
+    """How opwatch was launched, as a command's first words: ``prog`` (``python -m opwatch``),
+    or in a job torchrun launched (``TORCHELASTIC_RUN_ID``: each rank's script needs the job to
+    set up its process group) ``torchrun --nproc-per-node N -m opwatch``, with ``--nnodes`` for
+    a job of several nodes (whose rendezvous options the user adds, as they launched it)."""
+    environment = os.environ
+    per_node = environment.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" not in environment or not per_node:
+        return prog.split()
+    nodes = environment.get("GROUP_WORLD_SIZE", "1")
+    return ["torchrun", *(["--nnodes", nodes] if nodes != "1" else []), "--nproc-per-node", per_node, "-m", "opwatch"]
+
+
 def run_script(
     path: str, args: list[str], *, strict_mode: bool = False, last: int = 20, out=None, jsonl=None, trace=None, allow=(), post_mortem: bool = False, guard: bool = False,
     fingerprints: bool = False, tensorboard=None, checks=None, on_failure=None, prog: str | None = None, module: bool = False,
@@ -254,8 +267,9 @@ def run_script(
     prog = prog or _parser(console=False).prog
 
     def command(strict_run: bool) -> str:
-        """The command that runs this script again under a full watch."""
-        return shlex.join([*prog.split(), *(["--strict"] if strict_run else []), *(["-m"] if module else []), path, *args])
+        """The command that runs this script again under a full watch (under torchrun, as
+        torchrun launched it: :func:`_launcher`)."""
+        return shlex.join([*_launcher(prog), *(["--strict"] if strict_run else []), *(["-m"] if module else []), path, *args])
 
     if guard:
         from .leave_on import LeaveOn

@@ -319,3 +319,23 @@ def test_ddp_float16_a_bad_batch_s_nan_loss_is_counted_alike_on_every_rank(bad_r
     assert ("opwatch, all 2 ranks: no op was named in the fully watched steps, but GradScaler skipped 1 optimizer step on a loss that "
             "was not finite before it was scaled") in text
     assert "no anomalies" not in text and "overflows" not in text
+
+
+def test_ddp_float16_a_nan_loss_made_by_an_op_names_torchrun_s_command_and_it_names_the_op():
+    """Every sample of rank 1's batch dropped by a mask (0/0): its batch was finite, so the rank
+    names the command that runs the step under a full watch, as torchrun launched the job (the
+    script needs the job: ``python -m opwatch`` would not set up its process group). That
+    command names the division."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "opwatch"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BAD_RANK": "1", "BAD": "mask"}
+    result = run_ranks([*launch, "--guard", "dist_fp16_bad_batch.py"], cwd=SCENARIOS, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("opwatch (rank 1): GradScaler skipped the optimizer step after optimizer step 6: the loss backward() ran on held nan before "
+            "GradScaler scaled it") in result.stderr
+    assert ("the batch was finite when it entered the model, so an op of the step made it; to name the op that made it, run the step "
+            "where it fails under a full watch: torchrun --nproc-per-node 2 -m opwatch dist_fp16_bad_batch.py (with the same seeds and "
+            "data order)") in result.stderr, result.stderr[-3000:]
+    watched = run_ranks([*launch, "dist_fp16_bad_batch.py"], cwd=SCENARIOS, capture_output=True, text=True, timeout=180, env=env)
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    line = line_of("# the mean over the samples kept", str(SCENARIOS / "dist_fp16_bad_batch.py"))
+    assert f"nan in aten.div.Tensor at dist_fp16_bad_batch.py:{line} (forward, rank 1)" in watched.stderr, watched.stderr[-3000:]
