@@ -257,7 +257,12 @@ class _Hooks(WatchedSteps):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.runner is not None:
             self._batch = None
-            self.runner.end_batch()  # a batch that accumulated gradients without a step
+            # An audit goes on through the batches Lightning accumulates, to the optimizer step
+            # that applies them (at an epoch's end Lightning steps on fewer); a batch of manual
+            # optimization that stepped no optimizer ends it.
+            accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+            if not (pl_module.automatic_optimization and accumulate > 1 and (batch_idx + 1) % accumulate):
+                self.runner.end_batch()
         else:
             self._steps.exit()
         if self._log:
