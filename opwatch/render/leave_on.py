@@ -408,8 +408,18 @@ def stuck_in_scaler_skips(after: int, in_a_row: int, scale: float, *, rerun: str
     )
 
 
+# What names the op of a batch that failed once, in a trainer whose guard mode does not run it
+# again (no_op_named's ``trainer``).
+_REPLAYS_IT = {
+    "transformers": ("the callback alone does not run it again: guard_trainer(trainer) (opwatch.runners.transformers) replays a "
+                     "failing batch from its start under a full watch, which names its op"),
+    "lightning": ("a step that accumulates gradients, or steps its optimizers by hand, is not run again: OpwatchCallback() (mode "
+                  "\"watch\") names its op where that batch runs again under a full watch (with the same seeds and data order)"),
+}
+
+
 def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *, world: int | None = None, told: str | None = None,
-                evaluations: int = 0, rerun: str | None = None, scaler_losses: int = 0) -> str:
+                evaluations: int = 0, rerun: str | None = None, scaler_losses: int = 0, trainer: str | None = None) -> str:
     """The audits' summary of a run whose watch named nothing while a step failed, an
     evaluation returned nan (``evaluations``: how many calls with gradients off did) or the run
     ended unjudged: never "no anomalies" alone (the guard's line below says what happened).
@@ -419,7 +429,10 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
     own message (its problem, cause and fix), shown under the line, as a watch's summary shows
     the anomalies it found. ``world``: for the combined summary of a job of ``world`` ranks,
     printed after every guard's line. ``scaler_losses``: the steps GradScaler skipped on a loss
-    that was not finite before it was scaled (none failed: GradScaler skipped them)."""
+    that was not finite before it was scaled (none failed: GradScaler skipped them).
+    ``trainer``: given where such a failure went unnamed in a trainer that does not run a
+    failing batch again (``"transformers"``: the callback alone; ``"lightning"``: gradient
+    accumulation, manual optimization), what does (:data:`_REPLAYS_IT`)."""
     who = "opwatch" if world is None else f"opwatch, all {world} ranks"
     guard_line = "below" if world is None else "above"
     if failed and origin is not None:
@@ -434,6 +447,8 @@ def no_op_named(watch_summary: str, failed: int, unjudged: bool, origin=None, *,
             said += (" A batch that fails once passes the re-check of the step after it; its op is named where that batch runs "
                      f"again under a full watch: {rerun} (with the same seeds and data order), or opwatch.guard(train_step, model) "
                      "around the step, which replays a failing batch.")
+        elif trainer:
+            said += f" A batch that fails once passes the re-check of the step after it; {_REPLAYS_IT[trainer]}."
     elif scaler_losses:
         said = (f"{who}: no op was named in the fully watched steps, but GradScaler skipped {scaler_losses} optimizer "
                 f"step{'s' if scaler_losses != 1 else ''} on a loss that was not finite before it was scaled (see the guard's "

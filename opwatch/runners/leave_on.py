@@ -113,6 +113,7 @@ class LeaveOn(LedgerCounts):
         # Set by a trainer that can run the failing batch again from its start under a full
         # watch: called at a failed step, returns (whether it ran, the origin anomaly or None).
         self.replay = None
+        self.unreplayed = None  # a trainer that never replays a failing batch: "transformers" or "lightning" (words.no_op_named)
         self.compiled_verdict = None  # set by that replay for a step that runs compiled code (guarded.compiled)
         self.batches = FedBatches(lambda: self._auditing)  # what each step fed the model, after the first audit
         self.policy.buffers = WrittenBuffers(lambda: list(self._modules))  # what a step that does not run wrote, put back
@@ -355,7 +356,7 @@ class LeaveOn(LedgerCounts):
         origin = self.ledger.first_origin()
         return words.no_op_named(text, self.ledger.failed, self.ledger.unjudged_end, origin_facts(origin), world=getattr(every_rank, "world", None),
                                  told=getattr(origin, "message", None), evaluations=evaluations, rerun=self.rerun if self.ledger.unnamed() else None,
-                                 scaler_losses=self.ledger.scaler_skipped_loss)
+                                 scaler_losses=self.ledger.scaler_skipped_loss, trainer=self.unreplayed if self.ledger.unnamed() else None)
 
     def print_summary(self, prefix: str = "", *, watch_summary: bool = False, rerun: str | None = None) -> None:
         """Print the counts (after the audits' summary with ``watch_summary``)."""

@@ -168,6 +168,8 @@ class _Hooks(WatchedSteps):
             self.runner.know(pl_module)
             if pl_module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1:
                 self.runner.replay = lambda: self._replay(pl_module)
+            else:  # no failing batch runs again: the summary says what names a one-off's op
+                self.runner.unreplayed = "lightning"
             self.runner.__enter__()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

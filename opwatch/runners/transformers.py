@@ -98,6 +98,8 @@ class _Hooks(WatchedSteps):
         if self.runner is not None:
             if kwargs.get("model") is not None:
                 self.runner.know(kwargs["model"])
+            # The callback alone runs no failing batch again; guard_trainer(trainer) does.
+            self.runner.unreplayed = "transformers" if self.runner.replay is None else None
             self.runner.__enter__()
 
     def on_step_begin(self, args, state, control, **kwargs):

@@ -8,6 +8,9 @@ needs no such line."""
 
 from __future__ import annotations
 
+import io
+import warnings
+
 from opwatch.runners.cli import main
 from support.helpers import guard_in_process, line_of
 
@@ -68,3 +71,51 @@ def test_strict_raises_did_not_recur_with_the_command_that_names_the_batch(tmp_p
     assert "GradientsNotFinite: opwatch: optimizer step 5: " in err and "did not recur: step 6 ran under a full watch" in err
     assert ("Its op is named where that batch runs again under a full watch: python -m opwatch --strict train.py (with the same "
             "seeds and data order), or opwatch.guard(train_step, model) around the step, which replays a failing batch.") in err
+
+
+def fit_gpt2_with_an_ignored_sample(tmp_path, guarded: bool):
+    """The Hugging Face Trainer's guard mode on a tiny GPT-2 (bfloat16 on the CPU), one sample
+    at a time, sample 37 with every label ignored (-100): its loss is 0 / 0. Returns the
+    callback, after ``guard_trainer(trainer)`` too with ``guarded``."""
+    import torch
+
+    from support import needs
+
+    transformers = needs("transformers")
+    needs("accelerate")
+    from opwatch.runners.transformers import OpwatchCallback, guard_trainer
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32,
+                                                                 bos_token_id=0, eos_token_id=0))
+    data = []
+    for number in range(64):
+        ids = torch.randint(0, 100, (16,))
+        data.append({"input_ids": ids, "labels": torch.full_like(ids, -100) if number == 37 else ids.clone()})
+    callback = OpwatchCallback(mode="guard", file=io.StringIO())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=64, per_device_train_batch_size=1, learning_rate=1e-3,
+                                          logging_steps=100, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, bf16=True,
+                                          seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    if guarded:
+        guard_trainer(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with callback:
+            trainer.train()
+    return callback
+
+
+def test_the_trainer_s_summary_names_what_replays_a_one_off_batch_and_it_names_its_op(tmp_path):
+    """The callback alone runs no failing batch again: its summary used to end at "no op was
+    named ..."; it names guard_trainer, which replays the batch and names the loss's 0 / 0."""
+    callback = fit_gpt2_with_an_ignored_sample(tmp_path, guarded=False)
+    assert callback.runner.ledger.counts()["failed"] == 1
+    assert callback.runner.watch_summary().startswith(
+        "opwatch: no op was named in the fully watched steps, but 1 optimizer step failed (see the guard's line below). A batch that "
+        "fails once passes the re-check of the step after it; the callback alone does not run it again: guard_trainer(trainer) "
+        "(opwatch.runners.transformers) replays a failing batch from its start under a full watch, which names its op.")
+    guarded = fit_gpt2_with_an_ignored_sample(tmp_path, guarded=True)
+    summary = guarded.runner.watch_summary()
+    assert "the first origin a replay named: nan first made by aten.div.Tensor at transformers/" in summary, summary
+    assert "guard_trainer(trainer)" not in summary

@@ -85,3 +85,42 @@ def test_a_healthy_accumulated_run_is_silent_with_its_first_step_audited(tmp_pat
     assert callback.anomalies == []
     assert callback.runner.ledger.counts() == {"steps": 4, "audited": 1, "failed": 0, "skipped": 0}
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_a_one_off_bad_label_s_summary_names_the_watch_mode_that_names_it(tmp_path):
+    """One label of one accumulated batch is nan: the step fails and is skipped, the re-check of
+    the next step passes, and Lightning runs no accumulated batch again. The summary says what
+    names it: watch mode, which does (the label is data: mse_loss is given the nan)."""
+    lightning = needs("lightning")
+    from opwatch.runners.lightning import OpwatchCallback
+
+    class Regressor(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).squeeze(-1), y)  # the regression loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def fit(callback):
+        torch.manual_seed(0)
+        x = torch.randn(16 * 24, 8)
+        y = x.sum(-1)
+        y[16 * 9 + 3] = float("nan")  # batch 9: the second of optimizer step 5's four
+        trainer = lightning.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], accumulate_grad_batches=4)
+        trainer.fit(Regressor(), DataLoader(TensorDataset(x, y), batch_size=16))
+        return callback
+
+    guarded = fit(OpwatchCallback(mode="guard", file=io.StringIO(), warn=False))
+    assert guarded.runner.ledger.counts() == {"steps": 6, "audited": 2, "failed": 1, "skipped": 1}
+    assert ("A batch that fails once passes the re-check of the step after it; a step that accumulates gradients, or steps its "
+            "optimizers by hand, is not run again: OpwatchCallback() (mode \"watch\") names its op where that batch runs again under a "
+            "full watch (with the same seeds and data order).") in guarded.runner.watch_summary()
+    watched = fit(OpwatchCallback(file=io.StringIO(), warn=False))
+    (anomaly,) = watched.anomalies
+    assert (anomaly.kind, anomaly.op, anomaly.lineno) == ("nan", "aten.mse_loss.default", line_of("# the regression loss", __file__))
