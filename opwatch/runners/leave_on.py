@@ -320,7 +320,7 @@ class LeaveOn(LedgerCounts):
         only), and stops a stuck run with the op a full watch of the skipped steps names."""
         reductions, policy = self.policy.verdict.reductions, self.policy
         skips = reductions.skipped if not at_end or reductions.skipped_since() else []  # at the end: the last step's, read now
-        own = policy.verdict.unscaled_loss_kind(self._losses) if skips else None
+        own = policy.verdict.loss_kind(self._losses, scaled=True) if skips else None
         loss = own if at_end else policy.scaler_loss_of_the_job(own, skips, self._modules)  # at the end a rank may be gone
         # Each optimizer step skipped is counted (several optimizers after one backward).
         stuck = [policy.scaler_skipped(skip.scaler, skip.optimizer, modules=self._modules, in_kernel=skip.in_kernel, loss=loss)

@@ -96,7 +96,7 @@ class OptimizerSteps:
 
     def scaler_loss_of_the_job(self, kind: str | None, skips: list, modules=()) -> str | None:
         """Whether the loss of the step GradScaler skipped was not finite before it was scaled
-        on any rank (``kind``: this rank's, :meth:`StepVerdict.unscaled_loss_kind`; ``skips``:
+        on any rank (``kind``: this rank's, :meth:`StepVerdict.loss_kind`, ``scaled``; ``skips``:
         the :class:`~opwatch.runners.step_verdict.ScalerSkip` of that step): in a job whose ranks
         skip alike (DDP's reduced gradients: every rank is here at the same backward), one
         all-reduce at a skipped step only, so that every rank counts it alike and the summary
@@ -108,7 +108,7 @@ class OptimizerSteps:
 
     def tell_scaler_skipped_loss(self, kind: str, batches, *, rerun: str | None = None) -> None:
         """GradScaler skipped a step whose loss held ``kind`` before it was scaled (the trigger
-        read it: :meth:`StepVerdict.unscaled_loss_kind`): no overflow, and none of GradScaler's
+        read it: :meth:`StepVerdict.loss_kind`, ``scaled``): no overflow, and none of GradScaler's
         scales mends it. Told at the first such skip of a streak of skips, with the batch when
         it held nan/inf (``batches``: the trigger's :class:`~opwatch.runners.batches.FedBatches`,
         read now), else the command that names the op (``rerun``), by the ranks whose loss it

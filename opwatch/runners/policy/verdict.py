@@ -87,23 +87,16 @@ class StepVerdict:
         return nonfinite_of(named, lambda parameter: parameter.grad)
 
     @staticmethod
-    def loss_kind(losses) -> str | None:
-        """``"nan"`` or ``"inf"``: the first loss that is not finite."""
-        with torch.no_grad(), no_python_dispatch():
-            return next((kind for kind in map(nonfinite_kind, losses) if kind is not None), None)
-
-    @staticmethod
-    def unscaled_loss_kind(losses) -> str | None:
-        """``"nan"`` or ``"inf"`` when a loss ``backward()`` ran on (GradScaler's scaled one,
-        ``scaler.scale(loss)``) was not finite before it was scaled, else ``None``: read at a
-        step GradScaler skipped, which reads the scale anyway. A nan is the loss's own at any
-        scale; so is an inf in float32 or bfloat16 (the loss times the scale overflows those
-        beyond 1e31 only), not in float16, whose loss times 65536 overflows past 1: GradScaler's
-        to mend."""
+    def loss_kind(losses, *, scaled: bool = False) -> str | None:
+        """``"nan"`` or ``"inf"``: the first loss that is not finite. ``scaled``: the losses are
+        GradScaler's (``scaler.scale(loss)``, read at a step it skipped, which reads the scale
+        anyway), and only what was not finite before the scale counts: a nan at any scale, an
+        inf in float32 or bfloat16 (the loss times the scale overflows those beyond 1e31 only),
+        not in float16, whose loss times 65536 overflows past 1: GradScaler's to mend."""
         with torch.no_grad(), no_python_dispatch():
             for loss in losses:
                 kind = nonfinite_kind(loss)
-                if kind == "nan" or (kind == "inf" and loss.dtype != torch.float16):
+                if kind == "nan" or (kind == "inf" and not (scaled and loss.dtype == torch.float16)):
                     return kind
         return None
 
